@@ -1,0 +1,142 @@
+"""Kernel configuration tables: ``configs/<arch>.json`` and ``configs/default.json``.
+
+Lookup tiers, first hit wins: the exact shape key, then the first M-bucket
+(output pixels N*OH*OW) that matches, then ``any``. An architecture without a
+table uses ``default.json``. Values are chosen offline; nothing here times
+anything.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from importlib import resources
+from typing import Optional, Tuple
+
+import torch
+
+from .specs import ConvSpec
+
+TILE_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K")
+KINDS = ("conv2d", "conv_transpose2d")
+
+
+class TableError(ValueError):
+    pass
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def shape_key(spec: ConvSpec, shape: tuple, layout: str, dtype: torch.dtype) -> str:
+    """The exact-tier key, e.g.
+    ``n1.c256.h1024.w1024.o256.k3x3.s1x1.p1x1.d1x1.nhwc.bfloat16``
+    (transposed convs add ``.op<h>x<w>``; asymmetric padding ``/b<h>x<w>``)."""
+    n, c, h, w = shape
+    k, s, p, d = spec.kernel, spec.stride, spec.pad_begin, spec.dilation
+    key = f"n{n}.c{c}.h{h}.w{w}.o{spec.out_channels}.k{k[0]}x{k[1]}.s{s[0]}x{s[1]}.p{p[0]}x{p[1]}"
+    if spec.pad_end != spec.pad_begin:
+        key += f"/b{spec.pad_end[0]}x{spec.pad_end[1]}"
+    key += f".d{d[0]}x{d[1]}"
+    if spec.transposed:
+        key += f".op{spec.output_padding[0]}x{spec.output_padding[1]}"
+    return f"{key}.{layout}.{dtype_name(dtype)}"
+
+
+def _check_config(cfg, where: str) -> dict:
+    if not isinstance(cfg, dict):
+        raise TableError(f"{where}: a config must be an object")
+    for k in TILE_KEYS:
+        v = cfg.get(k)
+        if not isinstance(v, int) or v < 16 or v & (v - 1):
+            raise TableError(f"{where}: {k} must be a power of two >= 16, got {v!r}")
+    for k in ("GROUP_M", "num_warps", "num_stages"):
+        if k in cfg and (not isinstance(cfg[k], int) or cfg[k] < 1):
+            raise TableError(f"{where}: {k} must be a positive integer, got {cfg[k]!r}")
+    return cfg
+
+
+def validate_table(table, name: str) -> dict:
+    """Raise TableError naming ``name`` and the bad entry; return the table."""
+    if not isinstance(table, dict):
+        raise TableError(f"{name}: the table must be a JSON object")
+    for kind in KINDS:
+        sec = table.get(kind)
+        if sec is None:
+            continue
+        if not isinstance(sec, dict):
+            raise TableError(f"{name}: {kind} must be an object")
+        for key, cfg in (sec.get("exact") or {}).items():
+            _check_config(cfg, f"{name}: {kind}.exact[{key!r}]")
+        for i, b in enumerate(sec.get("buckets") or []):
+            where = f"{name}: {kind}.buckets[{i}]"
+            if not isinstance(b, dict) or "config" not in b:
+                raise TableError(f"{where}: needs a config")
+            if b.get("max_m") is not None and not isinstance(b["max_m"], int):
+                raise TableError(f"{where}: max_m must be an integer or null")
+            _check_config(b["config"], where)
+        if "any" in sec:
+            _check_config(sec["any"], f"{name}: {kind}.any")
+    return table
+
+
+def _read_packaged(name: str) -> Optional[dict]:
+    res = resources.files("conv_patch.configs").joinpath(f"{name}.json")
+    if not res.is_file():
+        return None
+    return validate_table(json.loads(res.read_text()), f"configs/{name}.json")
+
+
+@functools.lru_cache(maxsize=None)
+def packaged_table(arch: str) -> Tuple[dict, str]:
+    """(table, name) for ``arch``; ``default`` when there is no table of its own."""
+    table = _read_packaged(arch) if arch != "default" else None
+    if table is not None:
+        return table, arch
+    return _read_packaged("default"), "default"
+
+
+def has_table(arch: str) -> bool:
+    return packaged_table(arch)[1] == arch
+
+
+def load_user_table(table) -> Tuple[dict, str]:
+    """A table given through PatchConfig: a dict or a JSON file path."""
+    if isinstance(table, dict):
+        return validate_table(table, "PatchConfig.table"), "user"
+    path = os.fspath(table)
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except OSError as e:
+        raise TableError(f"{path}: cannot read the config table ({e.strerror or e})") from None
+    except json.JSONDecodeError as e:
+        raise TableError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    return validate_table(data, path), path
+
+
+def lookup(table: dict, spec: ConvSpec, shape: tuple, layout: str, dtype: torch.dtype,
+           m: int) -> Tuple[dict, str]:
+    """(config, tier) where tier is 'exact', 'bucket' or 'any'."""
+    sec = table.get(spec.kind) or {}
+    cfg = (sec.get("exact") or {}).get(shape_key(spec, shape, layout, dtype))
+    if cfg is not None:
+        return cfg, "exact"
+    dname = dtype_name(dtype)
+    for b in sec.get("buckets") or []:
+        if b.get("max_m") is not None and m > b["max_m"]:
+            continue
+        if "dtypes" in b and dname not in b["dtypes"]:
+            continue
+        if "layouts" in b and layout not in b["layouts"]:
+            continue
+        return b["config"], "bucket"
+    if "any" in sec:
+        return sec["any"], "any"
+    # A table without a section for this kind falls through to the defaults.
+    default, _ = packaged_table("default")
+    if default is table:
+        raise TableError(f"configs/default.json has no entry for {spec.kind}")
+    return lookup(default, spec, shape, layout, dtype, m)

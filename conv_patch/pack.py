@@ -1,0 +1,102 @@
+"""Weight packing for the kernels, and why a pack can never be stale.
+
+The kernels read the weight as a [C_out, C_in, KH, KW] view through its
+strides. Their preferred storage is ``co, kh, kw, ci`` (the order PyTorch calls
+channels_last for a weight): each output channel's reduction over
+(kh, kw, ci) is one contiguous row, the K-major B operand of the GEMM. A weight
+already stored that way (a model moved to channels_last, any 1x1 conv) is read
+directly. Any other weight is copied into a pack buffer of that layout.
+
+The pack buffer is cached per wrapper, keyed on
+``(data_ptr, device, shape, stride, dtype, layout)``: a key change (``.to()``,
+``.half()``, a new tensor assigned to ``.data``) releases the old buffer and
+allocates one of the new shape, so one weight holds at most one pack. The
+tensor's ``_version`` is deliberately not trusted to prove the *contents*
+unchanged: writes through ``.data`` (``p.data.mul_()``, ``p.data.copy_()``,
+PEFT's LoRA merge ``weight.data += delta``) share the storage yet leave
+``p._version`` as it was, so a version-keyed cache serves a stale pack. No
+check cheaper than reading the weight is sound, so the buffer's contents are
+rewritten from the weight on every call. That costs one read and
+one write of the weight per call: bench/pack_cost.py measures it against the
+convolution on each VAE layer (results in bench/results/).
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+PACK_LAYOUT = "co_kh_kw_ci"
+
+_LIVE: "weakref.WeakSet[PackEntry]" = weakref.WeakSet()
+_STATS = {"allocations": 0, "refreshes": 0}
+
+
+@dataclass(eq=False)
+class PackEntry:
+    key: tuple
+    buf: torch.Tensor
+
+
+def kernel_view(weight: torch.Tensor, transposed: bool) -> torch.Tensor:
+    """The weight as the kernels index it: [C_out, C_in, KH, KW]."""
+    return weight.transpose(0, 1) if transposed else weight
+
+
+def is_kernel_layout(w: torch.Tensor) -> bool:
+    """True when ``w`` ([C_out, C_in, KH, KW]) is stored co, kh, kw, ci densely."""
+    return w.is_contiguous(memory_format=torch.channels_last)
+
+
+def pack_key(weight: torch.Tensor) -> tuple:
+    return (weight.data_ptr(), weight.device, tuple(weight.shape), weight.stride(),
+            weight.dtype, PACK_LAYOUT)
+
+
+def _allocate(view: torch.Tensor) -> torch.Tensor:
+    # A buffer made inside inference_mode would be an inference tensor, and
+    # refreshing it later outside inference_mode would raise.
+    with torch.inference_mode(False):
+        return torch.empty(view.shape, dtype=view.dtype, device=view.device,
+                           memory_format=torch.channels_last)
+
+
+def packed_weight(holder, weight: torch.Tensor, transposed: bool) -> torch.Tensor:
+    """The weight in the kernels' layout, read from ``weight`` during this call.
+
+    ``holder`` (the wrapper) keeps at most one ``PackEntry`` in ``_cp_pack``.
+    """
+    view = kernel_view(weight.detach(), transposed)
+    if is_kernel_layout(view):
+        release(holder)
+        return view
+    key = pack_key(weight)
+    entry: Optional[PackEntry] = holder.__dict__.get("_cp_pack")
+    if entry is None or entry.key != key:
+        # Shape, dtype, device or storage changed: the old buffer is dropped
+        # here, before the new one is allocated.
+        release(holder)
+        entry = PackEntry(key, _allocate(view))
+        holder.__dict__["_cp_pack"] = entry
+        _LIVE.add(entry)
+        _STATS["allocations"] += 1
+    entry.buf.copy_(view)
+    _STATS["refreshes"] += 1
+    return entry.buf
+
+
+def release(holder) -> None:
+    holder.__dict__["_cp_pack"] = None
+
+
+def stats() -> dict:
+    """Live pack buffers and their bytes, plus allocation/refresh counters."""
+    live = list(_LIVE)
+    return {
+        "live": len(live),
+        "bytes": sum(e.buf.numel() * e.buf.element_size() for e in live),
+        **_STATS,
+    }

@@ -1,0 +1,175 @@
+"""apply / remove / patched: swap a model's convolutions for wrappers and back.
+
+Shaped like torchao's ``quantize_(model, config, filter_fn=...)`` and PEFT's
+inject/unload: one call in, one call out, the original objects restored.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Union
+
+from torch import nn
+from torch.nn.utils import parametrize
+
+from . import config_tables
+from .routing import static_route
+from .specs import ConvSpec
+from .wrappers import PatchedConv2d, PatchedConvMixin, PatchedConvTranspose2d
+
+FilterFn = Callable[[nn.Module, str], bool]
+
+
+@dataclass
+class PatchConfig:
+    """Options of :func:`apply`.
+
+    ``table``: a kernel config table (dict, or path to a JSON file in the
+    ``configs/`` schema) used instead of the GPU architecture's own table.
+    """
+
+    table: Optional[Union[dict, str, os.PathLike]] = None
+
+
+@dataclass
+class PatchReport:
+    """What :func:`apply` did: ``patched`` maps each swapped module's path to
+    its kernel route and shape, ``skipped`` each convolution left alone to the
+    reason, ``already_patched`` lists wrappers found from an earlier call."""
+
+    patched: Dict[str, str] = field(default_factory=dict)
+    skipped: Dict[str, str] = field(default_factory=dict)
+    already_patched: List[str] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        lines = [f"conv-patch: {len(self.patched)} patched, {len(self.skipped)} skipped, "
+                 f"{len(self.already_patched)} already patched"]
+        lines += [f"  patched  {fqn or '<root>'}: {what}" for fqn, what in self.patched.items()]
+        lines += [f"  skipped  {fqn or '<root>'}: {why}" for fqn, why in self.skipped.items()]
+        return "\n".join(lines)
+
+
+def _conv_base(m: nn.Module):
+    if isinstance(m, nn.ConvTranspose2d):
+        return nn.ConvTranspose2d, PatchedConvTranspose2d
+    if isinstance(m, nn.Conv2d):
+        return nn.Conv2d, PatchedConv2d
+    return None, None
+
+
+def ineligible_reason(m: nn.Module) -> Optional[str]:
+    """Why ``m`` (a Conv2d / ConvTranspose2d) cannot be wrapped, or None."""
+    base, _ = _conv_base(m)
+    cls = type(m)
+    if cls.forward is not base.forward or getattr(cls, "_conv_forward", None) is not getattr(base, "_conv_forward", None):
+        return f"{cls.__qualname__} overrides forward; its contract is unknown"
+    if "forward" in m.__dict__:
+        return "forward replaced on the instance (a hook library wraps it)"
+    if parametrize.is_parametrized(m):
+        return "parametrized weight"
+    w = m._parameters.get("weight")
+    if not isinstance(w, nn.Parameter):
+        return "weight is not a registered Parameter (weight_norm or similar)"
+    if isinstance(w, nn.parameter.UninitializedParameter):
+        return "lazy module not initialized yet"
+    decision = static_route(ConvSpec.from_module(m))
+    return None if decision.is_kernel else decision.reason
+
+
+def _slots(model: nn.Module):
+    """(parent, name, child, fqn) for every child slot, shared modules at each
+    of their paths."""
+    for pfqn, parent in model.named_modules(remove_duplicate=False):
+        for name, child in parent._modules.items():
+            if child is not None:
+                yield parent, name, child, f"{pfqn}.{name}" if pfqn else name
+
+
+def apply(model: nn.Module, *, filter_fn: Optional[FilterFn] = None,
+          config: Optional[PatchConfig] = None) -> PatchReport:
+    """Swap every eligible ``nn.Conv2d`` / ``nn.ConvTranspose2d`` in ``model``
+    for a Triton-backed wrapper, in place; return what was done and why.
+
+    ``filter_fn(module, fqn) -> bool`` narrows the selection. Idempotent:
+    wrappers already present are left as they are. Everything is validated and
+    every wrapper built before the model is touched, so an error leaves the
+    model as it was.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"apply() needs an nn.Module, got {type(model).__name__}")
+    if filter_fn is not None and not callable(filter_fn):
+        raise TypeError("filter_fn must be callable as filter_fn(module, fqn) -> bool")
+    if config is not None and not isinstance(config, PatchConfig):
+        raise TypeError(f"config must be a conv_patch.PatchConfig, got {type(config).__name__}")
+    table = None
+    if config is not None and config.table is not None:
+        table = config_tables.load_user_table(config.table)
+
+    report = PatchReport()
+    if isinstance(model, PatchedConvMixin):
+        report.already_patched.append("")
+        return report
+    if _conv_base(model)[0] is not None:
+        report.skipped[""] = ("the model itself is a convolution; apply() swaps modules inside a "
+                              "model (wrap it, e.g. nn.Sequential(conv))")
+        return report
+
+    plan = []
+    wrappers: Dict[int, nn.Module] = {}
+    for parent, name, child, fqn in _slots(model):
+        if isinstance(child, PatchedConvMixin):
+            report.already_patched.append(fqn)
+            continue
+        base, wrapper_cls = _conv_base(child)
+        if base is None:
+            if isinstance(child, nn.modules.conv._ConvNd):
+                report.skipped[fqn] = f"{type(child).__name__}: only 2-D convolutions are patched"
+            continue
+        if filter_fn is not None and not filter_fn(child, fqn):
+            report.skipped[fqn] = "excluded by filter_fn"
+            continue
+        reason = ineligible_reason(child)
+        if reason:
+            report.skipped[fqn] = reason
+            continue
+        if id(child) not in wrappers:
+            wrappers[id(child)] = wrapper_cls.wrap(child, table)
+        wrapper = wrappers[id(child)]
+        plan.append((parent, name, wrapper))
+        report.patched[fqn] = f"{wrapper.route().route.value}  {ConvSpec.from_module(child).describe()}"
+
+    for parent, name, wrapper in plan:
+        parent._modules[name] = wrapper
+    return report
+
+
+def remove(model: nn.Module, _only: Optional[set] = None) -> List[str]:
+    """Put the original module objects back (holding the current weights);
+    return the paths restored."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"remove() needs an nn.Module, got {type(model).__name__}")
+    restored = []
+    for parent, name, child, fqn in list(_slots(model)):
+        if isinstance(child, PatchedConvMixin) and (_only is None or id(child) in _only):
+            parent._modules[name] = child.unwrap()
+            restored.append(fqn)
+    return restored
+
+
+@contextlib.contextmanager
+def patched(model: nn.Module, *, filter_fn: Optional[FilterFn] = None,
+            config: Optional[PatchConfig] = None):
+    """``with conv_patch.patched(model) as report:`` apply on enter; on exit
+    remove what this block patched (wrappers from earlier calls stay)."""
+    report = apply(model, filter_fn=filter_fn, config=config)
+    mine = {id(child) for _, _, child, fqn in _slots(model) if fqn in report.patched}
+    try:
+        yield report
+    finally:
+        remove(model, _only=mine)
+
+
+def is_patched(module: nn.Module) -> bool:
+    return isinstance(module, PatchedConvMixin)

@@ -1,0 +1,134 @@
+"""The one routing function.
+
+``select_route(spec, call, target)`` names the kernel family that runs a
+convolution, or FALLBACK with the reason; the wrappers, their ``repr``, the
+patch report, the benchmarks and ``convpatch info`` all call it, so a label can
+never disagree with what actually ran.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from . import config_tables
+from .specs import CallDesc, ConvSpec
+from .target import Target
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+INT32_ROWS = 2**31 - 1
+
+
+class Route(enum.Enum):
+    CONV2D_IGEMM = "conv2d_igemm"
+    CONV_TRANSPOSE2D_IGEMM = "conv_transpose2d_igemm"
+    FALLBACK = "fallback"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+# What each route accepts; printed by `convpatch info`.
+ROUTE_INFO = {
+    Route.CONV2D_IGEMM: (
+        "portable implicit-GEMM conv2d: any kernel size, stride, padding (per axis, 'same'/'valid'), "
+        "dilation; groups=1, zero padding; NCHW, NHWC or strided input read in place; fp16/bf16 "
+        "(fp32 accumulate), fp32 (TF32 when PyTorch allows it); fused bias, residual*beta, activation, scale"
+    ),
+    Route.CONV_TRANSPOSE2D_IGEMM: (
+        "portable implicit-GEMM conv_transpose2d (gather form, split by output phase): stride, padding, "
+        "output_padding, dilation; groups=1, zero padding; same layouts, dtypes and epilogue as conv2d"
+    ),
+    Route.FALLBACK: "the original PyTorch module (cuDNN/ATen): every case the kernels do not take",
+}
+
+
+@dataclass(frozen=True)
+class RouteDecision:
+    route: Route
+    reason: str = ""
+    config: Optional[dict] = field(default=None, compare=False)
+    tier: str = ""
+    table: str = ""
+
+    @property
+    def is_kernel(self) -> bool:
+        return self.route is not Route.FALLBACK
+
+    def label(self) -> str:
+        return f"fallback ({self.reason})" if self.route is Route.FALLBACK else self.route.value
+
+
+def _fallback(reason: str) -> RouteDecision:
+    return RouteDecision(Route.FALLBACK, reason)
+
+
+def static_route(spec: ConvSpec) -> RouteDecision:
+    """The part of the decision that depends on the module alone."""
+    if spec.groups != 1:
+        return _fallback(f"groups={spec.groups}")
+    if spec.padding_mode != "zeros":
+        return _fallback(f"padding_mode={spec.padding_mode!r}")
+    return RouteDecision(Route.CONV_TRANSPOSE2D_IGEMM if spec.transposed else Route.CONV2D_IGEMM)
+
+
+def _shape_problem(spec: ConvSpec, call: CallDesc) -> Optional[str]:
+    """Calls PyTorch itself rejects, or that the kernels do not take; the
+    fallback then raises PyTorch's own error or computes the answer."""
+    if len(call.shape) not in (3, 4):
+        return f"{len(call.shape)}-D input"
+    shape = call.shape if len(call.shape) == 4 else (1,) + tuple(call.shape)
+    n, c, h, w = shape
+    if c != spec.in_channels:
+        return f"input has {c} channels, weight expects {spec.in_channels}"
+    if n == 0 or h == 0 or w == 0:
+        return "empty input"
+    op = call.output_padding if call.output_padding is not None else spec.output_padding
+    if spec.transposed:
+        for i in range(2):
+            if op[i] < 0 or (op[i] >= spec.stride[i] and op[i] >= spec.dilation[i]):
+                return f"output_padding {tuple(op)} invalid for stride {spec.stride}"
+    oh, ow = spec.output_hw(h, w, op)
+    if oh <= 0 or ow <= 0:
+        return f"output size {oh}x{ow} is not positive"
+    if n * oh * ow > INT32_ROWS:
+        return "more than 2**31 output pixels"
+    return None
+
+
+def select_route(spec: ConvSpec, call: Optional[CallDesc] = None,
+                 target: Optional[Target] = None, table=None) -> RouteDecision:
+    """Route one convolution.
+
+    With ``call=None`` only the module is judged (what apply() reports and
+    what repr shows before the first call). ``table`` is a (table, name) pair
+    that overrides the architecture's own (PatchConfig.table).
+    """
+    decision = static_route(spec)
+    if call is None or not decision.is_kernel:
+        return decision
+    if call.compiling:
+        return _fallback("torch.compile tracing")
+    if call.needs_grad:
+        return _fallback("autograd needed (grad enabled and an input or parameter requires grad)")
+    if target is None or not target.kernels:
+        return _fallback(target.reason if target is not None else "no target")
+    if call.dtype not in SUPPORTED_DTYPES:
+        return _fallback(f"dtype {config_tables.dtype_name(call.dtype)} unsupported")
+    if call.weight_dtype != call.dtype or (call.bias_dtype is not None and call.bias_dtype != call.dtype):
+        return _fallback("input, weight and bias dtypes differ")
+    if not call.same_device:
+        return _fallback("tensors on different devices")
+    problem = _shape_problem(spec, call)
+    if problem:
+        return _fallback(problem)
+
+    shape = call.shape if len(call.shape) == 4 else (1,) + tuple(call.shape)
+    op = call.output_padding if call.output_padding is not None else spec.output_padding
+    oh, ow = spec.output_hw(shape[2], shape[3], op)
+    tbl, name = table if table is not None else config_tables.packaged_table(target.arch)
+    cfg, tier = config_tables.lookup(tbl, spec, shape, call.layout, call.dtype, shape[0] * oh * ow)
+    return RouteDecision(decision.route, config=cfg, tier=tier, table=name)

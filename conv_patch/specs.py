@@ -1,0 +1,141 @@
+"""Plain descriptions of a convolution and of one call to it.
+
+The router (``conv_patch.routing``) decides from these alone, so the same
+decision can be made for a live call, for ``repr``, for the patch report and
+for the benchmarks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+from torch import nn
+
+Pair = Tuple[int, int]
+
+
+def _pair(v) -> Pair:
+    if isinstance(v, int):
+        return (v, v)
+    v = tuple(int(i) for i in v)
+    return v if len(v) == 2 else (v[0], v[0])
+
+
+@dataclass(frozen=True)
+class ConvSpec:
+    """A 2-D (transposed) convolution's hyper-parameters.
+
+    ``pad_begin``/``pad_end`` are (top, left) and (bottom, right); they differ
+    only for ``padding="same"`` with an even total, which the kernels handle
+    for free because only the leading pad enters their index arithmetic.
+    """
+
+    transposed: bool
+    in_channels: int
+    out_channels: int
+    kernel: Pair
+    stride: Pair
+    dilation: Pair
+    pad_begin: Pair
+    pad_end: Pair
+    output_padding: Pair
+    groups: int
+    padding_mode: str
+    has_bias: bool
+
+    @property
+    def kind(self) -> str:
+        return "conv_transpose2d" if self.transposed else "conv2d"
+
+    @classmethod
+    def from_module(cls, m: nn.Module) -> "ConvSpec":
+        k, s, d = _pair(m.kernel_size), _pair(m.stride), _pair(m.dilation)
+        transposed = isinstance(m, nn.ConvTranspose2d)
+        if isinstance(m.padding, str):
+            if m.padding == "valid":
+                begin = end = (0, 0)
+            else:  # "same": PyTorch puts the odd element of the total at the end
+                total = [d[i] * (k[i] - 1) for i in range(2)]
+                begin = (total[0] // 2, total[1] // 2)
+                end = (total[0] - begin[0], total[1] - begin[1])
+        else:
+            begin = end = _pair(m.padding)
+        return cls(
+            transposed=transposed,
+            in_channels=int(m.in_channels),
+            out_channels=int(m.out_channels),
+            kernel=k, stride=s, dilation=d, pad_begin=begin, pad_end=end,
+            output_padding=_pair(getattr(m, "output_padding", 0)) if transposed else (0, 0),
+            groups=int(m.groups),
+            padding_mode=str(m.padding_mode),
+            has_bias=m.bias is not None,
+        )
+
+    def output_hw(self, h: int, w: int, output_padding: Optional[Pair] = None) -> Pair:
+        k, s, d = self.kernel, self.stride, self.dilation
+        if self.transposed:
+            op = output_padding if output_padding is not None else self.output_padding
+            return tuple(
+                ([h, w][i] - 1) * s[i] - self.pad_begin[i] - self.pad_end[i]
+                + d[i] * (k[i] - 1) + op[i] + 1
+                for i in range(2)
+            )
+        return tuple(
+            ([h, w][i] + self.pad_begin[i] + self.pad_end[i] - d[i] * (k[i] - 1) - 1) // s[i] + 1
+            for i in range(2)
+        )
+
+    def describe(self) -> str:
+        k, s, p, d = self.kernel, self.stride, self.pad_begin, self.dilation
+        txt = f"{self.in_channels}->{self.out_channels} k{k[0]}x{k[1]} s{s[0]}x{s[1]} p{p[0]}x{p[1]}"
+        if self.pad_end != self.pad_begin:
+            txt += f"/{self.pad_end[0]}x{self.pad_end[1]}"
+        if d != (1, 1):
+            txt += f" d{d[0]}x{d[1]}"
+        if self.transposed and self.output_padding != (0, 0):
+            txt += f" op{self.output_padding[0]}x{self.output_padding[1]}"
+        return txt
+
+
+def layout_of(x: torch.Tensor) -> str:
+    """'nchw' for contiguous, 'nhwc' for channels_last, 'strided' otherwise.
+    Tensors that are both (one channel, or 1x1 spatial) count as 'nchw'."""
+    if x.dim() != 4 or x.is_contiguous():
+        return "nchw"
+    if x.is_contiguous(memory_format=torch.channels_last):
+        return "nhwc"
+    return "strided"
+
+
+@dataclass(frozen=True)
+class CallDesc:
+    """What the router needs to know about one call."""
+
+    shape: tuple
+    dtype: torch.dtype
+    device_type: str
+    layout: str
+    needs_grad: bool = False
+    weight_dtype: Optional[torch.dtype] = None
+    same_device: bool = True
+    bias_dtype: Optional[torch.dtype] = None
+    output_padding: Optional[Pair] = None
+    compiling: bool = False
+
+    @classmethod
+    def of_call(cls, x, weight, bias=None, residual=None, output_padding=None) -> "CallDesc":
+        grad = torch.is_grad_enabled() and (
+            x.requires_grad or weight.requires_grad
+            or (bias is not None and bias.requires_grad)
+            or (residual is not None and residual.requires_grad)
+        )
+        same = weight.device == x.device and (bias is None or bias.device == x.device) and (
+            residual is None or residual.device == x.device)
+        return cls(
+            shape=tuple(x.shape), dtype=x.dtype, device_type=x.device.type,
+            layout=layout_of(x), needs_grad=bool(grad), weight_dtype=weight.dtype,
+            same_device=same, bias_dtype=None if bias is None else bias.dtype,
+            output_padding=output_padding, compiling=torch.compiler.is_compiling(),
+        )

@@ -1,0 +1,101 @@
+"""Where the kernels can run: the architecture key of a device and the
+numerics policy PyTorch itself would use there."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+from dataclasses import dataclass
+
+import torch
+
+# tl.dot on bf16 and the pointer loads the portable kernels use need sm80.
+MIN_CUDA_CAPABILITY = (8, 0)
+
+
+@dataclass(frozen=True)
+class Target:
+    """``arch`` names the config table: ``sm90``, ``sm80``, ``gfx942``, ...,
+    ``interpreter`` for CPU tensors under TRITON_INTERPRET=1, or ``cpu``/
+    ``none`` where no kernel can run (``reason`` says why)."""
+
+    arch: str
+    kernels: bool
+    reason: str = ""
+    interpreter: bool = False
+
+
+def interpreter_enabled() -> bool:
+    """Whether the kernels were (or will be) decorated for the interpreter.
+    Triton fixes this when a kernel is decorated, so once conv_patch.kernels is
+    imported its value wins over a later change of the environment."""
+    import sys
+
+    mod = sys.modules.get("conv_patch.kernels")
+    if mod is not None:
+        return bool(mod.INTERPRET)
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.lru_cache(maxsize=None)
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+@functools.lru_cache(maxsize=None)
+def _gpu_arch(index: int) -> tuple:
+    if torch.version.hip is not None:
+        name = torch.cuda.get_device_properties(index).gcnArchName.split(":")[0]
+        return name, True
+    major, minor = torch.cuda.get_device_capability(index)
+    return f"sm{major}{minor}", (major, minor) >= MIN_CUDA_CAPABILITY
+
+
+def target_for(device: torch.device) -> Target:
+    interp = interpreter_enabled()
+    if not triton_available():
+        return Target("none", False, "triton is not installed")
+    if device.type == "cpu":
+        if interp:
+            return Target("interpreter", True, interpreter=True)
+        return Target("cpu", False, "input on cpu (kernels run on GPUs, or on the CPU under TRITON_INTERPRET=1)")
+    if device.type == "cuda":
+        if interp:
+            return Target("interpreter", False, "TRITON_INTERPRET=1: GPU tensors use PyTorch", interpreter=True)
+        arch, ok = _gpu_arch(device.index if device.index is not None else torch.cuda.current_device())
+        if not ok:
+            return Target(arch, False, f"GPU {arch} is older than sm80")
+        return Target(arch, True)
+    return Target(device.type, False, f"device type {device.type!r} has no kernels")
+
+
+def default_target() -> Target:
+    """The target of the current GPU, else of the CPU."""
+    if torch.cuda.is_available():
+        return target_for(torch.device("cuda", torch.cuda.current_device()))
+    return target_for(torch.device("cpu"))
+
+
+def conv_tf32_enabled() -> bool:
+    """PyTorch's own switch for TF32 in fp32 convolutions (on by default).
+    Reads the new per-op flag first: mixing it with the legacy allow_tf32
+    makes PyTorch raise on the legacy read."""
+    try:
+        prec = torch.backends.cudnn.conv.fp32_precision
+        if prec == "tf32":
+            return True
+        if prec == "ieee":
+            return False
+    except AttributeError:
+        pass
+    try:
+        return bool(torch.backends.cudnn.allow_tf32)
+    except RuntimeError:
+        return False
+
+
+def dot_precision(dtype: torch.dtype, target: Target) -> str:
+    if dtype == torch.float32 and not target.interpreter and conv_tf32_enabled() and target.arch.startswith("sm"):
+        return "tf32"
+    return "ieee"

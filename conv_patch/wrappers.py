@@ -1,0 +1,141 @@
+"""The wrappers that stand in for patched convolutions.
+
+A wrapper is a real ``nn.Conv2d`` / ``nn.ConvTranspose2d`` (so ``isinstance``
+checks in PEFT, diffusers and ComfyUI still match) built from the original
+module's ``__dict__``: the ``_parameters``, ``_buffers``, ``_modules`` and hook
+dictionaries are the *same objects* as the original's, so ``state_dict()`` keys,
+the Parameter objects, ``load_state_dict``, ``.to()``, and hooks behave exactly
+as before, and ``remove()`` can hand the original object back holding the
+current weights. The original is kept outside ``_modules`` (it must not add
+state_dict keys) and its class's ``forward`` is the fallback.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from . import ops, pack
+from .routing import RouteDecision, select_route
+from .specs import CallDesc, ConvSpec
+from .target import target_for
+
+# Wrapper-private state lives under this prefix and is never copied back.
+PRIVATE = "_cp_"
+
+
+class PatchedConvMixin:
+    """Behaviour shared by both wrappers; mixed in before the torch class.
+
+    A wrapper may also be constructed like its torch class
+    (``PatchedConv2d(in, out, k)``): PEFT builds its LoRA convs as
+    ``type(base_layer)(...)``. Such a module has no original; its fallback is
+    the torch class's forward and ``unwrap`` makes a plain torch module.
+    """
+
+    _cp_torch_class = nn.Module
+    _cp_transposed = False
+    _cp_original = None
+    _cp_table = None
+    _cp_pack = None
+    _cp_last = None
+
+    @classmethod
+    def wrap(cls, original: nn.Module, table=None):
+        self = cls.__new__(cls)
+        self.__dict__.update(original.__dict__)
+        self.__dict__.update(_cp_original=original, _cp_table=table, _cp_pack=None, _cp_last=None)
+        return self
+
+    def unwrap(self) -> nn.Module:
+        """The original module, given every public attribute of the wrapper
+        (training flag, edited hyper-parameters, attributes set since)."""
+        orig = self._cp_original
+        if orig is None:
+            orig = self._cp_torch_class.__new__(self._cp_torch_class)
+        for k, v in self.__dict__.items():
+            if not k.startswith(PRIVATE):
+                orig.__dict__[k] = v
+        pack.release(self)
+        return orig
+
+    # -- routing -----------------------------------------------------------
+    def route(self, x: Optional[torch.Tensor] = None, residual=None, output_padding=None) -> RouteDecision:
+        """The route this module takes for input ``x`` (or, without ``x``,
+        the kernel family it is eligible for)."""
+        spec = ConvSpec.from_module(self)
+        if x is None:
+            return select_route(spec)
+        call = CallDesc.of_call(x, self.weight, self.bias, residual, output_padding)
+        return select_route(spec, call, target_for(x.device), self._cp_table)
+
+    def _cp_call(self, x, residual, beta, activation, out_scale, output_padding=None, fallback_args=()):
+        ops.activation_code(activation)
+        spec = ConvSpec.from_module(self)
+        target = target_for(x.device)
+        call = CallDesc.of_call(x, self.weight, self.bias, residual, output_padding)
+        decision = select_route(spec, call, target, self._cp_table)
+        self.__dict__["_cp_last"] = decision
+        if not decision.is_kernel:
+            y = self._cp_fallback_forward(self, x, *fallback_args)
+            if residual is None and activation == "none" and out_scale == 1.0:
+                return y
+            ops.check_residual(residual, y.shape)
+            return ops.eager_epilogue(y, residual, beta, activation, out_scale)
+        ops.check_residual(residual, ops.output_shape(spec, tuple(x.shape), output_padding))
+        w = pack.packed_weight(self, self.weight, self._cp_transposed)
+        return ops.run_kernel(decision, target, spec, x, w, self.bias, residual=residual,
+                              beta=beta, activation=activation, out_scale=out_scale,
+                              output_padding=output_padding)
+
+    @property
+    def _cp_fallback_forward(self):
+        orig = self._cp_original
+        return type(orig).forward if orig is not None else self._cp_torch_class.forward
+
+    # -- nn.Module plumbing --------------------------------------------------
+    def _apply(self, fn, *args, **kwargs):
+        # A weight that moves or changes dtype drops its pack now rather than
+        # at the next call (a model offloaded to the CPU frees its GPU packs).
+        pack.release(self)
+        return super()._apply(fn, *args, **kwargs)
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["_cp_pack"] = None
+        return state
+
+    def extra_repr(self) -> str:
+        last = self.__dict__.get("_cp_last")
+        label = last.label() if last is not None else self.route().label()
+        return f"{super().extra_repr()}, route={label}"
+
+
+class PatchedConv2d(PatchedConvMixin, nn.Conv2d):
+    """``forward(x, *, residual=None, beta=1.0, activation="none", out_scale=1.0)``
+    computes ``out_scale * act(conv(x) + bias + beta * residual)``; with the
+    defaults it is the plain convolution."""
+
+    _cp_torch_class = nn.Conv2d
+
+    def forward(self, input, *, residual=None, beta=1.0, activation="none", out_scale=1.0):
+        return self._cp_call(input, residual, beta, activation, out_scale)
+
+
+class PatchedConvTranspose2d(PatchedConvMixin, nn.ConvTranspose2d):
+    """Same extended call as PatchedConv2d, after ConvTranspose2d's own
+    ``output_size`` argument."""
+
+    _cp_torch_class = nn.ConvTranspose2d
+    _cp_transposed = True
+
+    def forward(self, input, output_size=None, *, residual=None, beta=1.0, activation="none",
+                out_scale=1.0):
+        output_padding = None
+        if output_size is not None:
+            output_padding = tuple(self._output_padding(
+                input, output_size, self.stride, self.padding, self.kernel_size, 2, self.dilation))
+        return self._cp_call(input, residual, beta, activation, out_scale, output_padding,
+                             fallback_args=(output_size,))

@@ -1,0 +1,76 @@
+"""conv2d forward as an implicit GEMM (no im2col buffer), portable Triton.
+
+Layer 1 (``conv2d_fwd_kernel``): the @triton.jit kernel.
+Layer 2 (``launch_conv2d``): the grid; block clamping, index width and the
+launch itself are shared in _launch.py. It takes the config chosen by the router
+and never tunes at run time.
+The torch-facing wrapper lives in ``conv_patch.ops``.
+"""
+
+import triton
+import triton.language as tl
+
+from ._common import accumulate_tap, epilogue_store, grouped_tile, _idx
+from ._launch import run_conv_kernel
+
+
+@triton.jit
+def conv2d_fwd_kernel(
+    x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr,
+    N, C_in, H, W, C_out, OH, OW,
+    sxn, sxc, sxh, sxw,
+    swo, swi, swh, sww,
+    srn, src, srh, srw,
+    son, soc, soh, sow,
+    KH, KW, STH, STW, PH, PW, DH, DW,
+    beta, out_scale,
+    HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, ACT: tl.constexpr,
+    IDX64: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    M = N * OH * OW
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(C_out, BLOCK_N)
+    pid_m, pid_n = grouped_tile(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = offs_m < M
+    n_ok = offs_n < C_out
+    ow = offs_m % OW
+    t = offs_m // OW
+    oh = t % OH
+    n = _idx(t // OH, IDX64)
+    ih0 = oh * STH - PH
+    iw0 = ow * STW - PW
+    x_row = n * sxn
+    w_col = offs_n * swo
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for tap in range(0, KH * KW):
+        kh = tap // KW
+        kw = tap - kh * KW
+        acc = accumulate_tap(acc, x_ptr, w_ptr, x_row, row_ok,
+                             ih0 + kh * DH, iw0 + kw * DW, H, W, C_in,
+                             sxc, sxh, sxw, kh * swh + kw * sww, swi, w_col, n_ok,
+                             IDX64, UPCAST, PRECISION, BLOCK_K)
+
+    oh64 = _idx(oh, IDX64)
+    ow64 = _idx(ow, IDX64)
+    out_row = n * son + oh64 * soh + ow64 * sow
+    res_row = n * srn + oh64 * srh + ow64 * srw
+    epilogue_store(acc, out_ptr, out_row, soc, row_ok, offs_n, n_ok,
+                   bias_ptr, res_ptr, res_row, src, beta, out_scale,
+                   HAS_BIAS, HAS_RES, ACT, IDX64)
+
+
+def launch_conv2d(x, w, bias, out, residual, **kw):
+    """``w`` is the [C_out, C_in, KH, KW] weight (the module's own or a pack;
+    only the strides differ)."""
+    M = x.shape[0] * out.shape[2] * out.shape[3]
+    c_out = w.shape[0]
+    return run_conv_kernel(
+        conv2d_fwd_kernel,
+        lambda bm, bn: (triton.cdiv(M, bm) * triton.cdiv(c_out, bn),),
+        x, w, bias, out, residual, **kw)

@@ -1,0 +1,1 @@
+"""Model-family rewrites, installed as ``conv_patch.recipes`` (none yet)."""

@@ -1,0 +1,38 @@
+"""Helpers shared by the tests (imported as a plain module: pytest puts
+tests/ on sys.path)."""
+
+import torch
+import torch.nn.functional as F
+
+# ||out - ref|| / ||ref|| bounds against a float64 reference.
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out = out.detach().double().cpu()
+    ref = ref.detach().double().cpu()
+    assert out.shape == ref.shape, (out.shape, ref.shape)
+    assert torch.isfinite(out).all(), "non-finite output (unwritten poisoned element?)"
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def poisoned(shape, dtype, device, channels_last=False):
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    return torch.full(shape, float("nan"), dtype=dtype, device=device).contiguous(memory_format=fmt)
+
+
+def randn(gen, *shape, scale=1.0, dtype=torch.float32, device="cpu"):
+    """Seeded normal values, drawn on the CPU so every device sees the same."""
+    return (torch.randn(*shape, generator=gen) * scale).to(dtype=dtype, device=device)
+
+
+def act64(y, activation):
+    if activation == "relu":
+        return F.relu(y)
+    if activation == "silu":
+        return F.silu(y)
+    if activation == "gelu":
+        return F.gelu(y)
+    if activation == "gelu_tanh":
+        return F.gelu(y, approximate="tanh")
+    return y

@@ -1,0 +1,45 @@
+"""Test set-up: without CUDA the kernels run under the Triton interpreter on
+CPU tensors (how CI tests them); with CUDA the same tests run on the GPU."""
+
+import os
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    # Must happen before conv_patch.kernels is imported: Triton fixes the
+    # interpreter choice when a kernel is decorated.
+    os.environ["TRITON_INTERPRET"] = "1"
+
+DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def device():
+    return DEVICE
+
+
+@pytest.fixture
+def exact_fp32():
+    """fp32 convolutions in exact (IEEE) mode for the duration of a test."""
+    conv = getattr(torch.backends.cudnn, "conv", None)
+    if conv is not None and hasattr(conv, "fp32_precision"):
+        old = conv.fp32_precision
+        conv.fp32_precision = "ieee"
+        yield
+        conv.fp32_precision = old
+    else:  # torch < 2.9: only the legacy switch exists
+        old = torch.backends.cudnn.allow_tf32
+        torch.backends.cudnn.allow_tf32 = False
+        yield
+        torch.backends.cudnn.allow_tf32 = old

@@ -3,6 +3,7 @@ AutoencoderTiny in small configs, and the real trained TAEF2 weights from
 ../shared/models on a real photo."""
 
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,9 @@ import conv_patch
 from conv_patch import taesd
 from _util import TOL, rel_err
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+# ../shared beside the checkout; CONV_PATCH_SHARED points elsewhere (a copy
+# carried to a GPU machine).
+SHARED = Path(os.environ.get("CONV_PATCH_SHARED") or Path(__file__).resolve().parents[1].parent / "shared")
 
 
 def _dense_convs(model):

@@ -1,0 +1,129 @@
+"""GPU-only checks (marker ``gpu``; skipped without CUDA). The rest of the
+suite also runs on the GPU when there is one; these need one by nature: real
+bf16/fp16 tensor-core numerics on diffusion-VAE conv shapes, offsets past
+2**31, and Triton's compile cache."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import conv_patch
+from conv_patch import ops
+from _util import TOL, rel_err
+
+pytestmark = pytest.mark.gpu
+
+# FLUX.1 / SD3 VAE decoder convolutions (C_in, C_out, k) at a quarter of the
+# 1024^2 resolution's spatial sizes, so the float reference stays quick.
+VAE_SHAPES = [
+    (16, 512, 3, 32), (512, 512, 3, 32), (512, 512, 3, 64), (512, 256, 3, 128),
+    (256, 256, 3, 128), (512, 256, 1, 128), (256, 128, 3, 256), (128, 128, 3, 256),
+    (256, 128, 1, 256), (128, 3, 3, 256),
+]
+
+
+def _fp32_reference(x, w, b, pad):
+    """F.conv2d of the same (rounded) inputs in exact fp32."""
+    conv = torch.backends.cudnn.conv
+    old = conv.fp32_precision
+    conv.fp32_precision = "ieee"
+    try:
+        return F.conv2d(x.float(), w.float(), b.float(), padding=pad)
+    finally:
+        conv.fp32_precision = old
+
+
+@pytest.mark.parametrize("nhwc", [False, True], ids=["nchw", "nhwc"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", VAE_SHAPES, ids=lambda s: f"{s[0]}to{s[1]}k{s[2]}@{s[3]}")
+def test_vae_conv_shapes_half(shape, dtype, nhwc):
+    c_in, c_out, k, hw = shape
+    g = torch.Generator(device="cuda").manual_seed(hash(shape) % 2**31)
+    x = torch.randn(1, c_in, hw, hw, device="cuda", generator=g).to(dtype)
+    if nhwc:
+        x = x.contiguous(memory_format=torch.channels_last)
+    w = (torch.randn(c_out, c_in, k, k, device="cuda", generator=g) * (c_in * k * k) ** -0.5).to(dtype)
+    b = torch.randn(c_out, device="cuda", generator=g).to(dtype)
+    ref = _fp32_reference(x, w, b, k // 2)
+    out = torch.full(ref.shape, float("nan"), device="cuda", dtype=dtype)
+    if nhwc:
+        out = out.contiguous(memory_format=torch.channels_last)
+    ops.conv2d(x, w, b, padding=k // 2, out=out)
+    assert rel_err(out, ref) <= TOL[dtype]
+    cudnn = F.conv2d(x, w, b, padding=k // 2)
+    # As close to the exact answer as cuDNN's own result, within rounding.
+    assert rel_err(out, ref) <= 1.5 * rel_err(cudnn, ref) + 1e-3
+
+
+def test_offsets_past_int32():
+    """Input with more than 2**31 elements: 64-bit offsets chosen automatically."""
+    torch.manual_seed(0)
+    c, hw = 128, 4160  # 2.2e9 elements
+    x = torch.randn(1, c, hw, hw, device="cuda", dtype=torch.bfloat16)
+    assert x.numel() > 2**31
+    w = (torch.randn(8, c, 3, 3, device="cuda") * (9 * c) ** -0.5).to(torch.bfloat16)
+    out = ops.conv2d(x, w, padding=1)
+    ref = F.conv2d(x, w, padding=1)
+    assert rel_err(out, ref.float()) <= 1e-2
+    # The far end of the tensor is where a wrapped 32-bit offset would land.
+    tail = (slice(None), slice(None), slice(hw - 9, None), slice(hw - 9, None))
+    assert rel_err(out[tail], ref[tail].float()) <= 1e-2
+
+
+def _compiled_variants(kernel):
+    caches = getattr(kernel, "device_caches", None)
+    if caches is not None:
+        return sum(len(v[0]) for v in caches.values())
+    return sum(len(c) for c in kernel.cache.values())
+
+
+def test_new_resolution_compiles_nothing():
+    """Shapes are runtime arguments: four resolutions of the same
+    divisibility reuse one compiled kernel."""
+    from conv_patch.kernels import KERNELS
+    kernel = KERNELS["conv2d"]
+    w = torch.randn(64, 32, 3, 3, device="cuda", dtype=torch.bfloat16)
+    ops.conv2d(torch.randn(1, 32, 64, 64, device="cuda", dtype=torch.bfloat16), w, padding=1)
+    before = _compiled_variants(kernel)
+    for hw in (80, 96, 128, 160):
+        ops.conv2d(torch.randn(1, 32, hw, hw, device="cuda", dtype=torch.bfloat16), w, padding=1)
+    assert _compiled_variants(kernel) == before
+
+
+def test_tf32_follows_pytorch():
+    """fp32 with TF32 allowed matches cuDNN's TF32 closely; with it off, exact."""
+    torch.manual_seed(0)
+    x = torch.randn(1, 64, 64, 64, device="cuda")
+    w = torch.randn(64, 64, 3, 3, device="cuda") / 24
+    ref = F.conv2d(x.double(), w.double(), padding=1)
+    conv = torch.backends.cudnn.conv
+    old = conv.fp32_precision
+    try:
+        conv.fp32_precision = "tf32"
+        tf32 = rel_err(ops.conv2d(x, w, padding=1), ref)
+        conv.fp32_precision = "ieee"
+        exact = rel_err(ops.conv2d(x, w, padding=1), ref)
+    finally:
+        conv.fp32_precision = old
+    assert exact <= 1e-6 < tf32 <= 5e-3
+
+
+def test_flux_vae_decode_bf16():
+    """FLUX-config AutoencoderKL decode in bf16: the patched model is as close
+    to an fp32 decode as the unpatched bf16 model is."""
+    diffusers = pytest.importorskip("diffusers")
+    torch.manual_seed(0)
+    vae = diffusers.AutoencoderKL(
+        block_out_channels=(128, 256, 512, 512), layers_per_block=2, latent_channels=16,
+        down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+        use_quant_conv=False, use_post_quant_conv=False).cuda().eval()
+    z = torch.randn(1, 16, 32, 32, device="cuda")
+    with torch.no_grad():
+        ref = vae.decode(z).sample.double()
+        vae.to(torch.bfloat16)
+        plain = vae.decode(z.bfloat16()).sample
+        report = conv_patch.apply(vae)
+        patched = vae.decode(z.bfloat16()).sample
+    assert len(report.patched) > 30 and not report.skipped
+    assert vae.decoder.conv_in._cp_last.is_kernel
+    assert rel_err(patched, ref) <= 1.5 * rel_err(plain, ref)

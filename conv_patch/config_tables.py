@@ -89,23 +89,44 @@ def _read_packaged(name: str) -> Optional[dict]:
     return validate_table(json.loads(res.read_text()), f"configs/{name}.json")
 
 
+class Table:
+    """A validated table and its name; remembers its lookups, so the
+    per-call cost after the first call of a shape is one dict access."""
+
+    def __init__(self, data: dict, name: str):
+        self.data = data
+        self.name = name
+        self._memo = {}
+
+    def lookup(self, spec: ConvSpec, shape: tuple, layout: str, dtype: torch.dtype,
+               m: int) -> Tuple[dict, str]:
+        key = (spec, shape, layout, dtype, m)
+        hit = self._memo.get(key)
+        if hit is None:
+            hit = self._memo[key] = lookup(self.data, spec, shape, layout, dtype, m)
+        return hit
+
+    def __repr__(self) -> str:
+        return f"Table({self.name!r})"
+
+
 @functools.lru_cache(maxsize=None)
-def packaged_table(arch: str) -> Tuple[dict, str]:
-    """(table, name) for ``arch``; ``default`` when there is no table of its own."""
+def packaged_table(arch: str) -> Table:
+    """The table of ``arch``; ``default`` when there is no table of its own."""
     table = _read_packaged(arch) if arch != "default" else None
     if table is not None:
-        return table, arch
-    return _read_packaged("default"), "default"
+        return Table(table, arch)
+    return Table(_read_packaged("default"), "default")
 
 
 def has_table(arch: str) -> bool:
-    return packaged_table(arch)[1] == arch
+    return packaged_table(arch).name == arch
 
 
-def load_user_table(table) -> Tuple[dict, str]:
+def load_user_table(table) -> Table:
     """A table given through PatchConfig: a dict or a JSON file path."""
     if isinstance(table, dict):
-        return validate_table(table, "PatchConfig.table"), "user"
+        return Table(validate_table(table, "PatchConfig.table"), "user")
     path = os.fspath(table)
     try:
         with open(path) as f:
@@ -114,7 +135,7 @@ def load_user_table(table) -> Tuple[dict, str]:
         raise TableError(f"{path}: cannot read the config table ({e.strerror or e})") from None
     except json.JSONDecodeError as e:
         raise TableError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
-    return validate_table(data, path), path
+    return Table(validate_table(data, path), path)
 
 
 def lookup(table: dict, spec: ConvSpec, shape: tuple, layout: str, dtype: torch.dtype,
@@ -136,7 +157,7 @@ def lookup(table: dict, spec: ConvSpec, shape: tuple, layout: str, dtype: torch.
     if "any" in sec:
         return sec["any"], "any"
     # A table without a section for this kind falls through to the defaults.
-    default, _ = packaged_table("default")
+    default = packaged_table("default").data
     if default is table:
         raise TableError(f"configs/default.json has no entry for {spec.kind}")
     return lookup(default, spec, shape, layout, dtype, m)

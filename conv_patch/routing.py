@@ -104,8 +104,8 @@ def select_route(spec: ConvSpec, call: Optional[CallDesc] = None,
     """Route one convolution.
 
     With ``call=None`` only the module is judged (what apply() reports and
-    what repr shows before the first call). ``table`` is a (table, name) pair
-    that overrides the architecture's own (PatchConfig.table).
+    what repr shows before the first call). ``table`` (a config_tables.Table)
+    overrides the architecture's own (PatchConfig.table).
     """
     decision = static_route(spec)
     if call is None or not decision.is_kernel:
@@ -129,6 +129,6 @@ def select_route(spec: ConvSpec, call: Optional[CallDesc] = None,
     shape = call.shape if len(call.shape) == 4 else (1,) + tuple(call.shape)
     op = call.output_padding if call.output_padding is not None else spec.output_padding
     oh, ow = spec.output_hw(shape[2], shape[3], op)
-    tbl, name = table if table is not None else config_tables.packaged_table(target.arch)
-    cfg, tier = config_tables.lookup(tbl, spec, shape, call.layout, call.dtype, shape[0] * oh * ow)
-    return RouteDecision(decision.route, config=cfg, tier=tier, table=name)
+    tbl = table if table is not None else config_tables.packaged_table(target.arch)
+    cfg, tier = tbl.lookup(spec, shape, call.layout, call.dtype, shape[0] * oh * ow)
+    return RouteDecision(decision.route, config=cfg, tier=tier, table=tbl.name)

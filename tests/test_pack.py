@@ -90,7 +90,7 @@ def test_load_state_dict_is_seen(device, exact_fp32):
     check_same(net, twin, device)
 
 
-def test_dtype_moves_release_old_pack(device):
+def test_dtype_moves_release_old_pack(device, exact_fp32):
     gc.collect()
     base = pack.stats()["live"]
     net, twin = make(device)
@@ -109,7 +109,7 @@ def test_dtype_moves_release_old_pack(device):
     assert pack.stats()["live"] == base
 
 
-def test_channels_last_weights_need_no_pack(device):
+def test_channels_last_weights_need_no_pack(device, exact_fp32):
     gc.collect()
     base = pack.stats()["live"]
     net, twin = make(device, channels_last=True)
@@ -118,7 +118,7 @@ def test_channels_last_weights_need_no_pack(device):
     assert pack.stats()["live"] == base + 1 and net[0]._cp_pack is None
 
 
-def test_pack_made_in_inference_mode_refreshes_outside(device):
+def test_pack_made_in_inference_mode_refreshes_outside(device, exact_fp32):
     net, twin = make(device)
     x = torch.randn(1, 6, 5, 5, device=device)
     with torch.inference_mode():
@@ -167,3 +167,15 @@ def test_peft_lora_merge_unmerge(order, device, exact_fp32):
         if isinstance(m, LoraLayer):
             m.unmerge()
     compare()
+
+
+@pytest.mark.parametrize("shape,transposed", [((7, 5, 3, 3), False), ((130, 20, 1, 1), False),
+                                              ((6, 9, 7, 7), False), ((5, 7, 4, 4), True),
+                                              ((1, 1, 2, 5), False)])
+def test_pack_kernel_layout(shape, transposed, device):
+    from conv_patch.kernels import launch_pack_weight
+    w = torch.randn(*shape, device=device)
+    view = w.transpose(0, 1) if transposed else w
+    dst = torch.full(view.shape, float("nan"), device=device).contiguous(memory_format=torch.channels_last)
+    launch_pack_weight(view, dst)
+    assert torch.equal(dst, view) and dst.is_contiguous(memory_format=torch.channels_last)

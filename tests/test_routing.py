@@ -96,7 +96,7 @@ def test_lookup_tiers():
             "any": {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 32},
         }
     }
-    t = (config_tables.validate_table(table, "t"), "t")
+    t = config_tables.Table(config_tables.validate_table(table, "t"), "t")
     exact = select_route(CONV, call(layout="nhwc"), GPU, t)
     assert (exact.tier, exact.config["BLOCK_M"]) == ("exact", 32)
     small = select_route(CONV, call(shape=(1, 8, 8, 8)), GPU, t)  # 64 output pixels
@@ -107,7 +107,7 @@ def test_lookup_tiers():
     assert (anyd.tier, anyd.config["BLOCK_M"]) == ("any", 128)
     # No conv_transpose2d section: falls through to default.json.
     dt = select_route(CONVT, call(shape=(1, 8, 64, 64)), GPU, t)
-    default = config_tables.packaged_table("default")[0]["conv_transpose2d"]["any"]
+    default = config_tables.packaged_table("default").data["conv_transpose2d"]["any"]
     assert dt.is_kernel and dt.config is default
 
 
@@ -121,10 +121,10 @@ def test_shape_key_format():
 
 @pytest.mark.parametrize("name", ["default", "interpreter"])
 def test_packaged_tables_valid(name):
-    table, got = config_tables.packaged_table(name)
-    assert got == name
+    table = config_tables.packaged_table(name)
+    assert table.name == name
     for kind in config_tables.KINDS:
-        assert "any" in table[kind]
+        assert "any" in table.data[kind]
 
 
 @pytest.mark.parametrize("table,needle", [
@@ -148,5 +148,5 @@ def test_user_table_file_errors(tmp_path):
         config_tables.load_user_table(tmp_path / "missing.json")
     good = tmp_path / "good.json"
     good.write_text(json.dumps({"conv2d": {"any": {"BLOCK_M": 32, "BLOCK_N": 16, "BLOCK_K": 16}}}))
-    table, name = config_tables.load_user_table(good)
-    assert name == str(good) and table["conv2d"]["any"]["BLOCK_M"] == 32
+    table = config_tables.load_user_table(good)
+    assert table.name == str(good) and table.data["conv2d"]["any"]["BLOCK_M"] == 32

@@ -5,9 +5,8 @@
 
 Per layer and layout: cuDNN time (weight in the input's layout, as a
 channels_last model would hold it), conv-patch time (pack refresh included,
-as the wrapper runs it), the refresh alone (PyTorch's strided copy and the
-Triton pack kernel), and the kernel reading the NCHW weight in place with no
-pack. The summary weighs each layer by how often the
+as the wrapper runs it), the refresh alone, and the kernel reading the NCHW
+weight in place with no pack. The summary weighs each layer by how often the
 decoder runs it. Results go to bench/results/layers-<date>.json.
 """
 
@@ -17,7 +16,7 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from conv_patch import kernels, ops
+from conv_patch import ops
 from conv_patch.routing import select_route
 from conv_patch.specs import CallDesc, ConvSpec
 from conv_patch.target import target_for
@@ -42,9 +41,8 @@ def run_layer(c_in, c_out, k, h, dtype, nhwc, rounds):
         return ops.conv2d(x, packed, b, padding=pad)
 
     fns = [lambda: F.conv2d(x, w_cudnn, b, padding=pad), ours,
-           lambda: packed.copy_(w), lambda: kernels.launch_pack_weight(w, packed),
-           lambda: ops.conv2d(x, w, b, padding=pad)]
-    cudnn_ms, ours_ms, pack_ms, pack_triton_ms, direct_ms = interleaved_ms(fns, rounds=rounds)
+           lambda: packed.copy_(w), lambda: ops.conv2d(x, w, b, padding=pad)]
+    cudnn_ms, ours_ms, pack_ms, direct_ms = interleaved_ms(fns, rounds=rounds)
     err = (ours().float() - F.conv2d(x, w, b, padding=pad).float()).norm().item() / \
         F.conv2d(x, w, b, padding=pad).float().norm().item()
     spec = ConvSpec.from_module(torch.nn.Conv2d(c_in, c_out, k, padding=pad))
@@ -54,8 +52,7 @@ def run_layer(c_in, c_out, k, h, dtype, nhwc, rounds):
         "baseline": f"cudnn {'nhwc' if nhwc else 'nchw'}",
         "baseline_ms": cudnn_ms, "ours_ms": ours_ms, "speedup": cudnn_ms / ours_ms,
         "tflops": flops / ours_ms / 1e9, "pack_ms": pack_ms,
-        "pack_pct": 100 * pack_ms / ours_ms, "pack_triton_ms": pack_triton_ms,
-        "direct_ms": direct_ms,
+        "pack_pct": 100 * pack_ms / ours_ms, "direct_ms": direct_ms,
         "route": route.label(), "config": route.config, "rel_err_vs_cudnn": err,
     }
 
@@ -86,13 +83,12 @@ def main(argv=None):
             summary[f"dec{res}_{layout}"] = {
                 "cudnn_ms": total("baseline_ms"), "ours_ms": total("ours_ms"),
                 "pack_ms": total("pack_ms"), "pack_pct_of_ours": 100 * total("pack_ms") / total("ours_ms"),
-                "pack_triton_ms": total("pack_triton_ms"),
                 "direct_ms": total("direct_ms"),
                 "median_layer_speedup": statistics.median(r["speedup"] for r in sel),
             }
     path = write_results("layers", rows, {"dtype": args.dtype, "summary": summary}, args.out)
     print_table(rows, ["name", "count_in_decoder", "baseline_ms", "ours_ms", "speedup", "tflops",
-                       "pack_pct", "pack_triton_ms", "direct_ms"])
+                       "pack_pct", "direct_ms"])
     for k, v in summary.items():
         print(k, {a: round(b, 3) for a, b in v.items()})
     print("wrote", path)

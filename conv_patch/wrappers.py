@@ -12,18 +12,35 @@ state_dict keys) and its class's ``forward`` is the fallback.
 
 from __future__ import annotations
 
+import warnings
 from typing import Optional
 
 import torch
 from torch import nn
 
 from . import ops, pack
-from .routing import RouteDecision, select_route
+from .routing import Route, RouteDecision, select_route
 from .specs import CallDesc, ConvSpec
 from .target import target_for
 
 # Wrapper-private state lives under this prefix and is never copied back.
 PRIVATE = "_cp_"
+
+
+class KernelFailureWarning(RuntimeWarning):
+    """A kernel could not be built or launched here (e.g. a tile needing more
+    shared memory than this GPU has); that call ran on PyTorch instead."""
+
+
+def _kernel_errors():
+    """Errors that mean "this kernel cannot run on this machine", not "the
+    answer would be wrong": compile failures and resource limits."""
+    try:
+        from triton.compiler.errors import CompilationError
+        from triton.runtime.errors import OutOfResources
+    except ImportError:  # pragma: no cover - Triton always has them today
+        return ()
+    return (CompilationError, OutOfResources)
 
 
 class PatchedConvMixin:
@@ -78,17 +95,24 @@ class PatchedConvMixin:
         call = CallDesc.of_call(x, self.weight, self.bias, residual, output_padding)
         decision = select_route(spec, call, target, self._cp_table)
         self.__dict__["_cp_last"] = decision
-        if not decision.is_kernel:
-            y = self._cp_fallback_forward(self, x, *fallback_args)
-            if residual is None and activation == "none" and out_scale == 1.0:
-                return y
-            ops.check_residual(residual, y.shape)
-            return ops.eager_epilogue(y, residual, beta, activation, out_scale)
-        ops.check_residual(residual, ops.output_shape(spec, tuple(x.shape), output_padding))
-        w = pack.packed_weight(self, self.weight, self._cp_transposed)
-        return ops.run_kernel(decision, target, spec, x, w, self.bias, residual=residual,
-                              beta=beta, activation=activation, out_scale=out_scale,
-                              output_padding=output_padding)
+        if decision.is_kernel:
+            ops.check_residual(residual, ops.output_shape(spec, tuple(x.shape), output_padding))
+            w = pack.packed_weight(self, self.weight, self._cp_transposed)
+            try:
+                return ops.run_kernel(decision, target, spec, x, w, self.bias, residual=residual,
+                                      beta=beta, activation=activation, out_scale=out_scale,
+                                      output_padding=output_padding)
+            except _kernel_errors() as e:
+                # Raised while compiling or launching, before anything ran.
+                reason = f"kernel failed here: {type(e).__name__}: {str(e).strip().splitlines()[0][:160]}"
+                self.__dict__["_cp_last"] = RouteDecision(Route.FALLBACK, reason)
+                warnings.warn(f"conv-patch: {reason}; this call ran on PyTorch", KernelFailureWarning,
+                              stacklevel=3)
+        y = self._cp_fallback_forward(self, x, *fallback_args)
+        if residual is None and activation == "none" and out_scale == 1.0:
+            return y
+        ops.check_residual(residual, y.shape)
+        return ops.eager_epilogue(y, residual, beta, activation, out_scale)
 
     @property
     def _cp_fallback_forward(self):

@@ -168,14 +168,3 @@ def test_peft_lora_merge_unmerge(order, device, exact_fp32):
             m.unmerge()
     compare()
 
-
-@pytest.mark.parametrize("shape,transposed", [((7, 5, 3, 3), False), ((130, 20, 1, 1), False),
-                                              ((6, 9, 7, 7), False), ((5, 7, 4, 4), True),
-                                              ((1, 1, 2, 5), False)])
-def test_pack_kernel_layout(shape, transposed, device):
-    from conv_patch.kernels import launch_pack_weight
-    w = torch.randn(*shape, device=device)
-    view = w.transpose(0, 1) if transposed else w
-    dst = torch.full(view.shape, float("nan"), device=device).contiguous(memory_format=torch.channels_last)
-    launch_pack_weight(view, dst)
-    assert torch.equal(dst, view) and dst.is_contiguous(memory_format=torch.channels_last)

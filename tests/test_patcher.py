@@ -311,3 +311,24 @@ def test_wrapper_constructed_directly(device, exact_fp32):
     assert rel_err(out, nn.Conv2d.forward(m, x)) <= TOL[torch.float32]
     assert conv_patch.remove(net) == ["0"]
     assert type(net[0]) is nn.Conv2d and net[0].weight is m.weight
+
+
+def test_kernel_launch_failure_falls_back_with_warning(device, exact_fp32, monkeypatch):
+    """A kernel that cannot run here (out of shared memory on a small GPU)
+    must not crash the user's model: that call runs on PyTorch, and says so."""
+    from triton.runtime.errors import OutOfResources
+    from conv_patch import kernels
+    from conv_patch.wrappers import KernelFailureWarning
+
+    def no_room(*a, **k):
+        raise OutOfResources(262144, 232448, "shared memory")
+
+    net = make_net(device)
+    twin = copy.deepcopy(net)
+    conv_patch.apply(net)
+    monkeypatch.setattr(kernels, "launch_conv2d", no_room)
+    x = torch.randn(1, 3, 8, 8, device=device)
+    with torch.no_grad(), pytest.warns(KernelFailureWarning, match="OutOfResources"):
+        out = net.conv_in(x, activation="relu")
+    assert "kernel failed here: OutOfResources" in net.conv_in._cp_last.reason
+    assert rel_err(out, torch.relu(twin.conv_in(x))) <= TOL[torch.float32]

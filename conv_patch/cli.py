@@ -1,0 +1,205 @@
+"""``convpatch`` command line.
+
+    convpatch verify [--device D] [--dtype fp16|bf16|fp32] [--size N] [--json PATH]
+    convpatch info
+
+Exit codes: 0 all checks pass, 1 a mismatch beyond tolerance, 2 bad input or
+usage (one line naming the problem, never a traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
+
+
+class UsageError(Exception):
+    """A problem with what the user asked for: one line, exit code 2."""
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="convpatch", description="conv-patch: fast convolutions for diffusion VAEs")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    v = sub.add_parser("verify", help="check conv-patch against PyTorch on a model (default: an embedded one)")
+    v.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when present)")
+    v.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                   help="compute dtype (default: bf16 on a GPU, fp32 on the CPU)")
+    v.add_argument("--size", type=int, default=None, help="image size in pixels (default: 512 on a GPU, 32 on the CPU)")
+    v.add_argument("--json", metavar="PATH", default=None, help="also write the report as JSON")
+    sub.add_parser("info", help="GPU, architecture table, versions and kernel routes")
+    return ap
+
+
+def _pick_device(name):
+    import torch
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise UsageError(f"--device {name}: not a device name (cuda, cuda:N or cpu)") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"--device {name}: CUDA is not available on this machine")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise UsageError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    if dev.type not in ("cuda", "cpu"):
+        raise UsageError(f"--device {name}: only cuda and cpu are supported")
+    return dev
+
+
+def _enable_interpreter_for_cpu(device):
+    """On the CPU the kernels can only run under the Triton interpreter; it
+    must be chosen before the kernels are imported."""
+    if device.type == "cpu" and "conv_patch.kernels" not in sys.modules:
+        os.environ["TRITON_INTERPRET"] = "1"
+
+
+class _Progress:
+    """A rich progress bar on a terminal; nothing when output is piped."""
+
+    def __init__(self, enabled: bool):
+        self.bar = None
+        if enabled:
+            try:
+                from rich.progress import Progress
+                self.bar = Progress(transient=True)
+            except ImportError:
+                self.bar = None
+        self.task = None
+
+    def __enter__(self):
+        if self.bar:
+            self.bar.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.bar:
+            self.bar.__exit__(*exc)
+
+    def __call__(self, done, total, name):
+        if not self.bar:
+            return
+        if self.task is None:
+            self.task = self.bar.add_task("checking layers", total=total)
+        self.bar.update(self.task, completed=done, description=f"checking {name}")
+
+
+def _fmt(v, spec=".3g"):
+    return "-" if v is None else format(v, spec)
+
+
+def summary_lines(report) -> list:
+    lines = []
+    for e in report.end_to_end:
+        lines.append(f"end to end, {e.what}: rel err vs fp32 patched {e.rel_err_patched:.3g}, "
+                     f"unpatched {e.rel_err_unpatched:.3g}; max |patched-unpatched| {e.max_abs_diff:.3g}, "
+                     f"PSNR {e.psnr_patched_vs_unpatched_db:.1f} dB  {'pass' if e.passed else 'FAIL'}")
+        if e.ms_patched is not None:
+            lines.append(f"  time (median): unpatched {e.ms_unpatched:.3f} ms, patched {e.ms_patched:.3f} ms, "
+                         f"speedup {e.speedup:.2f}x")
+    n_fail = sum(not r.passed for r in report.layers) + sum(not e.passed for e in report.end_to_end)
+    lines.append("PASS" if report.passed else f"FAIL: {n_fail} check(s) beyond tolerance")
+    return lines
+
+
+def render_plain(report) -> str:
+    lines = [f"model:  {report.model}", f"device: {report.device}  dtype: {report.dtype}"]
+    lines += [f"note:   {n}" for n in report.notes]
+    lines.append(f"{'layer':<28} {'shape':<26} {'route':<24} {'rel err':>9} {'torch':>9} {'tol':>7}  result")
+    for r in report.layers:
+        lines.append(f"{r.name:<28} {r.shape:<26} {r.route[:24]:<24} {_fmt(r.rel_err):>9} "
+                     f"{_fmt(r.torch_rel_err):>9} {r.tolerance:>7.0e}  {'pass' if r.passed else 'FAIL'}"
+                     + (f"  ({r.note})" if r.note else ""))
+    return "\n".join(lines + summary_lines(report))
+
+
+def render_rich(report, console) -> None:
+    from rich.table import Table
+    for n in report.notes:
+        console.print(f"note: {n}")
+    t = Table(title=f"{report.model} - {report.device}, {report.dtype}")
+    for col in ("layer", "shape", "route", "rel err", "torch err", "tol", "result"):
+        t.add_column(col, justify="right" if col in ("rel err", "torch err", "tol") else "left")
+    for r in report.layers:
+        t.add_row(r.name, r.shape, r.route, _fmt(r.rel_err), _fmt(r.torch_rel_err), f"{r.tolerance:.0e}",
+                  ("[green]pass" if r.passed else "[red]FAIL") + (f" ({r.note})" if r.note else ""))
+    console.print(t)
+    for line in summary_lines(report):
+        style = "bold green" if line == "PASS" else "bold red" if line.startswith("FAIL") else None
+        console.print(line, style=style, highlight=False)
+
+
+def cmd_verify(args) -> int:
+    device = _pick_device(args.device)
+    _enable_interpreter_for_cpu(device)
+    import torch
+
+    from . import verify
+    if args.size is not None and args.size <= 0:
+        raise UsageError(f"--size {args.size}: must be positive")
+    dtype = getattr(torch, DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")])
+    tty = sys.stdout.isatty()
+    try:
+        with _Progress(tty) as progress:
+            report = verify.embedded_default(device, dtype, args.size, progress=progress)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if tty:
+        try:
+            from rich.console import Console
+            render_rich(report, Console())
+        except ImportError:
+            print(render_plain(report))
+    else:
+        print(render_plain(report))
+    if args.json:
+        try:
+            with open(args.json, "w") as f:
+                json.dump(report.to_dict(), f, indent=1, default=str)
+        except OSError as e:
+            raise UsageError(f"{args.json}: cannot write the JSON report ({e.strerror})") from None
+    return 0 if report.passed else 1
+
+
+def cmd_info(args) -> int:
+    import torch
+
+    from . import __version__, config_tables
+    from .routing import ROUTE_INFO
+    from .target import default_target, interpreter_enabled, triton_available
+
+    t = default_target()
+    try:
+        import triton
+        triton_v = triton.__version__
+    except ImportError:
+        triton_v = "not installed"
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
+    table = config_tables.packaged_table(t.arch).name if t.kernels else "-"
+    print(f"conv-patch {__version__}; torch {torch.__version__}; triton {triton_v}")
+    print(f"GPU: {gpu}; architecture key: {t.arch}; kernels: {'yes' if t.kernels else 'no (' + t.reason + ')'}")
+    if t.kernels:
+        own = config_tables.has_table(t.arch)
+        print(f"config table: configs/{table}.json" + ("" if own else f" (no table for {t.arch}: curated default)"))
+    print(f"Triton interpreter: {'on' if interpreter_enabled() else 'off'}; triton available: {triton_available()}")
+    print("routes:")
+    for route, what in ROUTE_INFO.items():
+        print(f"  {route.value}: {what}")
+    return 0
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return {"verify": cmd_verify, "info": cmd_info}[args.cmd](args)
+    except UsageError as e:
+        print(f"convpatch: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

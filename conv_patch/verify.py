@@ -1,0 +1,228 @@
+"""Does conv-patch compute what PyTorch computes, on this model, here?
+
+Two checks, both against references computed independently of the kernels:
+
+* per layer: each patched convolution on seeded random activations, against a
+  float64 convolution of the same (rounded) inputs; PyTorch's own result in the
+  same dtype is measured the same way, for scale;
+* end to end: the whole model patched and unpatched in the working dtype,
+  each against the unpatched model in exact fp32. The patched model passes
+  when its error is at most 1.5x the unpatched model's (plus a floor for fp32,
+  where both are near zero); on a GPU both are timed, interleaved.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import statistics
+from dataclasses import asdict, dataclass, field
+from typing import Callable, List, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import patcher
+from .specs import ConvSpec
+from .wrappers import PatchedConvMixin
+
+# ||out - ref|| / ||ref|| a layer may reach against float64, whatever PyTorch
+# itself reaches (twice PyTorch's own error always passes too).
+LAYER_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+TF32_TOL = 5e-3
+E2E_RATIO = 1.5
+E2E_FLOOR = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 4e-3}
+
+
+@dataclass
+class LayerResult:
+    name: str
+    shape: str
+    route: str
+    rel_err: Optional[float]
+    torch_rel_err: Optional[float]
+    tolerance: float
+    passed: bool
+    note: str = ""
+
+
+@dataclass
+class EndToEnd:
+    what: str
+    input_shape: list
+    rel_err_patched: float
+    rel_err_unpatched: float
+    max_abs_diff: float
+    psnr_patched_vs_unpatched_db: float
+    passed: bool
+    ms_unpatched: Optional[float] = None
+    ms_patched: Optional[float] = None
+    speedup: Optional[float] = None
+
+
+@dataclass
+class VerifyReport:
+    model: str
+    device: str
+    dtype: str
+    interpreter: bool
+    layers: List[LayerResult] = field(default_factory=list)
+    end_to_end: List[EndToEnd] = field(default_factory=list)
+    notes: List[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return all(r.passed for r in self.layers) and all(e.passed for e in self.end_to_end)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["passed"] = self.passed
+        return d
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.detach().double().cpu(), ref.detach().double().cpu()
+    if not torch.isfinite(out).all():
+        return math.inf
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def psnr(a: torch.Tensor, b: torch.Tensor, data_range: float) -> float:
+    mse = ((a.double() - b.double()) ** 2).mean().item()
+    return math.inf if mse == 0 else 10 * math.log10(data_range ** 2 / mse)
+
+
+class _ExactFP32:
+    """fp32 convolutions without TF32 inside the block (the reference)."""
+
+    def __enter__(self):
+        self.conv = getattr(torch.backends.cudnn, "conv", None)
+        if self.conv is not None and hasattr(self.conv, "fp32_precision"):
+            self.old = self.conv.fp32_precision
+            self.conv.fp32_precision = "ieee"
+        else:
+            self.conv, self.old = None, torch.backends.cudnn.allow_tf32
+            torch.backends.cudnn.allow_tf32 = False
+
+    def __exit__(self, *exc):
+        if self.conv is not None:
+            self.conv.fp32_precision = self.old
+        else:
+            torch.backends.cudnn.allow_tf32 = self.old
+
+
+def _layer_tolerance(dtype, device) -> float:
+    from .target import conv_tf32_enabled
+    if dtype == torch.float32 and device.type == "cuda" and conv_tf32_enabled():
+        return TF32_TOL
+    return LAYER_TOL[dtype]
+
+
+def check_layer(name: str, conv: nn.Module, size: int, seed: int) -> LayerResult:
+    """One patched conv (already on its device and dtype) against float64."""
+    spec = ConvSpec.from_module(conv)
+    w = conv.weight
+    device, dtype = w.device, w.dtype
+    tol = _layer_tolerance(dtype, device)
+    if not torch.isfinite(w).all() or (conv.bias is not None and not torch.isfinite(conv.bias).all()):
+        return LayerResult(name, spec.describe(), "-", None, None, tol, True,
+                           "weights contain NaN/Inf: not compared")
+    g = torch.Generator().manual_seed(seed)
+    h = max(size // spec.stride[0] if spec.transposed else size, 1)
+    x = torch.randn(1, spec.in_channels, h, h, generator=g).to(device=device, dtype=dtype)
+    with torch.no_grad():
+        ours = conv(x)
+        route = conv._cp_last.label() if isinstance(conv, PatchedConvMixin) else "not patched"
+        theirs = conv._cp_fallback_forward(conv, x) if isinstance(conv, PatchedConvMixin) else ours
+        b = None if conv.bias is None else conv.bias.double().cpu()
+        args = dict(stride=conv.stride, padding=conv.padding, dilation=conv.dilation, groups=conv.groups)
+        if spec.transposed:
+            ref = F.conv_transpose2d(x.double().cpu(), w.double().cpu(), b, output_padding=conv.output_padding,
+                                     **args)
+        else:
+            ref = F.conv2d(x.double().cpu(), w.double().cpu(), b, **args)
+    err, terr = rel_err(ours, ref), rel_err(theirs, ref)
+    passed = err <= max(tol, 2 * terr)
+    return LayerResult(name, spec.describe(), route, err, terr, tol, passed)
+
+
+def check_layers(model: nn.Module, size: int, progress: Optional[Callable] = None) -> List[LayerResult]:
+    convs = [(n, m) for n, m in model.named_modules() if isinstance(m, PatchedConvMixin)]
+    results = []
+    for i, (name, m) in enumerate(convs):
+        results.append(check_layer(name, m, size, seed=i))
+        if progress:
+            progress(i + 1, len(convs), name)
+    return results
+
+
+def _time_interleaved(fns, runs: int, warmup: int = 3) -> List[float]:
+    for fn in fns:
+        for _ in range(warmup):
+            fn()
+    samples = [[] for _ in fns]
+    for _ in range(runs):
+        for i, fn in enumerate(fns):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            samples[i].append(start.elapsed_time(end))
+    return [statistics.median(s) for s in samples]
+
+
+def check_end_to_end(what: str, model: nn.Module, run: Callable[[nn.Module, torch.Tensor], torch.Tensor],
+                     x: torch.Tensor, dtype: torch.dtype, timing_runs: int = 0) -> EndToEnd:
+    """``model`` unpatched, on its device in fp32; ``run(model, x)`` gives the
+    output. The model is left patched, in ``dtype``."""
+    with torch.no_grad(), _ExactFP32():
+        ref = run(model, x.float())
+    model.to(dtype)
+    xd = x.to(dtype)
+    with torch.no_grad():
+        unpatched = run(model, xd)
+        patcher.apply(model)
+        patched = run(model, xd)
+    ms_u = ms_p = None
+    if timing_runs and x.device.type == "cuda":
+        twin = copy.deepcopy(model)
+        patcher.remove(twin)
+        with torch.no_grad():
+            ms_u, ms_p = _time_interleaved([lambda: run(twin, xd), lambda: run(model, xd)], timing_runs)
+        del twin
+    e_p, e_u = rel_err(patched, ref), rel_err(unpatched, ref)
+    rng = (ref.max() - ref.min()).item() or 1.0
+    return EndToEnd(
+        what=what, input_shape=list(x.shape), rel_err_patched=e_p, rel_err_unpatched=e_u,
+        max_abs_diff=(patched.double() - unpatched.double()).abs().max().item(),
+        psnr_patched_vs_unpatched_db=psnr(patched, unpatched, rng),
+        passed=e_p <= E2E_RATIO * e_u + E2E_FLOOR[dtype],
+        ms_unpatched=ms_u, ms_patched=ms_p, speedup=(ms_u / ms_p) if ms_u and ms_p else None,
+    )
+
+
+def embedded_default(device: torch.device, dtype: torch.dtype, size: Optional[int],
+                     progress: Optional[Callable] = None) -> VerifyReport:
+    """The main job: the package's own TAEF2-architecture decoder (seeded
+    weights, nothing downloaded), per layer and end to end."""
+    from . import taesd
+    from .target import interpreter_enabled
+
+    image = size or (512 if device.type == "cuda" else 32)
+    if image % 8:
+        raise ValueError(f"--size {image}: must be a multiple of 8 (the decoder upsamples 8x)")
+    model = taesd.seeded_(taesd.decoder()).to(device).eval()
+    report = VerifyReport(model="embedded default: TAEF2-architecture decoder, seeded weights",
+                          device=str(device), dtype=str(dtype).replace("torch.", ""),
+                          interpreter=device.type == "cpu" and interpreter_enabled())
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(1, 32, image // 8, image // 8, generator=g).to(device)
+    report.end_to_end.append(check_end_to_end(f"decode {image}x{image}", model, lambda m, t: m(t), z, dtype,
+                                              timing_runs=20))
+    report.layers = check_layers(model, size=64 if device.type == "cuda" else 12, progress=progress)
+    if report.interpreter:
+        report.notes.append("no GPU: the kernels ran under the Triton interpreter on the CPU, "
+                            f"at a small size ({image}x{image}); no timings")
+    return report

@@ -1,0 +1,55 @@
+"""The convpatch command: main job, exit codes, report formats."""
+
+import json
+
+import pytest
+
+from conv_patch import cli, ops
+
+
+def test_verify_embedded_default_passes(tmp_path, capsys):
+    out = tmp_path / "report.json"
+    assert cli.main(["verify", "--device", "cpu", "--size", "16", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "PASS" in text and "conv2d_igemm" in text and "interpreter" in text
+    report = json.loads(out.read_text())
+    assert report["passed"] and len(report["layers"]) == 41
+    assert all(r["route"] == "conv2d_igemm" for r in report["layers"])
+    assert report["end_to_end"][0]["passed"]
+
+
+def test_verify_detects_wrong_kernels(monkeypatch, capsys):
+    """A kernel that computes the wrong thing must fail verification (exit 1)."""
+    real = ops.run_kernel
+
+    def off_by_a_bit(*args, **kwargs):
+        return real(*args, **kwargs) * 1.01
+
+    monkeypatch.setattr(ops, "run_kernel", off_by_a_bit)
+    assert cli.main(["verify", "--device", "cpu", "--size", "16"]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL" in out
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["verify", "--size", "12"], "multiple of 8"),
+    (["verify", "--size", "-8"], "must be positive"),
+    (["verify", "--device", "tpu:0"], "--device tpu:0"),
+    (["verify", "--device", "cpu", "--size", "16", "--json", "/nonexistent-dir/r.json"], "cannot write"),
+])
+def test_usage_errors_exit_2(argv, needle, capsys):
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+def test_bad_flag_exits_2(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["verify", "--dtype", "fp8"])
+    assert e.value.code == 2
+
+
+def test_info(capsys):
+    assert cli.main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "architecture key" in out and "conv_transpose2d_igemm" in out and "fallback" in out

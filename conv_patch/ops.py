@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from .routing import RouteDecision, select_route
-from .specs import CallDesc, ConvSpec, _pair
+from .specs import CallDesc, ConvSpec, _pair, resolve_padding
 from .target import Target, dot_precision, target_for
 
 ACTIVATIONS = {"none": 0, "relu": 1, "silu": 2, "gelu": 3, "gelu_tanh": 4}
@@ -114,14 +114,7 @@ def _functional(spec: ConvSpec, x, weight, bias, residual, beta, activation, out
 def _spec(transposed, weight, bias, stride, padding, dilation, output_padding=0):
     c_out, c_in = (weight.shape[1], weight.shape[0]) if transposed else (weight.shape[0], weight.shape[1])
     k, d = _pair(tuple(weight.shape[2:])), _pair(dilation)
-    if padding == "valid":
-        begin = end = (0, 0)
-    elif padding == "same":
-        total = [d[i] * (k[i] - 1) for i in range(2)]
-        begin = (total[0] // 2, total[1] // 2)
-        end = (total[0] - begin[0], total[1] - begin[1])
-    else:
-        begin = end = _pair(padding)
+    begin, end = resolve_padding(padding, k, d)
     return ConvSpec(transposed, int(c_in), int(c_out), k, _pair(stride), d, begin, end,
                     _pair(output_padding), 1, "zeros", bias is not None)
 

@@ -23,6 +23,20 @@ def _pair(v) -> Pair:
     return v if len(v) == 2 else (v[0], v[0])
 
 
+def resolve_padding(padding, kernel: Pair, dilation: Pair) -> Tuple[Pair, Pair]:
+    """(top, left) and (bottom, right) padding of a conv's ``padding``
+    argument; ``"same"`` puts the odd element of the total at the end, as
+    PyTorch does."""
+    if padding == "valid":
+        return (0, 0), (0, 0)
+    if padding == "same":
+        total = [dilation[i] * (kernel[i] - 1) for i in range(2)]
+        begin = (total[0] // 2, total[1] // 2)
+        return begin, (total[0] - begin[0], total[1] - begin[1])
+    p = _pair(padding)
+    return p, p
+
+
 @dataclass(frozen=True)
 class ConvSpec:
     """A 2-D (transposed) convolution's hyper-parameters.
@@ -53,15 +67,7 @@ class ConvSpec:
     def from_module(cls, m: nn.Module) -> "ConvSpec":
         k, s, d = _pair(m.kernel_size), _pair(m.stride), _pair(m.dilation)
         transposed = isinstance(m, nn.ConvTranspose2d)
-        if isinstance(m.padding, str):
-            if m.padding == "valid":
-                begin = end = (0, 0)
-            else:  # "same": PyTorch puts the odd element of the total at the end
-                total = [d[i] * (k[i] - 1) for i in range(2)]
-                begin = (total[0] // 2, total[1] // 2)
-                end = (total[0] - begin[0], total[1] - begin[1])
-        else:
-            begin = end = _pair(m.padding)
+        begin, end = resolve_padding(m.padding, k, d)
         return cls(
             transposed=transposed,
             in_channels=int(m.in_channels),

@@ -100,22 +100,27 @@ def activate(x, ACT: tl.constexpr):
 
 
 @triton.jit
-def epilogue_store(acc, out_ptr, out_row, soc, row_ok, offs_n, n_ok,
-                   bias_ptr, res_ptr, res_row, rsc, beta, out_scale,
-                   HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
+def epilogue_store(acc, n, oh, ow, row_ok, offs_n, n_ok,
+                   out_ptr, son, soc, soh, sow, bias_ptr, res_ptr, srn, src, srh, srw,
+                   beta, out_scale, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
                    ACT: tl.constexpr, IDX64: tl.constexpr):
-    """out = out_scale * act(acc + bias + beta * residual), in fp32, cast once
-    at the store. Shared by every kernel so fusion semantics cannot drift."""
+    """out[n, :, oh, ow] = out_scale * act(acc + bias + beta * residual), in
+    fp32, cast once at the store. Every kernel ends here, so the fusion
+    semantics cannot drift between them. ``n`` is already int64 under IDX64."""
     if HAS_BIAS:
         b = tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
         acc += b[None, :]
     mask = row_ok[:, None] & n_ok[None, :]
+    oh = _idx(oh, IDX64)
+    ow = _idx(ow, IDX64)
     col = _idx(offs_n, IDX64)
     if HAS_RES:
-        r = tl.load(res_ptr + res_row[:, None] + col[None, :] * rsc,
+        res_row = n * srn + oh * srh + ow * srw
+        r = tl.load(res_ptr + res_row[:, None] + col[None, :] * src,
                     mask=mask, other=0.0).to(tl.float32)
         acc += beta * r
     acc = activate(acc, ACT)
     acc = acc * out_scale
+    out_row = n * son + oh * soh + ow * sow
     tl.store(out_ptr + out_row[:, None] + col[None, :] * soc,
              acc.to(out_ptr.dtype.element_ty), mask=mask)

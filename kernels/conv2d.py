@@ -56,13 +56,9 @@ def conv2d_fwd_kernel(
                              sxc, sxh, sxw, kh * swh + kw * sww, swi, w_col, n_ok,
                              IDX64, UPCAST, PRECISION, BLOCK_K)
 
-    oh64 = _idx(oh, IDX64)
-    ow64 = _idx(ow, IDX64)
-    out_row = n * son + oh64 * soh + ow64 * sow
-    res_row = n * srn + oh64 * srh + ow64 * srw
-    epilogue_store(acc, out_ptr, out_row, soc, row_ok, offs_n, n_ok,
-                   bias_ptr, res_ptr, res_row, src, beta, out_scale,
-                   HAS_BIAS, HAS_RES, ACT, IDX64)
+    epilogue_store(acc, n, oh, ow, row_ok, offs_n, n_ok,
+                   out_ptr, son, soc, soh, sow, bias_ptr, res_ptr, srn, src, srh, srw,
+                   beta, out_scale, HAS_BIAS, HAS_RES, ACT, IDX64)
 
 
 def launch_conv2d(x, w, bias, out, residual, **kw):

@@ -74,13 +74,9 @@ def conv_transpose2d_fwd_kernel(
                                  sxc, sxh, sxw, kh * swh + kw * sww, swi, w_col, n_ok,
                                  IDX64, UPCAST, PRECISION, BLOCK_K)
 
-    oh = _idx(oh0 + jh * STH, IDX64)
-    ow = _idx(ow0 + jw * STW, IDX64)
-    out_row = n * son + oh * soh + ow * sow
-    res_row = n * srn + oh * srh + ow * srw
-    epilogue_store(acc, out_ptr, out_row, soc, row_ok, offs_n, n_ok,
-                   bias_ptr, res_ptr, res_row, src, beta, out_scale,
-                   HAS_BIAS, HAS_RES, ACT, IDX64)
+    epilogue_store(acc, n, oh0 + jh * STH, ow0 + jw * STW, row_ok, offs_n, n_ok,
+                   out_ptr, son, soc, soh, sow, bias_ptr, res_ptr, srn, src, srh, srw,
+                   beta, out_scale, HAS_BIAS, HAS_RES, ACT, IDX64)
 
 
 def launch_conv_transpose2d(x, w, bias, out, residual, **kw):

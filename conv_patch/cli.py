@@ -141,6 +141,8 @@ def cmd_verify(args) -> int:
     from . import verify
     if args.size is not None and args.size <= 0:
         raise UsageError(f"--size {args.size}: must be positive")
+    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+        raise UsageError(f"{args.json}: cannot write the JSON report (no such folder)")
     dtype = getattr(torch, DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")])
     tty = sys.stdout.isatty()
     try:

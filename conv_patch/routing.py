@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
 from . import config_tables
-from .specs import CallDesc, ConvSpec
+from .specs import CallDesc, ConvSpec, Pair
 from .target import Target
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -75,28 +75,26 @@ def static_route(spec: ConvSpec) -> RouteDecision:
     return RouteDecision(Route.CONV_TRANSPOSE2D_IGEMM if spec.transposed else Route.CONV2D_IGEMM)
 
 
-def _shape_problem(spec: ConvSpec, call: CallDesc) -> Optional[str]:
-    """Calls PyTorch itself rejects, or that the kernels do not take; the
-    fallback then raises PyTorch's own error or computes the answer."""
-    if len(call.shape) not in (3, 4):
-        return f"{len(call.shape)}-D input"
-    shape = call.shape if len(call.shape) == 4 else (1,) + tuple(call.shape)
+def _shape_problem(spec: ConvSpec, call: CallDesc, shape: tuple) -> Tuple[Optional[str], Pair]:
+    """(problem, output size): calls PyTorch itself rejects, or that the
+    kernels do not take; the fallback then raises PyTorch's own error or
+    computes the answer."""
     n, c, h, w = shape
     if c != spec.in_channels:
-        return f"input has {c} channels, weight expects {spec.in_channels}"
+        return f"input has {c} channels, weight expects {spec.in_channels}", (0, 0)
     if n == 0 or h == 0 or w == 0:
-        return "empty input"
+        return "empty input", (0, 0)
     op = call.output_padding if call.output_padding is not None else spec.output_padding
     if spec.transposed:
         for i in range(2):
             if op[i] < 0 or (op[i] >= spec.stride[i] and op[i] >= spec.dilation[i]):
-                return f"output_padding {tuple(op)} invalid for stride {spec.stride}"
+                return f"output_padding {tuple(op)} invalid for stride {spec.stride}", (0, 0)
     oh, ow = spec.output_hw(h, w, op)
     if oh <= 0 or ow <= 0:
-        return f"output size {oh}x{ow} is not positive"
+        return f"output size {oh}x{ow} is not positive", (oh, ow)
     if n * oh * ow > INT32_ROWS:
-        return "more than 2**31 output pixels"
-    return None
+        return "more than 2**31 output pixels", (oh, ow)
+    return None, (oh, ow)
 
 
 def select_route(spec: ConvSpec, call: Optional[CallDesc] = None,
@@ -122,13 +120,12 @@ def select_route(spec: ConvSpec, call: Optional[CallDesc] = None,
         return _fallback("input, weight and bias dtypes differ")
     if not call.same_device:
         return _fallback("tensors on different devices")
-    problem = _shape_problem(spec, call)
+    if len(call.shape) not in (3, 4):
+        return _fallback(f"{len(call.shape)}-D input")
+    shape = call.shape if len(call.shape) == 4 else (1,) + tuple(call.shape)
+    problem, (oh, ow) = _shape_problem(spec, call, shape)
     if problem:
         return _fallback(problem)
-
-    shape = call.shape if len(call.shape) == 4 else (1,) + tuple(call.shape)
-    op = call.output_padding if call.output_padding is not None else spec.output_padding
-    oh, ow = spec.output_hw(shape[2], shape[3], op)
     tbl = table if table is not None else config_tables.packaged_table(target.arch)
     cfg, tier = tbl.lookup(spec, shape, call.layout, call.dtype, shape[0] * oh * ow)
     return RouteDecision(decision.route, config=cfg, tier=tier, table=tbl.name)

@@ -58,6 +58,7 @@ class PatchedConvMixin:
     _cp_table = None
     _cp_pack = None
     _cp_last = None
+    _cp_spec = None
 
     @classmethod
     def wrap(cls, original: nn.Module, table=None):
@@ -79,10 +80,23 @@ class PatchedConvMixin:
         return orig
 
     # -- routing -----------------------------------------------------------
+    @property
+    def spec(self) -> ConvSpec:
+        """The conv's description, rebuilt after any attribute assignment."""
+        spec = self.__dict__.get("_cp_spec")
+        if spec is None:
+            spec = self.__dict__["_cp_spec"] = ConvSpec.from_module(self)
+        return spec
+
+    def __setattr__(self, name, value):
+        super().__setattr__(name, value)
+        if not name.startswith(PRIVATE):
+            self.__dict__["_cp_spec"] = None
+
     def route(self, x: Optional[torch.Tensor] = None, residual=None, output_padding=None) -> RouteDecision:
         """The route this module takes for input ``x`` (or, without ``x``,
         the kernel family it is eligible for)."""
-        spec = ConvSpec.from_module(self)
+        spec = self.spec
         if x is None:
             return select_route(spec)
         call = CallDesc.of_call(x, self.weight, self.bias, residual, output_padding)
@@ -90,13 +104,14 @@ class PatchedConvMixin:
 
     def _cp_call(self, x, residual, beta, activation, out_scale, output_padding=None, fallback_args=()):
         ops.activation_code(activation)
-        spec = ConvSpec.from_module(self)
+        spec = self.spec
         target = target_for(x.device)
         call = CallDesc.of_call(x, self.weight, self.bias, residual, output_padding)
         decision = select_route(spec, call, target, self._cp_table)
         self.__dict__["_cp_last"] = decision
         if decision.is_kernel:
-            ops.check_residual(residual, ops.output_shape(spec, tuple(x.shape), output_padding))
+            if residual is not None:
+                ops.check_residual(residual, ops.output_shape(spec, tuple(x.shape), output_padding))
             w = pack.packed_weight(self, self.weight, self._cp_transposed)
             try:
                 return ops.run_kernel(decision, target, spec, x, w, self.bias, residual=residual,

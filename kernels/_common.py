@@ -44,6 +44,17 @@ def grouped_tile(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def round_to_tf32(x):
+    """Round fp32 to the nearest TF32 value (ties away from zero). The tensor
+    cores read only the top 19 bits of an fp32 operand, i.e. they truncate;
+    truncation is biased, and over a VAE's 40 convs it left the fp32 decode
+    5x further from exact than cuDNN's TF32 (measured on an H200)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x1000) & 0xFFFFE000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def accumulate_tap(acc, x_ptr, w_ptr, x_row, row_ok, ih, iw, H, W, C_in,
                    sxc, sxh, sxw, w_tap, swi, w_col, n_ok,
                    IDX64: tl.constexpr, UPCAST: tl.constexpr,
@@ -74,6 +85,9 @@ def accumulate_tap(acc, x_ptr, w_ptr, x_row, row_ok, ih, iw, H, W, C_in,
             # 3.4-3.9); on hardware this branch is compiled out.
             a = a.to(tl.float32)
             b = b.to(tl.float32)
+        if PRECISION == "tf32":
+            a = round_to_tf32(a)
+            b = round_to_tf32(b)
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
         a_ptrs += a_step
         b_ptrs += BLOCK_K * swi

@@ -1,11 +1,22 @@
-"""Host-side helpers shared by the launchers (no Triton code here)."""
+"""Host-side helpers shared by the launchers (no Triton code here).
 
-import triton
+Plain integer arithmetic on purpose: ``triton.cdiv`` and
+``triton.next_power_of_2`` are constexpr functions in Triton 3.x and cost
+microseconds per host-side call, which adds up on every launch.
+"""
 
 INT32_LIMIT = 2**31 - 1
 
 # tl.dot needs every block dimension >= 16.
 MIN_DOT_BLOCK = 16
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
 
 
 def span(t):
@@ -16,15 +27,21 @@ def span(t):
 
 
 def needs_int64(*tensors):
-    return any(span(t) > INT32_LIMIT for t in tensors)
+    for t in tensors:
+        # The storage bounds every offset from the data pointer; the exact
+        # span is only worked out when that bound is too loose to decide.
+        if t is not None and t.untyped_storage().nbytes() // t.element_size() > INT32_LIMIT \
+                and span(t) > INT32_LIMIT:
+            return True
+    return False
 
 
 def block_sizes(config, c_in, c_out):
     """The table's tile, narrowed to the channel counts: a 3-channel output
     would otherwise spend 125 of 128 columns on masked work."""
     bm = int(config["BLOCK_M"])
-    bn = min(int(config["BLOCK_N"]), max(MIN_DOT_BLOCK, triton.next_power_of_2(c_out)))
-    bk = min(int(config["BLOCK_K"]), max(MIN_DOT_BLOCK, triton.next_power_of_2(c_in)))
+    bn = min(int(config["BLOCK_N"]), max(MIN_DOT_BLOCK, next_pow2(c_out)))
+    bk = min(int(config["BLOCK_K"]), max(MIN_DOT_BLOCK, next_pow2(c_in)))
     return bm, bn, bk
 
 

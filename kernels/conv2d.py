@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from ._common import accumulate_tap, epilogue_store, grouped_tile, _idx
-from ._launch import run_conv_kernel
+from ._launch import cdiv, run_conv_kernel
 
 
 @triton.jit
@@ -68,5 +68,5 @@ def launch_conv2d(x, w, bias, out, residual, **kw):
     c_out = w.shape[0]
     return run_conv_kernel(
         conv2d_fwd_kernel,
-        lambda bm, bn: (triton.cdiv(M, bm) * triton.cdiv(c_out, bn),),
+        lambda bm, bn: (cdiv(M, bm) * cdiv(c_out, bn),),
         x, w, bias, out, residual, **kw)

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from ._common import accumulate_tap, epilogue_store, grouped_tile, _idx
-from ._launch import run_conv_kernel
+from ._launch import cdiv, run_conv_kernel
 
 
 @triton.jit
@@ -84,9 +84,9 @@ def launch_conv_transpose2d(x, w, bias, out, residual, **kw):
     [C_in, C_out, KH, KW] transposed, or a pack); ``out`` has the full output
     shape, output_padding included."""
     sh, sw = kw["stride"]
-    m_max = x.shape[0] * triton.cdiv(out.shape[2], sh) * triton.cdiv(out.shape[3], sw)
+    m_max = x.shape[0] * cdiv(out.shape[2], sh) * cdiv(out.shape[3], sw)
     c_out = w.shape[0]
     return run_conv_kernel(
         conv_transpose2d_fwd_kernel,
-        lambda bm, bn: (triton.cdiv(m_max, bm) * triton.cdiv(c_out, bn), sh * sw),
+        lambda bm, bn: (cdiv(m_max, bm) * cdiv(c_out, bn), sh * sw),
         x, w, bias, out, residual, **kw)

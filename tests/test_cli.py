@@ -7,26 +7,27 @@ import pytest
 from conv_patch import cli, ops
 
 
-def test_verify_embedded_default_passes(tmp_path, capsys):
+def test_verify_embedded_default_passes(tmp_path, capsys, device):
     out = tmp_path / "report.json"
-    assert cli.main(["verify", "--device", "cpu", "--size", "16", "--json", str(out)]) == 0
+    assert cli.main(["verify", "--device", str(device), "--size", "16", "--json", str(out)]) == 0
     text = capsys.readouterr().out
-    assert "PASS" in text and "conv2d_igemm" in text and "interpreter" in text
+    assert "PASS" in text and "conv2d_igemm" in text
+    assert ("Triton interpreter" in text) == (device.type == "cpu")
     report = json.loads(out.read_text())
     assert report["passed"] and len(report["layers"]) == 41
     assert all(r["route"] == "conv2d_igemm" for r in report["layers"])
     assert report["end_to_end"][0]["passed"]
 
 
-def test_verify_detects_wrong_kernels(monkeypatch, capsys):
+def test_verify_detects_wrong_kernels(monkeypatch, capsys, device):
     """A kernel that computes the wrong thing must fail verification (exit 1)."""
     real = ops.run_kernel
 
     def off_by_a_bit(*args, **kwargs):
-        return real(*args, **kwargs) * 1.01
+        return real(*args, **kwargs) * 1.05
 
     monkeypatch.setattr(ops, "run_kernel", off_by_a_bit)
-    assert cli.main(["verify", "--device", "cpu", "--size", "16"]) == 1
+    assert cli.main(["verify", "--device", str(device), "--size", "16"]) == 1
     out = capsys.readouterr().out
     assert "FAIL" in out
 
@@ -35,7 +36,7 @@ def test_verify_detects_wrong_kernels(monkeypatch, capsys):
     (["verify", "--size", "12"], "multiple of 8"),
     (["verify", "--size", "-8"], "must be positive"),
     (["verify", "--device", "tpu:0"], "--device tpu:0"),
-    (["verify", "--device", "cpu", "--size", "16", "--json", "/nonexistent-dir/r.json"], "cannot write"),
+    (["verify", "--size", "16", "--json", "/nonexistent-dir/r.json"], "cannot write"),
 ])
 def test_usage_errors_exit_2(argv, needle, capsys):
     assert cli.main(argv) == 2

@@ -11,8 +11,11 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 from conv_patch import ops
+from conv_patch.kernels._common import round_to_tf32
 from _util import TOL, act64, poisoned, randn, rel_err
 
 ACTS = ["none", "relu", "silu", "gelu", "gelu_tanh"]
@@ -230,3 +233,33 @@ def test_bad_calls_raise(device):
         ops.conv2d(x.double(), w.double())
     with pytest.raises(ops.UnsupportedConv, match="channels"):
         ops.conv2d(x[:, :3], w)
+
+
+@triton.jit
+def _round_tf32_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < n)
+    tl.store(y_ptr + offs, round_to_tf32(x), mask=offs < n)
+
+
+def test_round_to_tf32_is_round_to_nearest(device):
+    """The fp32 operands of a TF32 dot are rounded to 10 mantissa bits, not
+    truncated; special values survive."""
+    g = torch.Generator().manual_seed(6)
+    x = torch.cat([torch.randn(1000, generator=g) * 10.0 ** torch.randint(-30, 30, (1000,), generator=g),
+                   torch.tensor([0.0, -0.0, float("inf"), -float("inf"), 1.0 + 2 ** -11, 1.0 + 2 ** -12,
+                                 1.0 - 2 ** -25, torch.finfo(torch.float32).max])]).float().to(device)
+    y = torch.empty_like(x)
+    _round_tf32_kernel[(1,)](x, y, x.numel(), BLOCK=2048)
+    bits = x.cpu().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    want = (((bits + 0x1000) & 0xFFFFE000).to(torch.int64))
+    want = torch.where(want >= 2**31, want - 2**32, want).to(torch.int32).view(torch.float32)
+    assert torch.equal(y.cpu(), want)
+    ulp = torch.ldexp(torch.ones_like(x.cpu()), torch.frexp(x.cpu())[1] - 11)
+    finite = torch.isfinite(y.cpu()) & (x.cpu().abs() < 3e38)
+    assert ((y.cpu() - x.cpu()).abs() <= ulp / 2 + 1e-45)[finite].all()
+    special = y[1000:].cpu().tolist()
+    assert special[:4] == [0.0, -0.0, float("inf"), -float("inf")]
+    assert special[4] == 1.0 + 2 ** -10  # a tie rounds away from zero
+    assert special[5] == 1.0 and special[6] == 1.0
+    assert special[7] == float("inf")  # rounding past the largest TF32 value

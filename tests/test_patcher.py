@@ -332,3 +332,17 @@ def test_kernel_launch_failure_falls_back_with_warning(device, exact_fp32, monke
         out = net.conv_in(x, activation="relu")
     assert "kernel failed here: OutOfResources" in net.conv_in._cp_last.reason
     assert rel_err(out, torch.relu(twin.conv_in(x))) <= TOL[torch.float32]
+
+
+def test_attribute_change_after_patching_is_honoured(device, exact_fp32):
+    net = make_net(device)
+    conv_patch.apply(net)
+    twin = copy.deepcopy(net)
+    conv_patch.remove(twin)
+    net.conv_in.padding = (2, 0)
+    twin.conv_in.padding = (2, 0)
+    x = torch.randn(1, 3, 9, 8, device=device)
+    with torch.no_grad():
+        out = net.conv_in(x)
+    assert net.conv_in._cp_last.is_kernel and out.shape == (1, 12, 11, 6)
+    assert rel_err(out, twin.conv_in(x)) <= TOL[torch.float32]

@@ -1,6 +1,7 @@
 """``convpatch`` command line.
 
-    convpatch verify [--device D] [--dtype fp16|bf16|fp32] [--size N] [--json PATH]
+    convpatch verify [PATH ...] [--image IMG] [--device D] [--dtype fp16|bf16|fp32] [--size N]
+                     [--json PATH] [--allow-pickle]
     convpatch info
 
 Exit codes: 0 all checks pass, 1 a mismatch beyond tolerance, 2 bad input or
@@ -24,11 +25,19 @@ class UsageError(Exception):
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="convpatch", description="conv-patch: fast convolutions for diffusion VAEs")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    v = sub.add_parser("verify", help="check conv-patch against PyTorch on a model (default: an embedded one)")
+    v = sub.add_parser("verify", help="check conv-patch against PyTorch on a checkpoint (default: an embedded model)")
+    v.add_argument("paths", nargs="*", metavar="PATH",
+                   help="safetensors checkpoint(s): a VAE (diffusers, single-file/ComfyUI, TAESD, "
+                        "AutoencoderTiny) or any file with conv weights; none: the embedded default")
+    v.add_argument("--image", metavar="IMG", default=None,
+                   help="encode->decode this image and report the reconstruction PSNR, patched and unpatched")
+    v.add_argument("--allow-pickle", action="store_true",
+                   help="load .ckpt/.pt/.pth/.bin pickles (with torch.load(weights_only=True) only)")
     v.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when present)")
     v.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                    help="compute dtype (default: bf16 on a GPU, fp32 on the CPU)")
-    v.add_argument("--size", type=int, default=None, help="image size in pixels (default: 512 on a GPU, 32 on the CPU)")
+    v.add_argument("--size", type=int, default=None,
+                   help="image size in pixels (default: 512 on a GPU; small on the CPU, chosen per model)")
     v.add_argument("--json", metavar="PATH", default=None, help="also write the report as JSON")
     sub.add_parser("info", help="GPU, architecture table, versions and kernel routes")
     return ap
@@ -98,6 +107,9 @@ def summary_lines(report) -> list:
         lines.append(f"end to end, {e.what}: rel err vs fp32 patched {e.rel_err_patched:.3g}, "
                      f"unpatched {e.rel_err_unpatched:.3g}; max |patched-unpatched| {e.max_abs_diff:.3g}, "
                      f"PSNR {e.psnr_patched_vs_unpatched_db:.1f} dB  {'pass' if e.passed else 'FAIL'}")
+        if e.image_psnr_patched_db is not None:
+            lines.append(f"  reconstruction PSNR vs the image: unpatched {e.image_psnr_unpatched_db:.2f} dB, "
+                         f"patched {e.image_psnr_patched_db:.2f} dB")
         if e.ms_patched is not None:
             lines.append(f"  time (median): unpatched {e.ms_unpatched:.3f} ms, patched {e.ms_patched:.3f} ms, "
                          f"speedup {e.speedup:.2f}x")
@@ -141,30 +153,47 @@ def cmd_verify(args) -> int:
     from . import verify
     if args.size is not None and args.size <= 0:
         raise UsageError(f"--size {args.size}: must be positive")
+    if args.image and not os.path.isfile(args.image):
+        raise UsageError(f"{args.image}: no such image file")
     if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
         raise UsageError(f"{args.json}: cannot write the JSON report (no such folder)")
     dtype = getattr(torch, DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")])
     tty = sys.stdout.isatty()
     try:
         with _Progress(tty) as progress:
-            report = verify.embedded_default(device, dtype, args.size, progress=progress)
-    except ValueError as e:
+            if args.paths:
+                dtype = None if args.dtype is None else dtype
+                reports = verify.verify_files(args.paths, device, dtype, args.size, args.image,
+                                              args.allow_pickle, progress=progress)
+            else:
+                if args.image:
+                    raise UsageError("--image needs a checkpoint PATH (the embedded default has no encoder)")
+                reports = [verify.embedded_default(device, dtype, args.size, progress=progress)]
+    except ValueError as e:  # CheckpointError included: bad input, one line
         raise UsageError(str(e)) from None
+    console = None
     if tty:
         try:
             from rich.console import Console
-            render_rich(report, Console())
+            console = Console()
         except ImportError:
+            pass
+    for i, report in enumerate(reports):
+        if i:
+            print()
+        if console is not None:
+            render_rich(report, console)
+        else:
             print(render_plain(report))
-    else:
-        print(render_plain(report))
+    passed = all(r.passed for r in reports)
     if args.json:
         try:
             with open(args.json, "w") as f:
-                json.dump(report.to_dict(), f, indent=1, default=str)
+                json.dump({"passed": passed, "reports": [r.to_dict() for r in reports]}, f, indent=1,
+                          default=str)
         except OSError as e:
             raise UsageError(f"{args.json}: cannot write the JSON report ({e.strerror})") from None
-    return 0 if report.passed else 1
+    return 0 if passed else 1
 
 
 def cmd_info(args) -> int:
@@ -186,7 +215,10 @@ def cmd_info(args) -> int:
     print(f"GPU: {gpu}; architecture key: {t.arch}; kernels: {'yes' if t.kernels else 'no (' + t.reason + ')'}")
     if t.kernels:
         own = config_tables.has_table(t.arch)
-        print(f"config table: configs/{table}.json" + ("" if own else f" (no table for {t.arch}: curated default)"))
+        print(f"config table: configs/{table}.json" + (" (a table of its own)" if own else
+                                                       f" (no table for {t.arch}: the curated default)"))
+    else:
+        print("config table: - (no kernels run here)")
     print(f"Triton interpreter: {'on' if interpreter_enabled() else 'off'}; triton available: {triton_available()}")
     print("routes:")
     for route, what in ROUTE_INFO.items():

@@ -69,6 +69,28 @@ def encoder(latent_channels: int = 32, channels: int = 64, pool: bool = True) ->
     )
 
 
+def from_plan(plan) -> nn.Sequential:
+    """A Sequential from a layer list as conv_patch.formats.taesd_plan reads
+    one off a checkpoint: ("conv", c_in, c_out, k, stride, bias),
+    ("block", c_in, c_out, pool), ("clamp",), ("relu",), ("upsample",)."""
+    layers = []
+    for p in plan:
+        if p[0] == "conv":
+            _, c_in, c_out, k, stride, bias = p
+            layers.append(nn.Conv2d(c_in, c_out, k, stride=stride, padding=k // 2, bias=bias))
+        elif p[0] == "block":
+            layers.append(Block(p[1], p[2], p[3]))
+        elif p[0] == "clamp":
+            layers.append(Clamp())
+        elif p[0] == "relu":
+            layers.append(nn.ReLU())
+        elif p[0] == "upsample":
+            layers.append(nn.Upsample(scale_factor=2))
+        else:
+            raise ValueError(f"unknown TAESD layer {p!r}")
+    return nn.Sequential(*layers)
+
+
 def seeded_(model: nn.Module, seed: int = 0) -> nn.Module:
     """Fill every parameter with seeded values of a trained net's scale
     (fan-in scaled normals), so the embedded default computes something

@@ -59,6 +59,8 @@ class EndToEnd:
     ms_unpatched: Optional[float] = None
     ms_patched: Optional[float] = None
     speedup: Optional[float] = None
+    image_psnr_unpatched_db: Optional[float] = None
+    image_psnr_patched_db: Optional[float] = None
 
 
 @dataclass
@@ -174,9 +176,12 @@ def _time_interleaved(fns, runs: int, warmup: int = 3) -> List[float]:
 
 
 def check_end_to_end(what: str, model: nn.Module, run: Callable[[nn.Module, torch.Tensor], torch.Tensor],
-                     x: torch.Tensor, dtype: torch.dtype, timing_runs: int = 0) -> EndToEnd:
+                     x: torch.Tensor, dtype: torch.dtype, timing_runs: int = 0,
+                     image_range: Optional[tuple] = None) -> EndToEnd:
     """``model`` unpatched, on its device in fp32; ``run(model, x)`` gives the
-    output. The model is left patched, in ``dtype``."""
+    output. With ``image_range`` the run is a reconstruction of the image
+    ``x``, and the PSNR of each output (clamped to the range) against it is
+    reported too. The model is left patched, in ``dtype``."""
     with torch.no_grad(), _ExactFP32():
         ref = run(model, x.float())
     model.to(dtype)
@@ -194,12 +199,17 @@ def check_end_to_end(what: str, model: nn.Module, run: Callable[[nn.Module, torc
         del twin
     e_p, e_u = rel_err(patched, ref), rel_err(unpatched, ref)
     rng = (ref.max() - ref.min()).item() or 1.0
+    img_u = img_p = None
+    if image_range is not None:
+        lo, hi = image_range
+        img_u, img_p = (psnr(y.float().clamp(lo, hi), x.float(), hi - lo) for y in (unpatched, patched))
     return EndToEnd(
         what=what, input_shape=list(x.shape), rel_err_patched=e_p, rel_err_unpatched=e_u,
         max_abs_diff=(patched.double() - unpatched.double()).abs().max().item(),
         psnr_patched_vs_unpatched_db=psnr(patched, unpatched, rng),
         passed=e_p <= E2E_RATIO * e_u + E2E_FLOOR[dtype],
         ms_unpatched=ms_u, ms_patched=ms_p, speedup=(ms_u / ms_p) if ms_u and ms_p else None,
+        image_psnr_unpatched_db=img_u, image_psnr_patched_db=img_p,
     )
 
 
@@ -226,3 +236,162 @@ def embedded_default(device: torch.device, dtype: torch.dtype, size: Optional[in
         report.notes.append("no GPU: the kernels ran under the Triton interpreter on the CPU, "
                             f"at a small size ({image}x{image}); no timings")
     return report
+
+
+# -- checkpoint files -------------------------------------------------------------
+
+def conv_weight_names(state: dict) -> List[str]:
+    """Every 4-D floating-point ``*weight`` tensor: the file's convolutions."""
+    return [k for k, v in state.items()
+            if k.endswith("weight") and v.dim() == 4 and v.is_floating_point() and min(v.shape) > 0]
+
+
+def _file_dtype(state: dict, names: List[str]) -> torch.dtype:
+    dtypes = [state[n].dtype for n in names]
+    common = max(set(dtypes), key=dtypes.count)
+    return common if common in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+
+def check_file_layers(path: str, state: dict, fmt, device, dtype, size: int,
+                      progress: Optional[Callable] = None) -> List[LayerResult]:
+    """Each conv weight of the file, as a conv of the geometry its format
+    gives it (stride 1, 'same' padding when the format is unknown)."""
+    from .wrappers import PatchedConv2d
+    names = conv_weight_names(state)
+    results = []
+    for i, name in enumerate(names):
+        w = state[name]
+        bias = state.get(name[: -len("weight")] + "bias")
+        if bias is not None and tuple(bias.shape) != (w.shape[0],):
+            bias = None
+        stride, pad = fmt.geometry(name, tuple(w.shape))
+        conv = nn.Conv2d(w.shape[1], w.shape[0], tuple(w.shape[2:]), stride=stride, padding=pad,
+                         bias=bias is not None)
+        with torch.no_grad():
+            conv.weight.copy_(w.float())
+            if bias is not None:
+                conv.bias.copy_(bias.float())
+        conv = PatchedConv2d.wrap(conv.to(device=device, dtype=dtype).requires_grad_(False))
+        results.append(check_layer(name[: -len(".weight")] or name, conv, size, seed=i))
+        if progress:
+            progress(i + 1, len(names), name)
+    return results
+
+
+def load_image(path: str, size: int, value_range: tuple) -> torch.Tensor:
+    """[1, 3, size, size] in ``value_range``: centre square, resized."""
+    try:
+        from PIL import Image
+    except ImportError:
+        raise ValueError("--image needs Pillow (pip install pillow)") from None
+    try:
+        img = Image.open(path).convert("RGB")
+    except FileNotFoundError:
+        raise ValueError(f"{path}: no such image file") from None
+    except Exception as e:
+        raise ValueError(f"{path}: cannot read as an image ({type(e).__name__})") from None
+    side = min(img.size)
+    left, top = (img.size[0] - side) // 2, (img.size[1] - side) // 2
+    img = img.crop((left, top, left + side, top + side)).resize((size, size), Image.LANCZOS)
+    x = torch.frombuffer(bytearray(img.tobytes()), dtype=torch.uint8).view(size, size, 3)
+    x = x.permute(2, 0, 1)[None].float() / 255
+    lo, hi = value_range
+    return x * (hi - lo) + lo
+
+
+class _Pair(nn.Module):
+    """A separate encoder and decoder file, run as encode then decode."""
+
+    def __init__(self, enc, dec):
+        super().__init__()
+        self.enc, self.dec = enc, dec
+
+
+def _default_size(fmt, device, image: bool) -> int:
+    if device.type == "cuda":
+        return 512
+    # Interpreter: small, but a real image needs a few latent pixels.
+    return 64 if (image or fmt.kind.startswith(("taesd", "diffusers-autoencodertiny"))) else 32
+
+
+def verify_files(paths, device, dtype=None, size=None, image=None, allow_pickle=False,
+                 progress: Optional[Callable] = None) -> List[VerifyReport]:
+    """One report per checkpoint: per-layer checks, then end-to-end checks
+    when its architecture is recognised. A TAESD-style encoder and decoder
+    given together with ``image`` are also checked as one reconstruction.
+    Raises checkpoint.CheckpointError / ValueError for bad input."""
+    from . import checkpoint, formats
+    from .target import interpreter_enabled
+
+    timing = 20 if device.type == "cuda" else 0
+    loaded = []
+    for path in paths:
+        state = checkpoint.load(path, allow_pickle=allow_pickle)
+        names = conv_weight_names(state)
+        if not names:
+            raise checkpoint.CheckpointError(f"{path}: holds no convolution weights (no 4-D floating-point "
+                                             "tensor named *weight)")
+        loaded.append((path, state, formats.recognise({k: tuple(v.shape) for k, v in state.items()})))
+
+    reports, runnable = [], []
+    for path, state, fmt in loaded:
+        names = conv_weight_names(state)
+        dt = dtype or (_file_dtype(state, names) if device.type == "cuda" else torch.float32)
+        s = size or _default_size(fmt, device, image is not None)
+        if s % max(fmt.factor, 1):
+            raise ValueError(f"--size {s}: must be a multiple of {fmt.factor} for {path}")
+        rep = VerifyReport(model=f"{path}: {fmt.description}", device=str(device),
+                           dtype=str(dt).replace("torch.", ""),
+                           interpreter=device.type == "cpu" and interpreter_enabled())
+        rep.layers = check_file_layers(path, state, fmt, device, dt, 64 if device.type == "cuda" else 12,
+                                       progress)
+        bad = [r.name for r in rep.layers if r.note]
+        if bad:
+            rep.notes.append(f"finding: {len(bad)} conv weight(s) contain NaN/Inf ({', '.join(bad[:3])}"
+                             f"{', ...' if len(bad) > 3 else ''}); end-to-end checks skipped")
+        if not fmt.recognised:
+            rep.notes.append("architecture not recognised: per-layer checks only")
+        elif not bad:
+            try:
+                _file_end_to_end(rep, fmt, state, device, dt, s, image, timing)
+                runnable.append((len(reports), fmt, state, dt, s))
+            except ImportError as e:
+                rep.notes.append(f"end-to-end checks need {e.name or 'diffusers'} (pip install "
+                                 f"'conv-patch[diffusers]'): per-layer checks only")
+        if rep.interpreter:
+            rep.notes.append("no GPU: the kernels ran under the Triton interpreter on the CPU, at a small "
+                             f"size ({s}x{s}); no timings")
+        reports.append(rep)
+
+    encs = [(i, r) for i, r in enumerate(runnable) if r[1].encode and not r[1].decode]
+    decs = [(i, r) for i, r in enumerate(runnable) if r[1].decode and not r[1].encode]
+    if image is not None and encs and decs:
+        (_, (_, efmt, estate, dt, s)), (di, (_, dfmt, dstate, _, _)) = encs[0], decs[0]
+        if efmt.latent_channels == dfmt.latent_channels:
+            pair = _Pair(efmt.build(estate), dfmt.build(dstate)).to(device).eval()
+            x = load_image(image, s, efmt.image_range).to(device)
+            reports[runnable[di][0]].end_to_end.append(check_end_to_end(
+                f"encode->decode {image} at {s}x{s} (encoder and decoder files)", pair,
+                lambda m, t: dfmt.decode(m.dec, efmt.encode(m.enc, t)), x, dt, timing, efmt.image_range))
+    if image is not None and not any(e.image_psnr_patched_db is not None for r in reports for e in r.end_to_end):
+        reports[-1].notes.append("--image needs an encoder and a decoder: a file holding both, or the "
+                                 "matching encoder and decoder files together")
+    return reports
+
+
+def _file_end_to_end(rep, fmt, state, device, dtype, size, image, timing):
+    g = torch.Generator().manual_seed(0)
+    lo, hi = fmt.image_range
+    if fmt.decode:
+        z = torch.randn(1, fmt.latent_channels, size // fmt.factor, size // fmt.factor, generator=g)
+        rep.end_to_end.append(check_end_to_end(f"decode {size}x{size}", fmt.build(state).to(device).eval(),
+                                               fmt.decode, z.to(device), dtype, timing))
+    if fmt.encode:
+        x = torch.rand(1, 3, size, size, generator=g) * (hi - lo) + lo
+        rep.end_to_end.append(check_end_to_end(f"encode {size}x{size}", fmt.build(state).to(device).eval(),
+                                               fmt.encode, x.to(device), dtype, timing))
+    if image is not None and fmt.decode and fmt.encode:
+        x = load_image(image, size, fmt.image_range).to(device)
+        rep.end_to_end.append(check_end_to_end(
+            f"encode->decode {image} at {size}x{size}", fmt.build(state).to(device).eval(),
+            lambda m, t: fmt.decode(m, fmt.encode(m, t)), x, dtype, timing, fmt.image_range))

@@ -14,6 +14,8 @@ def test_verify_embedded_default_passes(tmp_path, capsys, device):
     assert "PASS" in text and "conv2d_igemm" in text
     assert ("Triton interpreter" in text) == (device.type == "cpu")
     report = json.loads(out.read_text())
+    assert report["passed"] and len(report["reports"]) == 1
+    report = report["reports"][0]
     assert report["passed"] and len(report["layers"]) == 41
     assert all(r["route"] == "conv2d_igemm" for r in report["layers"])
     assert report["end_to_end"][0]["passed"]
@@ -50,7 +52,11 @@ def test_bad_flag_exits_2(capsys):
     assert e.value.code == 2
 
 
-def test_info(capsys):
+def test_info(capsys, device):
     assert cli.main(["info"]) == 0
     out = capsys.readouterr().out
     assert "architecture key" in out and "conv_transpose2d_igemm" in out and "fallback" in out
+    assert "torch " in out and "triton " in out and "config table:" in out
+    if device.type == "cpu":  # the tests run the kernels through the interpreter
+        assert "Triton interpreter: on" in out and "architecture key: interpreter" in out
+        assert "configs/interpreter.json" in out

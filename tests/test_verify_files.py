@@ -1,0 +1,282 @@
+"""``convpatch verify PATH``: formats, reports, and every kind of bad input.
+
+Each bad-input test builds its own file and checks: exit code 2, one line on
+stderr naming the file and the problem, no traceback, the file untouched.
+"""
+
+import hashlib
+import json
+import os
+import pickle
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from conv_patch import cli, ops, taesd
+
+SHARED = Path(os.environ.get("CONV_PATCH_SHARED") or Path(__file__).resolve().parents[1].parent / "shared")
+HAVE_TAEF2 = (SHARED / "models" / "taef2_decoder.safetensors").exists()
+
+
+def run_cli(argv, capsys):
+    code = cli.main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def raw_safetensors(path, header, data=b"", header_len=None):
+    blob = header if isinstance(header, bytes) else json.dumps(header).encode()
+    n = len(blob) if header_len is None else header_len
+    path.write_bytes(struct.pack("<Q", n) + blob + data)
+    return path
+
+
+def conv_entry(begin, shape=(2, 2, 1, 1), dtype="F32", itemsize=4):
+    n = itemsize
+    for d in shape:
+        n *= d
+    return {"dtype": dtype, "shape": list(shape), "data_offsets": [begin, begin + n]}
+
+
+def _fingerprint(path):
+    if not os.path.isfile(path):
+        return None
+    st = os.stat(path)
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest(), st.st_mtime_ns, st.st_size
+
+
+def _write(path, data):
+    if isinstance(data, str):
+        path.write_text(data)
+    else:
+        path.write_bytes(data)
+    return path
+
+
+def _good_file(tmp_path):
+    p = tmp_path / "good.safetensors"
+    save_file({"conv.weight": torch.randn(4, 3, 3, 3)}, str(p))
+    return p
+
+
+BAD_INPUTS = {
+    "missing": (lambda d: d / "nope.safetensors", "no such file"),
+    "directory": (lambda d: d, "is a directory"),
+    "not_safetensors": (lambda d: _write(d / "notes.safetensors", "hello, this is text\n" * 5),
+                        "not a safetensors file"),
+    "empty": (lambda d: _write(d / "empty.safetensors", b""), "empty file"),
+    "too_short": (lambda d: _write(d / "short.safetensors", b"\x01\x02"), "too short"),
+    "header_longer_than_file": (lambda d: raw_safetensors(d / "h.safetensors", {"a": conv_entry(0)},
+                                                           bytes(16), header_len=10**9), "header length"),
+    "header_not_json": (lambda d: raw_safetensors(d / "j.safetensors", b"{not json at all"), "not JSON"),
+    "header_not_object": (lambda d: raw_safetensors(d / "l.safetensors", [1, 2, 3]), "not an object"),
+    "offsets_past_end": (lambda d: raw_safetensors(d / "o.safetensors", {"c.weight": conv_entry(0)}, bytes(8)),
+                         "runs past the end"),
+    "overlapping": (lambda d: raw_safetensors(
+        d / "ov.safetensors", {"a.weight": conv_entry(0), "b.weight": conv_entry(8)}, bytes(24)), "overlap"),
+    "shape_bytes_disagree": (lambda d: raw_safetensors(
+        d / "s.safetensors", {"c.weight": {"dtype": "F32", "shape": [2, 2, 3, 3], "data_offsets": [0, 16]}},
+        bytes(16)), "declares shape"),
+    "unknown_dtype": (lambda d: raw_safetensors(
+        d / "u.safetensors", {"c.weight": {"dtype": "Q7", "shape": [1], "data_offsets": [0, 1]}}, bytes(1)),
+        "unknown dtype 'Q7'"),
+    "huge_declared_size": (lambda d: raw_safetensors(
+        d / "huge.safetensors",
+        {"c.weight": {"dtype": "F32", "shape": [2**20, 2**20, 3, 3], "data_offsets": [0, 2**45]}}, bytes(16)),
+        "runs past the end"),
+    "gap_in_data": (lambda d: raw_safetensors(
+        d / "gap.safetensors", {"a.weight": conv_entry(0), "b.weight": conv_entry(32)}, bytes(48)), "gap"),
+    "no_conv_weights": (lambda d: save_file({"linear.weight": torch.randn(4, 4), "bias": torch.randn(4)},
+                                            str(d / "lin.safetensors")) or d / "lin.safetensors",
+                        "no convolution weights"),
+    "no_tensors": (lambda d: raw_safetensors(d / "none.safetensors", {"__metadata__": {"a": "b"}}),
+                   "holds no tensors"),
+    "pickle_refused": (lambda d: torch.save({"conv.weight": torch.randn(2, 2, 3, 3)}, d / "vae.ckpt")
+                       or d / "vae.ckpt", "pickle"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_bad_input_one_line_exit_2(case, tmp_path, capsys):
+    make, needle = BAD_INPUTS[case]
+    path = make(tmp_path)
+    before = _fingerprint(path)
+    code, out, err = run_cli(["verify", str(path)], capsys)
+    assert code == 2, (out, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err
+    assert str(path) in lines[0] and needle in lines[0], lines[0]
+    assert _fingerprint(path) == before
+
+
+def test_pickle_allowed_loads_weights_only(tmp_path, capsys):
+    path = tmp_path / "vae.pth"
+    torch.save({"state_dict": {"conv.weight": torch.randn(4, 3, 3, 3)}}, path)
+    code, out, err = run_cli(["verify", str(path), "--allow-pickle", "--size", "8"], capsys)
+    assert code == 0, err
+    assert "conv2d_igemm" in out and "not recognised" in out
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, ("touch pwned-by-pickle",))
+
+
+def test_malicious_pickle_never_runs(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    path = tmp_path / "evil.pt"
+    path.write_bytes(pickle.dumps({"conv.weight": _Evil()}))
+    code, out, err = run_cli(["verify", str(path), "--allow-pickle"], capsys)
+    assert code == 2 and "weights-only pickle" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "pwned-by-pickle").exists()
+
+
+def test_nan_weights_are_a_finding_not_a_crash(tmp_path, capsys):
+    w = torch.randn(4, 3, 3, 3)
+    w[0, 0, 0, 0] = float("nan")
+    path = tmp_path / "nan.safetensors"
+    save_file({"bad.weight": w, "good.weight": torch.randn(4, 3, 3, 3)}, str(path))
+    code, out, err = run_cli(["verify", str(path), "--json", str(tmp_path / "r.json")], capsys)
+    assert code == 0, err
+    assert "finding: 1 conv weight(s) contain NaN/Inf (bad)" in out
+    layers = json.loads((tmp_path / "r.json").read_text())["reports"][0]["layers"]
+    assert [r["note"] for r in layers if r["name"] == "bad"] == ["weights contain NaN/Inf: not compared"]
+
+
+def test_unknown_architecture_per_layer_only(tmp_path, capsys):
+    path = tmp_path / "misc.safetensors"
+    save_file({"a.weight": torch.randn(5, 3, 3, 3), "a.bias": torch.randn(5), "b.weight": torch.randn(7, 5, 1, 1),
+               "c.weight": torch.randn(6, 7, 5, 5).half()}, str(path))
+    code, out, err = run_cli(["verify", str(path)], capsys)
+    assert code == 0, err
+    assert "architecture not recognised: per-layer checks only" in out
+    assert all(n in out for n in ("5->7 k1x1", "7->6 k5x5", "3->5 k3x3")) and "end to end" not in out
+
+
+def test_mismatch_exits_1(tmp_path, capsys, monkeypatch):
+    path = _good_file(tmp_path)
+    real = ops.run_kernel
+    monkeypatch.setattr(ops, "run_kernel", lambda *a, **k: real(*a, **k) + 0.5)
+    code, out, err = run_cli(["verify", str(path)], capsys)
+    assert code == 1 and "FAIL" in out
+
+
+# -- recognised formats ----------------------------------------------------------
+
+def _small_kl():
+    diffusers = pytest.importorskip("diffusers")
+    torch.manual_seed(0)
+    return diffusers.AutoencoderKL(
+        block_out_channels=(32, 64), down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2, latent_channels=4, layers_per_block=1, norm_num_groups=32)
+
+
+def diffusers_to_ldm(sd):
+    """The original single-file key layout, written from diffusers keys (the
+    inverse of diffusers' own converter), for building ldm-format test files."""
+    n_up = 1 + max(int(k.split(".")[2]) for k in sd if k.startswith("decoder.up_blocks."))
+    out = {}
+    for k, v in sd.items():
+        parts = k.split(".")
+        if parts[1] == "down_blocks":
+            k = f"{parts[0]}.down.{parts[2]}." + ".".join(parts[3:])
+            k = k.replace(".resnets.", ".block.").replace(".downsamplers.0.", ".downsample.")
+        elif parts[1] == "up_blocks":
+            k = f"{parts[0]}.up.{n_up - 1 - int(parts[2])}." + ".".join(parts[3:])
+            k = k.replace(".resnets.", ".block.").replace(".upsamplers.0.", ".upsample.")
+        elif parts[1] == "mid_block":
+            k = k.replace("mid_block.resnets.0.", "mid.block_1.").replace("mid_block.resnets.1.", "mid.block_2.")
+            k = (k.replace("mid_block.attentions.0.", "mid.attn_1.").replace("group_norm", "norm")
+                 .replace("to_q", "q").replace("to_k", "k").replace("to_v", "v").replace("to_out.0", "proj_out"))
+            if ".attn_1." in k and k.endswith("weight") and v.dim() == 2:
+                v = v[:, :, None, None]
+        k = k.replace("conv_shortcut", "nin_shortcut").replace("conv_norm_out", "norm_out")
+        out[k] = v.contiguous()
+    return out
+
+
+def _decode_ref(vae, latent_hw=4):
+    torch.manual_seed(1)
+    with torch.no_grad():
+        return vae.decode(torch.randn(1, 4, latent_hw, latent_hw)).sample
+
+
+@pytest.mark.parametrize("layout", ["diffusers", "ldm", "ldm_full_checkpoint"])
+def test_autoencoder_kl_layouts(layout, tmp_path, capsys):
+    vae = _small_kl()
+    sd = {k: v.contiguous() for k, v in vae.state_dict().items()}
+    if layout != "diffusers":
+        sd = diffusers_to_ldm(sd)
+    if layout == "ldm_full_checkpoint":
+        sd = {f"first_stage_model.{k}": v for k, v in sd.items()}
+        sd["model.diffusion_model.input_blocks.0.0.weight"] = torch.randn(8, 4, 3, 3)
+    path = tmp_path / f"{layout}.safetensors"
+    save_file(sd, str(path))
+    from conv_patch import checkpoint, formats
+    state = checkpoint.load(path)
+    fmt = formats.recognise({k: tuple(v.shape) for k, v in state.items()})
+    assert fmt.kind == ("diffusers-autoencoderkl" if layout == "diffusers" else "ldm-vae")
+    if layout == "ldm_full_checkpoint":
+        state = {k[len("first_stage_model."):]: v for k, v in state.items() if k.startswith("first_stage_model.")}
+    rebuilt = fmt.build(state).eval()
+    assert torch.equal(_decode_ref(rebuilt), _decode_ref(vae))  # the same model, recovered from shapes
+    code, out, err = run_cli(["verify", str(path), "--size", "16", "--json", str(tmp_path / "r.json")], capsys)
+    assert code == 0, out + err
+    report = json.loads((tmp_path / "r.json").read_text())["reports"][0]
+    assert "block_out_channels=[32, 64]" in report["model"]
+    assert [e["what"] for e in report["end_to_end"]] == ["decode 16x16", "encode 16x16"]
+    down = [r for r in report["layers"] if "down" in r["name"] and "sample" in r["name"]]
+    assert down and all("s2x2" in r["shape"] for r in down)
+
+
+def test_autoencoder_tiny_file(tmp_path, capsys):
+    diffusers = pytest.importorskip("diffusers")
+    torch.manual_seed(0)
+    vae = diffusers.AutoencoderTiny(encoder_block_out_channels=(16,) * 4, decoder_block_out_channels=(16,) * 4,
+                                    num_encoder_blocks=(1, 2, 1, 1), num_decoder_blocks=(1, 1, 2, 1),
+                                    latent_channels=4)
+    path = tmp_path / "tiny.safetensors"
+    save_file(vae.state_dict(), str(path))
+    code, out, err = run_cli(["verify", str(path), "--size", "16"], capsys)
+    assert code == 0, out + err
+    assert "AutoencoderTiny: 4 latent channels, encoder blocks [1, 2, 1, 1], decoder blocks [1, 1, 2, 1]" in out
+    assert "encoder.layers.2" in out and "s2x2" in out  # the stride-2 downsampler found from the missing bias
+
+
+def test_taesd_format_own_module(tmp_path, capsys):
+    path = tmp_path / "taesd_decoder.safetensors"
+    save_file(taesd.seeded_(taesd.decoder(4, 16, pool=False)).state_dict(), str(path))
+    code, out, err = run_cli(["verify", str(path), "--size", "16"], capsys)
+    assert code == 0, out + err
+    assert "TAESD-format decoder: 4 latent channels, 16 wide, 10 blocks" in out and "decode 16x16" in out
+
+
+@pytest.mark.skipif(not HAVE_TAEF2, reason="../shared/models not present")
+def test_taef2_pair_reconstructs_real_photo(tmp_path, capsys, device):
+    enc, dec = SHARED / "models" / "taef2_encoder.safetensors", SHARED / "models" / "taef2_decoder.safetensors"
+    before = [_fingerprint(enc), _fingerprint(dec)]
+    size = "64" if device.type == "cpu" else "512"
+    code, out, err = run_cli(["verify", str(enc), str(dec), "--image", str(SHARED / "images" / "astronaut.png"),
+                              "--size", size, "--json", str(tmp_path / "r.json")], capsys)
+    assert code == 0, out + err
+    assert [_fingerprint(enc), _fingerprint(dec)] == before
+    reports = json.loads((tmp_path / "r.json").read_text())["reports"]
+    recon = [e for r in reports for e in r["end_to_end"] if e["image_psnr_patched_db"] is not None]
+    assert len(recon) == 1
+    p, u = recon[0]["image_psnr_patched_db"], recon[0]["image_psnr_unpatched_db"]
+    assert abs(p - u) < 0.1 and u > (20 if device.type == "cpu" else 29)
+
+
+def test_image_without_encoder_is_explained(tmp_path, capsys):
+    path = tmp_path / "d.safetensors"
+    save_file(taesd.seeded_(taesd.decoder(4, 16, pool=False)).state_dict(), str(path))
+    img = tmp_path / "x.png"
+    from PIL import Image
+    Image.new("RGB", (20, 20), (10, 200, 30)).save(img)
+    code, out, err = run_cli(["verify", str(path), "--image", str(img), "--size", "16"], capsys)
+    assert code == 0 and "--image needs an encoder and a decoder" in out
+    code, out, err = run_cli(["verify", str(path), "--image", str(tmp_path / "none.png")], capsys)
+    assert code == 2 and "none.png: no such image file" in err

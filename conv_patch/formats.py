@@ -52,19 +52,36 @@ def _idx(keys, pattern):
 _OLD_ATTN = {".query.": ".to_q.", ".key.": ".to_k.", ".value.": ".to_v.", ".proj_attn.": ".to_out.0."}
 
 
-def _kl_config(shapes: Shapes, prefix_enc="encoder.down_blocks.", prefix_dec="decoder.up_blocks."):
-    keys = list(shapes)
-    enc_blocks = _idx(keys, r"encoder\.down_blocks\.(\d+)\.")
-    dec_blocks = _idx(keys, r"decoder\.up_blocks\.(\d+)\.")
-    if enc_blocks:
-        block_out = [shapes[f"encoder.down_blocks.{i}.resnets.0.conv2.weight"][0] for i in enc_blocks]
-        layers = len(_idx(keys, r"encoder\.down_blocks\.0\.resnets\.(\d+)\."))
-    else:
-        block_out = [shapes[f"decoder.up_blocks.{i}.resnets.0.conv2.weight"][0] for i in dec_blocks][::-1]
-        layers = len(_idx(keys, r"decoder\.up_blocks\.0\.resnets\.(\d+)\.")) - 1
+# Where each layout keeps what the config is read from: per-level block
+# prefixes, the first resnet's conv2 (its output width is the level's width),
+# resnet indices, whether decoder levels run in reverse, the mid attention.
+_KL_LAYOUTS = {
+    "diffusers": dict(enc=r"encoder\.down_blocks\.(\d+)\.", dec=r"decoder\.up_blocks\.(\d+)\.",
+                      enc_conv2="encoder.down_blocks.{}.resnets.0.conv2.weight",
+                      dec_conv2="decoder.up_blocks.{}.resnets.0.conv2.weight",
+                      enc_res=r"encoder\.down_blocks\.0\.resnets\.(\d+)\.",
+                      dec_res=r"decoder\.up_blocks\.0\.resnets\.(\d+)\.",
+                      dec_reversed=True, attn=".mid_block.attentions."),
+    "ldm": dict(enc=r"encoder\.down\.(\d+)\.", dec=r"decoder\.up\.(\d+)\.",
+                enc_conv2="encoder.down.{}.block.0.conv2.weight", dec_conv2="decoder.up.{}.block.0.conv2.weight",
+                enc_res=r"encoder\.down\.0\.block\.(\d+)\.", dec_res=r"decoder\.up\.0\.block\.(\d+)\.",
+                dec_reversed=False, attn=".mid.attn_1."),
+}
+
+
+def _kl_config(shapes: Shapes, layout: str) -> dict:
+    """AutoencoderKL's constructor arguments read off a checkpoint's shapes."""
+    L, keys = _KL_LAYOUTS[layout], list(shapes)
+    enc_levels = _idx(keys, L["enc"])
+    if enc_levels:
+        block_out = [shapes[L["enc_conv2"].format(i)][0] for i in enc_levels]
+        layers = len(_idx(keys, L["enc_res"]))
+    else:  # decoder-only file; its levels have one resnet more
+        block_out = [shapes[L["dec_conv2"].format(i)][0] for i in _idx(keys, L["dec"])]
+        block_out = block_out[::-1] if L["dec_reversed"] else block_out
+        layers = len(_idx(keys, L["dec_res"])) - 1
     latent = (shapes["decoder.conv_in.weight"][1] if "decoder.conv_in.weight" in shapes
               else shapes["encoder.conv_out.weight"][0] // 2)
-    attn = any(".mid_block.attentions." in k for k in keys)
     return dict(
         in_channels=shapes["encoder.conv_in.weight"][1] if "encoder.conv_in.weight" in shapes else 3,
         out_channels=shapes["decoder.conv_out.weight"][0] if "decoder.conv_out.weight" in shapes else 3,
@@ -72,7 +89,8 @@ def _kl_config(shapes: Shapes, prefix_enc="encoder.down_blocks.", prefix_dec="de
         up_block_types=("UpDecoderBlock2D",) * len(block_out),
         block_out_channels=tuple(block_out), layers_per_block=layers, latent_channels=latent,
         norm_num_groups=32, use_quant_conv="quant_conv.weight" in shapes,
-        use_post_quant_conv="post_quant_conv.weight" in shapes, mid_block_add_attention=attn,
+        use_post_quant_conv="post_quant_conv.weight" in shapes,
+        mid_block_add_attention=any(L["attn"] in k for k in keys),
     )
 
 
@@ -122,29 +140,6 @@ def _describe_kl(config):
 
 
 # -- original single-file (ldm) layout ---------------------------------------
-
-def _ldm_config(shapes: Shapes) -> dict:
-    keys = list(shapes)
-    blocks = _idx(keys, r"encoder\.down\.(\d+)\.") or _idx(keys, r"decoder\.up\.(\d+)\.")
-    if any(k.startswith("encoder.down.") for k in keys):
-        block_out = [shapes[f"encoder.down.{i}.block.0.conv2.weight"][0] for i in blocks]
-        layers = len(_idx(keys, r"encoder\.down\.0\.block\.(\d+)\."))
-    else:
-        block_out = [shapes[f"decoder.up.{i}.block.0.conv2.weight"][0] for i in blocks]
-        layers = len(_idx(keys, r"decoder\.up\.0\.block\.(\d+)\.")) - 1
-    latent = (shapes["decoder.conv_in.weight"][1] if "decoder.conv_in.weight" in shapes
-              else shapes["encoder.conv_out.weight"][0] // 2)
-    return dict(
-        in_channels=shapes["encoder.conv_in.weight"][1] if "encoder.conv_in.weight" in shapes else 3,
-        out_channels=shapes["decoder.conv_out.weight"][0] if "decoder.conv_out.weight" in shapes else 3,
-        down_block_types=("DownEncoderBlock2D",) * len(block_out),
-        up_block_types=("UpDecoderBlock2D",) * len(block_out),
-        block_out_channels=tuple(block_out), layers_per_block=layers, latent_channels=latent,
-        norm_num_groups=32, use_quant_conv="quant_conv.weight" in shapes,
-        use_post_quant_conv="post_quant_conv.weight" in shapes,
-        mid_block_add_attention=any(".mid.attn_1." in k for k in keys),
-    )
-
 
 def _ldm_to_diffusers(config):
     def convert(state):
@@ -303,11 +298,11 @@ def recognise(shapes: Shapes) -> Format:
             if config is not None:
                 return _tiny_format(shapes, config)
         if any(re.match(r"(encoder\.down_blocks|decoder\.up_blocks)\.\d+\.", k) for k in shapes):
-            config = _kl_config(shapes)
+            config = _kl_config(shapes, "diffusers")
             return _kl_format("diffusers-autoencoderkl", "diffusers " + _describe_kl(config), shapes, config)
         sub, prefix = strip_ldm_prefix(shapes)
         if any(re.match(r"(encoder\.down|decoder\.up)\.\d+\.block\.", k) for k in sub):
-            config = _ldm_config(sub)
+            config = _kl_config(sub, "ldm")
             fmt = _kl_format("ldm-vae", "single-file (ldm) VAE, as " + _describe_kl(config), sub, config,
                              convert=_ldm_to_diffusers(config))
             if prefix:

@@ -204,11 +204,15 @@ def _decode_ref(vae, latent_hw=4):
         return vae.decode(torch.randn(1, 4, latent_hw, latent_hw)).sample
 
 
-@pytest.mark.parametrize("layout", ["diffusers", "ldm", "ldm_full_checkpoint"])
+@pytest.mark.parametrize("layout", ["diffusers", "ldm", "ldm_full_checkpoint", "diffusers_decoder_only",
+                                    "ldm_decoder_only"])
 def test_autoencoder_kl_layouts(layout, tmp_path, capsys):
     vae = _small_kl()
     sd = {k: v.contiguous() for k, v in vae.state_dict().items()}
-    if layout != "diffusers":
+    decoder_only = layout.endswith("decoder_only")
+    if decoder_only:
+        sd = {k: v for k, v in sd.items() if not k.startswith(("encoder.", "quant_conv."))}
+    if layout.startswith("ldm"):
         sd = diffusers_to_ldm(sd)
     if layout == "ldm_full_checkpoint":
         sd = {f"first_stage_model.{k}": v for k, v in sd.items()}
@@ -218,7 +222,7 @@ def test_autoencoder_kl_layouts(layout, tmp_path, capsys):
     from conv_patch import checkpoint, formats
     state = checkpoint.load(path)
     fmt = formats.recognise({k: tuple(v.shape) for k, v in state.items()})
-    assert fmt.kind == ("diffusers-autoencoderkl" if layout == "diffusers" else "ldm-vae")
+    assert fmt.kind == ("diffusers-autoencoderkl" if layout.startswith("diffusers") else "ldm-vae")
     if layout == "ldm_full_checkpoint":
         state = {k[len("first_stage_model."):]: v for k, v in state.items() if k.startswith("first_stage_model.")}
     rebuilt = fmt.build(state).eval()
@@ -227,9 +231,9 @@ def test_autoencoder_kl_layouts(layout, tmp_path, capsys):
     assert code == 0, out + err
     report = json.loads((tmp_path / "r.json").read_text())["reports"][0]
     assert "block_out_channels=[32, 64]" in report["model"]
-    assert [e["what"] for e in report["end_to_end"]] == ["decode 16x16", "encode 16x16"]
+    assert [e["what"] for e in report["end_to_end"]] == ["decode 16x16"] + ([] if decoder_only else ["encode 16x16"])
     down = [r for r in report["layers"] if "down" in r["name"] and "sample" in r["name"]]
-    assert down and all("s2x2" in r["shape"] for r in down)
+    assert all("s2x2" in r["shape"] for r in down) and (decoder_only or down)
 
 
 def test_autoencoder_tiny_file(tmp_path, capsys):

@@ -157,18 +157,19 @@ def cmd_verify(args) -> int:
         raise UsageError(f"{args.image}: no such image file")
     if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
         raise UsageError(f"{args.json}: cannot write the JSON report (no such folder)")
-    dtype = getattr(torch, DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")])
+    # None: each checkpoint's own half type on a GPU, fp32 on the CPU.
+    dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype else None
     tty = sys.stdout.isatty()
     try:
         with _Progress(tty) as progress:
             if args.paths:
-                dtype = None if args.dtype is None else dtype
                 reports = verify.verify_files(args.paths, device, dtype, args.size, args.image,
                                               args.allow_pickle, progress=progress)
             else:
                 if args.image:
                     raise UsageError("--image needs a checkpoint PATH (the embedded default has no encoder)")
-                reports = [verify.embedded_default(device, dtype, args.size, progress=progress)]
+                default = torch.bfloat16 if device.type == "cuda" else torch.float32
+                reports = [verify.embedded_default(device, dtype or default, args.size, progress=progress)]
     except ValueError as e:  # CheckpointError included: bad input, one line
         raise UsageError(str(e)) from None
     console = None

@@ -358,6 +358,12 @@ def verify_files(paths, device, dtype=None, size=None, image=None, allow_pickle=
             except ImportError as e:
                 rep.notes.append(f"end-to-end checks need {e.name or 'diffusers'} (pip install "
                                  f"'conv-patch[diffusers]'): per-layer checks only")
+            except (KeyError, RuntimeError, ValueError) as e:
+                # Looked like a known format but its weights do not fit the model.
+                rep.end_to_end.clear()
+                rep.notes.append(f"looks like {fmt.kind} but the model could not be built from it "
+                                 f"({type(e).__name__}: {str(e).strip().splitlines()[0][:120]}): "
+                                 "per-layer checks only")
         if rep.interpreter:
             rep.notes.append("no GPU: the kernels ran under the Triton interpreter on the CPU, at a small "
                              f"size ({s}x{s}); no timings")

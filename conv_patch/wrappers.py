@@ -104,12 +104,10 @@ class PatchedConvMixin:
 
     def _cp_call(self, x, residual, beta, activation, out_scale, output_padding=None, fallback_args=()):
         ops.activation_code(activation)
-        spec = self.spec
-        target = target_for(x.device)
-        call = CallDesc.of_call(x, self.weight, self.bias, residual, output_padding)
-        decision = select_route(spec, call, target, self._cp_table)
+        decision = self.route(x, residual, output_padding)
         self.__dict__["_cp_last"] = decision
         if decision.is_kernel:
+            spec, target = self.spec, target_for(x.device)
             if residual is not None:
                 ops.check_residual(residual, ops.output_shape(spec, tuple(x.shape), output_padding))
             w = pack.packed_weight(self, self.weight, self._cp_transposed)

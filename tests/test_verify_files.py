@@ -274,6 +274,17 @@ def test_taef2_pair_reconstructs_real_photo(tmp_path, capsys, device):
     assert abs(p - u) < 0.1 and u > (20 if device.type == "cpu" else 29)
 
 
+def test_recognised_but_unbuildable_falls_back_to_per_layer(tmp_path, capsys):
+    """Keys of a TAESD decoder whose block widths do not chain: no crash."""
+    sd = taesd.seeded_(taesd.decoder(4, 16, pool=False)).state_dict()
+    sd["3.conv.0.weight"] = torch.randn(16, 9, 3, 3)
+    path = tmp_path / "odd.safetensors"
+    save_file(sd, str(path))
+    code, out, err = run_cli(["verify", str(path), "--size", "16"], capsys)
+    assert code == 0, out + err
+    assert "looks like taesd-decoder but the model could not be built" in out and "end to end" not in out
+
+
 def test_image_without_encoder_is_explained(tmp_path, capsys):
     path = tmp_path / "d.safetensors"
     save_file(taesd.seeded_(taesd.decoder(4, 16, pool=False)).state_dict(), str(path))

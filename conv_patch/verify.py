@@ -252,7 +252,7 @@ def _file_dtype(state: dict, names: List[str]) -> torch.dtype:
     return common if common in (torch.float16, torch.bfloat16) else torch.bfloat16
 
 
-def check_file_layers(path: str, state: dict, fmt, device, dtype, size: int,
+def check_file_layers(state: dict, fmt, device, dtype, size: int,
                       progress: Optional[Callable] = None) -> List[LayerResult]:
     """Each conv weight of the file, as a conv of the geometry its format
     gives it (stride 1, 'same' padding when the format is unknown)."""
@@ -343,7 +343,7 @@ def verify_files(paths, device, dtype=None, size=None, image=None, allow_pickle=
         rep = VerifyReport(model=f"{path}: {fmt.description}", device=str(device),
                            dtype=str(dt).replace("torch.", ""),
                            interpreter=device.type == "cpu" and interpreter_enabled())
-        rep.layers = check_file_layers(path, state, fmt, device, dt, 64 if device.type == "cuda" else 12,
+        rep.layers = check_file_layers(state, fmt, device, dt, 64 if device.type == "cuda" else 12,
                                        progress)
         bad = [r.name for r in rep.layers if r.note]
         if bad:

@@ -32,7 +32,6 @@ DTYPES = {
     "U64": ("uint64", 8), "F16": ("float16", 2), "BF16": ("bfloat16", 2), "F32": ("float32", 4),
     "F64": ("float64", 8), "F8_E4M3": ("float8_e4m3fn", 1), "F8_E5M2": ("float8_e5m2", 1),
 }
-FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
 
 
 class CheckpointError(ValueError):
@@ -46,10 +45,6 @@ class TensorEntry:
     shape: tuple
     begin: int
     end: int
-
-    @property
-    def is_float(self) -> bool:
-        return self.dtype in FLOAT_DTYPES
 
 
 def _fail(path, msg):

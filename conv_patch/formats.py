@@ -12,7 +12,7 @@ weight for the per-layer check. Anything else gets the per-layer check alone.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Dict, Optional, Tuple
 
 import torch
@@ -34,7 +34,6 @@ class Format:
     latent_channels: int = 0
     factor: int = 8
     image_range: Tuple[float, float] = (-1.0, 1.0)
-    notes: list = field(default_factory=list)
 
     @property
     def recognised(self) -> bool:

@@ -56,6 +56,13 @@ def _write(path, data):
     return path
 
 
+def _truncated(d):
+    """A real file with its last bytes cut off, as an interrupted download leaves it."""
+    p = d / "cut.safetensors"
+    save_file({"conv.weight": torch.randn(8, 4, 3, 3), "conv.bias": torch.randn(8)}, str(p))
+    return _write(p, p.read_bytes()[:-100])
+
+
 def _good_file(tmp_path):
     p = tmp_path / "good.safetensors"
     save_file({"conv.weight": torch.randn(4, 3, 3, 3)}, str(p))
@@ -69,6 +76,7 @@ BAD_INPUTS = {
                         "not a safetensors file"),
     "empty": (lambda d: _write(d / "empty.safetensors", b""), "empty file"),
     "too_short": (lambda d: _write(d / "short.safetensors", b"\x01\x02"), "too short"),
+    "truncated": (_truncated, "truncated file"),
     "header_longer_than_file": (lambda d: raw_safetensors(d / "h.safetensors", {"a": conv_entry(0)},
                                                            bytes(16), header_len=10**9), "header length"),
     "header_not_json": (lambda d: raw_safetensors(d / "j.safetensors", b"{not json at all"), "not JSON"),

@@ -3,6 +3,7 @@ numerics policy PyTorch itself would use there."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import os
@@ -93,6 +94,28 @@ def conv_tf32_enabled() -> bool:
         return bool(torch.backends.cudnn.allow_tf32)
     except RuntimeError:
         return False
+
+
+@contextlib.contextmanager
+def conv_tf32(enabled: bool):
+    """Inside the block, fp32 convolutions use TF32 (``True``) or exact IEEE
+    fp32 (``False``), for PyTorch and for conv-patch alike; restored after.
+    Sets the per-op flag where it exists, else the legacy allow_tf32."""
+    conv = getattr(torch.backends.cudnn, "conv", None)
+    if conv is not None and hasattr(conv, "fp32_precision"):
+        old = conv.fp32_precision
+        conv.fp32_precision = "tf32" if enabled else "ieee"
+        try:
+            yield
+        finally:
+            conv.fp32_precision = old
+    else:  # torch < 2.9
+        old = torch.backends.cudnn.allow_tf32
+        torch.backends.cudnn.allow_tf32 = enabled
+        try:
+            yield
+        finally:
+            torch.backends.cudnn.allow_tf32 = old
 
 
 def dot_precision(dtype: torch.dtype, target: Target) -> str:

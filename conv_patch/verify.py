@@ -25,6 +25,7 @@ from torch import nn
 
 from . import patcher
 from .specs import ConvSpec
+from .target import conv_tf32, conv_tf32_enabled
 from .wrappers import PatchedConvMixin
 
 # ||out - ref|| / ||ref|| a layer may reach against float64, whatever PyTorch
@@ -95,27 +96,7 @@ def psnr(a: torch.Tensor, b: torch.Tensor, data_range: float) -> float:
     return math.inf if mse == 0 else 10 * math.log10(data_range ** 2 / mse)
 
 
-class _ExactFP32:
-    """fp32 convolutions without TF32 inside the block (the reference)."""
-
-    def __enter__(self):
-        self.conv = getattr(torch.backends.cudnn, "conv", None)
-        if self.conv is not None and hasattr(self.conv, "fp32_precision"):
-            self.old = self.conv.fp32_precision
-            self.conv.fp32_precision = "ieee"
-        else:
-            self.conv, self.old = None, torch.backends.cudnn.allow_tf32
-            torch.backends.cudnn.allow_tf32 = False
-
-    def __exit__(self, *exc):
-        if self.conv is not None:
-            self.conv.fp32_precision = self.old
-        else:
-            torch.backends.cudnn.allow_tf32 = self.old
-
-
 def _layer_tolerance(dtype, device) -> float:
-    from .target import conv_tf32_enabled
     if dtype == torch.float32 and device.type == "cuda" and conv_tf32_enabled():
         return TF32_TOL
     return LAYER_TOL[dtype]
@@ -182,7 +163,7 @@ def check_end_to_end(what: str, model: nn.Module, run: Callable[[nn.Module, torc
     output. With ``image_range`` the run is a reconstruction of the image
     ``x``, and the PSNR of each output (clamped to the range) against it is
     reported too. The model is left patched, in ``dtype``."""
-    with torch.no_grad(), _ExactFP32():
+    with torch.no_grad(), conv_tf32(False):
         ref = run(model, x.float())
     model.to(dtype)
     xd = x.to(dtype)

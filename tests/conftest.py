@@ -32,14 +32,6 @@ def device():
 @pytest.fixture
 def exact_fp32():
     """fp32 convolutions in exact (IEEE) mode for the duration of a test."""
-    conv = getattr(torch.backends.cudnn, "conv", None)
-    if conv is not None and hasattr(conv, "fp32_precision"):
-        old = conv.fp32_precision
-        conv.fp32_precision = "ieee"
+    from conv_patch.target import conv_tf32
+    with conv_tf32(False):
         yield
-        conv.fp32_precision = old
-    else:  # torch < 2.9: only the legacy switch exists
-        old = torch.backends.cudnn.allow_tf32
-        torch.backends.cudnn.allow_tf32 = False
-        yield
-        torch.backends.cudnn.allow_tf32 = old

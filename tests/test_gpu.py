@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 import conv_patch
 from conv_patch import ops
+from conv_patch.target import conv_tf32
 from _util import TOL, rel_err
 
 pytestmark = pytest.mark.gpu
@@ -24,13 +25,8 @@ VAE_SHAPES = [
 
 def _fp32_reference(x, w, b, pad):
     """F.conv2d of the same (rounded) inputs in exact fp32."""
-    conv = torch.backends.cudnn.conv
-    old = conv.fp32_precision
-    conv.fp32_precision = "ieee"
-    try:
+    with conv_tf32(False):
         return F.conv2d(x.float(), w.float(), b.float(), padding=pad)
-    finally:
-        conv.fp32_precision = old
 
 
 @pytest.mark.parametrize("nhwc", [False, True], ids=["nchw", "nhwc"])
@@ -98,16 +94,11 @@ def test_tf32_follows_pytorch():
     x = torch.randn(1, 256, 64, 64, device="cuda")
     w = torch.randn(256, 256, 3, 3, device="cuda") / 48
     ref = F.conv2d(x.double(), w.double(), padding=1)
-    conv = torch.backends.cudnn.conv
-    old = conv.fp32_precision
-    try:
-        conv.fp32_precision = "tf32"
+    with conv_tf32(True):
         tf32 = rel_err(ops.conv2d(x, w, padding=1), ref)
         cudnn_tf32 = rel_err(F.conv2d(x, w, padding=1), ref)
-        conv.fp32_precision = "ieee"
+    with conv_tf32(False):
         exact = rel_err(ops.conv2d(x, w, padding=1), ref)
-    finally:
-        conv.fp32_precision = old
     assert exact <= 1e-6 < tf32 <= 5e-3
     assert tf32 <= 1.5 * cudnn_tf32
 

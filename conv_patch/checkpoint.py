@@ -19,7 +19,7 @@ import math
 import os
 import struct
 from dataclasses import dataclass
-from typing import Dict, Iterable, Optional
+from typing import Dict
 
 import torch
 
@@ -129,14 +129,14 @@ def read_header(path: str) -> Dict[str, TensorEntry]:
     return entries
 
 
-def load_safetensors(path: str, names: Optional[Iterable[str]] = None) -> Dict[str, torch.Tensor]:
-    """The tensors of a validated safetensors file (all, or ``names``), on the CPU."""
+def load_safetensors(path: str) -> Dict[str, torch.Tensor]:
+    """The tensors of a validated safetensors file, on the CPU."""
     entries = read_header(path)
     from safetensors import SafetensorError, safe_open
     out = {}
     try:
         with safe_open(path, framework="pt") as f:
-            for name in (entries if names is None else names):
+            for name in entries:
                 out[name] = f.get_tensor(name)
     except (SafetensorError, OSError, RuntimeError) as e:
         _fail(path, f"cannot read its tensors ({str(e).splitlines()[0][:120]})")

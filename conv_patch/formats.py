@@ -192,13 +192,17 @@ def taesd_plan(shapes: Shapes, prefix: str = "", decoder: Optional[bool] = None)
     return plan
 
 
-def _taesd_format(shapes: Shapes) -> Format:
+def _strided(plan) -> set:
+    """Sequential indices of a plan's stride-2 convs (plan index = layer index)."""
+    return {i for i, p in enumerate(plan) if p[0] == "conv" and p[4] == 2}
+
+
+def _taesd_format(plan: list) -> Format:
     from . import taesd
-    plan = taesd_plan(shapes)
     decoder = plan[0] == ("clamp",)
     convs = [p for p in plan if p[0] == "conv"]
     latent = convs[0][1] if decoder else convs[-1][2]
-    strided = {i for i, p in enumerate(plan) if p[0] == "conv" and p[4] == 2}
+    strided = _strided(plan)
 
     def build(state):
         model = taesd.from_plan(plan)
@@ -220,11 +224,8 @@ def _taesd_format(shapes: Shapes) -> Format:
         latent_channels=latent, factor=8, image_range=(0.0, 1.0))
 
 
-def _tiny_config(shapes: Shapes) -> Optional[dict]:
-    enc = taesd_plan(shapes, "encoder.layers.", decoder=False)
-    dec = taesd_plan(shapes, "decoder.layers.", decoder=True)
-    if enc is None or dec is None:
-        return None
+def _tiny_config(enc: list, dec: list) -> dict:
+    """AutoencoderTiny's constructor arguments from its two layer plans."""
 
     def stages(plan):
         """Blocks per stage and their width; a stage is the run of blocks
@@ -251,7 +252,10 @@ def _tiny_config(shapes: Shapes) -> Optional[dict]:
                 in_channels=enc[0][1], out_channels=[p for p in dec if p[0] == "conv"][-1][2])
 
 
-def _tiny_format(shapes: Shapes, config: dict) -> Format:
+def _tiny_format(enc: list, dec: list) -> Format:
+    config = _tiny_config(enc, dec)
+    strided = {f"encoder.layers.{i}.weight" for i in _strided(enc)}
+
     def build(state):
         from diffusers import AutoencoderTiny
         model = AutoencoderTiny(**config)
@@ -259,11 +263,7 @@ def _tiny_format(shapes: Shapes, config: dict) -> Format:
         return model
 
     def geometry(name, shape):
-        # Encoder convs without a bias are its stride-2 downsamplers.
-        if name.startswith("encoder.layers.") and name.replace(".weight", ".bias") not in shapes \
-                and ".conv." not in name and ".pool." not in name and ".skip." not in name:
-            return 2, shape[2] // 2
-        return 1, shape[2] // 2
+        return (2 if name in strided else 1), shape[2] // 2
 
     return Format(
         kind="diffusers-autoencodertiny",
@@ -290,12 +290,13 @@ def recognise(shapes: Shapes) -> Format:
     """The format of a checkpoint given ``{name: shape}``; ``kind='unknown'``
     (per-layer checks only) when nothing matches."""
     try:
-        if taesd_plan(shapes) is not None:
-            return _taesd_format(shapes)
-        if any(k.startswith("encoder.layers.") for k in shapes) or any(k.startswith("decoder.layers.") for k in shapes):
-            config = _tiny_config(shapes)
-            if config is not None:
-                return _tiny_format(shapes, config)
+        plan = taesd_plan(shapes)
+        if plan is not None:
+            return _taesd_format(plan)
+        enc = taesd_plan(shapes, "encoder.layers.", decoder=False)
+        dec = taesd_plan(shapes, "decoder.layers.", decoder=True)
+        if enc is not None and dec is not None:
+            return _tiny_format(enc, dec)
         if any(re.match(r"(encoder\.down_blocks|decoder\.up_blocks)\.\d+\.", k) for k in shapes):
             config = _kl_config(shapes, "diffusers")
             return _kl_format("diffusers-autoencoderkl", "diffusers " + _describe_kl(config), shapes, config)

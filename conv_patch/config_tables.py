@@ -20,6 +20,13 @@ from .specs import ConvSpec
 
 TILE_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K")
 KINDS = ("conv2d", "conv_transpose2d")
+# "route" of a config: the portable implicit GEMM (the default), the Hopper
+# TMA kernel, or cuDNN (exact entries only, where the tuner measured it faster).
+ROUTES = ("igemm", "tma", "cudnn")
+ALL_ROUTES = frozenset(ROUTES)
+# Exact keys of one 16-bit dtype serve the other: same element size, same
+# tensor-core rate, so the same tile wins (the tuner runs bf16).
+SHARED_EXACT_DTYPE = {"float16": "bfloat16"}
 
 
 class TableError(ValueError):
@@ -45,9 +52,16 @@ def shape_key(spec: ConvSpec, shape: tuple, layout: str, dtype: torch.dtype) -> 
     return f"{key}.{layout}.{dtype_name(dtype)}"
 
 
-def _check_config(cfg, where: str) -> dict:
+def _check_config(cfg, where: str, exact: bool = False) -> dict:
     if not isinstance(cfg, dict):
         raise TableError(f"{where}: a config must be an object")
+    route = cfg.get("route", "igemm")
+    if route not in ROUTES:
+        raise TableError(f"{where}: route must be one of {', '.join(ROUTES)}, got {route!r}")
+    if route == "cudnn":
+        if not exact:
+            raise TableError(f"{where}: route 'cudnn' is only allowed for an exact shape (where it was measured)")
+        return cfg
     for k in TILE_KEYS:
         v = cfg.get(k)
         if not isinstance(v, int) or v < 16 or v & (v - 1):
@@ -55,6 +69,13 @@ def _check_config(cfg, where: str) -> dict:
     for k in ("GROUP_M", "num_warps", "num_stages"):
         if k in cfg and (not isinstance(cfg[k], int) or cfg[k] < 1):
             raise TableError(f"{where}: {k} must be a positive integer, got {cfg[k]!r}")
+    if route == "tma":
+        bw = cfg.get("BLOCK_W", 16)
+        if not isinstance(bw, int) or bw < 1 or bw & (bw - 1) or bw > cfg["BLOCK_M"]:
+            raise TableError(f"{where}: BLOCK_W must be a power of two <= BLOCK_M, got {bw!r}")
+        if cfg["BLOCK_M"] < 64 or cfg.get("num_warps", 4) % 4:
+            # wgmma: a warpgroup is 4 warps and its M tile is 64.
+            raise TableError(f"{where}: the tma route needs BLOCK_M >= 64 and num_warps a multiple of 4")
     return cfg
 
 
@@ -69,7 +90,7 @@ def validate_table(table, name: str) -> dict:
         if not isinstance(sec, dict):
             raise TableError(f"{name}: {kind} must be an object")
         for key, cfg in (sec.get("exact") or {}).items():
-            _check_config(cfg, f"{name}: {kind}.exact[{key!r}]")
+            _check_config(cfg, f"{name}: {kind}.exact[{key!r}]", exact=True)
         for i, b in enumerate(sec.get("buckets") or []):
             where = f"{name}: {kind}.buckets[{i}]"
             if not isinstance(b, dict) or "config" not in b:
@@ -99,11 +120,11 @@ class Table:
         self._memo = {}
 
     def lookup(self, spec: ConvSpec, shape: tuple, layout: str, dtype: torch.dtype,
-               m: int) -> Tuple[dict, str]:
-        key = (spec, shape, layout, dtype, m)
+               m: int, routes: frozenset = ALL_ROUTES) -> Tuple[dict, str]:
+        key = (spec, shape, layout, dtype, m, routes)
         hit = self._memo.get(key)
         if hit is None:
-            hit = self._memo[key] = lookup(self.data, spec, shape, layout, dtype, m)
+            hit = self._memo[key] = lookup(self.data, spec, shape, layout, dtype, m, routes)
         return hit
 
     def __repr__(self) -> str:
@@ -138,14 +159,21 @@ def load_user_table(table) -> Table:
     return Table(validate_table(data, path), path)
 
 
+def route_of(cfg: dict) -> str:
+    return cfg.get("route", "igemm")
+
+
 def lookup(table: dict, spec: ConvSpec, shape: tuple, layout: str, dtype: torch.dtype,
-           m: int) -> Tuple[dict, str]:
-    """(config, tier) where tier is 'exact', 'bucket' or 'any'."""
+           m: int, routes: frozenset = ALL_ROUTES) -> Tuple[dict, str]:
+    """(config, tier) where tier is 'exact', 'bucket' or 'any'. Configs whose
+    route is not in ``routes`` (the ones this call can take) are skipped."""
     sec = table.get(spec.kind) or {}
-    cfg = (sec.get("exact") or {}).get(shape_key(spec, shape, layout, dtype))
-    if cfg is not None:
-        return cfg, "exact"
+    exact = sec.get("exact") or {}
     dname = dtype_name(dtype)
+    for dn in (dname, SHARED_EXACT_DTYPE.get(dname)):
+        cfg = exact.get(shape_key(spec, shape, layout, dtype).rsplit(".", 1)[0] + f".{dn}") if dn else None
+        if cfg is not None and route_of(cfg) in routes:
+            return cfg, "exact"
     for b in sec.get("buckets") or []:
         if b.get("max_m") is not None and m > b["max_m"]:
             continue
@@ -153,11 +181,13 @@ def lookup(table: dict, spec: ConvSpec, shape: tuple, layout: str, dtype: torch.
             continue
         if "layouts" in b and layout not in b["layouts"]:
             continue
+        if route_of(b["config"]) not in routes:
+            continue
         return b["config"], "bucket"
-    if "any" in sec:
+    if "any" in sec and route_of(sec["any"]) in routes:
         return sec["any"], "any"
-    # A table without a section for this kind falls through to the defaults.
+    # Nothing here this call can take: the curated defaults (portable only).
     default = packaged_table("default").data
     if default is table:
         raise TableError(f"configs/default.json has no entry for {spec.kind}")
-    return lookup(default, spec, shape, layout, dtype, m)
+    return lookup(default, spec, shape, layout, dtype, m, routes)

@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .routing import RouteDecision, select_route
+from .routing import Route, RouteDecision, select_route
 from .specs import CallDesc, ConvSpec, _pair, resolve_padding
 from .target import Target, dot_precision, target_for
 
@@ -81,13 +81,34 @@ def run_kernel(decision: RouteDecision, target: Target, spec: ConvSpec, x: torch
         out = torch.empty(shape, dtype=x.dtype, device=x.device, memory_format=fmt)
     elif unbatched:
         out = out.unsqueeze(0)
-    launch = kernels.launch_conv_transpose2d if spec.transposed else kernels.launch_conv2d
+    if decision.route is Route.CONV2D_TMA:
+        launch = kernels.launch_conv2d_tma
+        if not w.is_contiguous(memory_format=torch.channels_last):
+            # The functional API reads weights in place; the TMA descriptor
+            # needs the co,kh,kw,ci pack the wrappers keep.
+            w = w.contiguous(memory_format=torch.channels_last)
+        if not _nhwc(x):
+            # The NHWC staging copy (see kernels/conv2d_tma.py); ``out`` was
+            # allocated above in the caller's layout and stays in it.
+            x = to_nhwc(x)
+    else:
+        launch = kernels.launch_conv_transpose2d if spec.transposed else kernels.launch_conv2d
     launch(x, w, bias, out, residual,
            stride=spec.stride, padding=spec.pad_begin, dilation=spec.dilation,
            beta=beta, activation=activation_code(activation), out_scale=out_scale,
            config=decision.config, precision=dot_precision(x.dtype, target),
            upcast=target.interpreter, force_int64=force_int64)
     return out.squeeze(0) if unbatched else out
+
+
+def to_nhwc(x: torch.Tensor) -> torch.Tensor:
+    """A dense channels_last copy of a contiguous NCHW ``x`` (Triton kernel;
+    see kernels/layout.py for why not PyTorch's own)."""
+    from conv_patch import kernels
+    if x.is_contiguous(memory_format=torch.channels_last):
+        return x
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device, memory_format=torch.channels_last)
+    return kernels.launch_nchw_to_nhwc(x.contiguous(), out)
 
 
 def _nhwc(x: torch.Tensor) -> bool:
@@ -100,15 +121,47 @@ def _functional(spec: ConvSpec, x, weight, bias, residual, beta, activation, out
     call = CallDesc.of_call(x, weight, bias, residual)
     target = target_for(x.device)
     decision = select_route(spec, call, target)
+    if config is not None and decision.route in (Route.CONV2D_IGEMM, Route.CONV2D_TMA, Route.CUDNN):
+        # A given config may name its route (tests, the tuner); the router
+        # still decides whether the call is eligible for it.
+        decision = _given(spec, call, target, config)
+    elif config is not None and decision.is_kernel:
+        decision = dataclasses.replace(decision, config=config, tier="given", table="")
+    if decision.route is Route.CUDNN:
+        y = F.conv2d(x, weight, bias, spec.stride, _torch_padding(spec), spec.dilation)
+        check_residual(residual, y.shape)
+        y = eager_epilogue(y, residual, beta, activation, out_scale)
+        if out is not None:
+            out.copy_(y)
+            return out
+        return y
     if not decision.is_kernel:
         raise UnsupportedConv(decision.reason)
-    if config is not None:
-        decision = dataclasses.replace(decision, config=config, tier="given", table="")
     check_residual(residual, output_shape(spec, tuple(x.shape)))
     w = weight.transpose(0, 1) if spec.transposed else weight
     return run_kernel(decision, target, spec, x, w, bias, residual=residual, beta=beta,
                       activation=activation, out_scale=out_scale, out=out,
                       force_int64=force_int64)
+
+
+def _given(spec, call, target, config):
+    from .routing import tma_problem
+    name = config.get("route", "igemm")
+    if name == "tma":
+        shape = call.shape if len(call.shape) == 4 else (1,) + tuple(call.shape)
+        problem = tma_problem(spec, call, shape, target)
+        if problem:
+            raise UnsupportedConv(f"tma route: {problem}")
+        return RouteDecision(Route.CONV2D_TMA, config=config, tier="given")
+    if name == "cudnn":
+        return RouteDecision(Route.CUDNN, "given config", config=config, tier="given")
+    return RouteDecision(Route.CONV2D_IGEMM, config=config, tier="given")
+
+
+def _torch_padding(spec: ConvSpec):
+    if spec.pad_begin == spec.pad_end:
+        return spec.pad_begin
+    raise UnsupportedConv("asymmetric padding on the cudnn route")
 
 
 def _spec(transposed, weight, bias, stride, padding, dilation, output_padding=0):

@@ -129,6 +129,7 @@ class CallDesc:
     bias_dtype: Optional[torch.dtype] = None
     output_padding: Optional[Pair] = None
     compiling: bool = False
+    aligned16: bool = True
 
     @classmethod
     def of_call(cls, x, weight, bias=None, residual=None, output_padding=None) -> "CallDesc":
@@ -144,4 +145,5 @@ class CallDesc:
             layout=layout_of(x), needs_grad=bool(grad), weight_dtype=weight.dtype,
             same_device=same, bias_dtype=None if bias is None else bias.dtype,
             output_padding=output_padding, compiling=torch.compiler.is_compiling(),
+            aligned16=x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0,
         )

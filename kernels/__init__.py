@@ -11,10 +11,17 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 from .conv2d import conv2d_fwd_kernel, launch_conv2d  # noqa: E402
 from .conv_transpose2d import conv_transpose2d_fwd_kernel, launch_conv_transpose2d  # noqa: E402
+from .conv2d_tma import conv2d_tma_kernel, launch_conv2d_tma  # noqa: E402
+from .layout import launch_nchw_to_nhwc, nchw_to_nhwc_kernel  # noqa: E402
 
 KERNELS = {
     "conv2d": conv2d_fwd_kernel,
     "conv_transpose2d": conv_transpose2d_fwd_kernel,
+    "conv2d_tma": conv2d_tma_kernel,
 }
 
-__all__ = ["INTERPRET", "KERNELS", "launch_conv2d", "launch_conv_transpose2d"]
+# The layout copy is not a convolution; it has a signature of its own.
+LAYOUT_KERNELS = {"nchw_to_nhwc": nchw_to_nhwc_kernel}
+
+__all__ = ["INTERPRET", "KERNELS", "LAYOUT_KERNELS", "launch_conv2d", "launch_conv2d_tma",
+           "launch_conv_transpose2d", "launch_nchw_to_nhwc"]

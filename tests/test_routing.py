@@ -29,7 +29,10 @@ CONVT = spec_of(nn.ConvTranspose2d(8, 4, 4, stride=2, padding=1))
 
 
 def test_kernel_routes():
-    assert select_route(CONV, call(), GPU).route is Route.CONV2D_IGEMM
+    # sm90 has a table that sends this stride-1 bf16 conv to the TMA kernel;
+    # an sm80 part (no table of its own, no TMA) runs the portable one.
+    assert select_route(CONV, call(), GPU).route is Route.CONV2D_TMA
+    assert select_route(CONV, call(), Target("sm80", True)).route is Route.CONV2D_IGEMM
     assert select_route(CONVT, call(), GPU).route is Route.CONV_TRANSPOSE2D_IGEMM
     assert static_route(CONV).route is Route.CONV2D_IGEMM
     assert select_route(CONV).route is Route.CONV2D_IGEMM  # module only
@@ -76,7 +79,8 @@ def test_output_size_and_output_padding_rejected():
 
 
 def test_label_names_route_or_reason():
-    assert select_route(CONV, call(), GPU).label() == "conv2d_igemm"
+    assert select_route(CONV, call(), GPU).label() == "conv2d_tma"
+    assert select_route(CONV, call(), NO_TABLE_GPU).label() == "conv2d_igemm"
     assert select_route(CONV, call(needs_grad=True), GPU).label().startswith("fallback (autograd")
 
 

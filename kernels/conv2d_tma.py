@@ -1,0 +1,132 @@
+"""conv2d forward for Hopper (sm90): TMA tensor descriptors feeding wgmma.
+
+Layer 1 (``conv2d_tma_kernel``): the @triton.jit kernel.
+Layer 2 (``launch_conv2d_tma``): builds the two descriptors, sizes the grid,
+launches with the config the router chose. The torch-facing wrapper is
+``conv_patch.ops``, shared with the portable kernels.
+
+Design:
+  * An output tile is ``BLOCK_H x BLOCK_W`` pixels of one image (``BLOCK_M =
+    BLOCK_H * BLOCK_W`` GEMM rows) times ``BLOCK_N`` output channels. For tap
+    ``(kh, kw)`` and channel block ``c0`` the A operand is one TMA box of the
+    4-D activation at ``(n, oh0 - ph + kh*dh, ow0 - pw + kw*dw, c0)``: boxes
+    that hang over an edge (negative coordinates included) are zero-filled by
+    the TMA unit, which *is* the zero padding; no mask, no padded copy.
+  * The input is described as [N, H, W, C] with box [1, BH, BW, BK]. NCHW
+    cannot be boxed the same way: its innermost coordinate would be the
+    column ``ow0 - pw + kw``, and a TMA box must start 16-byte aligned in the
+    innermost dimension (an unaligned start is an illegal instruction on the
+    H200 with Triton 3.6; the interpreter asserts it too). So the torch-facing
+    layer stages an NCHW input through one NHWC copy; the output is still
+    written in the caller's layout by the epilogue.
+  * The weight pack ([C_out, KH, KW, C_in], see conv_patch.pack) is described
+    as [C_out, KH*KW, C_in] with box [BN, 1, BK]: a channel block that runs
+    past C_in reads TMA zeros, never the next tap's weights.
+  * The reduction loop is one flat loop over (tap, channel block) so Triton's
+    software pipeliner keeps ``num_stages`` TMA loads in flight across taps.
+  * Only stride 1 fits a box (a strided gather is not a box); the router sends
+    other strides, misaligned tensors and fp32 to the portable kernel.
+"""
+
+import triton
+import triton.language as tl
+
+from ._common import epilogue_store, grouped_tile, _idx
+from ._launch import MIN_DOT_BLOCK, cdiv, needs_int64, next_pow2
+
+
+@triton.jit
+def conv2d_tma_kernel(
+    x_desc, w_desc, bias_ptr, res_ptr, out_ptr,
+    N, C_in, H, W, C_out, OH, OW,
+    srn, src, srh, srw,
+    son, soc, soh, sow,
+    KH, KW, PH, PW, DH, DW,
+    beta, out_scale,
+    HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, ACT: tl.constexpr,
+    IDX64: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_W: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    BLOCK_H: tl.constexpr = BLOCK_M // BLOCK_W
+    tiles_w = tl.cdiv(OW, BLOCK_W)
+    tiles_h = tl.cdiv(OH, BLOCK_H)
+    num_pid_m = N * tiles_h * tiles_w
+    num_pid_n = tl.cdiv(C_out, BLOCK_N)
+    pid_m, pid_n = grouped_tile(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
+
+    ow0 = (pid_m % tiles_w) * BLOCK_W
+    t = pid_m // tiles_w
+    oh0 = (t % tiles_h) * BLOCK_H
+    n = t // tiles_h
+    n0 = pid_n * BLOCK_N
+
+    k_blocks = tl.cdiv(C_in, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for it in range(0, KH * KW * k_blocks):
+        tap = it // k_blocks
+        c0 = (it - tap * k_blocks) * BLOCK_K
+        kh = tap // KW
+        kw = tap - kh * KW
+        ih = oh0 - PH + kh * DH
+        iw = ow0 - PW + kw * DW
+        a = tl.reshape(x_desc.load([n, ih, iw, c0]), (BLOCK_M, BLOCK_K))
+        b = tl.reshape(w_desc.load([n0, tap, c0]), (BLOCK_N, BLOCK_K))
+        if UPCAST:
+            # The interpreter's tl.dot is wrong on bf16 operands (Triton
+            # 3.4-3.9); on hardware this branch is compiled out.
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, tl.trans(b), acc)
+
+    offs = tl.arange(0, BLOCK_M)
+    oh = oh0 + offs // BLOCK_W
+    ow = ow0 + offs % BLOCK_W
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    epilogue_store(acc, _idx(n, IDX64), oh, ow, (oh < OH) & (ow < OW), offs_n, offs_n < C_out,
+                   out_ptr, son, soc, soh, sow, bias_ptr, res_ptr, srn, src, srh, srw,
+                   beta, out_scale, HAS_BIAS, HAS_RES, ACT, IDX64)
+
+
+def tile_sizes(config, c_in, c_out, ow):
+    """The table's tile narrowed to the problem; BLOCK_M stays as configured
+    (wgmma wants M >= 64), BLOCK_W shrinks to the image width so rows are not
+    wasted past the right edge."""
+    bm = int(config["BLOCK_M"])
+    bn = min(int(config["BLOCK_N"]), max(MIN_DOT_BLOCK, next_pow2(c_out)))
+    bk = min(int(config["BLOCK_K"]), max(MIN_DOT_BLOCK, next_pow2(c_in)))
+    bw = min(int(config.get("BLOCK_W", 16)), next_pow2(ow), bm)
+    return bm, bn, bk, bw
+
+
+def launch_conv2d_tma(x, w, bias, out, residual, *, stride, padding, dilation, beta, activation,
+                      out_scale, config, precision, upcast, force_int64=False):
+    """Same call as the portable launchers. ``x`` is dense NHWC (logical
+    [N, C, H, W], channels_last strides) and ``w`` the [C_out, C_in, KH, KW]
+    view of a co,kh,kw,ci-dense pack; the router has checked alignment and
+    stride 1."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    N, C_in, H, W = x.shape
+    C_out, _, KH, KW = w.shape
+    OH, OW = out.shape[2], out.shape[3]
+    bm, bn, bk, bw = tile_sizes(config, C_in, C_out, OW)
+    bh = bm // bw
+    # Dense NHWC strides written out: PyTorch may report any stride for a
+    # size-1 dimension, TMA wants every stride 16-byte aligned.
+    x_desc = TensorDescriptor(x, [N, H, W, C_in], [H * W * C_in, W * C_in, C_in, 1], [1, bh, bw, bk])
+    w_desc = TensorDescriptor(w, [C_out, KH * KW, C_in], [w.stride(0), C_in, 1], [bn, 1, bk])
+    res = residual if residual is not None else out
+    grid = (N * cdiv(OH, bh) * cdiv(OW, bw) * cdiv(C_out, bn),)
+    conv2d_tma_kernel[grid](
+        x_desc, w_desc, bias if bias is not None else out, res, out,
+        N, C_in, H, W, C_out, OH, OW,
+        *res.stride(), *out.stride(),
+        KH, KW, padding[0], padding[1], dilation[0], dilation[1],
+        float(beta), float(out_scale),
+        HAS_BIAS=bias is not None, HAS_RES=residual is not None, ACT=int(activation),
+        IDX64=bool(force_int64 or needs_int64(out, residual)), UPCAST=bool(upcast),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_W=bw, GROUP_M=int(config.get("GROUP_M", 8)),
+        num_warps=int(config.get("num_warps", 4)), num_stages=int(config.get("num_stages", 3)),
+    )
+    return out

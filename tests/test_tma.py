@@ -1,0 +1,164 @@
+"""The Hopper TMA kernel (route conv2d_tma) and the routing rules around it.
+
+The kernel runs under the Triton interpreter in CI (descriptor loads are
+emulated there, bf16 dots upcast) and for real on sm90 GPUs, where the same
+cases run in bf16 and fp16 against a float64 reference. NCHW cases go through
+the NHWC staging copy and must come back NCHW.
+"""
+
+import pytest
+import torch
+
+from conv_patch import config_tables, ops
+from conv_patch.routing import Route, select_route, tma_problem
+from conv_patch.specs import CallDesc, ConvSpec
+from conv_patch.target import Target, target_for
+from test_kernels import check_conv
+
+HAS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
+needs_tma = pytest.mark.skipif(torch.cuda.is_available() and not HAS_SM90, reason="GPU without TMA")
+
+# (N, C_in, H, W, C_out, k, stride, padding, dilation, nhwc, bias, act, residual):
+# channel counts that leave partial channel blocks (24 with BLOCK_K 16) and
+# partial column tiles (20, 33, 17), widths past one BLOCK_W, every padding
+# form, dilation, both layouts of input and residual.
+TMA_CASES = [
+    (2, 24, 9, 16, 20, 3, 1, 1, 1, True, True, "silu", "nchw"),
+    (1, 16, 7, 8, 33, 3, 1, 1, 1, False, False, "none", None),
+    (1, 8, 10, 16, 5, 2, 1, 0, 1, True, True, "relu", "nhwc"),
+    (2, 16, 11, 24, 17, 3, 1, 2, 2, False, True, "gelu", "nhwc"),
+    (1, 32, 13, 8, 40, 4, 1, "same", 1, True, True, "none", None),
+    (1, 8, 6, 16, 16, 5, 1, (2, 0), 1, False, True, "gelu_tanh", None),
+    (1, 16, 12, 40, 24, 3, 1, 1, 1, True, True, "none", None),
+    (3, 8, 5, 8, 8, 3, 1, "valid", 1, False, False, "silu", "nchw"),
+    (2, 16, 1, 1, 24, 3, 1, 1, 1, False, True, "none", None),  # 1x1 spatial: both layouts at once
+    (1, 8, 7, 13, 8, 3, 1, 1, 1, False, True, "relu", None),  # NCHW width 13: any width
+]
+
+TMA_TILES = {"route": "tma", "BLOCK_M": 64, "BLOCK_N": 16, "BLOCK_K": 16, "BLOCK_W": 8,
+             "GROUP_M": 3, "num_warps": 4, "num_stages": 3}
+TMA_WIDE = {"route": "tma", "BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 32, "BLOCK_W": 32,
+            "GROUP_M": 8, "num_warps": 4, "num_stages": 2}
+
+
+@needs_tma
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", TMA_CASES, ids=str)
+def test_tma_conv2d(case, dtype, device):
+    check_conv(case, dtype, device, config=TMA_TILES, seed=3)
+
+
+@needs_tma
+@pytest.mark.parametrize("case", [TMA_CASES[0], TMA_CASES[3], TMA_CASES[6]], ids=str)
+def test_tma_conv2d_wide_tiles_int64(case, device):
+    check_conv(case, torch.bfloat16, device, config=TMA_WIDE, force_int64=True, seed=4)
+
+
+def _spec(c_in=16, c_out=16, k=3, stride=1):
+    return ConvSpec.from_module(torch.nn.Conv2d(c_in, c_out, k, stride, padding=k // 2))
+
+
+def _call(shape, layout="nhwc", dtype=torch.bfloat16, aligned=True, device_type="cuda"):
+    return CallDesc(shape=shape, dtype=dtype, device_type=device_type, layout=layout,
+                    weight_dtype=dtype, aligned16=aligned)
+
+
+SM90 = Target("sm90", True)
+
+
+@pytest.mark.parametrize("spec,call,target,why", [
+    (_spec(stride=2), _call((1, 16, 8, 8)), SM90, "stride"),
+    (_spec(k=1), _call((1, 16, 8, 8)), SM90, "1x1"),
+    (_spec(c_in=12), _call((1, 12, 8, 8)), SM90, "C_in=12"),
+    (_spec(), _call((1, 16, 8, 8), dtype=torch.float32), SM90, "fp16/bf16"),
+    (_spec(), _call((1, 16, 8, 8), layout="strided"), SM90, "strided"),
+    (_spec(), _call((1, 16, 8, 8), aligned=False), SM90, "aligned"),
+    (_spec(), _call((1, 16, 8, 8)), Target("sm80", True), "no TMA"),
+])
+def test_tma_problem_names_the_rule(spec, call, target, why):
+    assert why in tma_problem(spec, call, call.shape, target)
+
+
+def test_tma_problem_accepts_the_vae_shapes():
+    assert tma_problem(_spec(128, 128), _call((1, 128, 64, 64), "nchw"), (1, 128, 64, 64), SM90) is None
+    assert tma_problem(_spec(16, 512), _call((1, 16, 64, 64), "nhwc"), (1, 16, 64, 64), SM90) is None
+
+
+def _table(exact=None, buckets=(), any_cfg=None):
+    sec = {"exact": exact or {}, "buckets": list(buckets)}
+    if any_cfg is not None:
+        sec["any"] = any_cfg
+    return config_tables.Table(config_tables.validate_table({"conv2d": sec}, "t"), "t")
+
+
+IGEMM = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32}
+
+
+def test_table_routes_tma_and_skips_it_when_ineligible():
+    tbl = _table(buckets=[{"max_m": None, "config": dict(TMA_TILES)},
+                          {"max_m": None, "config": IGEMM}])
+    ok = select_route(_spec(), _call((1, 16, 8, 8)), SM90, tbl)
+    assert ok.route is Route.CONV2D_TMA and ok.tier == "bucket"
+    stride2 = select_route(_spec(stride=2), _call((1, 16, 8, 8)), SM90, tbl)
+    assert stride2.route is Route.CONV2D_IGEMM and stride2.config is IGEMM
+    # No portable entry at all: the curated defaults take over, never a crash.
+    only_tma = _table(any_cfg=dict(TMA_TILES))
+    d = select_route(_spec(c_in=12), _call((1, 12, 8, 8)), SM90, only_tma)
+    assert d.route is Route.CONV2D_IGEMM and d.is_kernel
+
+
+def test_cudnn_route_is_exact_only_and_shared_by_fp16():
+    spec, shape = _spec(), (1, 16, 8, 8)
+    key = config_tables.shape_key(spec, shape, "nhwc", torch.bfloat16)
+    tbl = _table(exact={key: {"route": "cudnn", "cudnn_ms": 0.01, "ours_ms": 0.02}}, any_cfg=IGEMM)
+    for dtype in (torch.bfloat16, torch.float16):
+        d = select_route(spec, _call(shape, dtype=dtype), SM90, tbl)
+        assert d.route is Route.CUDNN and not d.is_kernel and "0.01 vs 0.02" in d.label()
+    # fp32 has keys of its own; under the interpreter cuDNN is no option.
+    assert select_route(spec, _call(shape, dtype=torch.float32), SM90, tbl).route is Route.CONV2D_IGEMM
+    interp = select_route(spec, _call(shape, device_type="cpu"), Target("interpreter", True, interpreter=True), tbl)
+    assert interp.route is Route.CONV2D_IGEMM
+    with pytest.raises(config_tables.TableError, match="only allowed for an exact shape"):
+        _table(any_cfg={"route": "cudnn"})
+
+
+@pytest.mark.parametrize("bad,match", [
+    ({**TMA_TILES, "BLOCK_W": 128}, "BLOCK_W"),
+    ({**TMA_TILES, "BLOCK_W": 12}, "BLOCK_W"),
+    ({**TMA_TILES, "BLOCK_M": 32, "BLOCK_W": 8}, "BLOCK_M >= 64"),
+    ({**TMA_TILES, "num_warps": 2}, "num_warps"),
+    ({**IGEMM, "route": "cutlass"}, "route must be one of"),
+])
+def test_bad_tma_configs_are_refused(bad, match):
+    with pytest.raises(config_tables.TableError, match=match):
+        _table(any_cfg=bad)
+
+
+def test_functional_cudnn_config_computes_with_pytorch(device):
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(1, 8, 6, 7, generator=g).to(device)
+    w = torch.randn(4, 8, 3, 3, generator=g).to(device)
+    r = torch.randn(1, 4, 6, 7, generator=g).to(device)
+    y = ops.conv2d(x, w, None, padding=1, residual=r, beta=0.5, activation="relu",
+                   config={"route": "cudnn"})
+    ref = torch.relu(torch.nn.functional.conv2d(x.double(), w.double(), padding=1) + 0.5 * r.double())
+    assert torch.allclose(y.double(), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_functional_tma_config_on_ineligible_call_says_why(device):
+    x = torch.randn(1, 12, 8, 8, device=device, dtype=torch.bfloat16)
+    w = torch.randn(8, 12, 3, 3, device=device, dtype=torch.bfloat16)
+    if not target_for(x.device).kernels:
+        pytest.skip("no kernels here")
+    with pytest.raises(ops.UnsupportedConv, match="C_in=12"):
+        ops.conv2d(x, w, padding=1, config=TMA_TILES)
+
+
+@pytest.mark.parametrize("shape", [(2, 24, 9, 16), (1, 3, 5, 7), (1, 70, 1, 65), (3, 8, 4, 1)])
+def test_nchw_to_nhwc_copy(shape, device):
+    if not target_for(device).kernels:
+        pytest.skip("no kernels here")
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(6)).to(device, torch.bfloat16)
+    y = ops.to_nhwc(x)
+    assert y.is_contiguous(memory_format=torch.channels_last) and torch.equal(y, x)
+    assert ops.to_nhwc(y) is y

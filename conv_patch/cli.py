@@ -3,6 +3,8 @@
     convpatch verify [PATH ...] [--image IMG] [--device D] [--dtype fp16|bf16|fp32] [--size N]
                      [--json PATH] [--allow-pickle]
     convpatch info
+    convpatch tune [--family F ...] [--res R ...] [--batch N ...] [--layout L ...] [--part P ...]
+                   [--dtype bf16|fp16] [--out TABLE.json] [--report PATH] [--device D]
 
 Exit codes: 0 all checks pass, 1 a mismatch beyond tolerance, 2 bad input or
 usage (one line naming the problem, never a traceback).
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 
@@ -40,6 +43,29 @@ def _parser() -> argparse.ArgumentParser:
                    help="image size in pixels (default: 512 on a GPU; small on the CPU, chosen per model)")
     v.add_argument("--json", metavar="PATH", default=None, help="also write the report as JSON")
     sub.add_parser("info", help="GPU, architecture table, versions and kernel routes")
+    from .model_shapes import FAMILIES, PARTS
+    t = sub.add_parser("tune", help="time every candidate kernel config on this GPU over a model family's "
+                                    "convolutions and write a config table",
+                       description="Sweep the candidate configs of every kernel route over the convolutions "
+                                   "of the chosen VAE families (each candidate's output is checked against "
+                                   "PyTorch), time them against cuDNN and write a table for this GPU. "
+                                   "Families: " + "; ".join(f"{k}: {v[0]}" for k, v in FAMILIES.items()))
+    t.add_argument("--family", nargs="+", choices=sorted(FAMILIES), default=list(FAMILIES))
+    t.add_argument("--res", type=int, nargs="+", default=[512, 1024], help="image sizes in pixels")
+    t.add_argument("--batch", type=int, nargs="+", default=[1, 4])
+    t.add_argument("--layout", nargs="+", choices=["nhwc", "nchw"], default=["nhwc", "nchw"])
+    t.add_argument("--part", nargs="+", choices=list(PARTS), default=list(PARTS))
+    t.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
+    t.add_argument("--out", metavar="TABLE", default=None,
+                   help="table to write (default: ./<arch>.json); use it with PatchConfig(table=...) "
+                        "or copy it into configs/")
+    t.add_argument("--report", metavar="PATH", default=None,
+                   help="also write every measurement as JSON lines, one per shape as it is measured")
+    t.add_argument("--base", metavar="TABLE", default=None,
+                   help="an earlier table of this GPU to extend: its entries stay unless re-measured now")
+    t.add_argument("--time-limit", type=float, default=None, metavar="S",
+                   help="stop starting new shapes after S seconds and write the table from what was measured")
+    t.add_argument("--device", default=None, help="cuda or cuda:N (cpu only under TRITON_INTERPRET=1)")
     return ap
 
 
@@ -70,8 +96,9 @@ def _enable_interpreter_for_cpu(device):
 class _Progress:
     """A rich progress bar on a terminal; nothing when output is piped."""
 
-    def __init__(self, enabled: bool):
+    def __init__(self, enabled: bool, what: str = "checking"):
         self.bar = None
+        self.what = what
         if enabled:
             try:
                 from rich.progress import Progress
@@ -93,8 +120,8 @@ class _Progress:
         if not self.bar:
             return
         if self.task is None:
-            self.task = self.bar.add_task("checking layers", total=total)
-        self.bar.update(self.task, completed=done, description=f"checking {name}")
+            self.task = self.bar.add_task(self.what, total=total)
+        self.bar.update(self.task, completed=done, description=f"{self.what} {name}")
 
 
 def _fmt(v, spec=".3g"):
@@ -227,10 +254,79 @@ def cmd_info(args) -> int:
     return 0
 
 
+def cmd_tune(args) -> int:
+    import torch
+
+    from . import config_tables, tune
+    from .model_shapes import distinct_calls
+    from .target import target_for
+
+    device = _pick_device(args.device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    target = target_for(device)
+    if not target.kernels:
+        raise UsageError(f"cannot tune here: {target.reason} (tuning needs a CUDA GPU, or "
+                         f"TRITON_INTERPRET=1 with --device cpu to exercise the tuner)")
+    bad = [r for r in args.res if r <= 0 or r % 8]
+    if bad or any(n <= 0 for n in args.batch):
+        raise UsageError(f"--res must be positive multiples of 8 and --batch positive (got {bad or args.batch})")
+    out = args.out or f"{target.arch}.json"
+    base = None
+    if args.base:
+        try:
+            base = config_tables.load_user_table(args.base).data
+        except config_tables.TableError as e:
+            raise UsageError(str(e)) from None
+    for path in filter(None, (out, args.report)):
+        parent = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+            raise UsageError(f"{path}: cannot write there (folder missing or not writable)")
+    try:
+        # Batch-1 shapes first (the common case), in the order the families
+        # were named, so a --time-limit run covers what matters most.
+        calls = sorted(distinct_calls(args.family, args.res, args.batch, args.part),
+                       key=lambda c: c.shape[0])
+    except ImportError as e:
+        raise UsageError(f"--family {' '.join(args.family)}: needs {e.name} "
+                         f"(pip install 'conv-patch[diffusers]')") from None
+    dtype = getattr(torch, DTYPES[args.dtype])
+    tty = sys.stderr.isatty()
+    report = open(args.report, "w") if args.report else None
+
+    def log(m):
+        if report:
+            report.write(json.dumps(tune.summary_row(m)) + "\n")
+            report.flush()
+    try:
+        with _Progress(tty, "tuning") as progress:
+            ms = tune.tune(calls, args.layout, dtype, device, target, progress=progress,
+                           time_limit_s=args.time_limit, on_measure=log)
+    finally:
+        if report:
+            report.close()
+    n_jobs = len(calls) * len(args.layout)
+    note = tune.source_note(args.family, args.res, args.batch, args.layout, dtype, len(ms), n_jobs)
+    table = tune.build_table(ms, target.arch, dtype, note, base)
+    tune.write_table(table, out)
+    rows = tune.summary_rows(ms)
+    sp = [r["speedup"] for r in rows if r["speedup"]]
+    for r in rows:
+        print(f"{r['name']:<58} {r['best'] or 'none':<34} "
+              f"{_fmt(r['ours_ms'], '.4f')} ms  cudnn {_fmt(r['cudnn_ms'], '.4f')} ms  x{_fmt(r['speedup'])}")
+    if sp:
+        print(f"geomean speedup over cuDNN: {math.exp(sum(map(math.log, sp)) / len(sp)):.3f} ({len(sp)} shapes)")
+    n_cudnn = sum(1 for e in table["conv2d"]["exact"].values() if e.get("route") == "cudnn")
+    print(f"wrote {out}: {len(table['conv2d']['exact'])} exact entries ({n_cudnn} routed to cuDNN), "
+          f"{len(table['conv2d']['buckets'])} buckets")
+    config_tables.load_user_table(out)  # what we wrote must load
+    return 0
+
+
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     try:
-        return {"verify": cmd_verify, "info": cmd_info}[args.cmd](args)
+        return {"verify": cmd_verify, "info": cmd_info, "tune": cmd_tune}[args.cmd](args)
     except UsageError as e:
         print(f"convpatch: error: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,322 @@
+"""The offline tuner behind ``convpatch tune`` and the packaged tables.
+
+For every distinct convolution of the chosen model families (traced off the
+architectures, see ``model_shapes``) and each layout, it runs every candidate
+config the GPU can take, rejects a candidate whose output differs from
+PyTorch's beyond the dtype's tolerance or that fails to build, times the
+rest against cuDNN (medians, after warm-up, L2 flushed), and writes a table:
+
+  * ``exact`` entries: the fastest candidate per shape key, with the measured
+    times; where cuDNN was faster than every candidate by more than the noise
+    margin, the entry routes to cuDNN (the only way a table may do that).
+  * ``buckets`` per layout and M range (output pixels), then ``any``: the
+    candidate with the best geometric-mean slowdown against each shape's own
+    best over the shapes in range, so shapes never tuned still get a measured
+    choice.
+
+Nothing here runs on the hot path: the wrappers only read the table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import math
+import time
+from typing import Callable, Dict, Iterable, List, Optional
+
+import torch
+import torch.nn.functional as F
+
+from . import config_tables, ops
+from .model_shapes import ConvCall, distinct_calls
+from .routing import tma_arch, tma_problem
+from .specs import CallDesc
+from .target import Target, conv_tf32
+
+# cuDNN must beat the best candidate by this much to take a shape: run-to-run
+# noise on one shape is up to ~8% on the H200, and a fused epilogue (which the
+# cuDNN route runs as extra PyTorch ops) is worth more than a few percent.
+CUDNN_MARGIN = 0.95
+# ||candidate - reference|| / ||reference||, reference = PyTorch in exact fp32.
+# A candidate passes within TOLERANCE, and on a GPU also within
+# CUDNN_ERR_FACTOR x cuDNN's own error (+ CUDNN_ERR_SLACK): the first bound
+# alone is loose enough to let a tile that miscomputes a few pixels through.
+TOLERANCE = {torch.float16: 5e-3, torch.bfloat16: 2e-2, torch.float32: 1e-4}
+CUDNN_ERR_FACTOR = 1.5
+CUDNN_ERR_SLACK = 1e-3
+M_BUCKETS = (4096, 16384, 65536, 262144, 1048576, None)
+
+
+def _cfg(route, bm, bn, bk, warps, stages, bw=None, group=8):
+    c = {"route": route, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group,
+         "num_warps": warps, "num_stages": stages}
+    if bw is not None:
+        c["BLOCK_W"] = bw
+    return c
+
+
+# The portable kernel: the three best configs of bench.portable_sweep on an H200.
+IGEMM_CANDIDATES = [
+    _cfg("igemm", 128, 128, 32, 4, 3), _cfg("igemm", 128, 256, 64, 8, 3),
+    _cfg("igemm", 128, 64, 64, 4, 3),
+]
+# The TMA kernel: 128-row tiles (one or two wgmma warpgroups), the tile's
+# width a 16-pixel square-ish patch (8x16) or a 64-pixel row segment (2x64).
+TMA_CANDIDATES = [
+    _cfg("tma", 128, 128, 64, 4, 4, bw=16), _cfg("tma", 128, 128, 64, 4, 4, bw=64),
+    _cfg("tma", 128, 256, 64, 8, 3, bw=16), _cfg("tma", 128, 256, 64, 8, 3, bw=64),
+    _cfg("tma", 128, 64, 64, 4, 4, bw=32), _cfg("tma", 64, 128, 64, 4, 4, bw=64),
+]
+# Under the interpreter (the tuner's own tests): two of each, tiles sized for it.
+INTERPRETER_CANDIDATES = [
+    _cfg("igemm", 1024, 128, 128, 4, 1), _cfg("igemm", 64, 64, 32, 4, 1),
+    _cfg("tma", 256, 64, 64, 4, 1, bw=16), _cfg("tma", 64, 32, 32, 4, 1, bw=8),
+]
+
+
+def candidates(target: Target) -> List[dict]:
+    if target.interpreter:
+        return [dict(c) for c in INTERPRETER_CANDIDATES]
+    out = [dict(c) for c in IGEMM_CANDIDATES]
+    if tma_arch(target.arch):
+        out += [dict(c) for c in TMA_CANDIDATES]
+    return out
+
+
+def config_label(c: dict) -> str:
+    if c.get("route") == "cudnn":
+        return "cudnn"
+    lab = f"{c.get('route', 'igemm')} {c['BLOCK_M']}x{c['BLOCK_N']}x{c['BLOCK_K']}"
+    if "BLOCK_W" in c:
+        lab += f" w{c['BLOCK_W']}"
+    return lab + f" nw{c.get('num_warps', 4)} s{c.get('num_stages', 2)}"
+
+
+@dataclasses.dataclass
+class Measurement:
+    key: str
+    call: ConvCall
+    layout: str
+    m: int
+    tma_ok: bool
+    times: Dict[str, float]  # config label -> ms (valid candidates only)
+    rejected: Dict[str, str]  # config label -> why
+    cudnn_ms: Optional[float]
+    configs: Dict[str, dict]
+
+    @property
+    def best(self) -> Optional[str]:
+        return min(self.times, key=self.times.get) if self.times else None
+
+
+def _timer(device: torch.device) -> Callable[[Callable], float]:
+    if device.type == "cuda":
+        import triton.testing
+
+        def cuda_ms(fn):
+            return triton.testing.do_bench(fn, warmup=2, rep=10, return_mode="median")
+        return cuda_ms
+
+    def wall_ms(fn):  # the interpreter: only the tuner's logic is under test
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e3
+    return wall_ms
+
+
+def _kernel_errors():
+    from .wrappers import _kernel_errors as errs
+    return errs()
+
+
+def measure(call: ConvCall, layout: str, dtype: torch.dtype, device: torch.device,
+            cands: List[dict], target: Target, timer=None) -> Measurement:
+    """Run, check and time every candidate on one shape and layout."""
+    timer = timer or _timer(device)
+    spec, shape = call.spec, call.shape
+    g = torch.Generator().manual_seed(0)
+    fmt = torch.channels_last if layout == "nhwc" else torch.contiguous_format
+    x = torch.randn(shape, generator=g).to(device, dtype).contiguous(memory_format=fmt)
+    k = spec.kernel
+    w = (torch.randn(spec.out_channels, spec.in_channels, *k, generator=g)
+         * (spec.in_channels * k[0] * k[1]) ** -0.5).to(device, dtype)
+    b = torch.randn(spec.out_channels, generator=g).to(device, dtype)
+    packed = w.contiguous(memory_format=torch.channels_last)
+    w_torch = w.contiguous(memory_format=fmt)
+    pad = spec.pad_begin
+    with conv_tf32(False):
+        ref = F.conv2d(x.float(), w.float(), b.float(), spec.stride, pad, spec.dilation)
+    oh, ow = ref.shape[2], ref.shape[3]
+    tol = TOLERANCE[dtype]
+    if device.type == "cuda":
+        cudnn_out = F.conv2d(x, w_torch, b, spec.stride, pad, spec.dilation).float()
+        cudnn_err = ((cudnn_out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+        tol = min(tol, CUDNN_ERR_FACTOR * cudnn_err + CUDNN_ERR_SLACK)
+        del cudnn_out
+    desc = CallDesc.of_call(x, packed, b)
+    tma_ok = tma_problem(spec, desc, shape, target) is None
+    times, rejected, configs = {}, {}, {}
+    for cfg in cands:
+        lab = config_label(cfg)
+        configs[lab] = cfg
+        if cfg.get("route") == "tma" and not tma_ok:
+            continue
+        out = torch.empty(ref.shape, dtype=dtype, device=device, memory_format=fmt)
+        fn = lambda: ops.conv2d(x, packed, b, spec.stride, pad, spec.dilation, out=out, config=cfg)  # noqa: E731
+        try:
+            out.fill_(float("nan"))
+            fn()
+            err = ((out.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+            if not math.isfinite(err) or err > tol:
+                rejected[lab] = f"wrong output (rel err {err:.3g})"
+                continue
+            times[lab] = timer(fn)
+        except _kernel_errors() as e:
+            rejected[lab] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:120]}"
+    cudnn_ms = None
+    if device.type == "cuda":
+        cudnn_ms = timer(lambda: F.conv2d(x, w_torch, b, spec.stride, pad, spec.dilation))
+    key = config_tables.shape_key(spec, shape, layout, dtype)
+    return Measurement(key, call, layout, shape[0] * oh * ow, tma_ok, times, rejected, cudnn_ms, configs)
+
+
+def exact_entry(m: Measurement) -> Optional[dict]:
+    if m.best is None:
+        return None
+    best_ms = m.times[m.best]
+    entry = dict(m.configs[m.best])
+    entry["ours_ms"] = round(best_ms, 5)
+    if m.cudnn_ms is not None:
+        entry["cudnn_ms"] = round(m.cudnn_ms, 5)
+        if m.cudnn_ms < CUDNN_MARGIN * best_ms:
+            return {"route": "cudnn", "cudnn_ms": round(m.cudnn_ms, 5), "ours_ms": round(best_ms, 5),
+                    "best_kernel": m.best}
+    return entry
+
+
+def _pick(ms: List[Measurement], route: str) -> Optional[str]:
+    """The config label of ``route`` with the best geomean slowdown against
+    each shape's best, among configs valid on every shape given."""
+    labels = None
+    for m in ms:
+        ok = {lab for lab in m.times if m.configs[lab].get("route") == route}
+        labels = ok if labels is None else labels & ok
+    if not labels:
+        return None
+
+    def score(lab):
+        return sum(math.log(m.times[lab] / min(m.times.values())) for m in ms)
+    return min(sorted(labels), key=score)
+
+
+def build_table(measurements: List[Measurement], arch: str, dtype: torch.dtype, note: str = "",
+                base: Optional[dict] = None) -> dict:
+    """The table of these measurements. With ``base`` (an earlier table of
+    the same GPU), its exact entries stay unless re-measured, and its buckets
+    stay for the layouts not measured now."""
+    dname = config_tables.dtype_name(dtype)
+    dtypes = [dname] + [k for k, v in config_tables.SHARED_EXACT_DTYPE.items() if v == dname]
+    table = {"schema": 1, "arch": arch, "source": note, "conv2d": {"exact": {}, "buckets": []}}
+    sec = table["conv2d"]
+    old = (base or {}).get("conv2d") or {}
+    if base:
+        table["source"] = f"{base.get('source', '')} || then {note}"
+        sec["exact"].update(old.get("exact") or {})
+    measured_layouts = sorted({m.layout for m in measurements})
+    for m in measurements:
+        e = exact_entry(m)
+        if e is not None:
+            sec["exact"][m.key] = e
+    configs = {}
+    for m in measurements:
+        configs.update(m.configs)
+
+    def bucketed(route, sel, layouts):
+        lo = 0
+        for hi in M_BUCKETS:
+            inside = [m for m in sel if m.m > lo and (hi is None or m.m <= hi)]
+            lab = _pick(inside, route) if inside else None
+            if lab:
+                b = {"max_m": hi, "dtypes": dtypes, "config": configs[lab]}
+                if layouts:
+                    b["layouts"] = layouts
+                sec["buckets"].append(b)
+            lo = hi or lo
+    for layout in measured_layouts:
+        bucketed("tma", [m for m in measurements if m.layout == layout and m.tma_ok], [layout])
+        bucketed("igemm", [m for m in measurements if m.layout == layout], [layout])
+    for b in old.get("buckets") or []:
+        if not set(b.get("layouts") or ("nhwc", "nchw")) <= set(measured_layouts):
+            sec["buckets"].append(b)
+    any_lab = _pick([m for m in measurements if m.tma_ok], "tma") or _pick(measurements, "igemm")
+    if old.get("any"):
+        sec["any"] = old["any"]
+    elif any_lab:
+        sec["any"] = configs[any_lab]
+    return config_tables.validate_table(table, f"tuned table for {arch}")
+
+
+def tune(calls: Iterable[ConvCall], layouts, dtype: torch.dtype, device: torch.device,
+         target: Target, cands: Optional[List[dict]] = None, progress=None, timer=None,
+         time_limit_s: Optional[float] = None, on_measure=None) -> List[Measurement]:
+    """Measure every call in every layout, in the order given. With
+    ``time_limit_s`` it stops starting new shapes once the time is spent (the
+    table then covers what was measured; buckets and 'any' still come from
+    measurements). ``on_measure(m)`` sees each result as it lands."""
+    calls = list(calls)
+    start = time.monotonic()
+    cands = cands if cands is not None else candidates(target)
+    # Tables key conv2d only; asymmetric padding (never in these VAEs: their
+    # Downsample pads with F.pad first) is left to the buckets.
+    jobs = [(c, lay) for c in calls for lay in layouts
+            if not c.spec.transposed and c.spec.pad_begin == c.spec.pad_end]
+    out = []
+    for i, (call, layout) in enumerate(jobs):
+        if time_limit_s is not None and time.monotonic() - start > time_limit_s:
+            break
+        if progress:
+            progress(i, len(jobs), f"{call.describe()} {layout}")
+        out.append(measure(call, layout, dtype, device, cands, target, timer))
+        if on_measure:
+            on_measure(out[-1])
+    if progress:
+        progress(len(jobs), len(jobs), "done")
+    return out
+
+
+def source_note(families, resolutions, batches, layouts, dtype, n_shapes, n_jobs=None) -> str:
+    import triton
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "interpreter"
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+    return (f"convpatch tune on {gpu}, torch {torch.__version__}, triton {triton.__version__}, {date}: "
+            f"{n_shapes} shape keys{'' if n_jobs in (None, n_shapes) else f' (of {n_jobs}: time limit reached)'} = "
+            f"the convs of {'/'.join(families)} at {resolutions} px, batch {batches}, "
+            f"{'/'.join(layouts)}, {config_tables.dtype_name(dtype)} (fp16 shares the exact keys). "
+            f"Exact entries hold the measured ms; buckets and 'any' are the best geomean configs over "
+            f"the shapes in range; cuDNN routes only where it was faster than every candidate by "
+            f">{round((1 - CUDNN_MARGIN) * 100)}%.")
+
+
+def write_table(table: dict, path) -> None:
+    with open(path, "w") as f:
+        json.dump(table, f, indent=1)
+        f.write("\n")
+
+
+def summary_row(m: Measurement) -> dict:
+    best = m.best
+    return {
+        "name": f"{m.call.describe()} {m.layout}", "where": m.call.where, "key": m.key,
+        "best": best, "ours_ms": m.times.get(best) if best else None, "cudnn_ms": m.cudnn_ms,
+        "speedup": (m.cudnn_ms / m.times[best]) if best and m.cudnn_ms else None,
+        "times": m.times, "rejected": m.rejected,
+    }
+
+
+def summary_rows(measurements: List[Measurement]) -> List[dict]:
+    return [summary_row(m) for m in measurements]
+
+
+__all__ = ["candidates", "measure", "tune", "build_table", "distinct_calls", "write_table"]

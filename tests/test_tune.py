@@ -1,0 +1,124 @@
+"""The tuner (``convpatch tune``) and the shape tracer behind it, under the
+interpreter on tiny shapes: what it measures, what it rejects, and that the
+table it writes loads and routes."""
+
+import json
+
+import pytest
+import torch
+
+from conv_patch import cli, config_tables, tune
+from conv_patch.model_shapes import ConvCall, distinct_calls, family_convs
+from conv_patch.routing import Route, select_route
+from conv_patch.specs import CallDesc, ConvSpec
+from conv_patch.target import target_for
+
+
+def test_flux_decoder_convs_traced_off_the_architecture():
+    convs = family_convs("flux", 1024, parts=("decoder",))
+    assert sum(convs.values()) == 35  # conv_in, 2 mid resnets, 4 up blocks x 3 resnets, 3 upsamplers, shortcuts, conv_out
+    shapes = {(c.spec.in_channels, c.spec.out_channels, c.spec.kernel[0], c.shape[2]) for c in convs}
+    assert (16, 512, 3, 128) in shapes and (128, 3, 3, 1024) in shapes and (256, 128, 1, 1024) in shapes
+    enc = family_convs("sd", 512, batch=4, parts=("encoder",))
+    # SD's encoder pads (0,1,0,1) before its stride-2 convs, and ends in the 8->8 quant conv.
+    assert any(c.spec.stride == (2, 2) and c.shape[2] == 513 for c in enc)
+    assert any(c.spec.in_channels == 8 and c.spec.kernel == (1, 1) for c in enc)
+    assert all(c.shape[0] == 4 for c in enc)
+
+
+def test_distinct_calls_dedupe_bias_and_keep_order():
+    calls = distinct_calls(["taesd"], [16, 32], [1])
+    keys = [(c.spec.in_channels, c.spec.out_channels, c.spec.kernel, c.spec.stride, c.shape) for c in calls]
+    assert len(keys) == len(set(keys))
+    assert calls[0].where == "taesd decoder @16"
+    with pytest.raises(ValueError, match="multiple of 8"):
+        family_convs("taesd", 20)
+
+
+def _tiny_calls():
+    mk = lambda ci, co, k, s, h: ConvCall(  # noqa: E731
+        ConvSpec.from_module(torch.nn.Conv2d(ci, co, k, s, k // 2)), (1, ci, h, h), "test")
+    return [mk(16, 24, 3, 1, 8), mk(16, 8, 1, 1, 6), mk(5, 8, 3, 2, 7)]
+
+
+def test_tune_measures_rejects_and_builds_a_table(monkeypatch):
+    target = target_for(torch.device("cpu"))
+    if not target.kernels:
+        pytest.skip("needs the interpreter")
+    cands = tune.candidates(target)
+    # A candidate that computes the wrong answer must be caught: break one
+    # igemm config by making the kernel skip its bias.
+    broken = dict(cands[0], BLOCK_M=cands[0]["BLOCK_M"] // 2)
+    real_conv2d = tune.ops.conv2d
+
+    def sabotage(x, w, b, *a, config=None, **kw):
+        if config is broken:
+            return real_conv2d(x, w, None, *a, config=dict(cands[0]), **kw)
+        return real_conv2d(x, w, b, *a, config=config, **kw)
+    monkeypatch.setattr(tune.ops, "conv2d", sabotage)
+    ms = tune.tune(_tiny_calls(), ["nhwc", "nchw"], torch.bfloat16, torch.device("cpu"), target,
+                   cands=cands + [broken], timer=lambda fn: 1.0 + len(str(fn)) * 0)
+    assert len(ms) == 6
+    for m in ms:
+        assert tune.config_label(broken) in m.rejected and "wrong output" in m.rejected[tune.config_label(broken)]
+        assert m.best is not None and m.cudnn_ms is None
+    strided = [m for m in ms if m.call.spec.stride == (2, 2)]
+    assert strided and not any(m.tma_ok for m in strided)
+    assert all(k.startswith("igemm") for m in strided for k in m.times)
+    table = tune.build_table(ms, "interpreter", torch.bfloat16, "test")
+    assert len(table["conv2d"]["exact"]) == 6 and table["conv2d"]["buckets"]
+    tbl = config_tables.Table(table, "t")
+    call = _tiny_calls()[0]
+    d = select_route(call.spec, CallDesc(call.shape, torch.float16, "cpu", "nhwc", weight_dtype=torch.float16),
+                     target, tbl)
+    assert d.tier == "exact" and d.route in (Route.CONV2D_TMA, Route.CONV2D_IGEMM)
+
+
+def test_cudnn_wins_only_by_the_margin():
+    call = _tiny_calls()[0]
+    cfg = {"route": "igemm", "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32}
+    m = tune.Measurement("k", call, "nhwc", 64, False, {"a": 1.0}, {}, 0.97, {"a": cfg})
+    assert tune.exact_entry(m)["route"] == "igemm"  # within the noise margin: ours
+    m.cudnn_ms = 0.5
+    e = tune.exact_entry(m)
+    assert e["route"] == "cudnn" and e["ours_ms"] == 1.0 and e["best_kernel"] == "a"
+
+
+def test_base_table_entries_survive_a_partial_retune():
+    call = _tiny_calls()[0]
+    cfg = {"route": "igemm", "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32}
+    m = tune.Measurement("new.key", call, "nchw", 64, False, {"a": 1.0}, {}, None, {"a": cfg})
+    base = {"conv2d": {"exact": {"old.key": dict(cfg), "new.key": {"route": "cudnn"}},
+                       "buckets": [{"max_m": None, "layouts": ["nhwc"], "config": dict(cfg)},
+                                   {"max_m": None, "layouts": ["nchw"], "config": dict(cfg, BLOCK_M=128)}],
+                       "any": dict(cfg)}, "source": "first run"}
+    t = tune.build_table([m], "sm90", torch.bfloat16, "second run", base)
+    assert t["conv2d"]["exact"]["new.key"]["route"] == "igemm" and "old.key" in t["conv2d"]["exact"]
+    layouts = [b.get("layouts") for b in t["conv2d"]["buckets"]]
+    assert ["nhwc"] in layouts and all(b["config"]["BLOCK_M"] == 64 for b in t["conv2d"]["buckets"])
+    assert "first run" in t["source"] and "second run" in t["source"]
+
+
+def test_cli_tune_writes_a_table_that_loads(tmp_path, capsys):
+    if not target_for(torch.device("cpu")).kernels:
+        pytest.skip("needs the interpreter")
+    out, rep = tmp_path / "t.json", tmp_path / "r.jsonl"
+    rc = cli.main(["tune", "--family", "taesd", "--res", "16", "--batch", "1", "--layout", "nhwc",
+                   "--part", "decoder", "--device", "cpu", "--out", str(out), "--report", str(rep)])
+    assert rc == 0
+    table = config_tables.load_user_table(str(out))
+    assert table.data["conv2d"]["exact"] and "taesd" in table.data["source"]
+    lines = rep.read_text().splitlines()
+    assert len(lines) == len(table.data["conv2d"]["exact"]) and json.loads(lines[0])["best"]
+    assert "wrote" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--res", "20"], "multiples of 8"),
+    (["--out", "/nonexistent/dir/t.json"], "cannot write there"),
+    (["--base", "/nonexistent/base.json"], "cannot read the config table"),
+])
+def test_cli_tune_bad_input_is_one_line_exit_2(argv, match, capsys):
+    rc = cli.main(["tune", "--device", "cpu", "--family", "taesd"] + argv)
+    err = capsys.readouterr().err
+    assert rc == 2 and match in err and len(err.strip().splitlines()) == 1

@@ -9,7 +9,9 @@ import torch.nn.functional as F
 
 import conv_patch
 from conv_patch import ops
-from conv_patch.target import conv_tf32
+from conv_patch.routing import Route, select_route
+from conv_patch.specs import CallDesc, ConvSpec
+from conv_patch.target import conv_tf32, target_for
 from _util import TOL, rel_err
 
 pytestmark = pytest.mark.gpu
@@ -45,8 +47,15 @@ def test_vae_conv_shapes_half(shape, dtype, nhwc):
     if nhwc:
         out = out.contiguous(memory_format=torch.channels_last)
     ops.conv2d(x, w, b, padding=k // 2, out=out)
-    assert rel_err(out, ref) <= TOL[dtype]
     cudnn = F.conv2d(x, w, b, padding=k // 2)
+    route = select_route(ConvSpec.from_module(torch.nn.Conv2d(c_in, c_out, k, padding=k // 2)),
+                         CallDesc.of_call(x, w, b), target_for(x.device))
+    if route.route is Route.CUDNN:
+        # The table sends this shape to cuDNN: its answer is the module's own
+        # (in fp16 cuDNN's 1x1 can be 2x over our fp32-accumulated bound).
+        assert rel_err(out, cudnn.float()) <= 1e-3
+        return
+    assert rel_err(out, ref) <= TOL[dtype]
     # As close to the exact answer as cuDNN's own result, within rounding.
     assert rel_err(out, ref) <= 1.5 * rel_err(cudnn, ref) + 1e-3
 
@@ -74,17 +83,16 @@ def _compiled_variants(kernel):
 
 
 def test_new_resolution_compiles_nothing():
-    """Shapes are runtime arguments: four resolutions of the same
-    divisibility (and the same M-bucket of the table) reuse one compiled
-    kernel."""
+    """Shapes are runtime arguments: resolutions of the same divisibility
+    (multiples of 16) in the same M-bucket of the table (16384 < M <= 65536)
+    reuse the compiled kernels, whichever route the table picks."""
     from conv_patch.kernels import KERNELS
-    kernel = KERNELS["conv2d"]
     w = torch.randn(64, 32, 3, 3, device="cuda", dtype=torch.bfloat16)
-    ops.conv2d(torch.randn(1, 32, 80, 80, device="cuda", dtype=torch.bfloat16), w, padding=1)
-    before = _compiled_variants(kernel)
-    for hw in (96, 128, 160, 192):
+    ops.conv2d(torch.randn(1, 32, 144, 144, device="cuda", dtype=torch.bfloat16), w, padding=1)
+    before = sum(_compiled_variants(k) for k in KERNELS.values())
+    for hw in (160, 176, 208, 240):
         ops.conv2d(torch.randn(1, 32, hw, hw, device="cuda", dtype=torch.bfloat16), w, padding=1)
-    assert _compiled_variants(kernel) == before
+    assert sum(_compiled_variants(k) for k in KERNELS.values()) == before
 
 
 def test_tf32_follows_pytorch():

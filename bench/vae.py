@@ -1,0 +1,162 @@
+"""End-to-end VAE decode and encode: unpatched NCHW, unpatched channels_last
+and conv-patch, side by side in one process.
+
+    python -m bench.vae [--models flux taef2] [--res 512 1024 2048] [--runs 20]
+
+Models: the diffusers AutoencoderKL in the FLUX.1 configuration (seeded
+random weights: speed does not depend on the values) and TAEF2 with its real
+weights (``$CONV_PATCH_SHARED/models`` or ``../shared/models``; fp16, as
+published). The patched model is the NCHW model after ``conv_patch.apply``
+(what a user gets without converting anything). Variants run interleaved
+(A, B, C, A, B, C, ...) with ``--runs`` timed calls each after warm-up (which
+includes the first call's kernel compilation), cycling through three
+different inputs; the median is reported. Peak memory is the CUDA allocator's
+peak during one call, weights included.
+Rows: name, baseline (eager NCHW), baseline_ms, ours_ms, speedup, peak_gib,
+plus the channels_last time and peak.
+"""
+
+import argparse
+import copy
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+import conv_patch
+
+from .common import print_table, write_results
+
+SHARED = Path(os.environ.get("CONV_PATCH_SHARED") or Path(__file__).resolve().parents[2] / "shared")
+
+
+def flux_vae(dtype):
+    from diffusers import AutoencoderKL
+
+    from conv_patch.taesd import seeded_
+    vae = AutoencoderKL(
+        in_channels=3, out_channels=3, latent_channels=16,
+        down_block_types=["DownEncoderBlock2D"] * 4, up_block_types=["UpDecoderBlock2D"] * 4,
+        block_out_channels=[128, 256, 512, 512], layers_per_block=2,
+        use_quant_conv=False, use_post_quant_conv=False)
+    seeded_(vae)
+    vae = vae.to("cuda", dtype).eval()
+    return (lambda m, z: m.decoder(z)), (lambda m, x: m.encoder(x)), vae, 16
+
+
+def taef2(dtype):
+    from safetensors.torch import load_file
+
+    from conv_patch import taesd
+    enc, dec = taesd.encoder(32), taesd.decoder(32)
+    enc.load_state_dict(load_file(str(SHARED / "models" / "taef2_encoder.safetensors")))
+    dec.load_state_dict(load_file(str(SHARED / "models" / "taef2_decoder.safetensors")))
+    pair = torch.nn.ModuleDict({"enc": enc, "dec": dec}).to("cuda", dtype).eval()
+    return (lambda m, z: m["dec"](z)), (lambda m, x: m["enc"](x)), pair, 32
+
+
+MODELS = {"flux": (flux_vae, torch.bfloat16), "taef2": (taef2, torch.float16)}
+
+
+def _time(fn, inputs, n):
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn(inputs[n % len(inputs)])
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
+def _peak(fn, x):
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    fn(x)
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() / 2**30
+
+
+def bench_variants(variants, runs, warmup=3):
+    """variants: name -> (fn, inputs in that variant's layout)."""
+    times = {k: [] for k in variants}
+    with torch.inference_mode():
+        for i in range(warmup + runs):
+            for k, (fn, xs) in variants.items():
+                t = _time(fn, xs, i)
+                if i >= warmup:
+                    times[k].append(t)
+        peaks = {k: _peak(fn, xs[0]) for k, (fn, xs) in variants.items()}
+    return {k: statistics.median(v) for k, v in times.items()}, peaks
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", nargs="+", choices=sorted(MODELS), default=["flux", "taef2"])
+    ap.add_argument("--res", type=int, nargs="+", default=[512, 1024, 2048])
+    ap.add_argument("--parts", nargs="+", choices=["decode", "encode"], default=["decode", "encode"])
+    ap.add_argument("--runs", type=int, default=20)
+    ap.add_argument("--out", default=None, help="results folder (default bench/results)")
+    args = ap.parse_args(argv)
+    torch.backends.cudnn.benchmark = True
+    rows = []
+    for name in args.models:
+        build, dtype = MODELS[name]
+        decode, encode, model, latent = build(dtype)
+        cl = copy.deepcopy(model).to(memory_format=torch.channels_last)
+        patched = copy.deepcopy(model)
+        report = conv_patch.apply(patched)
+        # The first patched call compiles every kernel the model needs (cold
+        # when TRITON_CACHE_DIR is empty); no autotuning runs at any point.
+        first = {}
+        with torch.inference_mode():
+            for part in args.parts:
+                x0 = torch.randn((1, latent, 64, 64) if part == "decode" else (1, 3, 512, 512),
+                                 device="cuda", dtype=dtype)
+                t0 = time.perf_counter()
+                (decode if part == "decode" else encode)(patched, x0)
+                torch.cuda.synchronize()
+                first[part] = time.perf_counter() - t0
+        print(name, "first patched call (compiles):", {k: round(v, 2) for k, v in first.items()}, "s", flush=True)
+        for part in args.parts:
+            run = decode if part == "decode" else encode
+            for res in args.res:
+                g = torch.Generator(device="cuda").manual_seed(res)
+                shape = (1, latent, res // 8, res // 8) if part == "decode" else (1, 3, res, res)
+                xs = [torch.randn(shape, device="cuda", dtype=dtype, generator=g) for _ in range(3)]
+                xs_cl = [x.contiguous(memory_format=torch.channels_last) for x in xs]
+                try:
+                    ms, peak = bench_variants({
+                        "eager_nchw": (lambda x, m=model, f=run: f(m, x), xs),
+                        "eager_channels_last": (lambda x, m=cl, f=run: f(m, x), xs_cl),
+                        "patched": (lambda x, m=patched, f=run: f(m, x), xs),
+                    }, args.runs)
+                except torch.cuda.OutOfMemoryError:
+                    print(f"{name} {part} {res}: out of memory, skipped", flush=True)
+                    continue
+                row = {
+                    "name": f"{name} {part} {res}x{res}", "baseline": "eager nchw",
+                    "baseline_ms": ms["eager_nchw"], "ours_ms": ms["patched"],
+                    "speedup": ms["eager_nchw"] / ms["patched"], "peak_gib": peak["patched"],
+                    "baseline_peak_gib": peak["eager_nchw"],
+                    "channels_last_ms": ms["eager_channels_last"],
+                    "channels_last_peak_gib": peak["eager_channels_last"],
+                    "dtype": str(dtype).replace("torch.", ""), "runs": args.runs,
+                    "first_call_s": first[part],
+                }
+                rows.append(row)
+                write_results("vae", rows, {}, args.out)  # kept current: a cut-off run keeps its rows
+                print(f"{row['name']}: eager {row['baseline_ms']:.2f} ms, channels_last "
+                      f"{row['channels_last_ms']:.2f} ms, patched {row['ours_ms']:.2f} ms "
+                      f"(x{row['speedup']:.2f}), peak {row['peak_gib']:.2f} GiB", flush=True)
+        print(name, str(report).splitlines()[0], flush=True)
+        del model, cl, patched
+        torch.cuda.empty_cache()
+    path = write_results("vae", rows, {}, args.out)
+    print_table(rows, ["name", "baseline_ms", "channels_last_ms", "ours_ms", "speedup", "peak_gib",
+                       "baseline_peak_gib"])
+    print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()

@@ -46,7 +46,8 @@ ROUTE_INFO = {
     ),
     Route.CONV2D_TMA: (
         "Hopper (sm90+) conv2d: TMA tensor descriptors (their zero fill is the padding) feeding wgmma, "
-        "multi-stage pipeline; stride 1, any kernel size, padding, dilation; fp16/bf16; C_in a multiple of 8; "
+        "multi-stage pipeline; stride 1, kernels larger than 1x1, any padding and dilation; fp16/bf16; "
+        "C_in a multiple of 8; "
         "NHWC read in place, NCHW through one NHWC staging copy (output written NCHW directly); "
         "same fused epilogue as the portable kernels"
     ),

@@ -9,10 +9,11 @@ the NHWC staging copy and must come back NCHW.
 import pytest
 import torch
 
-from conv_patch import config_tables, ops
+from conv_patch import PatchConfig, config_tables, ops
 from conv_patch.routing import Route, select_route, tma_problem
 from conv_patch.specs import CallDesc, ConvSpec
 from conv_patch.target import Target, target_for
+from _util import rel_err
 from test_kernels import check_conv
 
 HAS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
@@ -162,3 +163,32 @@ def test_nchw_to_nhwc_copy(shape, device):
     y = ops.to_nhwc(x)
     assert y.is_contiguous(memory_format=torch.channels_last) and torch.equal(y, x)
     assert ops.to_nhwc(y) is y
+
+
+def test_patched_model_takes_the_tma_route_through_a_table(device):
+    """apply() with a table whose configs name the TMA route: 3x3 stride-1
+    convs run it (weights packed by the wrapper, an NCHW input staged), the
+    stride-2 and 1x1 convs fall back to the portable kernel in the same
+    table, and the model's output matches the unpatched one."""
+    import conv_patch
+    if not target_for(device).kernels:
+        pytest.skip("no kernels here")
+    g = torch.Generator().manual_seed(8)
+    net = torch.nn.Sequential(torch.nn.Conv2d(8, 16, 3, padding=1), torch.nn.SiLU(),
+                              torch.nn.Conv2d(16, 16, 3, stride=2, padding=1),
+                              torch.nn.Conv2d(16, 24, 1), torch.nn.Conv2d(24, 8, 3, padding=2, dilation=2))
+    with torch.no_grad():
+        for p in net.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    net = net.to(device, torch.bfloat16).eval()
+    table = {"conv2d": {"buckets": [{"max_m": None, "config": dict(TMA_WIDE)},
+                                    {"max_m": None, "config": dict(IGEMM)}]}}
+    x = torch.randn(2, 8, 12, 16, generator=g).to(device, torch.bfloat16)
+    with torch.no_grad():
+        ref = net.double()(x.double()) if device.type == "cpu" else net.float()(x.float())
+        net.to(torch.bfloat16)
+        conv_patch.apply(net, config=PatchConfig(table=table))
+        out = net(x)
+    labels = [m.extra_repr().split("route=")[1] for m in net if isinstance(m, torch.nn.Conv2d)]
+    assert labels == ["conv2d_tma", "conv2d_igemm", "conv2d_igemm", "conv2d_tma"]
+    assert out.is_contiguous() and rel_err(out, ref) <= 2e-2

@@ -3,6 +3,7 @@ the architecture): conv-patch against cuDNN (F.conv2d), in NHWC and in NCHW,
 plain and fused.
 
     python -m bench.layers [--res 512 1024] [--parts decoder encoder] [--dtype bf16] [--rounds 2]
+                           [--families flux] [--limit N] [--no-fused]
 
 plain: conv + bias. conv-patch runs what the wrapper runs: the route and
 config ``select_route`` picks from the packaged table (its label is in the
@@ -26,27 +27,27 @@ from conv_patch.routing import select_route
 from conv_patch.specs import CallDesc
 from conv_patch.target import target_for
 
-from .common import interleaved_ms, print_table, write_results
+from .common import bench_device, interleaved_ms, print_table, write_results
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # bf16 dense matmul measured on the H200 (torch.matmul, 8192^3).
 PEAK_TFLOPS = 764.0
 
 
-def run_layer(call, layout, dtype, rounds, fused):
+def run_layer(call, layout, dtype, rounds, fused, device):
     spec, shape = call.spec, call.shape
     fmt = torch.channels_last if layout == "nhwc" else torch.contiguous_format
-    g = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(shape, device="cuda", dtype=dtype, generator=g).contiguous(memory_format=fmt)
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(shape, device=device, dtype=dtype, generator=g).contiguous(memory_format=fmt)
     k = spec.kernel
-    w = (torch.randn(spec.out_channels, spec.in_channels, *k, device="cuda", generator=g)
+    w = (torch.randn(spec.out_channels, spec.in_channels, *k, device=device, generator=g)
          * (spec.in_channels * k[0] * k[1]) ** -0.5).to(dtype).contiguous(memory_format=fmt)
-    b = torch.randn(spec.out_channels, device="cuda", dtype=dtype, generator=g)
+    b = torch.randn(spec.out_channels, device=device, dtype=dtype, generator=g)
     packed = w.contiguous(memory_format=torch.channels_last)
     refresh = packed.data_ptr() != w.data_ptr()
     st, pad, dil = spec.stride, spec.pad_begin, spec.dilation
     y = F.conv2d(x, w, b, st, pad, dil)
-    r = torch.randn(y.shape, device="cuda", dtype=dtype, generator=g).contiguous(memory_format=fmt)
+    r = torch.randn(y.shape, device=device, dtype=dtype, generator=g).contiguous(memory_format=fmt)
     decision = select_route(spec, CallDesc.of_call(x, packed, b), target_for(x.device))
 
     def ours(**kw):
@@ -87,17 +88,20 @@ def main(argv=None):
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--no-fused", action="store_true", help="skip the fused rows")
+    ap.add_argument("--families", nargs="+", default=["flux"], help="model families (conv_patch.model_shapes)")
+    ap.add_argument("--limit", type=int, default=None, help="only the first N distinct convs")
     ap.add_argument("--out", default=None, help="results folder (default bench/results)")
     args = ap.parse_args(argv)
     torch.backends.cudnn.benchmark = True
     dtype = DTYPES[args.dtype]
-    calls = distinct_calls(["flux"], args.res, [1], args.parts)
+    device = bench_device()
+    calls = distinct_calls(args.families, args.res, [1], args.parts)[:args.limit]
     rows = []
     for call in calls:
         for layout in ("nhwc", "nchw"):
             variants = [False] if args.no_fused else [False, True]
             for fused in variants:
-                r = run_layer(call, layout, dtype, args.rounds, fused)
+                r = run_layer(call, layout, dtype, args.rounds, fused, device)
                 rows.append(r)
                 write_results("layers", rows, {"dtype": args.dtype}, args.out)  # a cut-off run keeps its rows
                 print(f"{r['name']}: cudnn {r['baseline_ms']:.4f} ms  ours {r['ours_ms']:.4f} ms  "

@@ -27,7 +27,7 @@ import torch
 
 import conv_patch
 
-from .common import print_table, write_results
+from .common import bench_device, print_table, write_results
 
 SHARED = Path(os.environ.get("CONV_PATCH_SHARED") or Path(__file__).resolve().parents[2] / "shared")
 
@@ -42,7 +42,7 @@ def flux_vae(dtype):
         block_out_channels=[128, 256, 512, 512], layers_per_block=2,
         use_quant_conv=False, use_post_quant_conv=False)
     seeded_(vae)
-    vae = vae.to("cuda", dtype).eval()
+    vae = vae.to(bench_device(), dtype).eval()
     return (lambda m, z: m.decoder(z)), (lambda m, x: m.encoder(x)), vae, 16
 
 
@@ -53,14 +53,19 @@ def taef2(dtype):
     enc, dec = taesd.encoder(32), taesd.decoder(32)
     enc.load_state_dict(load_file(str(SHARED / "models" / "taef2_encoder.safetensors")))
     dec.load_state_dict(load_file(str(SHARED / "models" / "taef2_decoder.safetensors")))
-    pair = torch.nn.ModuleDict({"enc": enc, "dec": dec}).to("cuda", dtype).eval()
+    pair = torch.nn.ModuleDict({"enc": enc, "dec": dec}).to(bench_device(), dtype).eval()
     return (lambda m, z: m["dec"](z)), (lambda m, x: m["enc"](x)), pair, 32
 
 
 MODELS = {"flux": (flux_vae, torch.bfloat16), "taef2": (taef2, torch.float16)}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def _time(fn, inputs, n):
+    if not torch.cuda.is_available():
+        t = time.perf_counter()
+        fn(inputs[n % len(inputs)])
+        return (time.perf_counter() - t) * 1e3
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     fn(inputs[n % len(inputs)])
@@ -70,11 +75,22 @@ def _time(fn, inputs, n):
 
 
 def _peak(fn, x):
+    if not torch.cuda.is_available():
+        return None
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     fn(x)
     torch.cuda.synchronize()
     return torch.cuda.max_memory_allocated() / 2**30
+
+
+def _gib(v):
+    return "n/a" if v is None else f"{v:.2f} GiB"
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def bench_variants(variants, runs, warmup=3):
@@ -96,12 +112,17 @@ def main(argv=None):
     ap.add_argument("--res", type=int, nargs="+", default=[512, 1024, 2048])
     ap.add_argument("--parts", nargs="+", choices=["decode", "encode"], default=["decode", "encode"])
     ap.add_argument("--runs", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                    help="override the model's dtype (bf16 for FLUX, fp16 for TAEF2)")
     ap.add_argument("--out", default=None, help="results folder (default bench/results)")
     args = ap.parse_args(argv)
     torch.backends.cudnn.benchmark = True
     rows = []
+    device = bench_device()
     for name in args.models:
         build, dtype = MODELS[name]
+        dtype = DTYPES[args.dtype] if args.dtype else dtype
         decode, encode, model, latent = build(dtype)
         cl = copy.deepcopy(model).to(memory_format=torch.channels_last)
         patched = copy.deepcopy(model)
@@ -111,26 +132,27 @@ def main(argv=None):
         first = {}
         with torch.inference_mode():
             for part in args.parts:
-                x0 = torch.randn((1, latent, 64, 64) if part == "decode" else (1, 3, 512, 512),
-                                 device="cuda", dtype=dtype)
+                r0 = min(args.res)
+                x0 = torch.randn((1, latent, r0 // 8, r0 // 8) if part == "decode" else (1, 3, r0, r0),
+                                 device=device, dtype=dtype)
                 t0 = time.perf_counter()
                 (decode if part == "decode" else encode)(patched, x0)
-                torch.cuda.synchronize()
+                _sync()
                 first[part] = time.perf_counter() - t0
         print(name, "first patched call (compiles):", {k: round(v, 2) for k, v in first.items()}, "s", flush=True)
         for part in args.parts:
             run = decode if part == "decode" else encode
             for res in args.res:
-                g = torch.Generator(device="cuda").manual_seed(res)
+                g = torch.Generator(device=device).manual_seed(res)
                 shape = (1, latent, res // 8, res // 8) if part == "decode" else (1, 3, res, res)
-                xs = [torch.randn(shape, device="cuda", dtype=dtype, generator=g) for _ in range(3)]
+                xs = [torch.randn(shape, device=device, dtype=dtype, generator=g) for _ in range(3)]
                 xs_cl = [x.contiguous(memory_format=torch.channels_last) for x in xs]
                 try:
                     ms, peak = bench_variants({
                         "eager_nchw": (lambda x, m=model, f=run: f(m, x), xs),
                         "eager_channels_last": (lambda x, m=cl, f=run: f(m, x), xs_cl),
                         "patched": (lambda x, m=patched, f=run: f(m, x), xs),
-                    }, args.runs)
+                    }, args.runs, args.warmup)
                 except torch.cuda.OutOfMemoryError:
                     print(f"{name} {part} {res}: out of memory, skipped", flush=True)
                     continue
@@ -138,6 +160,7 @@ def main(argv=None):
                     "name": f"{name} {part} {res}x{res}", "baseline": "eager nchw",
                     "baseline_ms": ms["eager_nchw"], "ours_ms": ms["patched"],
                     "speedup": ms["eager_nchw"] / ms["patched"], "peak_gib": peak["patched"],
+                    "device": str(device),
                     "baseline_peak_gib": peak["eager_nchw"],
                     "channels_last_ms": ms["eager_channels_last"],
                     "channels_last_peak_gib": peak["eager_channels_last"],
@@ -148,10 +171,11 @@ def main(argv=None):
                 write_results("vae", rows, {}, args.out)  # kept current: a cut-off run keeps its rows
                 print(f"{row['name']}: eager {row['baseline_ms']:.2f} ms, channels_last "
                       f"{row['channels_last_ms']:.2f} ms, patched {row['ours_ms']:.2f} ms "
-                      f"(x{row['speedup']:.2f}), peak {row['peak_gib']:.2f} GiB", flush=True)
+                      f"(x{row['speedup']:.2f}), peak {_gib(row['peak_gib'])}", flush=True)
         print(name, str(report).splitlines()[0], flush=True)
         del model, cl, patched
-        torch.cuda.empty_cache()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     path = write_results("vae", rows, {}, args.out)
     print_table(rows, ["name", "baseline_ms", "channels_last_ms", "ours_ms", "speedup", "peak_gib",
                        "baseline_peak_gib"])

@@ -1,0 +1,47 @@
+"""The benchmarks' logic (shape lists, routing labels, row format, result
+files) on tiny shapes; on the CPU the kernels run under the interpreter and
+the times mean nothing, on a GPU these are quick real runs."""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+ROW_KEYS = {"name", "baseline", "baseline_ms", "ours_ms", "speedup"}
+SHARED = Path(os.environ.get("CONV_PATCH_SHARED") or Path(__file__).resolve().parents[1].parent / "shared")
+
+
+def _result(tmp_path, prefix):
+    files = list(tmp_path.glob(f"{prefix}-*.json"))
+    assert len(files) == 1
+    doc = json.loads(files[0].read_text())
+    assert {"gpu", "torch", "triton", "date", "rows"} <= set(doc)
+    return doc
+
+
+def test_bench_layers_rows(tmp_path):
+    from bench import layers
+    layers.main(["--families", "taesd", "--res", "16", "--parts", "decoder", "--limit", "2",
+                 "--rounds", "1", "--out", str(tmp_path)])
+    doc = _result(tmp_path, "layers")
+    rows = doc["rows"]
+    assert len(rows) == 2 * 2 * 2  # 2 convs x 2 layouts x plain/fused
+    for r in rows:
+        assert ROW_KEYS | {"tflops", "pct_of_peak", "route"} <= set(r)
+        assert r["speedup"] == pytest.approx(r["baseline_ms"] / r["ours_ms"])
+        assert r["rel_err_vs_fp32"] < 2e-2, r
+    assert sum(r["name"].endswith("fused") for r in rows) == 4
+    assert {"nhwc", "nchw", "nhwc_fused", "nchw_fused"} <= set(doc["summary"])
+
+
+@pytest.mark.skipif(not (SHARED / "models" / "taef2_decoder.safetensors").is_file(), reason="no ../shared/models")
+def test_bench_vae_rows(tmp_path):
+    from bench import vae
+    vae.main(["--models", "taef2", "--res", "16", "--parts", "decode", "--runs", "1", "--warmup", "0",
+              "--dtype", "fp32", "--out", str(tmp_path)])
+    rows = _result(tmp_path, "vae")["rows"]
+    assert len(rows) == 1 and rows[0]["name"] == "taef2 decode 16x16"
+    r = rows[0]
+    assert ROW_KEYS | {"peak_gib", "channels_last_ms", "first_call_s"} <= set(r)
+    assert r["baseline"] == "eager nchw" and r["ours_ms"] > 0

@@ -17,7 +17,7 @@ from torch.nn.utils import parametrize
 from . import config_tables
 from .routing import static_route
 from .specs import ConvSpec
-from .wrappers import PatchedConv2d, PatchedConvMixin, PatchedConvTranspose2d
+from .wrappers import PatchedConvMixin, is_comfy_conv_class, wrapper_class_for
 
 FilterFn = Callable[[nn.Module, str], bool]
 
@@ -53,17 +53,19 @@ class PatchReport:
 
 def _conv_base(m: nn.Module):
     if isinstance(m, nn.ConvTranspose2d):
-        return nn.ConvTranspose2d, PatchedConvTranspose2d
+        return nn.ConvTranspose2d, wrapper_class_for(type(m))
     if isinstance(m, nn.Conv2d):
-        return nn.Conv2d, PatchedConv2d
+        return nn.Conv2d, wrapper_class_for(type(m))
     return None, None
 
 
 def ineligible_reason(m: nn.Module) -> Optional[str]:
     """Why ``m`` (a Conv2d / ConvTranspose2d) cannot be wrapped, or None."""
-    base, _ = _conv_base(m)
+    base = nn.ConvTranspose2d if isinstance(m, nn.ConvTranspose2d) else nn.Conv2d
     cls = type(m)
-    if cls.forward is not base.forward or getattr(cls, "_conv_forward", None) is not getattr(base, "_conv_forward", None):
+    if getattr(cls, "_conv_forward", None) is not getattr(base, "_conv_forward", None):
+        return f"{cls.__qualname__} overrides _conv_forward; its contract is unknown"
+    if cls.forward is not base.forward and not is_comfy_conv_class(cls):
         return f"{cls.__qualname__} overrides forward; its contract is unknown"
     if "forward" in m.__dict__:
         return "forward replaced on the instance (a hook library wraps it)"
@@ -87,38 +89,33 @@ def _slots(model: nn.Module):
                 yield parent, name, child, f"{pfqn}.{name}" if pfqn else name
 
 
-def apply(model: nn.Module, *, filter_fn: Optional[FilterFn] = None,
-          config: Optional[PatchConfig] = None) -> PatchReport:
-    """Swap every eligible ``nn.Conv2d`` / ``nn.ConvTranspose2d`` in ``model``
-    for a Triton-backed wrapper, in place; return what was done and why.
+def _modules_of(target) -> List:
+    """(prefix, module) pairs: the module itself, or every ``nn.Module``
+    component of a pipeline (anything with a ``components`` dict, like a
+    diffusers ``DiffusionPipeline``), prefixed with the component's name."""
+    if isinstance(target, nn.Module):
+        return [("", target)]
+    comps = getattr(target, "components", None)
+    if isinstance(comps, dict):
+        mods = [(f"{name}.", m) for name, m in comps.items() if isinstance(m, nn.Module)]
+        if mods:
+            return mods
+        raise TypeError(f"{type(target).__name__} has no nn.Module components to patch")
+    raise TypeError(f"apply() needs an nn.Module or a pipeline with nn.Module components, "
+                    f"got {type(target).__name__}")
 
-    ``filter_fn(module, fqn) -> bool`` narrows the selection. Idempotent:
-    wrappers already present are left as they are. Everything is validated and
-    every wrapper built before the model is touched, so an error leaves the
-    model as it was.
-    """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"apply() needs an nn.Module, got {type(model).__name__}")
-    if filter_fn is not None and not callable(filter_fn):
-        raise TypeError("filter_fn must be callable as filter_fn(module, fqn) -> bool")
-    if config is not None and not isinstance(config, PatchConfig):
-        raise TypeError(f"config must be a conv_patch.PatchConfig, got {type(config).__name__}")
-    table = None
-    if config is not None and config.table is not None:
-        table = config_tables.load_user_table(config.table)
 
-    report = PatchReport()
+def _plan(model: nn.Module, prefix: str, filter_fn, table, report: "PatchReport", wrappers: Dict[int, nn.Module]):
     if isinstance(model, PatchedConvMixin):
-        report.already_patched.append("")
-        return report
+        report.already_patched.append(prefix.rstrip("."))
+        return []
     if _conv_base(model)[0] is not None:
-        report.skipped[""] = ("the model itself is a convolution; apply() swaps modules inside a "
-                              "model (wrap it, e.g. nn.Sequential(conv))")
-        return report
-
+        report.skipped[prefix.rstrip(".")] = ("the model itself is a convolution; apply() swaps modules inside "
+                                              "a model (wrap it, e.g. nn.Sequential(conv))")
+        return []
     plan = []
-    wrappers: Dict[int, nn.Module] = {}
     for parent, name, child, fqn in _slots(model):
+        fqn = prefix + fqn
         if isinstance(child, PatchedConvMixin):
             report.already_patched.append(fqn)
             continue
@@ -139,22 +136,48 @@ def apply(model: nn.Module, *, filter_fn: Optional[FilterFn] = None,
         wrapper = wrappers[id(child)]
         plan.append((parent, name, wrapper))
         report.patched[fqn] = f"{wrapper.route().route.value}  {ConvSpec.from_module(child).describe()}"
+    return plan
 
+
+def apply(model, *, filter_fn: Optional[FilterFn] = None,
+          config: Optional[PatchConfig] = None) -> PatchReport:
+    """Swap every eligible ``nn.Conv2d`` / ``nn.ConvTranspose2d`` in ``model``
+    for a Triton-backed wrapper, in place; return what was done and why.
+
+    ``model`` is an ``nn.Module`` or a pipeline (``conv_patch.apply(pipe)``
+    patches every ``nn.Module`` component: VAE, UNet/transformer, text
+    encoders; report paths start with the component's name).
+    ``filter_fn(module, fqn) -> bool`` narrows the selection. Idempotent:
+    wrappers already present are left as they are. Everything is validated and
+    every wrapper built before the model is touched, so an error leaves the
+    model as it was.
+    """
+    targets = _modules_of(model)
+    if filter_fn is not None and not callable(filter_fn):
+        raise TypeError("filter_fn must be callable as filter_fn(module, fqn) -> bool")
+    if config is not None and not isinstance(config, PatchConfig):
+        raise TypeError(f"config must be a conv_patch.PatchConfig, got {type(config).__name__}")
+    table = None
+    if config is not None and config.table is not None:
+        table = config_tables.load_user_table(config.table)
+
+    report = PatchReport()
+    wrappers: Dict[int, nn.Module] = {}
+    plan = [step for prefix, m in targets for step in _plan(m, prefix, filter_fn, table, report, wrappers)]
     for parent, name, wrapper in plan:
         parent._modules[name] = wrapper
     return report
 
 
-def remove(model: nn.Module, _only: Optional[set] = None) -> List[str]:
+def remove(model, _only: Optional[set] = None) -> List[str]:
     """Put the original module objects back (holding the current weights);
-    return the paths restored."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"remove() needs an nn.Module, got {type(model).__name__}")
+    return the paths restored. ``model`` as for :func:`apply`."""
     restored = []
-    for parent, name, child, fqn in list(_slots(model)):
-        if isinstance(child, PatchedConvMixin) and (_only is None or id(child) in _only):
-            parent._modules[name] = child.unwrap()
-            restored.append(fqn)
+    for prefix, m in _modules_of(model):
+        for parent, name, child, fqn in list(_slots(m)):
+            if isinstance(child, PatchedConvMixin) and (_only is None or id(child) in _only):
+                parent._modules[name] = child.unwrap()
+                restored.append(prefix + fqn)
     return restored
 
 
@@ -164,7 +187,8 @@ def patched(model: nn.Module, *, filter_fn: Optional[FilterFn] = None,
     """``with conv_patch.patched(model) as report:`` apply on enter; on exit
     remove what this block patched (wrappers from earlier calls stay)."""
     report = apply(model, filter_fn=filter_fn, config=config)
-    mine = {id(child) for _, _, child, fqn in _slots(model) if fqn in report.patched}
+    mine = {id(child) for prefix, m in _modules_of(model) for _, _, child, fqn in _slots(m)
+            if prefix + fqn in report.patched}
     try:
         yield report
     finally:

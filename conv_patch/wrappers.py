@@ -102,9 +102,20 @@ class PatchedConvMixin:
         call = CallDesc.of_call(x, self.weight, self.bias, residual, output_padding)
         return select_route(spec, call, target_for(x.device), self._cp_table)
 
+    def _cp_comfy_active(self) -> bool:
+        """ComfyUI is casting this module's weights per call (low-VRAM) or
+        patching them (``weight_function``/``bias_function``, e.g. LoRA)."""
+        return bool(getattr(self, "comfy_cast_weights", False) or getattr(self, "weight_function", None)
+                    or getattr(self, "bias_function", None))
+
     def _cp_call(self, x, residual, beta, activation, out_scale, output_padding=None, fallback_args=()):
         ops.activation_code(activation)
-        decision = self.route(x, residual, output_padding)
+        if self._cp_comfy_active():
+            # The computation must use the per-call weight ComfyUI builds, never
+            # a pack of the stored parameter: the original forward does that.
+            decision = RouteDecision(Route.FALLBACK, "ComfyUI weight casting or patching active")
+        else:
+            decision = self.route(x, residual, output_padding)
         self.__dict__["_cp_last"] = decision
         if decision.is_kernel:
             spec, target = self.spec, target_for(x.device)
@@ -159,6 +170,50 @@ class PatchedConv2d(PatchedConvMixin, nn.Conv2d):
 
     def forward(self, input, *, residual=None, beta=1.0, activation="none", out_scale=1.0):
         return self._cp_call(input, residual, beta, activation, out_scale)
+
+
+def is_comfy_conv_class(cls: type) -> bool:
+    """ComfyUI's conv classes (``comfy.ops.disable_weight_init.Conv2d``,
+    ``manual_cast.Conv2d``, and copies in custom nodes) override ``forward``
+    with a known contract: they compute like their torch base unless
+    ``comfy_cast_weights`` or a weight/bias function is set. Recognised by
+    structure, not import path, so ComfyUI need not be importable."""
+    return (hasattr(cls, "comfy_cast_weights") and hasattr(cls, "weight_function")
+            and callable(getattr(cls, "forward_comfy_cast_weights", None)))
+
+
+_DYNAMIC: dict = {}
+
+
+def wrapper_class_for(cls: type) -> type:
+    """The wrapper class of a convolution class. For a ComfyUI conv class it
+    is a subclass of both our wrapper and that class: ComfyUI's model patcher
+    finds modules by ``hasattr(m, "comfy_cast_weights")``, and the class's own
+    ``forward`` (our fallback) calls ``super().forward``, which needs ``self``
+    to be an instance of it."""
+    if cls is nn.Conv2d or cls is PatchedConv2d:
+        return PatchedConv2d
+    if cls is nn.ConvTranspose2d or cls is PatchedConvTranspose2d:
+        return PatchedConvTranspose2d
+    base = PatchedConvTranspose2d if issubclass(cls, nn.ConvTranspose2d) else PatchedConv2d
+    if cls not in _DYNAMIC:
+        _DYNAMIC[cls] = type(f"Patched{cls.__name__}", (base, cls), {
+            "_cp_torch_class": cls, "__module__": __name__,
+            "__qualname__": f"Patched{cls.__name__}",
+            "__doc__": f"conv-patch wrapper of {cls.__module__}.{cls.__qualname__}.",
+            "__reduce_ex__": _reduce_dynamic,
+        })
+    return _DYNAMIC[cls]
+
+
+def _reduce_dynamic(self, protocol):
+    # Dynamic classes cannot be found by name when unpickling: rebuild them
+    # from the original class, which can.
+    return (_rebuild_dynamic, (self._cp_torch_class,), self.__getstate__())
+
+
+def _rebuild_dynamic(cls):
+    return wrapper_class_for(cls).__new__(wrapper_class_for(cls))
 
 
 class PatchedConvTranspose2d(PatchedConvMixin, nn.ConvTranspose2d):

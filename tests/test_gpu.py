@@ -155,3 +155,22 @@ def test_tma_is_deterministic_and_cudnn_accurate(cfg, c_in, c_out, k, hw):
         assert torch.equal(ops.conv2d(x, w, b, padding=k // 2, config=cfg), first)
     cudnn = F.conv2d(x, w, b, padding=k // 2)
     assert rel_err(first, ref) <= 1.5 * rel_err(cudnn, ref) + 1e-3
+
+
+def test_offload_moves_do_not_leak_gpu_memory():
+    """ComfyUI-style offload: 50 CPU<->GPU round trips of a patched model,
+    each followed by a decode; GPU memory comes back to the same level."""
+    net = torch.nn.Sequential(torch.nn.Conv2d(64, 128, 3, padding=1), torch.nn.SiLU(),
+                              torch.nn.Conv2d(128, 64, 3, padding=1)).to("cuda", torch.bfloat16).eval()
+    conv_patch.apply(net)
+    x = torch.randn(1, 64, 64, 64, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        net(x)
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        for _ in range(50):
+            net.to("cpu")
+            net.to("cuda")
+            net(x)
+        torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() <= base

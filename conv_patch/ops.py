@@ -118,6 +118,13 @@ def _nhwc(x: torch.Tensor) -> bool:
 def _functional(spec: ConvSpec, x, weight, bias, residual, beta, activation, out_scale,
                 out, force_int64, config):
     activation_code(activation)
+    if torch.compiler.is_compiling() and config is None:
+        from . import compiled
+        w = weight
+        y = compiled.conv(x, w, bias, residual, spec.transposed, list(spec.stride), list(spec.pad_begin),
+                          list(spec.pad_end), list(spec.dilation), list(spec.output_padding), float(beta),
+                          activation, float(out_scale))
+        return out.copy_(y) if out is not None else y
     call = CallDesc.of_call(x, weight, bias, residual)
     target = target_for(x.device)
     decision = select_route(spec, call, target)

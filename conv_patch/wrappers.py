@@ -43,6 +43,10 @@ def _kernel_errors():
     return (CompilationError, OutOfResources)
 
 
+def _needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 class PatchedConvMixin:
     """Behaviour shared by both wrappers; mixed in before the torch class.
 
@@ -110,13 +114,21 @@ class PatchedConvMixin:
 
     def _cp_call(self, x, residual, beta, activation, out_scale, output_padding=None, fallback_args=()):
         ops.activation_code(activation)
-        if self._cp_comfy_active():
+        if torch.compiler.is_compiling():
+            if not self._cp_comfy_active() and not _needs_grad(x, self.weight, self.bias, residual):
+                # One opaque custom op in the graph; it routes when it runs.
+                from . import compiled
+                return compiled.call(self, x, residual, beta, activation, out_scale, output_padding)
+            # The op has no backward: Dynamo traces the original forward.
+            decision = RouteDecision(Route.FALLBACK, "torch.compile tracing with autograd or ComfyUI casting")
+        elif self._cp_comfy_active():
             # The computation must use the per-call weight ComfyUI builds, never
             # a pack of the stored parameter: the original forward does that.
             decision = RouteDecision(Route.FALLBACK, "ComfyUI weight casting or patching active")
+            self.__dict__["_cp_last"] = decision
         else:
             decision = self.route(x, residual, output_padding)
-        self.__dict__["_cp_last"] = decision
+            self.__dict__["_cp_last"] = decision
         if decision.is_kernel:
             spec, target = self.spec, target_for(x.device)
             if residual is not None:

@@ -1,0 +1,78 @@
+"""The convolution as a PyTorch custom op, for ``torch.compile``.
+
+``torch.ops.conv_patch.conv`` takes the whole call (input, weight, bias,
+residual, geometry, epilogue) and routes it at run time exactly like the
+wrapper's eager path: a kernel when the router says so, else PyTorch. Its
+fake implementation only computes the output's shape, dtype and memory
+format, so Dynamo traces a patched model without graph breaks and Inductor
+treats the call as one opaque kernel. Under tracing the wrappers call this op
+instead of falling back (``wrappers.PatchedConvMixin._cp_call``).
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+import torch.nn.functional as F
+
+from . import ops
+from .routing import select_route
+from .specs import CallDesc, ConvSpec
+from .target import target_for
+
+
+def _spec(x, weight, bias, transposed, stride, pad_begin, pad_end, dilation, output_padding) -> ConvSpec:
+    c_in, c_out = (weight.shape[0], weight.shape[1]) if transposed else (weight.shape[1], weight.shape[0])
+    return ConvSpec(bool(transposed), int(c_in), int(c_out), tuple(weight.shape[2:]), tuple(stride),
+                    tuple(dilation), tuple(pad_begin), tuple(pad_end), tuple(output_padding), 1, "zeros",
+                    bias is not None)
+
+
+def _torch_conv(spec: ConvSpec, x, weight, bias):
+    if spec.transposed:
+        return F.conv_transpose2d(x, weight, bias, spec.stride, spec.pad_begin, spec.output_padding, 1,
+                                  spec.dilation)
+    if spec.pad_begin != spec.pad_end:
+        x = F.pad(x, (spec.pad_begin[1], spec.pad_end[1], spec.pad_begin[0], spec.pad_end[0]))
+        return F.conv2d(x, weight, bias, spec.stride, 0, spec.dilation)
+    return F.conv2d(x, weight, bias, spec.stride, spec.pad_begin, spec.dilation)
+
+
+@torch.library.custom_op("conv_patch::conv", mutates_args=())
+def conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], residual: Optional[torch.Tensor],
+         transposed: bool, stride: List[int], pad_begin: List[int], pad_end: List[int], dilation: List[int],
+         output_padding: List[int], beta: float, activation: str, out_scale: float) -> torch.Tensor:
+    spec = _spec(x, weight, bias, transposed, stride, pad_begin, pad_end, dilation, output_padding)
+    target = target_for(x.device)
+    decision = select_route(spec, CallDesc.of_call(x, weight, bias, residual), target)
+    if decision.is_kernel:
+        from .wrappers import _kernel_errors
+        w = weight.transpose(0, 1) if transposed else weight
+        try:
+            return ops.run_kernel(decision, target, spec, x, w.contiguous(memory_format=torch.channels_last),
+                                  bias, residual=residual, beta=beta, activation=activation,
+                                  out_scale=out_scale)
+        except _kernel_errors():
+            pass
+    y = _torch_conv(spec, x, weight, bias)
+    return ops.eager_epilogue(y, residual, beta, activation, out_scale).clone()
+
+
+@conv.register_fake
+def _(x, weight, bias, residual, transposed, stride, pad_begin, pad_end, dilation, output_padding,
+      beta, activation, out_scale):
+    spec = _spec(x, weight, bias, transposed, stride, pad_begin, pad_end, dilation, output_padding)
+    shape = ops.output_shape(spec, tuple(x.shape), output_padding)
+    if x.dim() == 4 and ops._nhwc(x):
+        return x.new_empty(shape).contiguous(memory_format=torch.channels_last)
+    return x.new_empty(shape)
+
+
+def call(module, x, residual, beta, activation, out_scale, output_padding=None) -> torch.Tensor:
+    """The op for a wrapper's call (what its forward runs under tracing)."""
+    spec = module.spec
+    op = list(output_padding) if output_padding is not None else list(spec.output_padding)
+    return conv(x, module.weight, module.bias, residual, spec.transposed, list(spec.stride),
+                list(spec.pad_begin), list(spec.pad_end), list(spec.dilation), op,
+                float(beta), activation, float(out_scale))

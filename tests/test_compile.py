@@ -1,0 +1,76 @@
+"""torch.compile: the wrappers and the functional API become one custom op
+(``torch.ops.conv_patch.conv``) per convolution in the traced graph, with no
+graph break, and give the eager answer. Traced with a recording backend and
+with aot_eager (Inductor's C++/Triton codegen is not needed to check this)."""
+
+import torch
+
+import conv_patch
+from conv_patch import ops
+from _util import rel_err
+
+
+def _net(device):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(8, 16, 3, padding=1), torch.nn.SiLU(),
+        torch.nn.ConvTranspose2d(16, 8, 4, 2, 1),
+        torch.nn.Conv2d(8, 8, 3, stride=2, padding=1)).to(device).eval()
+
+
+def _recording():
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm
+    return backend, seen
+
+
+def test_compiled_patched_model_is_one_op_per_conv(device, exact_fp32):
+    net = _net(device)
+    x = torch.randn(1, 8, 6, 7, device=device)
+    with torch.no_grad():
+        ref = net(x)
+        conv_patch.apply(net)
+        backend, seen = _recording()
+        torch._dynamo.reset()
+        out = torch.compile(net, backend=backend, fullgraph=True)(x)
+        assert seen.count("conv_patch.conv.default") == 3
+        assert rel_err(out, ref) <= 1e-5
+        torch._dynamo.reset()
+        aot = torch.compile(net, backend="aot_eager", fullgraph=True)
+        assert rel_err(aot(x), ref) <= 1e-5
+        # NHWC input: the fake implementation keeps the layout the kernel writes.
+        x_cl = x.contiguous(memory_format=torch.channels_last)
+        assert rel_err(aot(x_cl), ref) <= 1e-5
+
+
+def test_fused_call_and_functional_api_under_compile(device, exact_fp32):
+    conv = torch.nn.Conv2d(8, 8, 3, padding=1).to(device).eval()
+    x = torch.randn(2, 8, 5, 5, device=device)
+    r = torch.randn(2, 8, 5, 5, device=device)
+    w = torch.randn(4, 8, 3, 3, device=device)
+    with torch.no_grad():
+        ref = torch.relu(conv(x) + 0.5 * r)
+        ref_f = torch.nn.functional.conv2d(x, w, padding=1).sigmoid()
+        conv_patch.apply(torch.nn.Sequential(conv))  # wraps it inside the Sequential
+        wrapped = conv_patch.wrappers.PatchedConv2d.wrap(conv)
+        torch._dynamo.reset()
+        fused = torch.compile(lambda a, b: wrapped(a, residual=b, beta=0.5, activation="relu"),
+                              backend="aot_eager", fullgraph=True)
+        assert rel_err(fused(x, r), ref) <= 1e-5
+        func = torch.compile(lambda a: ops.conv2d(a, w, padding=1).sigmoid(), backend="aot_eager",
+                             fullgraph=True)
+        assert rel_err(func(x), ref_f) <= 1e-5
+
+
+def test_compile_with_grad_traces_the_original_forward(device):
+    net = _net(device)
+    conv_patch.apply(net)
+    x = torch.randn(1, 8, 4, 4, device=device, requires_grad=True)
+    backend, seen = _recording()
+    torch._dynamo.reset()
+    y = torch.compile(net, backend=backend, fullgraph=True)(x)
+    y.sum().backward()
+    assert x.grad is not None and "conv_patch.conv.default" not in seen

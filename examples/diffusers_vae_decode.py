@@ -13,12 +13,12 @@ import torch
 import conv_patch
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model-dir", help="local folder holding a diffusers AutoencoderKL (config.json + weights)")
     ap.add_argument("--size", type=int, default=None, help="image size (default 512 on a GPU, 64 on the CPU)")
     ap.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default=None)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     from diffusers import AutoencoderKL
 
@@ -43,6 +43,7 @@ def main():
     print(report)
     err = ((patched.float() - plain.float()).norm() / plain.float().norm()).item()
     print(f"decoded {tuple(patched.shape)}; relative difference patched vs plain: {err:.2e}")
+    return err
 
 
 if __name__ == "__main__":

@@ -199,3 +199,41 @@ def conv_transpose2d(x, weight, bias=None, stride=1, padding=0, output_padding=0
     spec = _spec(True, weight, bias, stride, padding, dilation, output_padding)
     return _functional(spec, x, weight, bias, residual, beta, activation, out_scale, out,
                        force_int64, config)
+
+
+# Launch sizes of the GroupNorm kernels. Memory-bound and simple, so fixed:
+# on a GPU 2048-element blocks and ~1024 stats programs (8 per SM on an
+# H200); under the interpreter, where each program costs Python time, as few
+# and as large as possible.
+GN_LAUNCH = {"gpu": (2048, 2048, 1024), "interpreter": (1 << 16, 1 << 16, 1)}
+
+
+def group_norm(x: torch.Tensor, num_groups: int, weight: Optional[torch.Tensor] = None,
+               bias: Optional[torch.Tensor] = None, eps: float = 1e-5,
+               activation: str = "none") -> torch.Tensor:
+    """``act(F.group_norm(x, num_groups, weight, bias, eps))`` with fp32
+    statistics, output in ``x``'s dtype and memory format. Dense NCHW or NHWC
+    4-D inputs run the Triton kernels (on a GPU, or the CPU under the
+    interpreter); anything else runs PyTorch."""
+    code = activation_code(activation)
+    if x.dim() != 4 or x.shape[1] % num_groups:
+        raise ValueError(f"group_norm: expected [N, C, H, W] with C divisible by {num_groups} groups, "
+                         f"got {tuple(x.shape)}")
+    target = target_for(x.device)
+    nhwc = _nhwc(x)
+    ok = (target.kernels and x.dtype in (torch.float16, torch.bfloat16, torch.float32)
+          and (x.is_contiguous() or nhwc) and x.numel() > 0 and not _grad_needed(x, weight, bias)
+          and all(t is None or (t.device == x.device and t.dim() == 1 and t.is_contiguous())
+                  for t in (weight, bias)))
+    if not ok:
+        return eager_epilogue(F.group_norm(x, num_groups, weight, bias, eps), None, 1.0, activation, 1.0)
+    from conv_patch import kernels
+    out = torch.empty_like(x, memory_format=torch.channels_last if nhwc else torch.contiguous_format)
+    block, stats_block, programs = GN_LAUNCH["interpreter" if target.interpreter else "gpu"]
+    kernels.launch_group_norm(x, out, num_groups, weight, bias, float(eps), code, nhwc, block,
+                              stats_block, programs)
+    return out
+
+
+def _grad_needed(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)

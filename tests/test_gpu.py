@@ -197,3 +197,23 @@ def test_cuda_graph_capture_and_replay_of_a_patched_decode():
             graph.replay()
             torch.cuda.synchronize()
             assert torch.equal(static_out, dec(x))
+
+
+@pytest.mark.parametrize("nhwc", [False, True], ids=["nchw", "nhwc"])
+@pytest.mark.parametrize("shape", [(1, 512, 128, 128), (1, 128, 512, 512), (4, 256, 64, 64)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_group_norm_silu_vae_shapes(shape, nhwc):
+    """The VAE's GroupNorm(32)+SiLU in bf16: as close to float64 as PyTorch's
+    own bf16 GroupNorm followed by SiLU."""
+    g = torch.Generator(device="cuda").manual_seed(3)
+    x = (torch.randn(shape, device="cuda", generator=g) * 2 + 0.5).to(torch.bfloat16)
+    if nhwc:
+        x = x.contiguous(memory_format=torch.channels_last)
+    w = (1 + 0.1 * torch.randn(shape[1], device="cuda", generator=g)).to(torch.bfloat16)
+    b = (0.1 * torch.randn(shape[1], device="cuda", generator=g)).to(torch.bfloat16)
+    ref = F.silu(F.group_norm(x.double(), 32, w.double(), b.double(), 1e-6))
+    with torch.no_grad():
+        y = ops.group_norm(x, 32, w, b, 1e-6, "silu")
+        torch_bf16 = F.silu(F.group_norm(x, 32, w, b, 1e-6))
+    assert y.is_contiguous(memory_format=torch.channels_last) == nhwc
+    assert rel_err(y, ref) <= 1.5 * rel_err(torch_bf16, ref) + 1e-3

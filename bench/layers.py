@@ -16,7 +16,6 @@ Rows: name, baseline, baseline_ms, ours_ms, speedup, tflops, pct_of_peak.
 """
 
 import argparse
-import math
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +24,7 @@ from conv_patch import ops
 from conv_patch.model_shapes import distinct_calls
 from conv_patch.routing import select_route
 from conv_patch.specs import CallDesc
+from conv_patch.tune import geomean
 from conv_patch.target import target_for
 
 from .common import bench_device, interleaved_ms, print_table, write_results
@@ -74,11 +74,6 @@ def run_layer(call, layout, dtype, rounds, fused, device):
         "route": decision.label(), "config": decision.config, "tier": decision.tier,
         "rel_err_vs_fp32": err,
     }
-
-
-def geomean(xs):
-    xs = [x for x in xs if x]
-    return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else None
 
 
 def main(argv=None):

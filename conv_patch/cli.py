@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 
@@ -311,11 +310,12 @@ def cmd_tune(args) -> int:
     tune.write_table(table, out)
     rows = tune.summary_rows(ms)
     sp = [r["speedup"] for r in rows if r["speedup"]]
+    gm = tune.geomean(sp)
     for r in rows:
         print(f"{r['name']:<58} {r['best'] or 'none':<34} "
               f"{_fmt(r['ours_ms'], '.4f')} ms  cudnn {_fmt(r['cudnn_ms'], '.4f')} ms  x{_fmt(r['speedup'])}")
-    if sp:
-        print(f"geomean speedup over cuDNN: {math.exp(sum(map(math.log, sp)) / len(sp)):.3f} ({len(sp)} shapes)")
+    if gm:
+        print(f"geomean speedup over cuDNN: {gm:.3f} ({len(sp)} shapes)")
     n_cudnn = sum(1 for e in table["conv2d"]["exact"].values() if e.get("route") == "cudnn")
     print(f"wrote {out}: {len(table['conv2d']['exact'])} exact entries ({n_cudnn} routed to cuDNN), "
           f"{len(table['conv2d']['buckets'])} buckets")

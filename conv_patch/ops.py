@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from .routing import Route, RouteDecision, select_route
-from .specs import CallDesc, ConvSpec, _pair, resolve_padding
+from .specs import CallDesc, ConvSpec, _pair, needs_grad, resolve_padding
 from .target import Target, dot_precision, target_for
 
 ACTIVATIONS = {"none": 0, "relu": 1, "silu": 2, "gelu": 3, "gelu_tanh": 4}
@@ -120,8 +120,7 @@ def _functional(spec: ConvSpec, x, weight, bias, residual, beta, activation, out
     activation_code(activation)
     if torch.compiler.is_compiling() and config is None:
         from . import compiled
-        w = weight
-        y = compiled.conv(x, w, bias, residual, spec.transposed, list(spec.stride), list(spec.pad_begin),
+        y = compiled.conv(x, weight, bias, residual, spec.transposed, list(spec.stride), list(spec.pad_begin),
                           list(spec.pad_end), list(spec.dilation), list(spec.output_padding), float(beta),
                           activation, float(out_scale))
         return out.copy_(y) if out is not None else y
@@ -222,7 +221,7 @@ def group_norm(x: torch.Tensor, num_groups: int, weight: Optional[torch.Tensor] 
     target = target_for(x.device)
     nhwc = _nhwc(x)
     ok = (target.kernels and x.dtype in (torch.float16, torch.bfloat16, torch.float32)
-          and (x.is_contiguous() or nhwc) and x.numel() > 0 and not _grad_needed(x, weight, bias)
+          and (x.is_contiguous() or nhwc) and x.numel() > 0 and not needs_grad(x, weight, bias)
           and all(t is None or (t.device == x.device and t.dim() == 1 and t.is_contiguous())
                   for t in (weight, bias)))
     if not ok:
@@ -233,7 +232,3 @@ def group_norm(x: torch.Tensor, num_groups: int, weight: Optional[torch.Tensor] 
     kernels.launch_group_norm(x, out, num_groups, weight, bias, float(eps), code, nhwc, block,
                               stats_block, programs)
     return out
-
-
-def _grad_needed(*tensors) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)

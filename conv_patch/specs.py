@@ -115,6 +115,12 @@ def layout_of(x: torch.Tensor) -> str:
     return "strided"
 
 
+def needs_grad(*tensors) -> bool:
+    """Autograd would record this call: grad mode on and a tensor (``None``
+    allowed) requires grad."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 @dataclass(frozen=True)
 class CallDesc:
     """What the router needs to know about one call."""
@@ -133,11 +139,7 @@ class CallDesc:
 
     @classmethod
     def of_call(cls, x, weight, bias=None, residual=None, output_padding=None) -> "CallDesc":
-        grad = torch.is_grad_enabled() and (
-            x.requires_grad or weight.requires_grad
-            or (bias is not None and bias.requires_grad)
-            or (residual is not None and residual.requires_grad)
-        )
+        grad = needs_grad(x, weight, bias, residual)
         same = weight.device == x.device and (bias is None or bias.device == x.device) and (
             residual is None or residual.device == x.device)
         return cls(

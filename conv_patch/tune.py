@@ -34,6 +34,7 @@ from .model_shapes import ConvCall, distinct_calls
 from .routing import tma_arch, tma_problem
 from .specs import CallDesc
 from .target import Target, conv_tf32
+from .wrappers import _kernel_errors
 
 # cuDNN must beat the best candidate by this much to take a shape: run-to-run
 # noise on one shape is up to ~8% on the H200, and a fused epilogue (which the
@@ -124,11 +125,6 @@ def _timer(device: torch.device) -> Callable[[Callable], float]:
         fn()
         return (time.perf_counter() - t) * 1e3
     return wall_ms
-
-
-def _kernel_errors():
-    from .wrappers import _kernel_errors as errs
-    return errs()
 
 
 def measure(call: ConvCall, layout: str, dtype: torch.dtype, device: torch.device,
@@ -303,6 +299,11 @@ def write_table(table: dict, path) -> None:
     with open(path, "w") as f:
         json.dump(table, f, indent=1)
         f.write("\n")
+
+
+def geomean(xs) -> Optional[float]:
+    xs = [x for x in xs if x]
+    return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else None
 
 
 def summary_row(m: Measurement) -> dict:

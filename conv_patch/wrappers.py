@@ -20,7 +20,7 @@ from torch import nn
 
 from . import ops, pack
 from .routing import Route, RouteDecision, select_route
-from .specs import CallDesc, ConvSpec
+from .specs import CallDesc, ConvSpec, needs_grad
 from .target import target_for
 
 # Wrapper-private state lives under this prefix and is never copied back.
@@ -41,10 +41,6 @@ def _kernel_errors():
     except ImportError:  # pragma: no cover - Triton always has them today
         return ()
     return (CompilationError, OutOfResources)
-
-
-def _needs_grad(*tensors) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 class PatchedConvMixin:
@@ -115,7 +111,7 @@ class PatchedConvMixin:
     def _cp_call(self, x, residual, beta, activation, out_scale, output_padding=None, fallback_args=()):
         ops.activation_code(activation)
         if torch.compiler.is_compiling():
-            if not self._cp_comfy_active() and not _needs_grad(x, self.weight, self.bias, residual):
+            if not self._cp_comfy_active() and not needs_grad(x, self.weight, self.bias, residual):
                 # One opaque custom op in the graph; it routes when it runs.
                 from . import compiled
                 return compiled.call(self, x, residual, beta, activation, out_scale, output_padding)

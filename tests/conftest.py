@@ -35,4 +35,3 @@ def exact_fp32():
     from conv_patch.target import conv_tf32
     with conv_tf32(False):
         yield
-

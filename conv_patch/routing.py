@@ -132,13 +132,6 @@ def tma_problem(spec: ConvSpec, call: CallDesc, shape: tuple, target: Target) ->
         return f"{target.arch} has no TMA"
     if spec.stride != (1, 1):
         return f"stride {spec.stride} (a strided gather is not a TMA box)"
-    if spec.kernel == (1, 1):
-        # On the H200 the 1x1 case came out 2.2x further from exact than cuDNN
-        # (256->128 1x1 at 256^2, NHWC, bf16 and fp16 alike, with a tile that
-        # passes on 3x3), while the interpreter finds the indexing right: a
-        # GPU-side defect not yet found. Until a GPU run clears it, 1x1 convs
-        # stay on the portable kernel, which is 1.4-2.2x cuDNN there anyway.
-        return "1x1 kernel (TMA route not validated for 1x1 on the GPU yet)"
     if not call.aligned16:
         return "input or weight not 16-byte aligned"
     return tma_layout_problem(shape, call.layout, call.dtype.itemsize, spec.in_channels)

@@ -112,6 +112,15 @@ def launch_conv2d_tma(x, w, bias, out, residual, *, stride, padding, dilation, b
     OH, OW = out.shape[2], out.shape[3]
     bm, bn, bk, bw = tile_sizes(config, C_in, C_out, OW)
     bh = bm // bw
+    warps = int(config.get("num_warps", 4))
+    if warps == 8 and bn < 256:
+        # Measured on the H200 (Triton 3.6): 8 warps on a 128x128 tile with 3
+        # stages gave run-to-run different, sometimes 3.5x-too-large errors
+        # (7 of 10 stress shapes; 128x256 clamped to 128 by C_out = 128
+        # likewise); 4 warps on the same tile, and 8 warps on an unclamped
+        # 128x256 tile, were bit-stable and cuDNN-accurate on every shape.
+        # tests/test_gpu.py::test_tma_is_deterministic_and_cudnn_accurate.
+        warps = 4
     # Dense NHWC strides written out: PyTorch may report any stride for a
     # size-1 dimension, TMA wants every stride 16-byte aligned.
     x_desc = TensorDescriptor(x, [N, H, W, C_in], [H * W * C_in, W * C_in, C_in, 1], [1, bh, bw, bk])
@@ -127,6 +136,6 @@ def launch_conv2d_tma(x, w, bias, out, residual, *, stride, padding, dilation, b
         HAS_BIAS=bias is not None, HAS_RES=residual is not None, ACT=int(activation),
         IDX64=bool(force_int64 or needs_int64(out, residual)), UPCAST=bool(upcast),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_W=bw, GROUP_M=int(config.get("GROUP_M", 8)),
-        num_warps=int(config.get("num_warps", 4)), num_stages=int(config.get("num_stages", 3)),
+        num_warps=warps, num_stages=int(config.get("num_stages", 3)),
     )
     return out

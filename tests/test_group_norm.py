@@ -19,6 +19,7 @@ CASES = [
     (1, 30, 3, 11, 5, False, True, "relu", 0.0),
     (2, 16, 6, 6, 16, True, True, "gelu", 0.0),
     (1, 8, 7, 9, 1, False, True, "none", 50.0),  # mean >> std
+    (2, 12, 5, 7, 3, True, True, "silu", 50.0),  # mean >> std, NHWC (shifted sums)
 ]
 
 

@@ -116,7 +116,7 @@ def _nhwc(x: torch.Tensor) -> bool:
 
 
 def _functional(spec: ConvSpec, x, weight, bias, residual, beta, activation, out_scale,
-                out, force_int64, config):
+                out, force_int64, config, table=None):
     activation_code(activation)
     if torch.compiler.is_compiling() and config is None:
         from . import compiled
@@ -126,7 +126,7 @@ def _functional(spec: ConvSpec, x, weight, bias, residual, beta, activation, out
         return out.copy_(y) if out is not None else y
     call = CallDesc.of_call(x, weight, bias, residual)
     target = target_for(x.device)
-    decision = select_route(spec, call, target)
+    decision = select_route(spec, call, target, table)
     if config is not None and decision.route in (Route.CONV2D_IGEMM, Route.CONV2D_TMA, Route.CUDNN):
         # A given config may name its route (tests, the tuner); the router
         # still decides whether the call is eligible for it.
@@ -134,7 +134,11 @@ def _functional(spec: ConvSpec, x, weight, bias, residual, beta, activation, out
     elif config is not None and decision.is_kernel:
         decision = dataclasses.replace(decision, config=config, tier="given", table="")
     if decision.route is Route.CUDNN:
-        y = F.conv2d(x, weight, bias, spec.stride, _torch_padding(spec), spec.dilation)
+        if spec.pad_begin != spec.pad_end:
+            (t, l), (b, r) = spec.pad_begin, spec.pad_end
+            y = F.conv2d(F.pad(x, (l, r, t, b)), weight, bias, spec.stride, 0, spec.dilation)
+        else:
+            y = F.conv2d(x, weight, bias, spec.stride, spec.pad_begin, spec.dilation)
         check_residual(residual, y.shape)
         y = eager_epilogue(y, residual, beta, activation, out_scale)
         if out is not None:
@@ -164,16 +168,17 @@ def _given(spec, call, target, config):
     return RouteDecision(Route.CONV2D_IGEMM, config=config, tier="given")
 
 
-def _torch_padding(spec: ConvSpec):
-    if spec.pad_begin == spec.pad_end:
-        return spec.pad_begin
-    raise UnsupportedConv("asymmetric padding on the cudnn route")
-
-
 def _spec(transposed, weight, bias, stride, padding, dilation, output_padding=0):
     c_out, c_in = (weight.shape[1], weight.shape[0]) if transposed else (weight.shape[0], weight.shape[1])
     k, d = _pair(tuple(weight.shape[2:])), _pair(dilation)
-    begin, end = resolve_padding(padding, k, d)
+    if not transposed and isinstance(padding, (tuple, list)) and len(padding) == 4:
+        # F.pad's order, (left, right, top, bottom): a folded F.pad.
+        left, right, top, bottom = (int(v) for v in padding)
+        if min(padding) < 0:
+            raise ValueError(f"padding {tuple(padding)}: negative padding")
+        begin, end = (top, left), (bottom, right)
+    else:
+        begin, end = resolve_padding(padding, k, d)
     return ConvSpec(transposed, int(c_in), int(c_out), k, _pair(stride), d, begin, end,
                     _pair(output_padding), 1, "zeros", bias is not None)
 
@@ -182,6 +187,9 @@ def conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, *, residual=No
            beta=1.0, activation="none", out_scale=1.0, out=None, config=None, force_int64=False):
     """``out_scale * act(F.conv2d(x, weight, bias, ...) + beta * residual)`` in one kernel.
 
+    ``padding`` is anything ``F.conv2d`` takes, or a 4-tuple in ``F.pad``'s
+    order (left, right, top, bottom): ``conv2d(x, w, padding=(0, 1, 0, 1))``
+    equals ``F.conv2d(F.pad(x, (0, 1, 0, 1)), w)`` without the padded copy.
     The weight is read in place through its strides (no pack). ``out`` may be
     a preallocated output of any layout; ``config`` overrides the table's tile
     choice and ``force_int64`` forces 64-bit offsets (both for tests and
@@ -232,3 +240,65 @@ def group_norm(x: torch.Tensor, num_groups: int, weight: Optional[torch.Tensor] 
     kernels.launch_group_norm(x, out, num_groups, weight, bias, float(eps), code, nhwc, block,
                               stats_block, programs)
     return out
+
+
+# Nearest x2 upsampling then a 3x3 conv with padding 1: output row 2i+a reads
+# upsampled rows 2i+a-1 .. 2i+a+1, i.e. source rows {i-1, i, i} (a=0) or
+# {i, i, i+1} (a=1). So each output parity is a 2x2 conv of the *source*
+# whose taps are sums of the 3x3 taps: 16 instead of 36 multiply-adds per
+# source pixel and channel pair, and the 4x upsampled tensor never exists.
+# Row r of _SUBPIXEL[a] says which 3x3 taps fold into 2x2 tap r.
+_SUBPIXEL = ((1.0, 0.0, 0.0), (0.0, 1.0, 1.0)), ((1.0, 1.0, 0.0), (0.0, 0.0, 1.0))
+_SUBPIXEL_CACHE: dict = {}
+
+
+def subpixel_weights(weight: torch.Tensor) -> torch.Tensor:
+    """[2, 2, C_out, 2, 2, C_in] (parity a, parity b, co, kh, kw, ci), dense:
+    ``[a, b].permute(0, 3, 1, 2)`` is the 2x2 weight of output parity (a, b)
+    in the kernels' co,kh,kw,ci layout. Taps are summed in (at least) fp32 and
+    rounded once to the weight's dtype."""
+    acc = torch.promote_types(weight.dtype, torch.float32)
+    key = (weight.device, acc)
+    if key not in _SUBPIXEL_CACHE:
+        # Made once per device: a host-to-device copy inside a CUDA graph
+        # capture is not allowed.
+        _SUBPIXEL_CACHE[key] = torch.tensor(_SUBPIXEL, dtype=acc, device=weight.device)
+    r = _SUBPIXEL_CACHE[key]
+    w = torch.einsum("aik,ockl,bjl->aboijc", r, weight.detach().to(acc), r)
+    return w.to(weight.dtype).contiguous()
+
+
+def upsample_conv2d(x, weight, bias=None, *, residual=None, beta=1.0, activation="none",
+                    out_scale=1.0, out=None, table=None):
+    """``conv2d(F.interpolate(x, scale_factor=2, mode="nearest"), weight, bias,
+    padding=1)`` (+ the fused epilogue) for a 3x3 ``weight``, as four 2x2
+    convolutions of ``x`` written into the parity-strided views of one
+    output (``out``, or a new one in ``x``'s layout). Where the kernels cannot
+    run, PyTorch computes the unfused expression."""
+    activation_code(activation)
+    if tuple(weight.shape[2:]) != (3, 3) or x.dim() != 4:
+        raise ValueError(f"upsample_conv2d: needs a 3x3 weight and a 4-D input, got weight "
+                         f"{tuple(weight.shape)} and input {tuple(x.shape)}")
+    n, _, h, w = x.shape
+    shape = (n, weight.shape[0], 2 * h, 2 * w)
+    check_residual(residual, shape)
+    if not torch.compiler.is_compiling():
+        spec = _spec(False, weight.new_empty((weight.shape[0], weight.shape[1], 2, 2), device="meta"),
+                     bias, 1, (1, 0, 1, 0), 1)
+        call = CallDesc.of_call(x, weight, bias, residual)
+        decision = select_route(spec, call, target_for(x.device), table)
+        if decision.is_kernel or decision.route is Route.CUDNN:
+            if out is None:
+                out = torch.empty(shape, dtype=x.dtype, device=x.device,
+                                  memory_format=torch.channels_last if _nhwc(x) else torch.contiguous_format)
+            subs = subpixel_weights(weight)
+            for a in (0, 1):
+                for b in (0, 1):
+                    _functional(_spec(False, subs[a, b].permute(0, 3, 1, 2), bias, 1, (1 - b, b, 1 - a, a), 1),
+                                x, subs[a, b].permute(0, 3, 1, 2), bias,
+                                None if residual is None else residual[:, :, a::2, b::2], beta, activation,
+                                out_scale, out[:, :, a::2, b::2], False, None, table)
+            return out
+    y = F.conv2d(F.interpolate(x, scale_factor=2.0, mode="nearest"), weight, bias, 1, 1)
+    y = eager_epilogue(y, residual, beta, activation, out_scale)
+    return out.copy_(y) if out is not None else y

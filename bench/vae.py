@@ -1,5 +1,6 @@
-"""End-to-end VAE decode and encode: unpatched NCHW, unpatched channels_last
-and conv-patch, side by side in one process.
+"""End-to-end VAE decode and encode: unpatched NCHW, unpatched channels_last,
+conv-patch with convolutions only and conv-patch with its block recipes, side
+by side in one process.
 
     python -m bench.vae [--models flux taef2] [--res 512 1024 2048] [--runs 20]
 
@@ -7,13 +8,16 @@ Models: the diffusers AutoencoderKL in the FLUX.1 configuration (seeded
 random weights: speed does not depend on the values) and TAEF2 with its real
 weights (``$CONV_PATCH_SHARED/models`` or ``../shared/models``; fp16, as
 published). The patched model is the NCHW model after ``conv_patch.apply``
-(what a user gets without converting anything). Variants run interleaved
+(what a user gets without converting anything): ``apply(m, recipes=False)``
+for the convs-only column, ``apply(m)`` (block recipes on) for ours.
+``--profile`` adds each row's top GPU kernels of one patched call (torch
+profiler) as ``profile``. Variants run interleaved
 (A, B, C, A, B, C, ...) with ``--runs`` timed calls each after warm-up (which
 includes the first call's kernel compilation), cycling through three
 different inputs; the median is reported. Peak memory is the CUDA allocator's
 peak during one call, weights included.
 Rows: name, baseline (eager NCHW), baseline_ms, ours_ms, speedup, peak_gib,
-plus the channels_last time and peak.
+plus the channels_last and convs-only times and peaks.
 """
 
 import argparse
@@ -106,6 +110,23 @@ def bench_variants(variants, runs, warmup=3):
     return {k: statistics.median(v) for k, v in times.items()}, peaks
 
 
+def profile_top(fn, top=15):
+    """[name, calls, total ms] of the GPU kernels of one call, largest first
+    (on the CPU, under the interpreter, the CPU ops instead)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with torch.inference_mode(), profile(activities=acts) as prof:
+        fn()
+        _sync()
+    cuda = torch.cuda.is_available()
+    evs = [e for e in prof.key_averages()
+           if (e.device_type.name == "CUDA") == cuda and (cuda or e.cpu_parent is None)]
+    key = (lambda e: e.self_device_time_total) if cuda else (lambda e: e.self_cpu_time_total)
+    evs.sort(key=key, reverse=True)
+    return [[e.key[:90], e.count, round(key(e) / 1000, 4)] for e in evs[:top]]
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="+", choices=sorted(MODELS), default=["flux", "taef2"])
@@ -116,6 +137,7 @@ def main(argv=None):
     ap.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                     help="override the model's dtype (bf16 for FLUX, fp16 for TAEF2)")
     ap.add_argument("--out", default=None, help="results folder (default bench/results)")
+    ap.add_argument("--profile", action="store_true", help="record the top GPU kernels of one patched call")
     args = ap.parse_args(argv)
     torch.backends.cudnn.benchmark = True
     rows = []
@@ -125,6 +147,8 @@ def main(argv=None):
         dtype = DTYPES[args.dtype] if args.dtype else dtype
         decode, encode, model, latent = build(dtype)
         cl = copy.deepcopy(model).to(memory_format=torch.channels_last)
+        convs = copy.deepcopy(model)
+        conv_patch.apply(convs, recipes=False)
         patched = copy.deepcopy(model)
         report = conv_patch.apply(patched)
         # The first patched call compiles every kernel the model needs (cold
@@ -151,6 +175,7 @@ def main(argv=None):
                     ms, peak = bench_variants({
                         "eager_nchw": (lambda x, m=model, f=run: f(m, x), xs),
                         "eager_channels_last": (lambda x, m=cl, f=run: f(m, x), xs_cl),
+                        "convs_only": (lambda x, m=convs, f=run: f(m, x), xs),
                         "patched": (lambda x, m=patched, f=run: f(m, x), xs),
                     }, args.runs, args.warmup)
                 except torch.cuda.OutOfMemoryError:
@@ -166,18 +191,22 @@ def main(argv=None):
                     "channels_last_peak_gib": peak["eager_channels_last"],
                     "dtype": str(dtype).replace("torch.", ""), "runs": args.runs,
                     "first_call_s": first[part],
+                    "convs_only_ms": ms["convs_only"], "convs_only_peak_gib": peak["convs_only"],
                 }
+                if args.profile:
+                    row["profile"] = profile_top(lambda x=xs[0], m=patched, f=run: f(m, x))
                 rows.append(row)
                 write_results("vae", rows, {}, args.out)  # kept current: a cut-off run keeps its rows
                 print(f"{row['name']}: eager {row['baseline_ms']:.2f} ms, channels_last "
-                      f"{row['channels_last_ms']:.2f} ms, patched {row['ours_ms']:.2f} ms "
+                      f"{row['channels_last_ms']:.2f} ms, convs only {row['convs_only_ms']:.2f} ms, "
+                      f"patched {row['ours_ms']:.2f} ms "
                       f"(x{row['speedup']:.2f}), peak {_gib(row['peak_gib'])}", flush=True)
         print(name, str(report).splitlines()[0], flush=True)
-        del model, cl, patched
+        del model, cl, convs, patched
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     path = write_results("vae", rows, {}, args.out)
-    print_table(rows, ["name", "baseline_ms", "channels_last_ms", "ours_ms", "speedup", "peak_gib",
+    print_table(rows, ["name", "baseline_ms", "channels_last_ms", "convs_only_ms", "ours_ms", "speedup", "peak_gib",
                        "baseline_peak_gib"])
     print("wrote", path)
 

@@ -42,10 +42,12 @@ class PatchReport:
     patched: Dict[str, str] = field(default_factory=dict)
     skipped: Dict[str, str] = field(default_factory=dict)
     already_patched: List[str] = field(default_factory=list)
+    fused: Dict[str, str] = field(default_factory=dict)
 
     def __str__(self) -> str:
         lines = [f"conv-patch: {len(self.patched)} patched, {len(self.skipped)} skipped, "
-                 f"{len(self.already_patched)} already patched"]
+                 f"{len(self.already_patched)} already patched, {len(self.fused)} blocks fused"]
+        lines += [f"  fused    {fqn or '<root>'}: {what}" for fqn, what in self.fused.items()]
         lines += [f"  patched  {fqn or '<root>'}: {what}" for fqn, what in self.patched.items()]
         lines += [f"  skipped  {fqn or '<root>'}: {why}" for fqn, why in self.skipped.items()]
         return "\n".join(lines)
@@ -140,7 +142,7 @@ def _plan(model: nn.Module, prefix: str, filter_fn, table, report: "PatchReport"
 
 
 def apply(model, *, filter_fn: Optional[FilterFn] = None,
-          config: Optional[PatchConfig] = None) -> PatchReport:
+          config: Optional[PatchConfig] = None, recipes: bool = True) -> PatchReport:
     """Swap every eligible ``nn.Conv2d`` / ``nn.ConvTranspose2d`` in ``model``
     for a Triton-backed wrapper, in place; return what was done and why.
 
@@ -164,16 +166,30 @@ def apply(model, *, filter_fn: Optional[FilterFn] = None,
     report = PatchReport()
     wrappers: Dict[int, nn.Module] = {}
     plan = [step for prefix, m in targets for step in _plan(m, prefix, filter_fn, table, report, wrappers)]
+    fusions = []
+    if recipes:
+        from conv_patch import recipes as rc
+        fusions = [step for prefix, m in targets for step in rc.plan(m, prefix)]
+        for fqn, _, recipe in fusions:
+            report.fused[fqn] = f"{recipe.name}  {recipe.what}"
     for parent, name, wrapper in plan:
         parent._modules[name] = wrapper
+    for _, module, recipe in fusions:
+        rc.fuse(module, recipe)
     return report
 
 
 def remove(model, _only: Optional[set] = None) -> List[str]:
-    """Put the original module objects back (holding the current weights);
-    return the paths restored. ``model`` as for :func:`apply`."""
+    """Put the original module objects back (holding the current weights)
+    and fused blocks' own classes; return the paths restored. ``model`` as
+    for :func:`apply`."""
+    from conv_patch import recipes as rc
     restored = []
     for prefix, m in _modules_of(model):
+        for fqn, mod in m.named_modules():
+            if rc.is_fused(mod) and (_only is None or id(mod) in _only):
+                rc.unfuse(mod)
+                restored.append((prefix + fqn).rstrip("."))
         for parent, name, child, fqn in list(_slots(m)):
             if isinstance(child, PatchedConvMixin) and (_only is None or id(child) in _only):
                 parent._modules[name] = child.unwrap()
@@ -183,12 +199,14 @@ def remove(model, _only: Optional[set] = None) -> List[str]:
 
 @contextlib.contextmanager
 def patched(model: nn.Module, *, filter_fn: Optional[FilterFn] = None,
-            config: Optional[PatchConfig] = None):
+            config: Optional[PatchConfig] = None, recipes: bool = True):
     """``with conv_patch.patched(model) as report:`` apply on enter; on exit
     remove what this block patched (wrappers from earlier calls stay)."""
-    report = apply(model, filter_fn=filter_fn, config=config)
+    report = apply(model, filter_fn=filter_fn, config=config, recipes=recipes)
     mine = {id(child) for prefix, m in _modules_of(model) for _, _, child, fqn in _slots(m)
             if prefix + fqn in report.patched}
+    mine |= {id(mod) for prefix, m in _modules_of(model) for fqn, mod in m.named_modules(prefix=prefix.rstrip("."))
+             if fqn in report.fused}
     try:
         yield report
     finally:

@@ -1,1 +1,62 @@
-"""Model-family rewrites, installed as ``conv_patch.recipes`` (none yet)."""
+"""Model-family rewrites, installed as ``conv_patch.recipes``.
+
+``conv_patch.apply(model)`` runs :func:`plan` over the model and gives each
+recognised block a fused forward (see ``_fuse.py`` for how, and why the block
+object itself is kept); ``apply(model, recipes=False)`` skips this and only
+swaps convolutions. The order below is the matching order: the first recipe
+that matches a module takes it.
+"""
+
+from __future__ import annotations
+
+from typing import List, Tuple
+
+from torch import nn
+
+from . import common, diffusers, ldm  # noqa: F401  (registration)
+from ._fuse import REGISTRY, FusedBlock, Recipe, fused_class, is_fused
+
+ORDER = [
+    diffusers.RESNET, diffusers.UPSAMPLE, diffusers.DOWNSAMPLE, diffusers.DECODER, diffusers.ENCODER,
+    diffusers.TINY_BLOCK, ldm.RESNET, ldm.UPSAMPLE, ldm.DOWNSAMPLE, ldm.DECODER, ldm.ENCODER,
+    common.SEQUENTIAL, common.GROUP_NORM,
+]
+
+
+def recipe_for(module: nn.Module):
+    """The recipe that takes ``module``, or None."""
+    if is_fused(module):
+        return None
+    for r in ORDER:
+        try:
+            if r.match(module):
+                return r
+        except Exception:  # noqa: BLE001 - an odd module is simply not matched
+            continue
+    return None
+
+
+def plan(model: nn.Module, prefix: str = "") -> List[Tuple[str, nn.Module, Recipe]]:
+    """(path, module, recipe) for every module of ``model`` a recipe takes
+    (each shared module once)."""
+    out, seen = [], set()
+    for fqn, m in model.named_modules(prefix=prefix.rstrip(".")):
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
+        r = recipe_for(m)
+        if r is not None:
+            out.append((fqn, m, r))
+    return out
+
+
+def fuse(module: nn.Module, recipe: Recipe) -> None:
+    module.__class__ = fused_class(type(module), recipe)
+
+
+def unfuse(module: nn.Module) -> None:
+    if is_fused(module):
+        module.__class__ = module._cp_base
+
+
+__all__ = ["ORDER", "REGISTRY", "FusedBlock", "Recipe", "recipe_for", "plan", "fuse", "unfuse", "is_fused"]

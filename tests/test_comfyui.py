@@ -124,7 +124,7 @@ def test_remove_pickle_deepcopy(device):
     assert type(clone[0]) is type(net[0]) and torch.equal(clone[0].weight, net[0].weight)
     dup = copy.deepcopy(net)
     assert type(dup[2]) is type(net[2])
-    assert conv_patch.remove(net) == ["0", "2"]
+    assert conv_patch.remove(net) == ["", "0", "2"]  # the Sequential's recipe, then the convs
     assert net[0] is originals[0] and type(net[0]) is ComfyStyleConv2d
 
 

@@ -112,36 +112,42 @@ def test_tf32_follows_pytorch():
 
 
 def test_flux_vae_decode_bf16():
-    """FLUX-config AutoencoderKL decode in bf16: the patched model is as close
-    to an fp32 decode as the unpatched bf16 model is."""
+    """FLUX-config AutoencoderKL decode at 512^2 in bf16, block recipes on:
+    the patched model is as close to an fp32 decode as the unpatched bf16
+    model is."""
     diffusers = pytest.importorskip("diffusers")
     torch.manual_seed(0)
     vae = diffusers.AutoencoderKL(
         block_out_channels=(128, 256, 512, 512), layers_per_block=2, latent_channels=16,
         down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
         use_quant_conv=False, use_post_quant_conv=False).cuda().eval()
-    z = torch.randn(1, 16, 32, 32, device="cuda")
-    with torch.no_grad():
+    z = torch.randn(1, 16, 64, 64, device="cuda")
+    with torch.no_grad(), conv_tf32(False):
         ref = vae.decode(z).sample.double()
         vae.to(torch.bfloat16)
         plain = vae.decode(z.bfloat16()).sample
         report = conv_patch.apply(vae)
         patched = vae.decode(z.bfloat16()).sample
     assert len(report.patched) > 30 and not report.skipped
-    assert vae.decoder.conv_in._cp_last.is_kernel
+    assert {"diffusers.ResnetBlock2D", "diffusers.Upsample2D", "diffusers.Decoder"} <= {
+        v.split()[0] for v in report.fused.values()}
+    assert any(m._cp_last is not None and m._cp_last.is_kernel for m in vae.modules() if conv_patch.is_patched(m))
     assert rel_err(patched, ref) <= 1.5 * rel_err(plain, ref)
 
 
 @pytest.mark.parametrize("cfg", [
     {"route": "tma", "BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "BLOCK_W": 64, "num_warps": 8, "num_stages": 3},
     {"route": "tma", "BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "BLOCK_W": 16, "num_warps": 4, "num_stages": 4},
-], ids=["128x256w8s3", "128x128w4s4"])
-@pytest.mark.parametrize("c_in,c_out,k,hw", [(256, 128, 3, 256), (64, 128, 3, 256), (16, 512, 3, 128)])
+    {"route": "tma", "BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "BLOCK_W": 64, "num_warps": 8, "num_stages": 3},
+], ids=["128x256w8s3", "128x128w4s4", "128x128w8s3"])
+@pytest.mark.parametrize("c_in,c_out,k,hw", [(256, 128, 3, 256), (64, 128, 3, 256), (16, 512, 3, 128),
+                                             (128, 256, 3, 128), (256, 128, 1, 256), (512, 256, 1, 128)])
 def test_tma_is_deterministic_and_cudnn_accurate(cfg, c_in, c_out, k, hw):
     """Twenty runs of one TMA call give bit-identical outputs within 1.5x
-    cuDNN's error. A 1x1 shape once came out 2.2x over cuDNN in one dtype and
-    not the other from run to run (why 1x1 is off the TMA route): a pipeline
-    race would show here as run-to-run differences, short K loops included."""
+    cuDNN's error. 8 warps on a 128-wide tile with 3 stages raced on the H200
+    (run-to-run differences, errors up to 3.5x cuDNN's; see
+    kernels/conv2d_tma.py); the launcher runs such tiles with 4 warps, and
+    this test fails if that rule is lost."""
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("no TMA")
     g = torch.Generator(device="cuda").manual_seed(7)
@@ -217,3 +223,34 @@ def test_group_norm_silu_vae_shapes(shape, nhwc):
         torch_bf16 = F.silu(F.group_norm(x, 32, w, b, 1e-6))
     assert y.is_contiguous(memory_format=torch.channels_last) == nhwc
     assert rel_err(y, ref) <= 1.5 * rel_err(torch_bf16, ref) + 1e-3
+
+
+def test_taef2_fp16_photo_psnr_with_recipes():
+    """TAEF2 (real weights) encode->decode of the real photo in fp16 at 512^2,
+    block recipes on: PSNR within 0.1 dB of the unpatched fp16 model's."""
+    import math
+    from pathlib import Path
+    import os
+    np = pytest.importorskip("numpy")
+    from PIL import Image
+    from safetensors.torch import load_file
+    from conv_patch import taesd
+    shared = Path(os.environ.get("CONV_PATCH_SHARED") or Path(__file__).resolve().parents[2] / "shared")
+    if not (shared / "models" / "taef2_decoder.safetensors").exists():
+        pytest.skip("no shared models")
+    enc, dec = taesd.encoder(), taesd.decoder()
+    enc.load_state_dict(load_file(shared / "models" / "taef2_encoder.safetensors"))
+    dec.load_state_dict(load_file(shared / "models" / "taef2_decoder.safetensors"))
+    enc, dec = enc.cuda().half().eval(), dec.cuda().half().eval()
+    img = Image.open(shared / "images" / "astronaut.png").convert("RGB")
+    t = torch.from_numpy(np.asarray(img).copy()).permute(2, 0, 1)[None].float() / 255
+    top = (t.shape[-1] - 512) // 2
+    x = t[:, :, top:top + 512, top:top + 512].contiguous().cuda().half()
+    psnr = lambda a: -10 * math.log10(((a.float().clamp(0, 1) - x.float()) ** 2).mean().item())  # noqa: E731
+    with torch.no_grad():
+        plain = psnr(dec(enc(x)))
+        conv_patch.apply(enc)
+        r_dec = conv_patch.apply(dec)
+        ours = psnr(dec(enc(x)))
+    assert any(v.startswith("tiny.Block") for v in r_dec.fused.values())
+    assert plain > 25 and abs(ours - plain) <= 0.1, (plain, ours)

@@ -1,0 +1,221 @@
+"""How a recipe takes over a block, and the fused steps recipes are made of.
+
+A recipe does not replace the user's block object: it gives the *same object*
+a subclass of its own class whose ``forward`` runs the fused computation
+(``block.__class__ = Fused<Block>``). ``isinstance``, the state-dict keys, the
+parameters, hooks and attributes are untouched, and ``remove()`` puts the
+original class back. The fused forward checks at every call that it may run
+(eval-mode dropout, no autograd, no hooks on the parts it bypasses, the
+arguments it was written for); otherwise it calls the class's own forward.
+
+The steps (``group_norm``, ``conv``, ``upsample_conv``) run conv-patch's
+kernels where the module is patched and the kernels can take the call, and
+the module's own computation otherwise, so a conv excluded by ``filter_fn`` or
+falling back for any reason keeps its exact PyTorch semantics.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from conv_patch import ops, pack
+from conv_patch.specs import needs_grad
+from conv_patch.wrappers import PatchedConvMixin
+
+
+class Recipe:
+    """A named rewrite: ``match(module)`` says whether it applies (by class
+    name and structure, never by import path, so copies of a class in other
+    packages, like ComfyUI's, are recognised); ``forward(module, *a, **k)``
+    is the fused forward, ``base(module, *a, **k)`` the class's own."""
+
+    name = ""
+    what = ""
+
+    def match(self, module: nn.Module) -> bool:
+        raise NotImplementedError
+
+    def forward(self, module, *args, **kwargs):
+        raise NotImplementedError
+
+
+class FusedBlock:
+    """Mixed in first: the fused forward; the block's class stays a base."""
+
+    _cp_recipe: Recipe = None
+    _cp_base: type = nn.Module
+
+    def forward(self, *args, **kwargs):
+        return self._cp_recipe.forward(self, *args, **kwargs)
+
+    def __reduce_ex__(self, protocol):
+        # The dynamic class cannot be found by name when unpickling.
+        return (_rebuild, (self._cp_base, self._cp_recipe.name), self.__getstate__())
+
+
+REGISTRY: Dict[str, Recipe] = {}
+_CLASSES: Dict[tuple, type] = {}
+
+
+def register(recipe: Recipe) -> Recipe:
+    REGISTRY[recipe.name] = recipe
+    return recipe
+
+
+def fused_class(cls: type, recipe: Recipe) -> type:
+    key = (cls, recipe.name)
+    if key not in _CLASSES:
+        _CLASSES[key] = type(f"Fused{cls.__name__}", (FusedBlock, cls), {
+            "_cp_recipe": recipe, "_cp_base": cls, "__module__": __name__,
+            "__qualname__": f"Fused{cls.__name__}",
+            "__doc__": f"{cls.__module__}.{cls.__qualname__} with conv-patch's {recipe.name!r} recipe.",
+        })
+    return _CLASSES[key]
+
+
+def _rebuild(cls: type, name: str):
+    klass = fused_class(cls, REGISTRY[name])
+    return klass.__new__(klass)
+
+
+def is_fused(module: nn.Module) -> bool:
+    return isinstance(module, FusedBlock)
+
+
+def base(module, *args, **kwargs):
+    """The block's own forward (what it computes unpatched)."""
+    return module._cp_base.forward(module, *args, **kwargs)
+
+
+# -- call-time guards ---------------------------------------------------------
+def _global_hooks() -> bool:
+    from torch.nn.modules import module as m
+    return bool(m._global_forward_hooks or m._global_forward_pre_hooks
+                or getattr(m, "_global_forward_hooks_always_called", None))
+
+
+def plain(*modules: Optional[nn.Module]) -> bool:
+    """No forward hooks on the modules a fused forward calls around (a hook
+    there expects to see that module run)."""
+    if _global_hooks():
+        return False
+    return all(m is None or not (m._forward_hooks or m._forward_pre_hooks) for m in modules)
+
+
+def inference(x: torch.Tensor, *modules: Optional[nn.Module]) -> bool:
+    """Nothing needs autograd: the fused steps compute no backward."""
+    params = [p for m in modules if m is not None for p in m.parameters(recurse=False)]
+    return not needs_grad(x, *params)
+
+
+def dropout_is_identity(m: Optional[nn.Module]) -> bool:
+    return m is None or isinstance(m, nn.Identity) or (
+        type(m) is nn.Dropout and (not m.training or m.p == 0.0))
+
+
+def is_silu(m) -> bool:
+    return type(m) is nn.SiLU
+
+
+def is_relu(m) -> bool:
+    return type(m) is nn.ReLU
+
+
+def is_conv(m, k: Optional[int] = None, stride: int = 1, padding: Optional[int] = None) -> bool:
+    """A plain (or patched) 2-D convolution with square ``k``, ``stride``,
+    dilation 1, groups 1, zero padding ``padding``."""
+    if not isinstance(m, nn.Conv2d) or isinstance(m, nn.ConvTranspose2d):
+        return False
+    if m.groups != 1 or tuple(m.dilation) != (1, 1) or m.padding_mode != "zeros":
+        return False
+    if k is not None and tuple(m.kernel_size) != (k, k):
+        return False
+    if tuple(m.stride) != (stride, stride):
+        return False
+    return padding is None or (not isinstance(m.padding, str) and tuple(m.padding) == (padding, padding))
+
+
+def is_group_norm(m) -> bool:
+    """``nn.GroupNorm`` whose forward is the torch one (ComfyUI's GroupNorm
+    overrides it with the same contract unless it is casting weights)."""
+    if not isinstance(m, nn.GroupNorm):
+        return False
+    cls = getattr(type(m), "_cp_base", type(m))
+    return cls.forward is nn.GroupNorm.forward or (
+        hasattr(cls, "comfy_cast_weights") and callable(getattr(cls, "forward_comfy_cast_weights", None)))
+
+
+# -- fused steps ---------------------------------------------------------------
+def _comfy_active(m) -> bool:
+    return bool(getattr(m, "comfy_cast_weights", False) or getattr(m, "weight_function", None)
+                or getattr(m, "bias_function", None))
+
+
+def _kernels_may_run(m: nn.Module) -> bool:
+    return isinstance(m, PatchedConvMixin) and not _comfy_active(m) and not (m._forward_hooks or m._forward_pre_hooks)
+
+
+def group_norm(norm: nn.GroupNorm, x: torch.Tensor, activation: str = "none") -> torch.Tensor:
+    """``act(norm(x))``; one pass of conv-patch's GroupNorm kernels where
+    they can run, else the norm class's own forward and PyTorch's activation.
+    Hooks are the caller's business (fused blocks check ``plain`` first, the
+    GroupNorm recipe runs inside the module's own call)."""
+    if x.dim() == 4 and not _comfy_active(norm):
+        return ops.group_norm(x, norm.num_groups, norm.weight, norm.bias, norm.eps, activation)
+    own = getattr(type(norm), "_cp_base", type(norm)).forward
+    return ops.eager_epilogue(own(norm, x), None, 1.0, activation, 1.0)
+
+
+def conv(m: nn.Conv2d, x: torch.Tensor, *, padding=None, residual=None, beta: float = 1.0,
+         activation: str = "none", out_scale: float = 1.0) -> torch.Tensor:
+    """``out_scale * act(m(F.pad(x, padding)) + beta * residual)``; one
+    kernel where ``m`` is patched and the kernels take the call. ``padding``
+    (F.pad order) replaces the module's own, folded into the bounds."""
+    if _kernels_may_run(m) and not (padding is not None and torch.compiler.is_compiling()):
+        if padding is None:
+            return m(x, residual=residual, beta=beta, activation=activation, out_scale=out_scale)
+        try:
+            return ops._functional(ops._spec(False, m.weight, m.bias, m.stride, padding, m.dilation), x,
+                                   pack.packed_weight(m, m.weight, False), m.bias, residual, beta,
+                                   activation, out_scale, None, False, None, m._cp_table)
+        except ops.UnsupportedConv:
+            pass
+    if padding is not None:
+        x = F.pad(x, tuple(padding))
+    return ops.eager_epilogue(m(x), residual, beta, activation, out_scale)
+
+
+def upsample_conv(m: nn.Conv2d, x: torch.Tensor, *, residual=None, activation: str = "none") -> torch.Tensor:
+    """``act(m(F.interpolate(x, scale_factor=2, mode="nearest")) + residual)``
+    for a 3x3, padding-1 conv: folded into four 2x2 convs of ``x`` (see
+    ``ops.upsample_conv2d``) where ``m`` is patched."""
+    if _kernels_may_run(m):
+        return ops.upsample_conv2d(x, m.weight, m.bias, residual=residual, activation=activation,
+                                   table=m._cp_table)
+    y = m(F.interpolate(x, scale_factor=2.0, mode="nearest"))
+    return ops.eager_epilogue(y, residual, 1.0, activation, 1.0)
+
+
+def channels_last(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as dense NHWC: the layout the kernels read natively (NCHW costs
+    them a staging copy per conv), reached once at a model's entry."""
+    if x.dim() != 4 or x.is_contiguous(memory_format=torch.channels_last):
+        return x
+    if x.is_cuda and x.dtype in (torch.float16, torch.bfloat16, torch.float32) and x.is_contiguous():
+        return ops.to_nhwc(x) if ops.target_for(x.device).kernels else x.contiguous(memory_format=torch.channels_last)
+    return x.contiguous(memory_format=torch.channels_last)
+
+
+def like_input(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``y`` in the memory format ``x`` came in: recipes may work in NHWC
+    inside, the model's outputs keep the caller's layout."""
+    if y.dim() == 4 and x.dim() == 4 and x.is_contiguous() and not y.is_contiguous():
+        return y.contiguous()
+    return y
+
+
+Step = Callable[..., torch.Tensor]

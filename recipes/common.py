@@ -1,0 +1,100 @@
+"""Recipes that are not tied to one model family: every GroupNorm, and the
+conv/activation/upsample chains of plain ``nn.Sequential`` stacks (the TAESD
+decoders and encoders are such stacks)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ._fuse import (Recipe, base, channels_last, conv, group_norm, inference, is_conv,
+                    is_group_norm, is_relu, is_silu, like_input, register, upsample_conv)
+
+
+class GroupNormRecipe(Recipe):
+    """Any ``nn.GroupNorm`` on 4-D inputs: PyTorch's kernel spends 45 of an
+    86 ms FLUX decode on GroupNorm's moments; this one reads the input twice
+    (split fp32 statistics, then normalise) in its own layout."""
+
+    name = "group_norm"
+    what = "GroupNorm kernel"
+
+    def match(self, m):
+        return is_group_norm(m)
+
+    def forward(self, m, x):
+        if x.dim() != 4 or not inference(x, m):
+            return base(m, x)
+        return group_norm(m, x)
+
+
+def _act(m):
+    if is_relu(m):
+        return "relu"
+    if is_silu(m):
+        return "silu"
+    return None
+
+
+def _upsample2x(m) -> bool:
+    return (type(m) is nn.Upsample and m.mode == "nearest" and m.size is None
+            and m.scale_factor in (2, 2.0, (2, 2), (2.0, 2.0)) and not m.recompute_scale_factor)
+
+
+def chain_plan(children):
+    """(kind, modules) steps: ("conv", conv, act_name|None) for a conv and the
+    activation after it, ("upconv", conv, act) for nearest x2 upsampling, a
+    3x3 conv and its activation, ("module", m) for anything else."""
+    steps, i = [], 0
+    while i < len(children):
+        m = children[i]
+        nxt = children[i + 1] if i + 1 < len(children) else None
+        if _upsample2x(m) and is_conv(nxt, 3, 1, 1):
+            after = children[i + 2] if i + 2 < len(children) else None
+            act = _act(after)
+            steps.append(("upconv", nxt, act))
+            i += 3 if act else 2
+        elif is_conv(m) and _act(nxt):
+            steps.append(("conv", m, _act(nxt)))
+            i += 2
+        else:
+            steps.append(("module", m, None))
+            i += 1
+    return steps
+
+
+def _count_convs(m) -> int:
+    return sum(isinstance(c, nn.Conv2d) for c in m.modules())
+
+
+class SequentialChain(Recipe):
+    """``nn.Sequential`` stacks: each conv with the ReLU/SiLU after it is one
+    kernel with the activation in its epilogue; nearest x2 upsampling followed
+    by a 3x3 conv becomes four 2x2 convs of the un-upsampled input. A stack
+    with 3 or more convolutions runs in NHWC inside (the kernels' native
+    layout) and returns its output in the input's layout."""
+
+    name = "sequential_chain"
+    what = "conv+activation epilogues, upsample folded into the conv"
+
+    def match(self, m):
+        return type(m) is nn.Sequential and any(k != "module" for k, _, _ in chain_plan(list(m)))
+
+    def forward(self, m, x):
+        children = list(m)
+        if not isinstance(x, torch.Tensor) or x.dim() != 4 or any(
+                c._forward_hooks or c._forward_pre_hooks for c in children):
+            return base(m, x)
+        y = channels_last(x) if _count_convs(m) >= 3 else x
+        for kind, mod, act in chain_plan(children):
+            if kind == "conv":
+                y = conv(mod, y, activation=act)
+            elif kind == "upconv":
+                y = upsample_conv(mod, y, activation=act or "none")
+            else:
+                y = mod(y)
+        return like_input(y, x)
+
+
+GROUP_NORM = register(GroupNormRecipe())
+SEQUENTIAL = register(SequentialChain())

@@ -1,0 +1,109 @@
+"""The original latent-diffusion VAE modules (``ResnetBlock``, ``Upsample``,
+``Downsample``, ``Encoder``, ``Decoder``) as ComfyUI
+(``comfy.ldm.modules.diffusionmodules.model``), stable-diffusion-sdkit and
+the SD/SGM repositories carry them. Matched by class name and structure, so
+every copy is recognised and none needs to be importable."""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from ._fuse import (Recipe, base, conv, dropout_is_identity, group_norm, inference, is_conv,
+                    is_group_norm, is_silu, plain, register, upsample_conv)
+from .diffusers import NHWCInside, _named
+
+
+@functools.lru_cache(maxsize=None)
+def _module_swish(modname: str) -> bool:
+    """The ldm files apply ``nonlinearity(x)``, a module-level function, not a
+    submodule; it is checked to *be* SiLU on probe values, not assumed."""
+    fn = getattr(sys.modules.get(modname), "nonlinearity", None)
+    if not callable(fn):
+        return False
+    probe = torch.linspace(-6, 6, 97, dtype=torch.float64)
+    try:
+        return bool(torch.allclose(fn(probe), F.silu(probe), rtol=1e-12, atol=1e-12))
+    except Exception:  # noqa: BLE001 - any failure means "not SiLU"
+        return False
+
+
+def _silu_of(m) -> bool:
+    # ComfyUI's copy holds ``self.swish = nn.SiLU(inplace=True)``.
+    if hasattr(m, "swish"):
+        return is_silu(m.swish)
+    return _module_swish(getattr(type(m), "_cp_base", type(m)).__module__)
+
+
+def _shortcut(m):
+    if m.in_channels == m.out_channels:
+        return None
+    return m.conv_shortcut if m.use_conv_shortcut else m.nin_shortcut
+
+
+class ResnetBlock(Recipe):
+    """As diffusers.ResnetBlock2D: GroupNorm+SiLU passes, ``x + conv2(h)``
+    in conv2's epilogue, the shortcut conv as its own kernel."""
+
+    name = "ldm.ResnetBlock"
+    what = "GroupNorm+SiLU, residual in conv2's epilogue"
+
+    def match(self, m):
+        if not (_named(m, "ResnetBlock") and all(hasattr(m, a) for a in (
+                "norm1", "conv1", "norm2", "conv2", "dropout", "in_channels", "out_channels", "use_conv_shortcut"))):
+            return False
+        try:
+            sc = _shortcut(m)
+        except AttributeError:
+            return False
+        return (is_group_norm(m.norm1) and is_group_norm(m.norm2) and is_conv(m.conv1, 3, 1, 1)
+                and is_conv(m.conv2, 3, 1, 1) and (sc is None or is_conv(sc)) and _silu_of(m))
+
+    def forward(self, m, x, temb=None):
+        sc = _shortcut(m)
+        if (temb is not None or x.dim() != 4 or not dropout_is_identity(m.dropout)
+                or not inference(x, m.norm1, m.norm2, m.conv1, m.conv2, sc)
+                or not plain(m.norm1, m.norm2, m.dropout, getattr(m, "swish", None))):
+            return base(m, x, temb)
+        h = group_norm(m.norm1, x, "silu")
+        h = conv(m.conv1, h)
+        h = group_norm(m.norm2, h, "silu")
+        return conv(m.conv2, h, residual=x if sc is None else conv(sc, x))
+
+
+class Upsample(Recipe):
+    name = "ldm.Upsample"
+    what = "upsample folded into the conv"
+
+    def match(self, m):
+        return _named(m, "Upsample") and getattr(m, "with_conv", False) is True and is_conv(
+            getattr(m, "conv", None), 3, 1, 1)
+
+    def forward(self, m, x):
+        if x.dim() != 4:
+            return base(m, x)
+        return upsample_conv(m.conv, x)
+
+
+class Downsample(Recipe):
+    name = "ldm.Downsample"
+    what = "asymmetric pad folded into the stride-2 conv"
+
+    def match(self, m):
+        return _named(m, "Downsample") and getattr(m, "with_conv", False) is True and is_conv(
+            getattr(m, "conv", None), 3, 2, 0)
+
+    def forward(self, m, x):
+        if x.dim() != 4:
+            return base(m, x)
+        return conv(m.conv, x, padding=(0, 1, 0, 1))
+
+
+RESNET = register(ResnetBlock())
+UPSAMPLE = register(Upsample())
+DOWNSAMPLE = register(Downsample())
+DECODER = register(NHWCInside("ldm.Decoder", "Decoder", ("conv_in", "mid", "up", "conv_out")))
+ENCODER = register(NHWCInside("ldm.Encoder", "Encoder", ("conv_in", "mid", "down", "conv_out")))

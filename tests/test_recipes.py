@@ -1,0 +1,255 @@
+"""VAE block recipes (conv_patch.recipes): each fused block against the
+unpatched block, the folded upsample/pad ops against float64 references, the
+fallbacks (training, grad, hooks, odd arguments), layouts at the boundary,
+and remove/pickle/state_dict. Tiny awkward shapes; under the interpreter on
+the CPU in CI."""
+
+import copy
+import io
+import pickle
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import conv_patch
+from _util import poisoned, rel_err
+from conv_patch import ops, recipes, taesd
+
+diffusers = pytest.importorskip("diffusers")
+from diffusers.models.downsampling import Downsample2D  # noqa: E402
+from diffusers.models.resnet import ResnetBlock2D  # noqa: E402
+from diffusers.models.upsampling import Upsample2D  # noqa: E402
+
+
+def _seeded(m, seed=0):
+    # Non-trivial norms and biases too (the defaults are 1 and 0).
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * (0.3 if p.dim() > 1 else 0.5) + (1.0 if p.dim() == 1 else 0))
+    return m
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_folded_pad_and_upsample_ops_match_float64(device, exact_fp32, channels_last):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 12, 7, 9, generator=g)
+    w = torch.randn(10, 12, 3, 3, generator=g)
+    b = torch.randn(10, generator=g)
+    res = torch.randn(2, 10, 14, 18, generator=g)
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    xd = x.to(device).contiguous(memory_format=fmt)
+    # Downsample2D's F.pad (0, 1, 0, 1) + stride-2 conv, pad folded into the bounds.
+    out = poisoned((2, 10, 3, 4), torch.float32, device, channels_last)
+    ops.conv2d(xd, w.to(device), b.to(device), stride=2, padding=(0, 1, 0, 1), out=out)
+    ref = F.conv2d(F.pad(x.double(), (0, 1, 0, 1)), w.double(), b.double(), stride=2)
+    assert rel_err(out, ref) <= 1e-5
+    # Asymmetric on both sides, stride 1.
+    got = ops.conv2d(xd, w.to(device), None, padding=(2, 0, 1, 3))
+    ref = F.conv2d(F.pad(x.double(), (2, 0, 1, 3)), w.double())
+    assert rel_err(got, ref) <= 1e-5
+    # Nearest x2 + 3x3 conv as four 2x2 convs, with the residual epilogue.
+    out = poisoned((2, 10, 14, 18), torch.float32, device, channels_last)
+    ops.upsample_conv2d(xd, w.to(device), b.to(device), residual=res.to(device), activation="silu", out=out)
+    ref = F.silu(F.conv2d(F.interpolate(x.double(), scale_factor=2.0), w.double(), b.double(), padding=1)
+                 + res.double())
+    assert rel_err(out, ref) <= 1e-5
+    got = ops.upsample_conv2d(xd, w.to(device))
+    assert got.is_contiguous(memory_format=fmt)
+    with pytest.raises(ValueError, match="3x3"):
+        ops.upsample_conv2d(xd, w[:, :, :2, :2].to(device))
+    with pytest.raises(ValueError, match="negative"):
+        ops.conv2d(xd, w.to(device), padding=(0, -1, 0, 1))
+
+
+def test_subpixel_weights_fold_the_taps_exactly():
+    w = torch.randn(3, 5, 3, 3, dtype=torch.float64)
+    x = torch.randn(1, 5, 4, 6, dtype=torch.float64)
+    subs = ops.subpixel_weights(w)
+    ref = F.conv2d(F.interpolate(x, scale_factor=2.0), w, padding=1)
+    for a in (0, 1):
+        for b in (0, 1):
+            part = F.conv2d(F.pad(x, (1 - b, b, 1 - a, a)), subs[a, b].permute(0, 3, 1, 2))
+            assert torch.allclose(part, ref[:, :, a::2, b::2], rtol=1e-12, atol=1e-12)
+
+
+def _resnet(cin, cout, osf=1.0, groups=2):
+    return _seeded(ResnetBlock2D(in_channels=cin, out_channels=cout, temb_channels=None, groups=groups,
+                                 eps=1e-6, output_scale_factor=osf)).eval()
+
+
+@pytest.mark.parametrize("cin,cout,osf,cl", [(6, 10, 1.0, False), (10, 10, 2.0, True), (12, 6, 1.0, True)])
+def test_diffusers_resnet_block_fused_matches_unpatched(device, exact_fp32, cin, cout, osf, cl, no_fallback):
+    block = _resnet(cin, cout, osf).to(device)
+    x = torch.randn(2, cin, 7, 5, device=device) * 2 + 0.5
+    if cl:
+        x = x.contiguous(memory_format=torch.channels_last)
+    with torch.no_grad():
+        ref = block(x, None)
+        report = conv_patch.apply(block)
+        assert report.fused[""].startswith("diffusers.ResnetBlock2D")
+        assert type(block).__name__ == "FusedResnetBlock2D" and isinstance(block, ResnetBlock2D)
+        out = block(x, None)
+    assert rel_err(out, ref) <= 1e-5
+    assert out.is_contiguous(memory_format=torch.channels_last if cl else torch.contiguous_format)
+
+
+def test_fused_block_falls_back_where_it_must(device, exact_fp32):
+    block = _resnet(6, 8).to(device)
+    x = torch.randn(1, 6, 5, 6, device=device)
+    with torch.no_grad():
+        ref = block(x, None)
+    conv_patch.apply(block)
+    # Autograd needed: the class's own forward, gradients flow.
+    xg = x.clone().requires_grad_()
+    y = block(xg, None)
+    y.sum().backward()
+    assert xg.grad is not None and rel_err(y, ref) <= 1e-5
+    # A hook on a module the fused forward bypasses must see it run.
+    seen = []
+    h = block.norm2.register_forward_hook(lambda m, i, o: seen.append(o.shape))
+    with torch.no_grad():
+        assert rel_err(block(x, None), ref) <= 1e-5
+    assert seen == [torch.Size([1, 8, 5, 6])]
+    h.remove()
+    # Training-mode dropout with p > 0 is random: the class's own forward.
+    block.dropout.p = 0.5
+    block.train()
+    calls = []
+    block.dropout.register_forward_hook(lambda m, i, o: calls.append(1))
+    with torch.no_grad():
+        block(x, None)
+    assert calls == [1]
+
+
+def test_recipes_off_remove_pickle_and_state_dict(device, exact_fp32):
+    block = _resnet(6, 8).to(device)
+    keys = list(block.state_dict())
+    report = conv_patch.apply(block, recipes=False)
+    assert report.fused == {} and type(block) is ResnetBlock2D
+    conv_patch.remove(block)
+    report = conv_patch.apply(block)
+    assert "" in report.fused and "norm1" in report.fused and "conv1" in report.patched
+    assert "blocks fused" in str(report) and "fused    <root>" in str(report)
+    assert list(block.state_dict()) == keys
+    x = torch.randn(1, 6, 4, 4, device=device)
+    with torch.no_grad():
+        ref = block(x, None)
+        for clone in (copy.deepcopy(block), pickle.loads(pickle.dumps(block))):
+            assert type(clone) is type(block)
+            assert rel_err(clone(x, None), ref) <= 1e-5
+        buf = io.BytesIO()
+        torch.save(block, buf)
+    assert conv_patch.apply(block).fused == {}  # idempotent
+    restored = conv_patch.remove(block)
+    assert "" in restored and "norm1" in restored
+    assert type(block) is ResnetBlock2D and type(block.norm1) is nn.GroupNorm
+    with conv_patch.patched(block) as rep:
+        assert "" in rep.fused and recipes.is_fused(block)
+    assert type(block) is ResnetBlock2D
+
+
+def test_upsample_and_downsample_blocks(device, exact_fp32):
+    up = _seeded(Upsample2D(6, use_conv=True, out_channels=10)).to(device).eval()
+    down = _seeded(Downsample2D(6, use_conv=True, out_channels=6, padding=0)).to(device).eval()
+    x = torch.randn(2, 6, 5, 7, device=device)
+    with torch.no_grad():
+        ref_up, ref_down = up(x), down(x)
+        ref_sized = up(x, output_size=(11, 15))
+        assert conv_patch.apply(up).fused[""].startswith("diffusers.Upsample2D")
+        assert conv_patch.apply(down).fused[""].startswith("diffusers.Downsample2D")
+        assert rel_err(up(x), ref_up) <= 1e-5 and rel_err(down(x), ref_down) <= 1e-5
+        assert rel_err(up(x, output_size=(11, 15)), ref_sized) <= 1e-5  # not the x2 case: unfused
+
+
+def _small_kl(device):
+    torch.manual_seed(0)
+    vae = diffusers.AutoencoderKL(
+        block_out_channels=(8, 16), down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2, latent_channels=4, layers_per_block=1,
+        norm_num_groups=4, sample_size=16)
+    return _seeded(vae).to(device).eval()
+
+
+@pytest.fixture
+def no_fallback(monkeypatch):
+    """Fused forwards must not fall back to the block's own forward."""
+    from conv_patch.recipes import _fuse, common, diffusers as rdiff, ldm
+
+    def refuse(m, *a, **k):
+        if isinstance(m, nn.GroupNorm) and a[0].dim() != 4:  # attention's [N, C, L] norm
+            return _fuse.base(m, *a, **k)
+        raise AssertionError(f"{type(m).__name__} fell back to its own forward")
+    for mod in (common, rdiff, ldm):
+        monkeypatch.setattr(mod, "base", refuse)
+
+
+def test_autoencoder_kl_decode_encode_fused_keeps_layouts(device, exact_fp32, no_fallback):
+    vae = _small_kl(device)
+    img = torch.randn(1, 3, 14, 10, device=device)
+    z = torch.randn(1, 4, 7, 5, device=device)
+    with torch.no_grad():
+        ref_enc = vae.encode(img).latent_dist.mean
+        ref_dec = vae.decode(z).sample
+        report = conv_patch.apply(vae)
+        for name, m in vae.named_modules():
+            if type(m).__name__ == "ResnetBlock2D":
+                raise AssertionError(f"{name} not fused")
+        names = {v.split()[0] for v in report.fused.values()}
+        assert {"diffusers.ResnetBlock2D", "diffusers.Upsample2D", "diffusers.Downsample2D",
+                "diffusers.Decoder", "diffusers.Encoder", "group_norm"} <= names
+        enc, dec = vae.encode(img).latent_dist.mean, vae.decode(z).sample
+        assert rel_err(enc, ref_enc) <= 1e-5 and rel_err(dec, ref_dec) <= 1e-5
+        assert enc.is_contiguous() and dec.is_contiguous()
+        dec_cl = vae.decode(z.contiguous(memory_format=torch.channels_last)).sample
+        assert dec_cl.is_contiguous(memory_format=torch.channels_last) and rel_err(dec_cl, ref_dec) <= 1e-5
+    # Nothing of the model was converted to channels_last.
+    assert all(p.is_contiguous() for p in vae.parameters())
+
+
+def test_taesd_blocks_and_chains(device, exact_fp32, no_fallback):
+    torch.manual_seed(0)
+    dec = taesd.seeded_(taesd.decoder(latent_channels=4, channels=8, pool=True)).to(device).eval()
+    enc = taesd.seeded_(taesd.encoder(latent_channels=4, channels=8, pool=True)).to(device).eval()
+    z = torch.randn(1, 4, 3, 5, device=device)
+    img = torch.randn(1, 3, 16, 24, device=device)
+    with torch.no_grad():
+        ref_d, ref_e = dec(z), enc(img)
+        rd, re_ = conv_patch.apply(dec), conv_patch.apply(enc)
+        assert rd.fused[""].startswith("sequential_chain") and rd.fused["3"].startswith("tiny.Block")
+        assert re_.fused["1"].startswith("tiny.Block")
+        assert rel_err(dec(z), ref_d) <= 1e-5 and rel_err(enc(img), ref_e) <= 1e-5
+        assert dec(z).is_contiguous()
+
+
+def test_autoencoder_tiny(device, exact_fp32, no_fallback):
+    torch.manual_seed(0)
+    vae = _seeded(diffusers.AutoencoderTiny(encoder_block_out_channels=(8, 8), decoder_block_out_channels=(8, 8),
+                                            num_encoder_blocks=(1, 1), num_decoder_blocks=(1, 1),
+                                            latent_channels=4)).to(device).eval()
+    img = torch.randn(1, 3, 12, 12, device=device)
+    with torch.no_grad():
+        ref_z = vae.encode(img).latents
+        ref = vae.decode(ref_z).sample
+        report = conv_patch.apply(vae)
+        assert any(v.startswith("tiny.Block") for v in report.fused.values())
+        assert any(v.startswith("sequential_chain") for v in report.fused.values())
+        assert rel_err(vae.encode(img).latents, ref_z) <= 1e-5
+        assert rel_err(vae.decode(ref_z).sample, ref) <= 1e-5
+
+
+def test_structure_not_name_decides():
+    # A block named like a recipe's but built differently is left alone.
+    class ResnetBlock2D(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm1 = nn.LayerNorm(4)
+            self.conv1 = nn.Conv2d(4, 4, 3, padding=1)
+
+    assert recipes.recipe_for(ResnetBlock2D()) is None
+    # A Sequential with a GELU after its conv: no fused activation.
+    seq = nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.GELU())
+    assert recipes.recipe_for(seq) is None
+    assert recipes.recipe_for(nn.GroupNorm(2, 4)).name == "group_norm"

@@ -8,7 +8,7 @@ Importing this package does not import Triton; the kernels load on the first
 call that runs them.
 """
 
-from . import ops, pack
+from . import ops, pack, recipes
 from .patcher import PatchConfig, PatchReport, apply, is_patched, patched, remove
 from .routing import ROUTE_INFO, Route, RouteDecision, select_route, static_route
 from .specs import CallDesc, ConvSpec

@@ -40,9 +40,12 @@ class ConvPatchVAE:
             "vae": ("VAE",),
             "dtype": (list(DTYPES), {"default": "keep",
                                      "tooltip": "cast the VAE first (keep: as loaded)"}),
+            "recipes": ("BOOLEAN", {"default": True,
+                                    "tooltip": "fuse GroupNorm/SiLU, upsampling and residuals around the "
+                                               "convolutions of the VAE's blocks (off: convolutions only)"}),
         }}
 
-    def patch(self, vae, dtype="keep"):
+    def patch(self, vae, dtype="keep", recipes=True):
         model = getattr(vae, "first_stage_model", None)
         if not isinstance(model, nn.Module):
             raise ValueError(f"Conv Patch VAE: expected a ComfyUI VAE with a first_stage_model module, "
@@ -53,9 +56,14 @@ class ConvPatchVAE:
             model.to(DTYPES[dtype])
             if hasattr(vae, "vae_dtype"):
                 vae.vae_dtype = DTYPES[dtype]
-        report = apply(model)
-        log.info("Conv Patch VAE: %d convolutions patched, %d skipped, %d already patched",
-                 len(report.patched), len(report.skipped), len(report.already_patched))
+        if not recipes:
+            # Blocks fused by an earlier run of the node get their own forward back.
+            from conv_patch import recipes as rc
+            for m in model.modules():
+                rc.unfuse(m)
+        report = apply(model, recipes=bool(recipes))
+        log.info("Conv Patch VAE: %d convolutions patched, %d skipped, %d already patched, %d blocks fused",
+                 len(report.patched), len(report.skipped), len(report.already_patched), len(report.fused))
         for fqn, why in report.skipped.items():
             log.info("  skipped %s: %s", fqn, why)
         return (vae,)

@@ -161,6 +161,7 @@ def test_node_package_follows_comfyui_conventions():
     assert mod.NODE_DISPLAY_NAME_MAPPINGS["ConvPatchVAE"] == "Conv Patch VAE"
     inputs = cls.INPUT_TYPES()
     assert inputs["required"]["vae"] == ("VAE",)
+    assert inputs["required"]["recipes"][0] == "BOOLEAN" and inputs["required"]["recipes"][1]["default"] is True
     assert cls.RETURN_TYPES == ("VAE",) and callable(getattr(cls, cls.FUNCTION)) and cls.CATEGORY
 
 
@@ -175,6 +176,10 @@ def test_node_patches_first_stage_model_idempotently(device, exact_fp32):
         first = vae.first_stage_model[0]
         node.patch(vae)
         assert vae.first_stage_model[0] is first  # not wrapped twice
+        assert rel_err(vae.first_stage_model(x), ref) <= 1e-5
+        assert conv_patch.recipes.is_fused(vae.first_stage_model)
+        node.patch(vae, recipes=False)  # turns the recipes off again, convs stay patched
+        assert not conv_patch.recipes.is_fused(vae.first_stage_model) and vae.first_stage_model[0] is first
         assert rel_err(vae.first_stage_model(x), ref) <= 1e-5
     (cast,) = node.patch(SimpleNamespace(first_stage_model=_net(device), vae_dtype=torch.float32), dtype="bf16")
     assert cast.vae_dtype is torch.bfloat16 and cast.first_stage_model[0].weight.dtype is torch.bfloat16

@@ -253,3 +253,21 @@ def test_structure_not_name_decides():
     seq = nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.GELU())
     assert recipes.recipe_for(seq) is None
     assert recipes.recipe_for(nn.GroupNorm(2, 4)).name == "group_norm"
+
+
+def test_ldm_blocks_are_fused(device, exact_fp32, no_fallback):
+    ldm = pytest.importorskip("ldm.modules.diffusionmodules.model")
+    torch.manual_seed(0)
+    cfg = dict(ch=32, out_ch=3, ch_mult=(1, 2), num_res_blocks=1, attn_resolutions=[], in_channels=3,
+               resolution=16, z_channels=4)
+    enc = _seeded(ldm.Encoder(double_z=True, **cfg)).to(device).eval()
+    dec = _seeded(ldm.Decoder(**cfg)).to(device).eval()
+    x = torch.randn(1, 3, 12, 14, device=device)
+    with torch.no_grad():
+        ref_z = enc(x)
+        ref = dec(ref_z[:, :4])
+        fused = list(conv_patch.apply(enc).fused.values()) + list(conv_patch.apply(dec).fused.values())
+        names = {v.split()[0] for v in fused}
+        assert {"ldm.ResnetBlock", "ldm.Upsample", "ldm.Downsample", "ldm.Encoder", "ldm.Decoder"} <= names
+        z = enc(x)
+        assert rel_err(z, ref_z) <= 1e-5 and rel_err(dec(z[:, :4]), ref) <= 1e-5

@@ -46,3 +46,11 @@ def test_bench_vae_rows(tmp_path):
     assert ROW_KEYS | {"peak_gib", "channels_last_ms", "first_call_s", "convs_only_ms", "profile"} <= set(r)
     assert r["profile"] and all(len(p) == 3 and p[2] >= 0 for p in r["profile"])
     assert r["baseline"] == "eager nchw" and r["ours_ms"] > 0
+
+
+def test_bench_group_norm_rows(tmp_path):
+    from bench import group_norm
+    group_norm.main(["--shapes", "1x12x5x7", "--groups", "3", "--rounds", "1", "--out", str(tmp_path)])
+    rows = _result(tmp_path, "group_norm")["rows"]
+    assert [r["name"] for r in rows] == ["group_norm+silu 1x12x5x7 nchw", "group_norm+silu 1x12x5x7 nhwc"]
+    assert all(ROW_KEYS | {"tbs", "rel_err"} <= set(r) and r["rel_err"] < 1e-5 for r in rows)

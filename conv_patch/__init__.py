@@ -19,6 +19,6 @@ __version__ = "0.1.0"
 __all__ = [
     "apply", "remove", "patched", "is_patched", "PatchConfig", "PatchReport",
     "Route", "RouteDecision", "ROUTE_INFO", "select_route", "static_route",
-    "ConvSpec", "CallDesc", "PatchedConv2d", "PatchedConvTranspose2d", "ops", "pack",
+    "ConvSpec", "CallDesc", "PatchedConv2d", "PatchedConvTranspose2d", "ops", "pack", "recipes",
     "__version__",
 ]

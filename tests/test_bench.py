@@ -53,4 +53,5 @@ def test_bench_group_norm_rows(tmp_path):
     group_norm.main(["--shapes", "1x12x5x7", "--groups", "3", "--rounds", "1", "--out", str(tmp_path)])
     rows = _result(tmp_path, "group_norm")["rows"]
     assert [r["name"] for r in rows] == ["group_norm+silu 1x12x5x7 nchw", "group_norm+silu 1x12x5x7 nhwc"]
-    assert all(ROW_KEYS | {"tbs", "rel_err"} <= set(r) and r["rel_err"] < 1e-5 for r in rows)
+    tol = 1e-5 if rows[0]["dtype"] == "float32" else 1e-2  # bf16 on a GPU
+    assert all(ROW_KEYS | {"tbs", "rel_err"} <= set(r) and r["rel_err"] < tol for r in rows)

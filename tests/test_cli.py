@@ -11,13 +11,16 @@ def test_verify_embedded_default_passes(tmp_path, capsys, device):
     out = tmp_path / "report.json"
     assert cli.main(["verify", "--device", str(device), "--size", "16", "--json", str(out)]) == 0
     text = capsys.readouterr().out
-    assert "PASS" in text and "conv2d_igemm" in text
+    assert "PASS" in text and "conv2d_" in text
     assert ("Triton interpreter" in text) == (device.type == "cpu")
     report = json.loads(out.read_text())
     assert report["passed"] and len(report["reports"]) == 1
     report = report["reports"][0]
     assert report["passed"] and len(report["layers"]) == 41
-    assert all(r["route"] == "conv2d_igemm" for r in report["layers"])
+    # The interpreter's table is all portable; a GPU's may name the TMA
+    # route or cuDNN per shape.
+    allowed = {"conv2d_igemm"} if device.type == "cpu" else {"conv2d_igemm", "conv2d_tma", "cudnn"}
+    assert all(r["route"] in allowed for r in report["layers"])
     assert report["end_to_end"][0]["passed"]
 
 

@@ -118,7 +118,7 @@ def test_cli_tune_writes_a_table_that_loads(tmp_path, capsys):
     (["--out", "/nonexistent/dir/t.json"], "cannot write there"),
     (["--base", "/nonexistent/base.json"], "cannot read the config table"),
 ])
-def test_cli_tune_bad_input_is_one_line_exit_2(argv, match, capsys):
-    rc = cli.main(["tune", "--device", "cpu", "--family", "taesd"] + argv)
+def test_cli_tune_bad_input_is_one_line_exit_2(argv, match, capsys, device):
+    rc = cli.main(["tune", "--device", str(device), "--family", "taesd"] + argv)
     err = capsys.readouterr().err
     assert rc == 2 and match in err and len(err.strip().splitlines()) == 1

@@ -52,6 +52,21 @@ class ManualCastConv2d(ComfyStyleConv2d):
     comfy_cast_weights = True
 
 
+class ComfyStyleGroupNorm(nn.GroupNorm, CastWeightBiasOp):
+    """comfy.ops.disable_weight_init.GroupNorm's contract."""
+
+    def forward_comfy_cast_weights(self, input):
+        weight = self.weight.to(device=input.device, dtype=input.dtype)
+        for f in self.weight_function:
+            weight = f(weight)
+        return torch.nn.functional.group_norm(input, self.num_groups, weight, self.bias, self.eps)
+
+    def forward(self, *args, **kwargs):
+        if self.comfy_cast_weights or len(self.weight_function) > 0 or len(self.bias_function) > 0:
+            return self.forward_comfy_cast_weights(*args, **kwargs)
+        return super().forward(*args, **kwargs)
+
+
 def _net(device, cls=ComfyStyleConv2d, seed=0):
     g = torch.Generator().manual_seed(seed)
     net = nn.Sequential(cls(8, 16, 3, padding=1), nn.ReLU(), cls(16, 8, 3, padding=1))
@@ -185,3 +200,24 @@ def test_node_patches_first_stage_model_idempotently(device, exact_fp32):
     assert cast.vae_dtype is torch.bfloat16 and cast.first_stage_model[0].weight.dtype is torch.bfloat16
     with pytest.raises(ValueError, match="first_stage_model"):
         node.patch(SimpleNamespace())
+
+
+def test_comfy_group_norm_keeps_its_contract(device, exact_fp32):
+    gn = ComfyStyleGroupNorm(4, 12).to(device)
+    with torch.no_grad():
+        gn.weight.copy_(torch.linspace(0.5, 1.5, 12))
+        gn.bias.copy_(torch.linspace(-0.2, 0.2, 12))
+    net = nn.Sequential(gn).eval()
+    x = torch.randn(2, 12, 5, 7, device=device) + 3
+    with torch.no_grad():
+        ref = net(x)
+        report = conv_patch.apply(net)
+        assert report.fused["0"].startswith("group_norm")
+        assert isinstance(net[0], ComfyStyleGroupNorm) and hasattr(net[0], "comfy_cast_weights")
+        assert rel_err(net(x), ref) <= 1e-5
+        # A LoRA-style patch set by ComfyUI's patcher: its own forward, with the per-call weight.
+        net[0].weight_function = [lambda w: w * 2]
+        doubled = net(x)
+        net[0].weight_function = []
+        expect = torch.nn.functional.group_norm(x, 4, gn.weight * 2, gn.bias, gn.eps)
+        assert rel_err(doubled, expect) <= 1e-5

@@ -226,9 +226,12 @@ def group_norm(x: torch.Tensor, num_groups: int, weight: Optional[torch.Tensor] 
     if x.dim() != 4 or x.shape[1] % num_groups:
         raise ValueError(f"group_norm: expected [N, C, H, W] with C divisible by {num_groups} groups, "
                          f"got {tuple(x.shape)}")
-    target = target_for(x.device)
+    # Under torch.compile the eager expression is traced (Inductor fuses it).
+    compiling = torch.compiler.is_compiling()
+    target = None if compiling else target_for(x.device)
     nhwc = _nhwc(x)
-    ok = (target.kernels and x.dtype in (torch.float16, torch.bfloat16, torch.float32)
+    ok = (not compiling and target.kernels
+          and x.dtype in (torch.float16, torch.bfloat16, torch.float32)
           and (x.is_contiguous() or nhwc) and x.numel() > 0 and not needs_grad(x, weight, bias)
           and all(t is None or (t.device == x.device and t.dim() == 1 and t.is_contiguous())
                   for t in (weight, bias)))

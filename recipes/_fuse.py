@@ -205,7 +205,8 @@ def channels_last(x: torch.Tensor) -> torch.Tensor:
     them a staging copy per conv), reached once at a model's entry."""
     if x.dim() != 4 or x.is_contiguous(memory_format=torch.channels_last):
         return x
-    if x.is_cuda and x.dtype in (torch.float16, torch.bfloat16, torch.float32) and x.is_contiguous():
+    if (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16, torch.float32) and x.is_contiguous()
+            and not torch.compiler.is_compiling()):
         return ops.to_nhwc(x) if ops.target_for(x.device).kernels else x.contiguous(memory_format=torch.channels_last)
     return x.contiguous(memory_format=torch.channels_last)
 

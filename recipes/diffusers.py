@@ -4,6 +4,10 @@ and ``AutoencoderTinyBlock``. Matched by class name and structure."""
 
 from __future__ import annotations
 
+import torch
+
+from conv_patch.target import target_for
+
 from ._fuse import (Recipe, base, channels_last, conv, dropout_is_identity, group_norm, inference,
                     is_conv, is_group_norm, is_relu, is_silu, like_input, plain, register,
                     upsample_conv)
@@ -97,7 +101,9 @@ class NHWCInside(Recipe):
         return _named(m, self.cls_name) and all(hasattr(m, p) for p in self.parts)
 
     def forward(self, m, sample, *args, **kwargs):
-        if not hasattr(sample, "dim") or sample.dim() != 4:
+        if not hasattr(sample, "dim") or sample.dim() != 4 or (
+                not torch.compiler.is_compiling() and not target_for(sample.device).kernels):
+            # Where no kernel can run (a CPU model), NHWC would only add copies.
             return base(m, sample, *args, **kwargs)
         # The block's own forward, fed NHWC: not a fallback.
         return like_input(m._cp_base.forward(m, channels_last(sample), *args, **kwargs), sample)

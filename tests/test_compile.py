@@ -74,3 +74,28 @@ def test_compile_with_grad_traces_the_original_forward(device):
     y = torch.compile(net, backend=backend, fullgraph=True)(x)
     y.sum().backward()
     assert x.grad is not None and "conv_patch.conv.default" not in seen
+
+
+def test_fused_vae_blocks_compile_fullgraph(device, exact_fp32):
+    """Recipe blocks (GroupNorm+SiLU, residual epilogue, folded upsample)
+    under torch.compile: no graph break, the eager answer."""
+    import pytest
+    resnet = pytest.importorskip("diffusers.models.resnet")
+    upsampling = pytest.importorskip("diffusers.models.upsampling")
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        resnet.ResnetBlock2D(in_channels=8, out_channels=12, temb_channels=None, groups=4),
+        upsampling.Upsample2D(12, use_conv=True)).to(device).eval()
+
+    def run(x):
+        return net[1](net[0](x, None))
+    x = torch.randn(1, 8, 5, 6, device=device)
+    with torch.no_grad():
+        ref = run(x)
+        report = conv_patch.apply(net)
+        assert {"0", "1"} <= set(report.fused)
+        backend, seen = _recording()
+        torch._dynamo.reset()
+        out = torch.compile(run, backend=backend, fullgraph=True)(x)
+        assert seen.count("conv_patch.conv.default") >= 3
+        assert rel_err(out, ref) <= 1e-5

@@ -255,6 +255,25 @@ _SUBPIXEL = ((1.0, 0.0, 0.0), (0.0, 1.0, 1.0)), ((1.0, 1.0, 0.0), (0.0, 0.0, 1.0
 _SUBPIXEL_CACHE: dict = {}
 
 
+# Below this many source multiply-adds per tap (N*H*W*C_in*C_out) the four
+# 2x2 launches cost more host time than they save GPU time: on the H200 each
+# Triton launch costs ~70 us of host time (bench/results/overhead-*.json), so
+# four of them (~0.6 ms with the weight folding) only pay once the GPU work
+# they replace is larger: 4e9 puts the FLUX VAE's 512-channel 128^2 upsample
+# and everything above on the folded path and TAEF2's 64-channel upsamples,
+# host-bound at every resolution, on upsample + one conv.
+SUBPIXEL_MIN_MACS = 4e9
+
+
+def subpixel_pays(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``upsample_conv2d``'s folded form is worth its four launches
+    here (always under the interpreter, where the tests exercise it)."""
+    if target_for(x.device).interpreter:
+        return True
+    n, _, h, w = x.shape
+    return n * h * w * weight.shape[0] * weight.shape[1] >= SUBPIXEL_MIN_MACS
+
+
 def subpixel_weights(weight: torch.Tensor) -> torch.Tensor:
     """[2, 2, C_out, 2, 2, C_in] (parity a, parity b, co, kh, kw, ci), dense:
     ``[a, b].permute(0, 3, 1, 2)`` is the 2x2 weight of output parity (a, b)

@@ -192,10 +192,14 @@ def conv(m: nn.Conv2d, x: torch.Tensor, *, padding=None, residual=None, beta: fl
 def upsample_conv(m: nn.Conv2d, x: torch.Tensor, *, residual=None, activation: str = "none") -> torch.Tensor:
     """``act(m(F.interpolate(x, scale_factor=2, mode="nearest")) + residual)``
     for a 3x3, padding-1 conv: folded into four 2x2 convs of ``x`` (see
-    ``ops.upsample_conv2d``) where ``m`` is patched."""
-    if _kernels_may_run(m):
+    ``ops.upsample_conv2d``) where ``m`` is patched and the problem is large
+    enough for that to pay (``ops.subpixel_pays``)."""
+    if _kernels_may_run(m) and ops.subpixel_pays(x, m.weight):
         return ops.upsample_conv2d(x, m.weight, m.bias, residual=residual, activation=activation,
                                    table=m._cp_table)
+    if _kernels_may_run(m):
+        # Small: upsample, then one launch with the epilogue fused.
+        return m(F.interpolate(x, scale_factor=2.0, mode="nearest"), residual=residual, activation=activation)
     y = m(F.interpolate(x, scale_factor=2.0, mode="nearest"))
     return ops.eager_epilogue(y, residual, 1.0, activation, 1.0)
 

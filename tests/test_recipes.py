@@ -271,3 +271,11 @@ def test_ldm_blocks_are_fused(device, exact_fp32, no_fallback):
         assert {"ldm.ResnetBlock", "ldm.Upsample", "ldm.Downsample", "ldm.Encoder", "ldm.Decoder"} <= names
         z = enc(x)
         assert rel_err(z, ref_z) <= 1e-5 and rel_err(dec(z[:, :4]), ref) <= 1e-5
+
+
+def test_subpixel_only_where_it_pays(monkeypatch):
+    from conv_patch import target as tgt
+    monkeypatch.setattr(ops, "target_for", lambda d: tgt.Target("sm90", True))
+    w = torch.empty(64, 64, 3, 3)
+    assert not ops.subpixel_pays(torch.empty(1, 64, 512, 512), w)  # TAEF2: host-bound, unfolded
+    assert ops.subpixel_pays(torch.empty(1, 512, 128, 128), torch.empty(512, 512, 3, 3))  # FLUX

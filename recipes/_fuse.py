@@ -16,7 +16,7 @@ falling back for any reason keeps its exact PyTorch semantics.
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Optional
+from typing import Dict, Optional
 
 import torch
 import torch.nn.functional as F
@@ -221,6 +221,3 @@ def like_input(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     if y.dim() == 4 and x.dim() == 4 and x.is_contiguous() and not y.is_contiguous():
         return y.contiguous()
     return y
-
-
-Step = Callable[..., torch.Tensor]

@@ -74,36 +74,32 @@ class ResnetBlock(Recipe):
         return conv(m.conv2, h, residual=x if sc is None else conv(sc, x))
 
 
-class Upsample(Recipe):
-    name = "ldm.Upsample"
-    what = "upsample folded into the conv"
+class WithConv(Recipe):
+    """ldm ``Upsample`` (nearest x2, then a 3x3 conv) and ``Downsample``
+    (``F.pad(x, (0, 1, 0, 1))``, then a stride-2 3x3 conv) with
+    ``with_conv=True``: ``step(conv, x)`` does the pair in one go."""
+
+    def __init__(self, name, cls_name, stride, padding, what, step):
+        self.name, self.cls_name, self.stride, self.padding, self.what = name, cls_name, stride, padding, what
+        self.step = step
 
     def match(self, m):
-        return _named(m, "Upsample") and getattr(m, "with_conv", False) is True and is_conv(
-            getattr(m, "conv", None), 3, 1, 1)
+        return _named(m, self.cls_name) and getattr(m, "with_conv", False) is True and is_conv(
+            getattr(m, "conv", None), 3, self.stride, self.padding)
 
     def forward(self, m, x):
         if x.dim() != 4:
             return base(m, x)
-        return upsample_conv(m.conv, x)
+        return self.step(m.conv, x)
 
 
-class Downsample(Recipe):
-    name = "ldm.Downsample"
-    what = "asymmetric pad folded into the stride-2 conv"
-
-    def match(self, m):
-        return _named(m, "Downsample") and getattr(m, "with_conv", False) is True and is_conv(
-            getattr(m, "conv", None), 3, 2, 0)
-
-    def forward(self, m, x):
-        if x.dim() != 4:
-            return base(m, x)
-        return conv(m.conv, x, padding=(0, 1, 0, 1))
+def _padded_conv(c, x):
+    return conv(c, x, padding=(0, 1, 0, 1))
 
 
 RESNET = register(ResnetBlock())
-UPSAMPLE = register(Upsample())
-DOWNSAMPLE = register(Downsample())
+UPSAMPLE = register(WithConv("ldm.Upsample", "Upsample", 1, 1, "upsample folded into the conv", upsample_conv))
+DOWNSAMPLE = register(WithConv("ldm.Downsample", "Downsample", 2, 0, "asymmetric pad folded into the stride-2 conv",
+                               _padded_conv))
 DECODER = register(NHWCInside("ldm.Decoder", "Decoder", ("conv_in", "mid", "up", "conv_out")))
 ENCODER = register(NHWCInside("ldm.Encoder", "Encoder", ("conv_in", "mid", "down", "conv_out")))

@@ -174,7 +174,10 @@ def conv(m: nn.Conv2d, x: torch.Tensor, *, padding=None, residual=None, beta: fl
          activation: str = "none", out_scale: float = 1.0) -> torch.Tensor:
     """``out_scale * act(m(F.pad(x, padding)) + beta * residual)``; one
     kernel where ``m`` is patched and the kernels take the call. ``padding``
-    (F.pad order) replaces the module's own, folded into the bounds."""
+    (F.pad order, for a module without padding of its own) is folded into
+    the conv's bounds."""
+    if padding is not None and (isinstance(m.padding, str) or any(m.padding)):
+        raise ValueError(f"conv(padding=...) folds an F.pad in front of an unpadded conv; {m} pads itself")
     if _kernels_may_run(m) and not (padding is not None and torch.compiler.is_compiling()):
         if padding is None:
             return m(x, residual=residual, beta=beta, activation=activation, out_scale=out_scale)

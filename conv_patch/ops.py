@@ -184,7 +184,8 @@ def _spec(transposed, weight, bias, stride, padding, dilation, output_padding=0)
 
 
 def conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, *, residual=None,
-           beta=1.0, activation="none", out_scale=1.0, out=None, config=None, force_int64=False):
+           beta=1.0, activation="none", out_scale=1.0, out=None, config=None, force_int64=False,
+           table=None):
     """``out_scale * act(F.conv2d(x, weight, bias, ...) + beta * residual)`` in one kernel.
 
     ``padding`` is anything ``F.conv2d`` takes, or a 4-tuple in ``F.pad``'s
@@ -193,10 +194,10 @@ def conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, *, residual=No
     The weight is read in place through its strides (no pack). ``out`` may be
     a preallocated output of any layout; ``config`` overrides the table's tile
     choice and ``force_int64`` forces 64-bit offsets (both for tests and
-    benchmarks)."""
+    benchmarks); ``table`` is a user table (``PatchConfig.table``, loaded)."""
     spec = _spec(False, weight, bias, stride, padding, dilation)
     return _functional(spec, x, weight, bias, residual, beta, activation, out_scale, out,
-                       force_int64, config)
+                       force_int64, config, table)
 
 
 def conv_transpose2d(x, weight, bias=None, stride=1, padding=0, output_padding=0, dilation=1, *,
@@ -279,7 +280,8 @@ def subpixel_weights(weight: torch.Tensor) -> torch.Tensor:
     """[2, 2, C_out, 2, 2, C_in] (parity a, parity b, co, kh, kw, ci), dense:
     ``[a, b].permute(0, 3, 1, 2)`` is the 2x2 weight of output parity (a, b)
     in the kernels' co,kh,kw,ci layout. Taps are summed in (at least) fp32 and
-    rounded once to the weight's dtype."""
+    rounded once to the weight's dtype. Recomputed at every call, like the
+    packs (conv_patch/pack.py says why a cached copy could be stale)."""
     acc = torch.promote_types(weight.dtype, torch.float32)
     key = (weight.device, acc)
     if key not in _SUBPIXEL_CACHE:
@@ -317,10 +319,9 @@ def upsample_conv2d(x, weight, bias=None, *, residual=None, beta=1.0, activation
             subs = subpixel_weights(weight)
             for a in (0, 1):
                 for b in (0, 1):
-                    _functional(_spec(False, subs[a, b].permute(0, 3, 1, 2), bias, 1, (1 - b, b, 1 - a, a), 1),
-                                x, subs[a, b].permute(0, 3, 1, 2), bias,
-                                None if residual is None else residual[:, :, a::2, b::2], beta, activation,
-                                out_scale, out[:, :, a::2, b::2], False, None, table)
+                    conv2d(x, subs[a, b].permute(0, 3, 1, 2), bias, padding=(1 - b, b, 1 - a, a),
+                           residual=None if residual is None else residual[:, :, a::2, b::2], beta=beta,
+                           activation=activation, out_scale=out_scale, out=out[:, :, a::2, b::2], table=table)
             return out
     y = F.conv2d(F.interpolate(x, scale_factor=2.0, mode="nearest"), weight, bias, 1, 1)
     y = eager_epilogue(y, residual, beta, activation, out_scale)

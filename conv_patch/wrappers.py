@@ -103,10 +103,7 @@ class PatchedConvMixin:
         return select_route(spec, call, target_for(x.device), self._cp_table)
 
     def _cp_comfy_active(self) -> bool:
-        """ComfyUI is casting this module's weights per call (low-VRAM) or
-        patching them (``weight_function``/``bias_function``, e.g. LoRA)."""
-        return bool(getattr(self, "comfy_cast_weights", False) or getattr(self, "weight_function", None)
-                    or getattr(self, "bias_function", None))
+        return comfy_active(self)
 
     def _cp_call(self, x, residual, beta, activation, out_scale, output_padding=None, fallback_args=()):
         ops.activation_code(activation)
@@ -178,6 +175,13 @@ class PatchedConv2d(PatchedConvMixin, nn.Conv2d):
 
     def forward(self, input, *, residual=None, beta=1.0, activation="none", out_scale=1.0):
         return self._cp_call(input, residual, beta, activation, out_scale)
+
+
+def comfy_active(m) -> bool:
+    """ComfyUI is casting this module's weights per call (low-VRAM) or
+    patching them (``weight_function``/``bias_function``, e.g. LoRA)."""
+    return bool(getattr(m, "comfy_cast_weights", False) or getattr(m, "weight_function", None)
+                or getattr(m, "bias_function", None))
 
 
 def is_comfy_conv_class(cls: type) -> bool:

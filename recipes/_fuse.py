@@ -24,7 +24,7 @@ from torch import nn
 
 from conv_patch import ops, pack
 from conv_patch.specs import needs_grad
-from conv_patch.wrappers import PatchedConvMixin
+from conv_patch.wrappers import PatchedConvMixin, comfy_active, is_comfy_conv_class
 
 
 class Recipe:
@@ -145,18 +145,12 @@ def is_group_norm(m) -> bool:
     if not isinstance(m, nn.GroupNorm):
         return False
     cls = getattr(type(m), "_cp_base", type(m))
-    return cls.forward is nn.GroupNorm.forward or (
-        hasattr(cls, "comfy_cast_weights") and callable(getattr(cls, "forward_comfy_cast_weights", None)))
+    return cls.forward is nn.GroupNorm.forward or is_comfy_conv_class(cls)
 
 
 # -- fused steps ---------------------------------------------------------------
-def _comfy_active(m) -> bool:
-    return bool(getattr(m, "comfy_cast_weights", False) or getattr(m, "weight_function", None)
-                or getattr(m, "bias_function", None))
-
-
 def _kernels_may_run(m: nn.Module) -> bool:
-    return isinstance(m, PatchedConvMixin) and not _comfy_active(m) and not (m._forward_hooks or m._forward_pre_hooks)
+    return isinstance(m, PatchedConvMixin) and not comfy_active(m) and not (m._forward_hooks or m._forward_pre_hooks)
 
 
 def group_norm(norm: nn.GroupNorm, x: torch.Tensor, activation: str = "none") -> torch.Tensor:
@@ -164,7 +158,7 @@ def group_norm(norm: nn.GroupNorm, x: torch.Tensor, activation: str = "none") ->
     they can run, else the norm class's own forward and PyTorch's activation.
     Hooks are the caller's business (fused blocks check ``plain`` first, the
     GroupNorm recipe runs inside the module's own call)."""
-    if x.dim() == 4 and not _comfy_active(norm):
+    if x.dim() == 4 and not comfy_active(norm):
         return ops.group_norm(x, norm.num_groups, norm.weight, norm.bias, norm.eps, activation)
     own = getattr(type(norm), "_cp_base", type(norm)).forward
     return ops.eager_epilogue(own(norm, x), None, 1.0, activation, 1.0)
@@ -182,9 +176,9 @@ def conv(m: nn.Conv2d, x: torch.Tensor, *, padding=None, residual=None, beta: fl
         if padding is None:
             return m(x, residual=residual, beta=beta, activation=activation, out_scale=out_scale)
         try:
-            return ops._functional(ops._spec(False, m.weight, m.bias, m.stride, padding, m.dilation), x,
-                                   pack.packed_weight(m, m.weight, False), m.bias, residual, beta,
-                                   activation, out_scale, None, False, None, m._cp_table)
+            return ops.conv2d(x, pack.packed_weight(m, m.weight, False), m.bias, m.stride, padding,
+                              m.dilation, residual=residual, beta=beta, activation=activation,
+                              out_scale=out_scale, table=m._cp_table)
         except ops.UnsupportedConv:
             pass
     if padding is not None:

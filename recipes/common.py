@@ -63,8 +63,15 @@ def chain_plan(children):
     return steps
 
 
-def _count_convs(m) -> int:
-    return sum(isinstance(c, nn.Conv2d) for c in m.modules())
+def _has_convs(m, n: int) -> bool:
+    """At least ``n`` convolutions anywhere below ``m``; stops at the n-th
+    (this runs at every call of a fused Sequential)."""
+    found = 0
+    for c in m.modules():
+        found += isinstance(c, nn.Conv2d)
+        if found >= n:
+            return True
+    return False
 
 
 class SequentialChain(Recipe):
@@ -85,7 +92,7 @@ class SequentialChain(Recipe):
         if not isinstance(x, torch.Tensor) or x.dim() != 4 or any(
                 c._forward_hooks or c._forward_pre_hooks for c in children):
             return base(m, x)
-        y = channels_last(x) if _count_convs(m) >= 3 else x
+        y = channels_last(x) if _has_convs(m, 3) else x
         for kind, mod, act in chain_plan(children):
             if kind == "conv":
                 y = conv(mod, y, activation=act)

@@ -216,34 +216,145 @@ def conv_transpose2d(x, weight, bias=None, stride=1, padding=0, output_padding=0
 GN_LAUNCH = {"gpu": (2048, 2048, 1024), "interpreter": (1 << 16, 1 << 16, 1)}
 
 
-def group_norm(x: torch.Tensor, num_groups: int, weight: Optional[torch.Tensor] = None,
-               bias: Optional[torch.Tensor] = None, eps: float = 1e-5,
-               activation: str = "none") -> torch.Tensor:
-    """``act(F.group_norm(x, num_groups, weight, bias, eps))`` with fp32
-    statistics, output in ``x``'s dtype and memory format. Dense NCHW or NHWC
-    4-D inputs run the Triton kernels (on a GPU, or the CPU under the
-    interpreter); anything else runs PyTorch."""
-    code = activation_code(activation)
+def _group_norm_kernels_take(x, num_groups, weight, bias) -> bool:
     if x.dim() != 4 or x.shape[1] % num_groups:
         raise ValueError(f"group_norm: expected [N, C, H, W] with C divisible by {num_groups} groups, "
                          f"got {tuple(x.shape)}")
     # Under torch.compile the eager expression is traced (Inductor fuses it).
-    compiling = torch.compiler.is_compiling()
-    target = None if compiling else target_for(x.device)
+    return (not torch.compiler.is_compiling() and target_for(x.device).kernels
+            and x.dtype in (torch.float16, torch.bfloat16, torch.float32)
+            and (x.is_contiguous() or _nhwc(x)) and x.numel() > 0 and not needs_grad(x, weight, bias)
+            and all(t is None or (t.device == x.device and t.dim() == 1 and t.is_contiguous())
+                    for t in (weight, bias)))
+
+
+def _gn_launch(x):
+    return GN_LAUNCH["interpreter" if target_for(x.device).interpreter else "gpu"]
+
+
+def group_norm(x: torch.Tensor, num_groups: int, weight: Optional[torch.Tensor] = None,
+               bias: Optional[torch.Tensor] = None, eps: float = 1e-5,
+               activation: str = "none", out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``act(F.group_norm(x, num_groups, weight, bias, eps))`` with fp32
+    statistics, output in ``x``'s dtype and memory format (into ``out`` when
+    given, which may be ``x`` itself: normalised in place). Dense NCHW or
+    NHWC 4-D inputs run the Triton kernels (on a GPU, or the CPU under the
+    interpreter); anything else runs PyTorch."""
+    code = activation_code(activation)
     nhwc = _nhwc(x)
-    ok = (not compiling and target.kernels
-          and x.dtype in (torch.float16, torch.bfloat16, torch.float32)
-          and (x.is_contiguous() or nhwc) and x.numel() > 0 and not needs_grad(x, weight, bias)
-          and all(t is None or (t.device == x.device and t.dim() == 1 and t.is_contiguous())
-                  for t in (weight, bias)))
-    if not ok:
-        return eager_epilogue(F.group_norm(x, num_groups, weight, bias, eps), None, 1.0, activation, 1.0)
+    fmt = torch.channels_last if nhwc else torch.contiguous_format
+    if out is not None and (out.shape != x.shape or out.dtype != x.dtype or not out.is_contiguous(memory_format=fmt)):
+        raise ValueError(f"group_norm: out must match the input's shape {tuple(x.shape)}, dtype and layout")
+    if not _group_norm_kernels_take(x, num_groups, weight, bias):
+        y = eager_epilogue(F.group_norm(x, num_groups, weight, bias, eps), None, 1.0, activation, 1.0)
+        return y if out is None else out.copy_(y)
     from conv_patch import kernels
-    out = torch.empty_like(x, memory_format=torch.channels_last if nhwc else torch.contiguous_format)
-    block, stats_block, programs = GN_LAUNCH["interpreter" if target.interpreter else "gpu"]
+    out = torch.empty_like(x, memory_format=fmt) if out is None else out
+    block, stats_block, programs = _gn_launch(x)
     kernels.launch_group_norm(x, out, num_groups, weight, bias, float(eps), code, nhwc, block,
                               stats_block, programs)
     return out
+
+
+def group_norm_conv2d(x: torch.Tensor, num_groups: int, norm_weight, norm_bias, eps: float, activation: str,
+                      weight: torch.Tensor, bias=None, *, band_bytes: int, table=None) -> torch.Tensor:
+    """``conv2d(act(group_norm(x)), weight, bias, padding=1)`` for a 3x3
+    ``weight`` and a dense NHWC ``x``, without the normalised tensor ever
+    existing whole: the statistics first, then band by band of rows (at most
+    ``band_bytes`` of normalised input each, halo rows included) the
+    normalised band and the conv of it into its rows of the output. What a
+    2048^2 decode's first full-resolution block saves: its 2 GiB input's
+    normalised copy. Where the kernels cannot take the call, the unbanded
+    expression."""
+    n, c, h, w = x.shape
+    if (tuple(weight.shape[1:]) != (c, 3, 3) or not x.is_contiguous(memory_format=torch.channels_last)
+            or not _group_norm_kernels_take(x, num_groups, norm_weight, norm_bias)):
+        return conv2d(group_norm(x, num_groups, norm_weight, norm_bias, eps, activation), weight, bias,
+                      padding=1, table=table)
+    from conv_patch import kernels
+    block, stats_block, programs = _gn_launch(x)
+    _, _, scale_shift = kernels.launch_group_norm_stats(x, num_groups, norm_weight, norm_bias, float(eps),
+                                                        True, stats_block, programs)
+    out = torch.empty((n, weight.shape[0], h, w), dtype=x.dtype, device=x.device,
+                      memory_format=torch.channels_last)
+    rows = max(1, band_bytes // (w * c * x.element_size()) - 2)
+    band = torch.empty((1, c, min(h, rows + 2), w), dtype=x.dtype, device=x.device,
+                       memory_format=torch.channels_last)
+    code = activation_code(activation)
+    for i in range(n):
+        for r0 in range(0, h, rows):
+            # Output rows r0..r1 read input rows r0-1..r1 (the conv's halo);
+            # the image edge is the conv's zero padding, as unbanded.
+            r1 = min(h, r0 + rows)
+            a, b = max(0, r0 - 1), min(h, r1 + 1)
+            src = band[:, :, :b - a]
+            kernels.launch_group_norm_apply(x[i:i + 1, :, a:b], src, scale_shift[i:i + 1], code, True, block)
+            conv2d(src, weight, bias, padding=(1, 1, int(r0 == 0), int(r1 == h)),
+                   out=out[i:i + 1, :, r0:r1], table=table)
+    return out
+
+
+# Attention with a head wider than 256 channels (the VAE mid-block's single
+# 512-channel head) has no FlashAttention or cuDNN kernel in PyTorch; its
+# memory-efficient kernel ran at ~150 TF/s on the H200 (3.6 ms at N = 16384,
+# 67 ms at N = 65536). Materialising the scores of a block of query rows
+# lets cuBLAS run both GEMMs (~700 TF/s) with fp32 scores, as FlashAttention
+# keeps them, and the probabilities rounded once to the input dtype for the
+# second GEMM, as FlashAttention rounds them. The block is bounded in bytes
+# so that a 2048^2 decode stays within its memory budget.
+ATTENTION_BLOCK_BYTES = 256 << 20
+# Softmax block per program: on a GPU 2048 scores (8 per thread with 8 warps);
+# under the interpreter one block per row.
+SOFTMAX_BLOCK = {"gpu": 2048, "interpreter": 1 << 16}
+
+
+def attention_pays(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether ``attention`` materialises the scores (a CUDA fp16/bf16 call
+    with a head wider than PyTorch's fused kernels take, or any call under
+    the interpreter, where the tests exercise it) instead of calling SDPA."""
+    if torch.compiler.is_compiling() or q.dim() < 2 or needs_grad(q, k, v):
+        return False
+    target = target_for(q.device)
+    if not target.kernels or not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
+        return False
+    if target.interpreter:
+        return q.dtype in (torch.float16, torch.bfloat16, torch.float32)
+    return q.dtype in (torch.float16, torch.bfloat16) and max(q.shape[-1], v.shape[-1]) > 256
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float] = None) -> torch.Tensor:
+    """``F.scaled_dot_product_attention(q, k, v, scale=scale)`` (no mask, no
+    dropout) for [..., N, D] queries and [..., M, D] keys and values: scores
+    materialised in blocks of query rows where that pays (``attention_pays``),
+    SDPA otherwise."""
+    if not attention_pays(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, scale=scale)
+    from conv_patch import kernels
+    target = target_for(q.device)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    n, d, m, dv = q.shape[-2], q.shape[-1], k.shape[-2], v.shape[-1]
+    lead = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    q3 = q.expand(*lead, n, d).reshape(-1, n, d)
+    k3 = k.expand(*lead, m, d).reshape(-1, m, d)
+    v3 = v.expand(*lead, m, dv).reshape(-1, m, dv)
+    out = torch.empty((q3.shape[0], n, dv), dtype=q.dtype, device=q.device)
+    rows = max(1, min(n, ATTENTION_BLOCK_BYTES // (4 * max(m, 1))))
+    scores = torch.empty((rows, m), dtype=torch.float32, device=q.device)
+    probs = torch.empty((rows, m), dtype=q.dtype, device=q.device)
+    block = SOFTMAX_BLOCK["interpreter" if target.interpreter else "gpu"]
+    for b in range(q3.shape[0]):
+        kt = k3[b].t()
+        if target.interpreter:
+            kt = kt.float()
+        for i in range(0, n, rows):
+            r = min(rows, n - i)
+            if target.interpreter:
+                torch.mm(q3[b, i:i + r].float(), kt, out=scores[:r])
+            else:
+                torch.mm(q3[b, i:i + r], kt, out_dtype=torch.float32, out=scores[:r])
+            kernels.launch_softmax_rows(scores[:r], probs[:r], scale, block)
+            torch.mm(probs[:r], v3[b], out=out[b, i:i + r])
+    return out.view(*lead, n, dv)
 
 
 # Nearest x2 upsampling then a 3x3 conv with padding 1: output row 2i+a reads

@@ -105,13 +105,15 @@ class PatchedConvMixin:
     def _cp_comfy_active(self) -> bool:
         return comfy_active(self)
 
-    def _cp_call(self, x, residual, beta, activation, out_scale, output_padding=None, fallback_args=()):
+    def _cp_call(self, x, residual, beta, activation, out_scale, output_padding=None, fallback_args=(),
+                 out=None):
+        """``out`` (inference only; may be ``residual``) receives the result."""
         ops.activation_code(activation)
         if torch.compiler.is_compiling():
             if not self._cp_comfy_active() and not needs_grad(x, self.weight, self.bias, residual):
                 # One opaque custom op in the graph; it routes when it runs.
                 from . import compiled
-                return compiled.call(self, x, residual, beta, activation, out_scale, output_padding)
+                return _into(out, compiled.call(self, x, residual, beta, activation, out_scale, output_padding))
             # The op has no backward: Dynamo traces the original forward.
             decision = RouteDecision(Route.FALLBACK, "torch.compile tracing with autograd or ComfyUI casting")
         elif self._cp_comfy_active():
@@ -130,7 +132,7 @@ class PatchedConvMixin:
             try:
                 return ops.run_kernel(decision, target, spec, x, w, self.bias, residual=residual,
                                       beta=beta, activation=activation, out_scale=out_scale,
-                                      output_padding=output_padding)
+                                      output_padding=output_padding, out=out)
             except _kernel_errors() as e:
                 # Raised while compiling or launching, before anything ran.
                 reason = f"kernel failed here: {type(e).__name__}: {str(e).strip().splitlines()[0][:160]}"
@@ -139,9 +141,9 @@ class PatchedConvMixin:
                               stacklevel=3)
         y = self._cp_fallback_forward(self, x, *fallback_args)
         if residual is None and activation == "none" and out_scale == 1.0:
-            return y
+            return _into(out, y)
         ops.check_residual(residual, y.shape)
-        return ops.eager_epilogue(y, residual, beta, activation, out_scale)
+        return _into(out, ops.eager_epilogue(y, residual, beta, activation, out_scale))
 
     @property
     def _cp_fallback_forward(self):
@@ -167,14 +169,19 @@ class PatchedConvMixin:
 
 
 class PatchedConv2d(PatchedConvMixin, nn.Conv2d):
-    """``forward(x, *, residual=None, beta=1.0, activation="none", out_scale=1.0)``
-    computes ``out_scale * act(conv(x) + bias + beta * residual)``; with the
-    defaults it is the plain convolution."""
+    """``forward(x, *, residual=None, beta=1.0, activation="none", out_scale=1.0, out=None)``
+    computes ``out_scale * act(conv(x) + bias + beta * residual)`` (into
+    ``out`` when given, which may be ``residual``); with the defaults it is
+    the plain convolution."""
 
     _cp_torch_class = nn.Conv2d
 
-    def forward(self, input, *, residual=None, beta=1.0, activation="none", out_scale=1.0):
-        return self._cp_call(input, residual, beta, activation, out_scale)
+    def forward(self, input, *, residual=None, beta=1.0, activation="none", out_scale=1.0, out=None):
+        return self._cp_call(input, residual, beta, activation, out_scale, out=out)
+
+
+def _into(out: Optional[torch.Tensor], y: torch.Tensor) -> torch.Tensor:
+    return y if out is None else out.copy_(y)
 
 
 def comfy_active(m) -> bool:

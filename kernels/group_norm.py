@@ -12,7 +12,9 @@ over pixel chunks, read in whole coalesced rows), ``group_norm_finalize_kernel``
 (merges a group's partials into mean and rstd on the device, and folds them
 with the affine into a per-(sample, channel) scale and shift) and
 ``group_norm_apply_{nhwc,nchw}_kernel`` (one FMA and the activation per
-element, in the input's layout). Layer 2: ``launch_group_norm``.
+element, in the input's layout). Layer 2: ``launch_group_norm`` (both
+passes), ``launch_group_norm_stats`` and ``launch_group_norm_apply`` (apart,
+for a caller that normalises a tensor piece by piece).
 
 Numerics: fp32 throughout, never a raw sum of squares (a large mean would
 cancel the variance away): the NCHW programs accumulate (count, mean, M2)
@@ -186,8 +188,18 @@ def group_norm_apply_nchw_kernel(x_ptr, y_ptr, ss_ptr, HW, ACT: tl.constexpr, BL
 def launch_group_norm(x, out, groups, weight, bias, eps, activation, channels_last, block, stats_block,
                       target_programs):
     """``x``/``out`` dense [N, C, H, W] in the same layout (``channels_last``
-    says which). Returns (mean, rstd) as [N, G] fp32, as PyTorch's native
-    group norm does."""
+    says which; ``out`` may be ``x``: the apply pass reads each element
+    before writing it, after the statistics are complete). Returns (mean,
+    rstd) as [N, G] fp32, as PyTorch's native group norm does."""
+    mean, rstd, scale_shift = launch_group_norm_stats(x, groups, weight, bias, eps, channels_last, stats_block,
+                                                      target_programs)
+    launch_group_norm_apply(x, out, scale_shift, activation, channels_last, block)
+    return mean, rstd
+
+
+def launch_group_norm_stats(x, groups, weight, bias, eps, channels_last, stats_block, target_programs):
+    """Statistics of dense [N, C, H, W] ``x``: (mean, rstd) as [N, G] fp32
+    and the apply pass's per-(sample, channel) fp32 (scale, shift) [N, C, 2]."""
     import torch
 
     N, C, H, W = x.shape
@@ -219,6 +231,14 @@ def launch_group_norm(x, out, groups, weight, bias, eps, activation, channels_la
         part, mean, rstd, weight if weight is not None else x, bias if bias is not None else x, scale_shift,
         groups, Cg, splits, sub, psn, pss, psc, float(eps), HAS_AFFINE=weight is not None,
         BLOCK=min(1024, next_pow2(splits * sub)), BLOCK_CG=next_pow2(Cg))
+    return mean.view(N, groups), rstd.view(N, groups), scale_shift
+
+
+def launch_group_norm_apply(x, out, scale_shift, activation, channels_last, block):
+    """``out = act(x * scale + shift)`` per (sample, channel) for dense
+    [N, C, H, W] ``x`` and ``out`` in one layout; ``scale_shift`` [N, C, 2]."""
+    N, C, H, W = x.shape
+    HW = H * W
     if channels_last:
         block_c = next_pow2(C)
         block_p = max(1, block // block_c)
@@ -228,8 +248,4 @@ def launch_group_norm(x, out, groups, weight, bias, eps, activation, channels_la
     else:
         group_norm_apply_nchw_kernel[(N * C, cdiv(HW, block))](x, out, scale_shift, HW, ACT=int(activation),
                                                                BLOCK=block)
-    return mean.view(N, groups), rstd.view(N, groups)
-
-
-__all__ = ["group_norm_stats_kernel", "group_norm_stats_nhwc_kernel", "group_norm_finalize_kernel",
-           "group_norm_apply_nhwc_kernel", "group_norm_apply_nchw_kernel", "launch_group_norm"]
+    return out

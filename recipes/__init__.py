@@ -17,8 +17,9 @@ from . import common, diffusers, ldm  # noqa: F401  (registration)
 from ._fuse import REGISTRY, FusedBlock, Recipe, fused_class, is_fused
 
 ORDER = [
-    diffusers.RESNET, diffusers.UPSAMPLE, diffusers.DOWNSAMPLE, diffusers.DECODER, diffusers.ENCODER,
-    diffusers.TINY_BLOCK, ldm.RESNET, ldm.UPSAMPLE, ldm.DOWNSAMPLE, ldm.DECODER, ldm.ENCODER,
+    diffusers.RESNET, diffusers.UPSAMPLE, diffusers.DOWNSAMPLE, diffusers.ATTENTION, diffusers.DECODER,
+    diffusers.ENCODER, diffusers.TINY_BLOCK, ldm.RESNET, ldm.ATTN, ldm.UPSAMPLE, ldm.DOWNSAMPLE, ldm.DECODER,
+    ldm.ENCODER,
     common.SEQUENTIAL, common.GROUP_NORM,
 ]
 

@@ -153,37 +153,80 @@ def _kernels_may_run(m: nn.Module) -> bool:
     return isinstance(m, PatchedConvMixin) and not comfy_active(m) and not (m._forward_hooks or m._forward_pre_hooks)
 
 
-def group_norm(norm: nn.GroupNorm, x: torch.Tensor, activation: str = "none") -> torch.Tensor:
+def group_norm(norm: nn.GroupNorm, x: torch.Tensor, activation: str = "none",
+               out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``act(norm(x))``; one pass of conv-patch's GroupNorm kernels where
     they can run, else the norm class's own forward and PyTorch's activation.
-    Hooks are the caller's business (fused blocks check ``plain`` first, the
-    GroupNorm recipe runs inside the module's own call)."""
+    ``out`` (may be ``x``) receives the result. Hooks are the caller's
+    business (fused blocks check ``plain`` first, the GroupNorm recipe runs
+    inside the module's own call)."""
     if x.dim() == 4 and not comfy_active(norm):
-        return ops.group_norm(x, norm.num_groups, norm.weight, norm.bias, norm.eps, activation)
+        return ops.group_norm(x, norm.num_groups, norm.weight, norm.bias, norm.eps, activation, out=out)
     own = getattr(type(norm), "_cp_base", type(norm)).forward
-    return ops.eager_epilogue(own(norm, x), None, 1.0, activation, 1.0)
+    y = ops.eager_epilogue(own(norm, x), None, 1.0, activation, 1.0)
+    return y if out is None else out.copy_(y)
 
 
 def conv(m: nn.Conv2d, x: torch.Tensor, *, padding=None, residual=None, beta: float = 1.0,
-         activation: str = "none", out_scale: float = 1.0) -> torch.Tensor:
+         activation: str = "none", out_scale: float = 1.0, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``out_scale * act(m(F.pad(x, padding)) + beta * residual)``; one
     kernel where ``m`` is patched and the kernels take the call. ``padding``
     (F.pad order, for a module without padding of its own) is folded into
-    the conv's bounds."""
+    the conv's bounds; ``out`` receives the result (it may be ``residual``:
+    the epilogue reads each residual element before writing it)."""
     if padding is not None and (isinstance(m.padding, str) or any(m.padding)):
         raise ValueError(f"conv(padding=...) folds an F.pad in front of an unpadded conv; {m} pads itself")
     if _kernels_may_run(m) and not (padding is not None and torch.compiler.is_compiling()):
         if padding is None:
-            return m(x, residual=residual, beta=beta, activation=activation, out_scale=out_scale)
+            return m(x, residual=residual, beta=beta, activation=activation, out_scale=out_scale, out=out)
         try:
             return ops.conv2d(x, pack.packed_weight(m, m.weight, False), m.bias, m.stride, padding,
                               m.dilation, residual=residual, beta=beta, activation=activation,
-                              out_scale=out_scale, table=m._cp_table)
+                              out_scale=out_scale, out=out, table=m._cp_table)
         except ops.UnsupportedConv:
             pass
     if padding is not None:
         x = F.pad(x, tuple(padding))
-    return ops.eager_epilogue(m(x), residual, beta, activation, out_scale)
+    y = ops.eager_epilogue(m(x), residual, beta, activation, out_scale)
+    return y if out is None else out.copy_(y)
+
+
+# A normalised conv input of at least BAND_FROM_BYTES is made band by band
+# (ops.group_norm_conv2d) in bands of BAND_BYTES: in a 2048^2 FLUX decode the
+# first full-resolution block's input is 2 GiB and its normalised copy
+# another 2; at 1024^2 no input reaches 1 GiB and every conv stays one launch.
+BAND_FROM_BYTES = 1 << 30
+BAND_BYTES = 256 << 20
+
+
+def norm_conv(norm: nn.GroupNorm, m: nn.Conv2d, x: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """``m(act(norm(x)))``: the normalised input made in row bands where it
+    would be large (and the kernels take both ops), else whole."""
+    if (x.dim() == 4 and x.numel() * x.element_size() >= BAND_FROM_BYTES and _kernels_may_run(m)
+            and not comfy_active(norm) and is_conv(m, 3, 1, 1) and not torch.compiler.is_compiling()
+            and inference(x, norm, m)):
+        try:
+            return ops.group_norm_conv2d(x, norm.num_groups, norm.weight, norm.bias, norm.eps, activation,
+                                         pack.packed_weight(m, m.weight, False), m.bias, band_bytes=BAND_BYTES,
+                                         table=m._cp_table)
+        except ops.UnsupportedConv:
+            pass
+    return conv(m, group_norm(norm, x, activation))
+
+
+def resnet(x: torch.Tensor, norm1, conv1, norm2, conv2, shortcut=None, out_scale: float = 1.0) -> torch.Tensor:
+    """The VAE resnet block, ``(sc(x) + conv2(silu(norm2(conv1(silu(norm1(x))))))) * out_scale``:
+    GroupNorm+SiLU passes (the first in bands where large), the residual in
+    conv2's epilogue. Intermediates this function made are reused in place
+    (norm2 over conv1's output, conv2's output over the shortcut's), which
+    keeps a 2048^2 block at its input plus two outputs; not where a hook on
+    the conv that made them may hold on to them."""
+    h = norm_conv(norm1, conv1, x)
+    h = group_norm(norm2, h, "silu", out=h if plain(conv1) else None)
+    if shortcut is None:
+        return conv(conv2, h, residual=x, out_scale=out_scale)
+    sc = conv(shortcut, x)
+    return conv(conv2, h, residual=sc, out_scale=out_scale, out=sc if plain(shortcut) else None)
 
 
 def upsample_conv(m: nn.Conv2d, x: torch.Tensor, *, residual=None, activation: str = "none") -> torch.Tensor:
@@ -199,6 +242,24 @@ def upsample_conv(m: nn.Conv2d, x: torch.Tensor, *, residual=None, activation: s
         return m(F.interpolate(x, scale_factor=2.0, mode="nearest"), residual=residual, activation=activation)
     y = m(F.interpolate(x, scale_factor=2.0, mode="nearest"))
     return ops.eager_epilogue(y, residual, 1.0, activation, 1.0)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``softmax(q k^T / sqrt(D)) v`` over [B, N, D] tokens (the VAE
+    mid-block's one head): ``ops.attention``, which materialises the scores
+    in blocks where PyTorch has no fused kernel for the head width."""
+    return ops.attention(q, k, v)
+
+
+def to_tokens(x: torch.Tensor) -> torch.Tensor:
+    """[B, C, H, W] as [B, H*W, C] tokens: a view of an NHWC tensor."""
+    b, c, h, w = x.shape
+    return x.permute(0, 2, 3, 1).reshape(b, h * w, c)
+
+
+def from_tokens(t: torch.Tensor, h: int, w: int) -> torch.Tensor:
+    """[B, H*W, C] tokens back as [B, C, H, W]: an NHWC view of ``t``."""
+    return t.view(t.shape[0], h, w, t.shape[2]).permute(0, 3, 1, 2)
 
 
 def channels_last(x: torch.Tensor) -> torch.Tensor:

@@ -1,16 +1,19 @@
 """diffusers VAE blocks: ``ResnetBlock2D``, ``Upsample2D``, ``Downsample2D``,
-the ``Encoder``/``Decoder`` of ``AutoencoderKL`` (SD1.5, SDXL, SD3, FLUX.1)
-and ``AutoencoderTinyBlock``. Matched by class name and structure."""
+the mid-block ``Attention``, the ``Encoder``/``Decoder`` of ``AutoencoderKL``
+(SD1.5, SDXL, SD3, FLUX.1) and ``AutoencoderTinyBlock``. Matched by class
+name and structure."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from conv_patch.target import target_for
 
-from ._fuse import (Recipe, base, channels_last, conv, dropout_is_identity, group_norm, inference,
-                    is_conv, is_group_norm, is_relu, is_silu, like_input, plain, register,
-                    upsample_conv)
+from ._fuse import (Recipe, attention, base, channels_last, conv, dropout_is_identity, from_tokens, group_norm,
+                    inference, is_conv, is_group_norm, is_relu, is_silu, like_input, norm_conv, plain, register,
+                    resnet, to_tokens, upsample_conv)
 
 
 def _named(m, name: str) -> bool:
@@ -41,11 +44,8 @@ class ResnetBlock2D(Recipe):
                 or not inference(input_tensor, m.norm1, m.norm2, m.conv1, m.conv2, m.conv_shortcut)
                 or not plain(m.norm1, m.norm2, m.nonlinearity, m.dropout)):
             return base(m, input_tensor, temb, *args, **kwargs)
-        h = group_norm(m.norm1, input_tensor, "silu")
-        h = conv(m.conv1, h)
-        h = group_norm(m.norm2, h, "silu")
-        shortcut = input_tensor if m.conv_shortcut is None else conv(m.conv_shortcut, input_tensor)
-        return conv(m.conv2, h, residual=shortcut, out_scale=1.0 / m.output_scale_factor)
+        return resnet(input_tensor, m.norm1, m.conv1, m.norm2, m.conv2, m.conv_shortcut,
+                      1.0 / m.output_scale_factor)
 
 
 def _up_conv(m):
@@ -86,6 +86,54 @@ class Downsample2D(Recipe):
         return conv(m.conv, hidden_states, padding=(0, 1, 0, 1))
 
 
+class Attention(Recipe):
+    """The VAE mid-block's self-attention (``Attention`` with
+    ``AttnProcessor2_0``, no cross-attention, no mask): GroupNorm by the
+    kernel, the projections over the NHWC activation read as tokens without
+    a copy, the attention through ``ops.attention`` (one 512-wide head,
+    which PyTorch's fused kernels do not take), the residual added to the
+    output projection in place."""
+
+    name = "diffusers.Attention"
+    what = "GroupNorm kernel, token views, blocked attention for wide heads"
+
+    def match(self, m):
+        out = getattr(m, "to_out", None)
+        return (_named(m, "Attention") and getattr(m, "spatial_norm", 0) is None
+                and getattr(m, "norm_q", 0) is None and getattr(m, "norm_k", 0) is None
+                and not getattr(m, "is_cross_attention", True)
+                # The VAE's spatial form; a UNet's token attention has neither.
+                and is_group_norm(m.group_norm) and m.residual_connection is True
+                and all(type(getattr(m, p, None)) is nn.Linear for p in ("to_q", "to_k", "to_v"))
+                and out is not None and len(out) == 2 and type(out[0]) is nn.Linear
+                and out[0].out_features == m.to_q.in_features
+                and isinstance(getattr(m, "rescale_output_factor", None), (int, float)))
+
+    def forward(self, m, hidden_states, encoder_hidden_states=None, attention_mask=None, **kwargs):
+        x = hidden_states
+        parts = (m.group_norm, m.to_q, m.to_k, m.to_v, m.to_out[0])
+        # The processor can be swapped at any time (set_attn_processor);
+        # only the stock one computes what this forward does.
+        if (encoder_hidden_states is not None or attention_mask is not None or kwargs.get("temb") is not None
+                or set(kwargs) - {"temb"} or type(m.processor).__name__ != "AttnProcessor2_0"
+                or x.dim() != 4 or not dropout_is_identity(m.to_out[1])
+                or not inference(x, *parts) or not plain(*parts, m.to_out[1])):
+            return base(m, hidden_states, encoder_hidden_states, attention_mask, **kwargs)
+        b, c, h, w = x.shape
+        t = to_tokens(group_norm(m.group_norm, x))
+        q, k, v = F.linear(t, m.to_q.weight, m.to_q.bias), F.linear(t, m.to_k.weight, m.to_k.bias), \
+            F.linear(t, m.to_v.weight, m.to_v.bias)
+        heads, d = m.heads, k.shape[-1] // m.heads
+        q, k, v = (y.view(b, -1, heads, d).transpose(1, 2) for y in (q, k, v))
+        o = attention(q, k, v).transpose(1, 2).reshape(b, -1, heads * d)
+        y = F.linear(o, m.to_out[0].weight, m.to_out[0].bias)
+        if m.residual_connection:
+            y += to_tokens(x)
+        if m.rescale_output_factor != 1:
+            y /= m.rescale_output_factor
+        return like_input(from_tokens(y, h, w), x)
+
+
 class NHWCInside(Recipe):
     """The VAE encoder/decoder runs in NHWC (the kernels' native layout:
     in NCHW every conv would pay a staging copy, and cuDNN pays its own
@@ -107,6 +155,38 @@ class NHWCInside(Recipe):
             return base(m, sample, *args, **kwargs)
         # The block's own forward, fed NHWC: not a fallback.
         return like_input(m._cp_base.forward(m, channels_last(sample), *args, **kwargs), sample)
+
+
+class Decoder(NHWCInside):
+    """``Decoder`` of AutoencoderKL in NHWC, its up blocks walked here
+    rather than through each ``UpDecoderBlock2D.forward``: a block's own
+    forward keeps its input alive until it returns, so in a 2048^2 decode
+    the 2 GiB input of the last up block would stay next to the 1 GiB
+    tensors of its second and third resnets. The tail, GroupNorm → SiLU →
+    conv_out, is one ``norm_conv`` step."""
+
+    def match(self, m):
+        ups = getattr(m, "up_blocks", None)
+        return (super().match(m) and ups is not None and len(ups) > 0
+                and all(_named(u, "UpDecoderBlock2D") and hasattr(u, "resnets") and hasattr(u, "upsamplers")
+                        for u in ups)
+                and is_group_norm(getattr(m, "conv_norm_out", None)) and is_silu(getattr(m, "conv_act", None))
+                and is_conv(getattr(m, "conv_out", None), 3, 1, 1))
+
+    def forward(self, m, sample, latent_embeds=None, *args, **kwargs):
+        if (latent_embeds is not None or args or kwargs or not hasattr(sample, "dim") or sample.dim() != 4
+                or (torch.is_grad_enabled() and getattr(m, "gradient_checkpointing", False))
+                or not plain(*m.up_blocks, m.conv_norm_out, m.conv_act)
+                or not (torch.compiler.is_compiling() or target_for(sample.device).kernels)):
+            return super().forward(m, sample, latent_embeds, *args, **kwargs)
+        x = m.conv_in(channels_last(sample))
+        x = m.mid_block(x, None)
+        for up in m.up_blocks:
+            for r in up.resnets:
+                x = r(x, temb=None)
+            for u in up.upsamplers or ():
+                x = u(x)
+        return like_input(norm_conv(m.conv_norm_out, m.conv_out, x, "silu"), sample)
 
 
 class TinyBlock(Recipe):
@@ -154,6 +234,7 @@ class TinyBlock(Recipe):
 RESNET = register(ResnetBlock2D())
 UPSAMPLE = register(Upsample2D())
 DOWNSAMPLE = register(Downsample2D())
-DECODER = register(NHWCInside("diffusers.Decoder", "Decoder", ("conv_in", "mid_block", "up_blocks", "conv_out")))
+ATTENTION = register(Attention())
+DECODER = register(Decoder("diffusers.Decoder", "Decoder", ("conv_in", "mid_block", "up_blocks", "conv_out")))
 ENCODER = register(NHWCInside("diffusers.Encoder", "Encoder", ("conv_in", "mid_block", "down_blocks", "conv_out")))
 TINY_BLOCK = register(TinyBlock("tiny.Block", ("AutoencoderTinyBlock", "Block")))

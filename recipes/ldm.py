@@ -12,8 +12,8 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from ._fuse import (Recipe, base, conv, dropout_is_identity, group_norm, inference, is_conv,
-                    is_group_norm, is_silu, plain, register, upsample_conv)
+from ._fuse import (Recipe, attention, base, conv, dropout_is_identity, from_tokens, group_norm, inference,
+                    is_conv, is_group_norm, is_silu, plain, register, resnet, to_tokens, upsample_conv)
 from .diffusers import NHWCInside, _named
 
 
@@ -68,10 +68,31 @@ class ResnetBlock(Recipe):
                 or not inference(x, m.norm1, m.norm2, m.conv1, m.conv2, sc)
                 or not plain(m.norm1, m.norm2, m.dropout, getattr(m, "swish", None))):
             return base(m, x, temb)
-        h = group_norm(m.norm1, x, "silu")
-        h = conv(m.conv1, h)
-        h = group_norm(m.norm2, h, "silu")
-        return conv(m.conv2, h, residual=x if sc is None else conv(sc, x))
+        return resnet(x, m.norm1, m.conv1, m.norm2, m.conv2, sc)
+
+
+class AttnBlock(Recipe):
+    """The mid-block self-attention: GroupNorm kernel, the q/k/v 1x1 convs
+    in NHWC read as tokens without a copy, ``ops.attention`` (one head of
+    all channels), ``x + proj_out(h)`` in proj_out's epilogue. ComfyUI's
+    copy picks its attention function at runtime; all of them compute
+    ``softmax(q k^T / sqrt(C)) v``."""
+
+    name = "ldm.AttnBlock"
+    what = "GroupNorm kernel, token views, blocked attention, residual in proj_out's epilogue"
+
+    def match(self, m):
+        return (_named(m, "AttnBlock") and is_group_norm(getattr(m, "norm", None))
+                and all(is_conv(getattr(m, p, None), 1, 1, 0) for p in ("q", "k", "v", "proj_out")))
+
+    def forward(self, m, x):
+        parts = (m.norm, m.q, m.k, m.v, m.proj_out)
+        if x.dim() != 4 or not inference(x, *parts) or not plain(m.norm):
+            return base(m, x)
+        b, c, h, w = x.shape
+        hn = group_norm(m.norm, x)
+        q, k, v = (to_tokens(conv(p, hn)) for p in (m.q, m.k, m.v))
+        return conv(m.proj_out, from_tokens(attention(q, k, v), h, w), residual=x)
 
 
 class WithConv(Recipe):
@@ -98,6 +119,7 @@ def _padded_conv(c, x):
 
 
 RESNET = register(ResnetBlock())
+ATTN = register(AttnBlock())
 UPSAMPLE = register(WithConv("ldm.Upsample", "Upsample", 1, 1, "upsample folded into the conv", upsample_conv))
 DOWNSAMPLE = register(WithConv("ldm.Downsample", "Downsample", 2, 0, "asymmetric pad folded into the stride-2 conv",
                                _padded_conv))

@@ -55,3 +55,13 @@ def test_bench_group_norm_rows(tmp_path):
     assert [r["name"] for r in rows] == ["group_norm+silu 1x12x5x7 nchw", "group_norm+silu 1x12x5x7 nhwc"]
     tol = 1e-5 if rows[0]["dtype"] == "float32" else 1e-2  # bf16 on a GPU
     assert all(ROW_KEYS | {"tbs", "rel_err"} <= set(r) and r["rel_err"] < tol for r in rows)
+
+
+def test_bench_attention_rows(tmp_path):
+    from bench import attention
+    attention.main(["--tokens", "37", "--dim", "20", "--rounds", "1", "--out", str(tmp_path)])
+    rows = _result(tmp_path, "attention")["rows"]
+    assert [r["name"] for r in rows] == ["attention N=37 D=20"]
+    cpu = rows[0]["dtype"] == "float32"  # on a GPU: bf16, and a narrow head goes to SDPA
+    assert ROW_KEYS <= set(rows[0]) and rows[0]["blocked"] == cpu
+    assert rows[0]["rel_err"] <= (1e-5 if cpu else 1e-2)

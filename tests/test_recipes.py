@@ -64,6 +64,45 @@ def test_folded_pad_and_upsample_ops_match_float64(device, exact_fp32, channels_
         ops.conv2d(xd, w.to(device), padding=(0, -1, 0, 1))
 
 
+@pytest.mark.parametrize("band_rows", [1, 3, None], ids=["1row", "3rows", "whole"])
+def test_group_norm_conv_in_bands_matches_float64(device, exact_fp32, band_rows):
+    g = torch.Generator().manual_seed(2)
+    x = (torch.randn(2, 12, 11, 7, generator=g) * 2 + 0.5).to(device).contiguous(memory_format=torch.channels_last)
+    gw, gb = torch.randn(12, generator=g) * 0.5 + 1, torch.randn(12, generator=g) * 0.5
+    w, b = torch.randn(10, 12, 3, 3, generator=g), torch.randn(10, generator=g)
+    # band_bytes counts the halo rows: rows + 2 of them per band.
+    band = 1 << 30 if band_rows is None else (band_rows + 2) * 7 * 12 * 4
+    y = ops.group_norm_conv2d(x, 3, gw.to(device), gb.to(device), 1e-6, "silu", w.to(device), b.to(device),
+                              band_bytes=band)
+    ref = F.conv2d(F.silu(F.group_norm(x.double().cpu(), 3, gw.double(), gb.double(), 1e-6)), w.double(),
+                   b.double(), padding=1)
+    assert rel_err(y, ref) <= 1e-5 and y.is_contiguous(memory_format=torch.channels_last)
+    # NCHW: not banded (a row band of NCHW is not dense), same answer.
+    y = ops.group_norm_conv2d(x.contiguous(), 3, gw.to(device), gb.to(device), 1e-6, "silu", w.to(device),
+                              b.to(device), band_bytes=band)
+    assert rel_err(y, ref) <= 1e-5
+
+
+def test_in_place_group_norm_and_conv_into_its_residual(device, exact_fp32):
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(2, 6, 5, 7, generator=g).to(device)
+    ref = F.silu(F.group_norm(x.double(), 3, None, None, 1e-5))
+    y = x.clone()
+    assert ops.group_norm(y, 3, activation="silu", out=y) is y and rel_err(y, ref) <= 1e-5
+    with pytest.raises(ValueError, match="out must match"):
+        ops.group_norm(x, 3, out=y.contiguous(memory_format=torch.channels_last)[:, :, :, :6])
+    # A patched conv writing over its own residual (the epilogue reads each
+    # residual element before writing that element).
+    m = nn.Sequential(nn.Conv2d(6, 6, 3, padding=1)).to(device)
+    conv_patch.apply(m)
+    res = torch.randn(2, 6, 5, 7, generator=g).to(device)
+    with torch.no_grad():
+        want = F.conv2d(x.double(), m[0].weight.double(), m[0].bias.double(), padding=1) + res.double()
+        r = res.clone()
+        assert m[0](x, residual=r, out=r) is r
+    assert rel_err(r, want) <= 1e-5
+
+
 def test_subpixel_weights_fold_the_taps_exactly():
     w = torch.randn(3, 5, 3, 3, dtype=torch.float64)
     x = torch.randn(1, 5, 4, 6, dtype=torch.float64)
@@ -176,11 +215,9 @@ def _small_kl(device):
 @pytest.fixture
 def no_fallback(monkeypatch):
     """Fused forwards must not fall back to the block's own forward."""
-    from conv_patch.recipes import _fuse, common, diffusers as rdiff, ldm
+    from conv_patch.recipes import common, diffusers as rdiff, ldm
 
     def refuse(m, *a, **k):
-        if isinstance(m, nn.GroupNorm) and a[0].dim() != 4:  # attention's [N, C, L] norm
-            return _fuse.base(m, *a, **k)
         raise AssertionError(f"{type(m).__name__} fell back to its own forward")
     for mod in (common, rdiff, ldm):
         monkeypatch.setattr(mod, "base", refuse)
@@ -199,7 +236,7 @@ def test_autoencoder_kl_decode_encode_fused_keeps_layouts(device, exact_fp32, no
                 raise AssertionError(f"{name} not fused")
         names = {v.split()[0] for v in report.fused.values()}
         assert {"diffusers.ResnetBlock2D", "diffusers.Upsample2D", "diffusers.Downsample2D",
-                "diffusers.Decoder", "diffusers.Encoder", "group_norm"} <= names
+                "diffusers.Attention", "diffusers.Decoder", "diffusers.Encoder", "group_norm"} <= names
         enc, dec = vae.encode(img).latent_dist.mean, vae.decode(z).sample
         assert rel_err(enc, ref_enc) <= 1e-5 and rel_err(dec, ref_dec) <= 1e-5
         assert enc.is_contiguous() and dec.is_contiguous()
@@ -207,6 +244,41 @@ def test_autoencoder_kl_decode_encode_fused_keeps_layouts(device, exact_fp32, no
         assert dec_cl.is_contiguous(memory_format=torch.channels_last) and rel_err(dec_cl, ref_dec) <= 1e-5
     # Nothing of the model was converted to channels_last.
     assert all(p.is_contiguous() for p in vae.parameters())
+
+
+def test_decoder_walks_up_blocks_and_bands_large_inputs(device, exact_fp32, no_fallback, monkeypatch):
+    from conv_patch.recipes import _fuse
+    vae = _small_kl(device)
+    z = torch.randn(1, 4, 7, 5, device=device)
+    with torch.no_grad():
+        ref = vae.decode(z).sample
+        conv_patch.apply(vae)
+        # Every normalised conv input of this tiny decoder counts as large,
+        # in bands of 2 rows.
+        monkeypatch.setattr(_fuse, "BAND_FROM_BYTES", 0)
+        monkeypatch.setattr(_fuse, "BAND_BYTES", 4 * 16 * 14 * 4)
+        calls = []
+        orig = ops.group_norm_conv2d
+        monkeypatch.setattr(ops, "group_norm_conv2d", lambda *a, **k: calls.append(a[0].shape) or orig(*a, **k))
+        out = vae.decode(z).sample
+    assert rel_err(out, ref) <= 1e-5 and out.is_contiguous()
+    # The first conv of all six resnets (mid block and up blocks) and the
+    # tail (conv_norm_out -> conv_out, 8 channels in).
+    assert len(calls) == 7 and calls[-1][1] == 8
+
+
+def test_in_place_reuse_spares_tensors_a_hook_holds(device, exact_fp32):
+    block = _resnet(6, 8).to(device)
+    x = torch.randn(1, 6, 5, 6, device=device)
+    with torch.no_grad():
+        ref = block(x, None)
+    conv_patch.apply(block)
+    held = []
+    block.conv1.register_forward_hook(lambda m, i, o: held.append((o, o.clone())))
+    block.conv_shortcut.register_forward_hook(lambda m, i, o: held.append((o, o.clone())))
+    with torch.no_grad():
+        assert rel_err(block(x, None), ref) <= 1e-5
+    assert len(held) == 2 and all(torch.equal(o, copy_) for o, copy_ in held)
 
 
 def test_taesd_blocks_and_chains(device, exact_fp32, no_fallback):
@@ -268,7 +340,8 @@ def test_ldm_blocks_are_fused(device, exact_fp32, no_fallback):
         ref = dec(ref_z[:, :4])
         fused = list(conv_patch.apply(enc).fused.values()) + list(conv_patch.apply(dec).fused.values())
         names = {v.split()[0] for v in fused}
-        assert {"ldm.ResnetBlock", "ldm.Upsample", "ldm.Downsample", "ldm.Encoder", "ldm.Decoder"} <= names
+        assert {"ldm.ResnetBlock", "ldm.AttnBlock", "ldm.Upsample", "ldm.Downsample", "ldm.Encoder",
+                "ldm.Decoder"} <= names
         z = enc(x)
         assert rel_err(z, ref_z) <= 1e-5 and rel_err(dec(z[:, :4]), ref) <= 1e-5
 

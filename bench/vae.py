@@ -16,8 +16,11 @@ row's top GPU kernels of one patched call (torch
 profiler) as ``profile``. Variants run interleaved
 (A, B, C, A, B, C, ...) with ``--runs`` timed calls each after warm-up (which
 includes the first call's kernel compilation), cycling through three
-different inputs; the median is reported. Peak memory is the CUDA allocator's
-peak during one call, weights included.
+different inputs; the median is reported. Peak memory is that of a process
+holding only the variant's model and the input: the allocator's high-water
+mark during one call above what was allocated before it (the other variants'
+models are on the GPU too), plus the model's parameters, buffers and weight
+packs and the input.
 Rows: name, baseline (eager NCHW), baseline_ms, ours_ms, speedup, peak_gib,
 plus the channels_last and convs-only times and peaks.
 """
@@ -80,14 +83,34 @@ def _time(fn, inputs, n):
     return start.elapsed_time(end)
 
 
-def _peak(fn, x):
+def _resident(model) -> int:
+    """Bytes a model keeps on the GPU between calls: parameters, buffers and
+    conv-patch's weight packs."""
+    seen, total = set(), 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.is_cuda and t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    for m in model.modules():
+        entry = m.__dict__.get("_cp_pack")
+        if entry is not None:
+            total += entry.buf.numel() * entry.buf.element_size()
+    return total
+
+
+def _peak(fn, x, model):
+    """Peak GiB of a process holding only ``model`` and ``x``: the call's
+    high-water mark above what was allocated before it (the other variants'
+    models included), plus the model's own resident bytes and the input."""
     if not torch.cuda.is_available():
         return None
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
     fn(x)
     torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() / 2**30
+    extra = _resident(model) + x.numel() * x.element_size()
+    return (torch.cuda.max_memory_allocated() - before + extra) / 2**30
 
 
 def _gib(v):
@@ -120,15 +143,16 @@ def graphed(fn, example):
 
 
 def bench_variants(variants, runs, warmup=3):
-    """variants: name -> (fn, inputs in that variant's layout)."""
+    """variants: name -> (fn, inputs in that variant's layout, its model or
+    None when no peak is wanted)."""
     times = {k: [] for k in variants}
     with torch.inference_mode():
         for i in range(warmup + runs):
-            for k, (fn, xs) in variants.items():
+            for k, (fn, xs, _) in variants.items():
                 t = _time(fn, xs, i)
                 if i >= warmup:
                     times[k].append(t)
-        peaks = {k: _peak(fn, xs[0]) for k, (fn, xs) in variants.items()}
+        peaks = {k: _peak(fn, xs[0], m) for k, (fn, xs, m) in variants.items() if m is not None}
     return {k: statistics.median(v) for k, v in times.items()}, peaks
 
 
@@ -197,13 +221,13 @@ def main(argv=None):
                 xs_cl = [x.contiguous(memory_format=torch.channels_last) for x in xs]
                 extra = {}
                 if args.graph and torch.cuda.is_available():
-                    extra["graphed"] = (graphed(lambda x, m=patched, f=run: f(m, x), xs[0]), xs)
+                    extra["graphed"] = (graphed(lambda x, m=patched, f=run: f(m, x), xs[0]), xs, None)
                 try:
                     ms, peak = bench_variants({
-                        "eager_nchw": (lambda x, m=model, f=run: f(m, x), xs),
-                        "eager_channels_last": (lambda x, m=cl, f=run: f(m, x), xs_cl),
-                        "convs_only": (lambda x, m=convs, f=run: f(m, x), xs),
-                        "patched": (lambda x, m=patched, f=run: f(m, x), xs),
+                        "eager_nchw": (lambda x, m=model, f=run: f(m, x), xs, model),
+                        "eager_channels_last": (lambda x, m=cl, f=run: f(m, x), xs_cl, cl),
+                        "convs_only": (lambda x, m=convs, f=run: f(m, x), xs, convs),
+                        "patched": (lambda x, m=patched, f=run: f(m, x), xs, patched),
                         **extra,
                     }, args.runs, args.warmup)
                 except torch.cuda.OutOfMemoryError:

@@ -62,6 +62,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="also write every measurement as JSON lines, one per shape as it is measured")
     t.add_argument("--base", metavar="TABLE", default=None,
                    help="an earlier table of this GPU to extend: its entries stay unless re-measured now")
+    t.add_argument("--exact-only", action="store_true",
+                   help="with --base: refresh only the exact entries of the shapes measured now; the base's "
+                        "buckets and 'any' stay as they are")
     t.add_argument("--time-limit", type=float, default=None, metavar="S",
                    help="stop starting new shapes after S seconds and write the table from what was measured")
     t.add_argument("--device", default=None, help="cuda or cuda:N (cpu only under TRITON_INTERPRET=1)")
@@ -271,6 +274,8 @@ def cmd_tune(args) -> int:
     if bad or any(n <= 0 for n in args.batch):
         raise UsageError(f"--res must be positive multiples of 8 and --batch positive (got {bad or args.batch})")
     out = args.out or f"{target.arch}.json"
+    if args.exact_only and not args.base:
+        raise UsageError("--exact-only refreshes the entries of a --base table; give --base")
     base = None
     if args.base:
         try:
@@ -306,7 +311,7 @@ def cmd_tune(args) -> int:
             report.close()
     n_jobs = len(calls) * len(args.layout)
     note = tune.source_note(args.family, args.res, args.batch, args.layout, dtype, len(ms), n_jobs)
-    table = tune.build_table(ms, target.arch, dtype, note, base)
+    table = tune.build_table(ms, target.arch, dtype, note, base, exact_only=args.exact_only)
     tune.write_table(table, out)
     rows = tune.summary_rows(ms)
     sp = [r["speedup"] for r in rows if r["speedup"]]

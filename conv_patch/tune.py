@@ -208,10 +208,12 @@ def _pick(ms: List[Measurement], route: str) -> Optional[str]:
 
 
 def build_table(measurements: List[Measurement], arch: str, dtype: torch.dtype, note: str = "",
-                base: Optional[dict] = None) -> dict:
+                base: Optional[dict] = None, exact_only: bool = False) -> dict:
     """The table of these measurements. With ``base`` (an earlier table of
     the same GPU), its exact entries stay unless re-measured, and its buckets
-    stay for the layouts not measured now."""
+    stay for the layouts not measured now; with ``exact_only`` too, all of
+    its buckets and its ``any`` stay (a re-measure of a few shapes refreshes
+    their entries without re-deriving the ranges from those few)."""
     dname = config_tables.dtype_name(dtype)
     dtypes = [dname] + [k for k, v in config_tables.SHARED_EXACT_DTYPE.items() if v == dname]
     table = {"schema": 1, "arch": arch, "source": note, "conv2d": {"exact": {}, "buckets": []}}
@@ -240,11 +242,14 @@ def build_table(measurements: List[Measurement], arch: str, dtype: torch.dtype, 
                     b["layouts"] = layouts
                 sec["buckets"].append(b)
             lo = hi or lo
-    for layout in measured_layouts:
+    if exact_only and not base:
+        raise ValueError("exact_only refreshes the exact entries of a base table; no base given")
+    rebuilt = [] if exact_only else measured_layouts
+    for layout in rebuilt:
         bucketed("tma", [m for m in measurements if m.layout == layout and m.tma_ok], [layout])
         bucketed("igemm", [m for m in measurements if m.layout == layout], [layout])
     for b in old.get("buckets") or []:
-        if not set(b.get("layouts") or ("nhwc", "nchw")) <= set(measured_layouts):
+        if not set(b.get("layouts") or ("nhwc", "nchw")) <= set(rebuilt):
             sec["buckets"].append(b)
     any_lab = _pick([m for m in measurements if m.tma_ok], "tma") or _pick(measurements, "igemm")
     if old.get("any"):

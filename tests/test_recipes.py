@@ -352,3 +352,8 @@ def test_subpixel_only_where_it_pays(monkeypatch):
     w = torch.empty(64, 64, 3, 3)
     assert not ops.subpixel_pays(torch.empty(1, 64, 512, 512), w)  # TAEF2: host-bound, unfolded
     assert ops.subpixel_pays(torch.empty(1, 512, 128, 128), torch.empty(512, 512, 3, 3))  # FLUX
+    # Captured into a CUDA graph, launches cost nothing at replay: folded.
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    x = torch.empty(1, 64, 512, 512)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
+    assert ops.subpixel_pays(x, w)

@@ -97,6 +97,13 @@ def test_base_table_entries_survive_a_partial_retune():
     layouts = [b.get("layouts") for b in t["conv2d"]["buckets"]]
     assert ["nhwc"] in layouts and all(b["config"]["BLOCK_M"] == 64 for b in t["conv2d"]["buckets"])
     assert "first run" in t["source"] and "second run" in t["source"]
+    # exact_only: the base's buckets (both layouts) and 'any' stay untouched.
+    t = tune.build_table([m], "sm90", torch.bfloat16, "third run", base, exact_only=True)
+    assert t["conv2d"]["buckets"] == base["conv2d"]["buckets"] and t["conv2d"]["any"] == base["conv2d"]["any"]
+    assert t["conv2d"]["exact"]["new.key"]["route"] == "igemm" and "old.key" in t["conv2d"]["exact"]
+    with pytest.raises(ValueError, match="no base"):
+        tune.build_table([m], "sm90", torch.bfloat16, "x", None, exact_only=True)
+    assert cli.main(["tune", "--exact-only", "--device", "cpu"]) == 2
 
 
 def test_cli_tune_writes_a_table_that_loads(tmp_path, capsys):

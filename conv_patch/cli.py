@@ -310,7 +310,8 @@ def cmd_tune(args) -> int:
         if report:
             report.close()
     n_jobs = len(calls) * len(args.layout)
-    note = tune.source_note(args.family, args.res, args.batch, args.layout, dtype, len(ms), n_jobs)
+    note = tune.source_note(args.family, args.res, args.batch, args.layout, dtype, len(ms), n_jobs,
+                            exact_only=args.exact_only)
     table = tune.build_table(ms, target.arch, dtype, note, base, exact_only=args.exact_only)
     tune.write_table(table, out)
     rows = tune.summary_rows(ms)

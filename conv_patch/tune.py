@@ -287,7 +287,7 @@ def tune(calls: Iterable[ConvCall], layouts, dtype: torch.dtype, device: torch.d
     return out
 
 
-def source_note(families, resolutions, batches, layouts, dtype, n_shapes, n_jobs=None) -> str:
+def source_note(families, resolutions, batches, layouts, dtype, n_shapes, n_jobs=None, exact_only=False) -> str:
     import triton
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "interpreter"
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
@@ -295,8 +295,10 @@ def source_note(families, resolutions, batches, layouts, dtype, n_shapes, n_jobs
             f"{n_shapes} shape keys{'' if n_jobs in (None, n_shapes) else f' (of {n_jobs}: time limit reached)'} = "
             f"the convs of {'/'.join(families)} at {resolutions} px, batch {batches}, "
             f"{'/'.join(layouts)}, {config_tables.dtype_name(dtype)} (fp16 shares the exact keys). "
-            f"Exact entries hold the measured ms; buckets and 'any' are the best geomean configs over "
-            f"the shapes in range; cuDNN routes only where it was faster than every candidate by "
+            f"Exact entries hold the measured ms; "
+            + ("only they were refreshed, buckets and 'any' are the base table's; " if exact_only else
+               "buckets and 'any' are the best geomean configs over the shapes in range; ")
+            + f"cuDNN routes only where it was faster than every candidate by "
             f">{round((1 - CUDNN_MARGIN) * 100)}%.")
 
 

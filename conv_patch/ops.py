@@ -392,6 +392,21 @@ def subpixel_pays(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return n * h * w * weight.shape[0] * weight.shape[1] >= SUBPIXEL_MIN_MACS
 
 
+def _subpixel_folds(device, dtype, capturing: bool) -> torch.Tensor:
+    """``_SUBPIXEL`` on ``device``, made once per device and dtype. While a
+    CUDA graph is captured no host-to-device copy is allowed, and a tensor
+    made by device ops is only filled when the graph replays, so it is built
+    from device ops for that call and not cached."""
+    key = (device, dtype)
+    if key in _SUBPIXEL_CACHE:
+        return _SUBPIXEL_CACHE[key]
+    if capturing:
+        e = torch.eye(3, dtype=dtype, device=device)
+        return torch.stack((torch.stack((e[0], e[1] + e[2])), torch.stack((e[0] + e[1], e[2]))))
+    _SUBPIXEL_CACHE[key] = torch.tensor(_SUBPIXEL, dtype=dtype, device=device)
+    return _SUBPIXEL_CACHE[key]
+
+
 def subpixel_weights(weight: torch.Tensor) -> torch.Tensor:
     """[2, 2, C_out, 2, 2, C_in] (parity a, parity b, co, kh, kw, ci), dense:
     ``[a, b].permute(0, 3, 1, 2)`` is the 2x2 weight of output parity (a, b)
@@ -399,12 +414,8 @@ def subpixel_weights(weight: torch.Tensor) -> torch.Tensor:
     rounded once to the weight's dtype. Recomputed at every call, like the
     packs (conv_patch/pack.py says why a cached copy could be stale)."""
     acc = torch.promote_types(weight.dtype, torch.float32)
-    key = (weight.device, acc)
-    if key not in _SUBPIXEL_CACHE:
-        # Made once per device: a host-to-device copy inside a CUDA graph
-        # capture is not allowed.
-        _SUBPIXEL_CACHE[key] = torch.tensor(_SUBPIXEL, dtype=acc, device=weight.device)
-    r = _SUBPIXEL_CACHE[key]
+    capturing = weight.is_cuda and torch.cuda.is_current_stream_capturing()
+    r = _subpixel_folds(weight.device, acc, capturing)
     w = torch.einsum("aik,ockl,bjl->aboijc", r, weight.detach().to(acc), r)
     return w.to(weight.dtype).contiguous()
 

@@ -364,9 +364,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional
 # {i, i, i+1} (a=1). So each output parity is a 2x2 conv of the *source*
 # whose taps are sums of the 3x3 taps: 16 instead of 36 multiply-adds per
 # source pixel and channel pair, and the 4x upsampled tensor never exists.
-# Row r of _SUBPIXEL[a] says which 3x3 taps fold into 2x2 tap r.
-_SUBPIXEL = ((1.0, 0.0, 0.0), (0.0, 1.0, 1.0)), ((1.0, 1.0, 0.0), (0.0, 0.0, 1.0))
-_SUBPIXEL_CACHE: dict = {}
+# Parity 0's 2x2 taps are (t0, t1 + t2) of the 3x3 taps along that axis,
+# parity 1's (t0 + t1, t2).
 
 
 # Below this many source multiply-adds per tap (N*H*W*C_in*C_out) the four
@@ -392,19 +391,13 @@ def subpixel_pays(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return n * h * w * weight.shape[0] * weight.shape[1] >= SUBPIXEL_MIN_MACS
 
 
-def _subpixel_folds(device, dtype, capturing: bool) -> torch.Tensor:
-    """``_SUBPIXEL`` on ``device``, made once per device and dtype. While a
-    CUDA graph is captured no host-to-device copy is allowed, and a tensor
-    made by device ops is only filled when the graph replays, so it is built
-    from device ops for that call and not cached."""
-    key = (device, dtype)
-    if key in _SUBPIXEL_CACHE:
-        return _SUBPIXEL_CACHE[key]
-    if capturing:
-        e = torch.eye(3, dtype=dtype, device=device)
-        return torch.stack((torch.stack((e[0], e[1] + e[2])), torch.stack((e[0] + e[1], e[2]))))
-    _SUBPIXEL_CACHE[key] = torch.tensor(_SUBPIXEL, dtype=dtype, device=device)
-    return _SUBPIXEL_CACHE[key]
+def _fold_taps(w: torch.Tensor, dim: int) -> torch.Tensor:
+    """The 3 taps of ``w`` along ``dim`` folded into 2, for both parities
+    (a new leading dimension). Elementwise adds only: no constant tensor
+    (no host-to-device copy, which CUDA-graph capture forbids) and no GEMM
+    (whose cuBLAS handle may not exist yet when a capture starts)."""
+    t0, t1, t2 = w.unbind(dim)
+    return torch.stack((torch.stack((t0, t1 + t2), dim), torch.stack((t0 + t1, t2), dim)))
 
 
 def subpixel_weights(weight: torch.Tensor) -> torch.Tensor:
@@ -414,10 +407,9 @@ def subpixel_weights(weight: torch.Tensor) -> torch.Tensor:
     rounded once to the weight's dtype. Recomputed at every call, like the
     packs (conv_patch/pack.py says why a cached copy could be stale)."""
     acc = torch.promote_types(weight.dtype, torch.float32)
-    capturing = weight.is_cuda and torch.cuda.is_current_stream_capturing()
-    r = _subpixel_folds(weight.device, acc, capturing)
-    w = torch.einsum("aik,ockl,bjl->aboijc", r, weight.detach().to(acc), r)
-    return w.to(weight.dtype).contiguous()
+    rows = _fold_taps(weight.detach().to(acc), 2)  # [a, co, ci, kh, 3]
+    w = _fold_taps(rows, 4)  # [b, a, co, ci, kh, kw]
+    return w.permute(1, 0, 2, 4, 5, 3).to(weight.dtype).contiguous()
 
 
 def upsample_conv2d(x, weight, bias=None, *, residual=None, beta=1.0, activation="none",

@@ -103,13 +103,6 @@ def test_in_place_group_norm_and_conv_into_its_residual(device, exact_fp32):
     assert rel_err(r, want) <= 1e-5
 
 
-def test_subpixel_folds_made_from_device_ops_while_capturing():
-    # (fp16: a dtype the weights' fp32-or-wider accumulation never caches.)
-    built = ops._subpixel_folds(torch.device("cpu"), torch.float16, capturing=True)
-    assert torch.equal(built, torch.tensor(ops._SUBPIXEL, dtype=torch.float16))
-    assert (torch.device("cpu"), torch.float16) not in ops._SUBPIXEL_CACHE  # not cached
-
-
 def test_subpixel_weights_fold_the_taps_exactly():
     w = torch.randn(3, 5, 3, 3, dtype=torch.float64)
     x = torch.randn(1, 5, 4, 6, dtype=torch.float64)

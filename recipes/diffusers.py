@@ -116,19 +116,17 @@ class Attention(Recipe):
         # only the stock one computes what this forward does.
         if (encoder_hidden_states is not None or attention_mask is not None or kwargs.get("temb") is not None
                 or set(kwargs) - {"temb"} or type(m.processor).__name__ != "AttnProcessor2_0"
-                or x.dim() != 4 or not dropout_is_identity(m.to_out[1])
+                or x.dim() != 4 or m.residual_connection is not True or not dropout_is_identity(m.to_out[1])
                 or not inference(x, *parts) or not plain(*parts, m.to_out[1])):
             return base(m, hidden_states, encoder_hidden_states, attention_mask, **kwargs)
         b, c, h, w = x.shape
         t = to_tokens(group_norm(m.group_norm, x))
-        q, k, v = F.linear(t, m.to_q.weight, m.to_q.bias), F.linear(t, m.to_k.weight, m.to_k.bias), \
-            F.linear(t, m.to_v.weight, m.to_v.bias)
+        q, k, v = (F.linear(t, p.weight, p.bias) for p in (m.to_q, m.to_k, m.to_v))
         heads, d = m.heads, k.shape[-1] // m.heads
         q, k, v = (y.view(b, -1, heads, d).transpose(1, 2) for y in (q, k, v))
         o = attention(q, k, v).transpose(1, 2).reshape(b, -1, heads * d)
         y = F.linear(o, m.to_out[0].weight, m.to_out[0].bias)
-        if m.residual_connection:
-            y += to_tokens(x)
+        y += to_tokens(x)  # residual_connection
         if m.rescale_output_factor != 1:
             y /= m.rescale_output_factor
         return like_input(from_tokens(y, h, w), x)

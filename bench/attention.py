@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from conv_patch import ops
 
-from .common import bench_device, interleaved_ms, print_table, write_results
+from .common import interleaved_ms, print_table, side_by_side_setup, write_results
 
 # Tokens of the FLUX/SD VAE mid-block at 512^2, 1024^2 and 2048^2 images.
 TOKENS = [4096, 16384, 65536]
@@ -31,11 +31,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=TOKENS)
     ap.add_argument("--dim", type=int, default=512)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--out", default=None, help="results folder (default bench/results)")
-    args = ap.parse_args(argv)
-    device = bench_device()
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    args, device, dtype = side_by_side_setup(ap, argv)
     rows = []
     for n in args.tokens:
         g = torch.Generator(device=device).manual_seed(0)

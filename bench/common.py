@@ -29,6 +29,18 @@ def bench_device():
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def side_by_side_setup(ap, argv):
+    """The options the side-by-side op benchmarks share (``--rounds``,
+    ``--out``), parsed; plus the device and the dtype they time in: bf16 on
+    a GPU, fp32 on the CPU (the interpreter, where only the logic is
+    tested)."""
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", default=None, help="results folder (default bench/results)")
+    args = ap.parse_args(argv)
+    device = bench_device()
+    return args, device, torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
 def time_ms(fn, warmup=25, rep=100):
     """Median of CUDA-event timings after warm-up, with the L2 flushed before
     each run (triton.testing.do_bench); one wall-clock run on the CPU."""

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from conv_patch import ops
 
-from .common import bench_device, interleaved_ms, print_table, write_results
+from .common import interleaved_ms, print_table, side_by_side_setup, write_results
 
 # The decoder's GroupNorm inputs at 1024^2 (and the 512-channel low-res ones).
 SHAPES = [(1, 128, 1024, 1024), (1, 256, 1024, 1024), (1, 256, 512, 512), (1, 512, 512, 512),
@@ -30,11 +30,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", type=_shape, nargs="+", default=SHAPES, help="NxCxHxW")
     ap.add_argument("--groups", type=int, default=32)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--out", default=None, help="results folder (default bench/results)")
-    args = ap.parse_args(argv)
-    device = bench_device()
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    args, device, dtype = side_by_side_setup(ap, argv)
     rows = []
     for shape in args.shapes:
         g = torch.Generator(device=device).manual_seed(0)

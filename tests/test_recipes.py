@@ -135,12 +135,18 @@ def test_diffusers_resnet_block_fused_matches_unpatched(device, exact_fp32, cin,
     assert out.is_contiguous(memory_format=torch.channels_last if cl else torch.contiguous_format)
 
 
-def test_fused_block_falls_back_where_it_must(device, exact_fp32):
+def _patched_resnet(device):
+    """A 6->8 resnet block, an input, its unpatched answer; then patched."""
     block = _resnet(6, 8).to(device)
     x = torch.randn(1, 6, 5, 6, device=device)
     with torch.no_grad():
         ref = block(x, None)
     conv_patch.apply(block)
+    return block, x, ref
+
+
+def test_fused_block_falls_back_where_it_must(device, exact_fp32):
+    block, x, ref = _patched_resnet(device)
     # Autograd needed: the class's own forward, gradients flow.
     xg = x.clone().requires_grad_()
     y = block(xg, None)
@@ -268,11 +274,7 @@ def test_decoder_walks_up_blocks_and_bands_large_inputs(device, exact_fp32, no_f
 
 
 def test_in_place_reuse_spares_tensors_a_hook_holds(device, exact_fp32):
-    block = _resnet(6, 8).to(device)
-    x = torch.randn(1, 6, 5, 6, device=device)
-    with torch.no_grad():
-        ref = block(x, None)
-    conv_patch.apply(block)
+    block, x, ref = _patched_resnet(device)
     held = []
     block.conv1.register_forward_hook(lambda m, i, o: held.append((o, o.clone())))
     block.conv_shortcut.register_forward_hook(lambda m, i, o: held.append((o, o.clone())))

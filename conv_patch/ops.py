@@ -216,20 +216,24 @@ def conv_transpose2d(x, weight, bias=None, stride=1, padding=0, output_padding=0
 GN_LAUNCH = {"gpu": (2048, 2048, 1024), "interpreter": (1 << 16, 1 << 16, 1)}
 
 
-def _group_norm_kernels_take(x, num_groups, weight, bias) -> bool:
+def _group_norm_target(x, num_groups, weight, bias) -> Optional[Target]:
+    """The target whose GroupNorm kernels take this call, or None."""
     if x.dim() != 4 or x.shape[1] % num_groups:
         raise ValueError(f"group_norm: expected [N, C, H, W] with C divisible by {num_groups} groups, "
                          f"got {tuple(x.shape)}")
     # Under torch.compile the eager expression is traced (Inductor fuses it).
-    return (not torch.compiler.is_compiling() and target_for(x.device).kernels
-            and x.dtype in (torch.float16, torch.bfloat16, torch.float32)
-            and (x.is_contiguous() or _nhwc(x)) and x.numel() > 0 and not needs_grad(x, weight, bias)
-            and all(t is None or (t.device == x.device and t.dim() == 1 and t.is_contiguous())
-                    for t in (weight, bias)))
+    if torch.compiler.is_compiling():
+        return None
+    target = target_for(x.device)
+    ok = (target.kernels and x.dtype in (torch.float16, torch.bfloat16, torch.float32)
+          and (x.is_contiguous() or _nhwc(x)) and x.numel() > 0 and not needs_grad(x, weight, bias)
+          and all(t is None or (t.device == x.device and t.dim() == 1 and t.is_contiguous())
+                  for t in (weight, bias)))
+    return target if ok else None
 
 
-def _gn_launch(x):
-    return GN_LAUNCH["interpreter" if target_for(x.device).interpreter else "gpu"]
+def _gn_launch(target: Target):
+    return GN_LAUNCH["interpreter" if target.interpreter else "gpu"]
 
 
 def group_norm(x: torch.Tensor, num_groups: int, weight: Optional[torch.Tensor] = None,
@@ -245,12 +249,13 @@ def group_norm(x: torch.Tensor, num_groups: int, weight: Optional[torch.Tensor] 
     fmt = torch.channels_last if nhwc else torch.contiguous_format
     if out is not None and (out.shape != x.shape or out.dtype != x.dtype or not out.is_contiguous(memory_format=fmt)):
         raise ValueError(f"group_norm: out must match the input's shape {tuple(x.shape)}, dtype and layout")
-    if not _group_norm_kernels_take(x, num_groups, weight, bias):
+    target = _group_norm_target(x, num_groups, weight, bias)
+    if target is None:
         y = eager_epilogue(F.group_norm(x, num_groups, weight, bias, eps), None, 1.0, activation, 1.0)
         return y if out is None else out.copy_(y)
     from conv_patch import kernels
     out = torch.empty_like(x, memory_format=fmt) if out is None else out
-    block, stats_block, programs = _gn_launch(x)
+    block, stats_block, programs = _gn_launch(target)
     kernels.launch_group_norm(x, out, num_groups, weight, bias, float(eps), code, nhwc, block,
                               stats_block, programs)
     return out
@@ -267,12 +272,13 @@ def group_norm_conv2d(x: torch.Tensor, num_groups: int, norm_weight, norm_bias, 
     normalised copy. Where the kernels cannot take the call, the unbanded
     expression."""
     n, c, h, w = x.shape
+    target = _group_norm_target(x, num_groups, norm_weight, norm_bias)
     if (tuple(weight.shape[1:]) != (c, 3, 3) or not x.is_contiguous(memory_format=torch.channels_last)
-            or not _group_norm_kernels_take(x, num_groups, norm_weight, norm_bias)):
+            or target is None):
         return conv2d(group_norm(x, num_groups, norm_weight, norm_bias, eps, activation), weight, bias,
                       padding=1, table=table)
     from conv_patch import kernels
-    block, stats_block, programs = _gn_launch(x)
+    block, stats_block, programs = _gn_launch(target)
     _, _, scale_shift = kernels.launch_group_norm_stats(x, num_groups, norm_weight, norm_bias, float(eps),
                                                         True, stats_block, programs)
     out = torch.empty((n, weight.shape[0], h, w), dtype=x.dtype, device=x.device,
@@ -314,14 +320,20 @@ def attention_pays(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether ``attention`` materialises the scores (a CUDA fp16/bf16 call
     with a head wider than PyTorch's fused kernels take, or any call under
     the interpreter, where the tests exercise it) instead of calling SDPA."""
+    return _attention_target(q, k, v) is not None
+
+
+def _attention_target(q, k, v) -> Optional[Target]:
     if torch.compiler.is_compiling() or q.dim() < 2 or needs_grad(q, k, v):
-        return False
+        return None
     target = target_for(q.device)
     if not target.kernels or not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
-        return False
+        return None
     if target.interpreter:
-        return q.dtype in (torch.float16, torch.bfloat16, torch.float32)
-    return q.dtype in (torch.float16, torch.bfloat16) and max(q.shape[-1], v.shape[-1]) > 256
+        ok = q.dtype in (torch.float16, torch.bfloat16, torch.float32)
+    else:
+        ok = q.dtype in (torch.float16, torch.bfloat16) and max(q.shape[-1], v.shape[-1]) > 256
+    return target if ok else None
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float] = None) -> torch.Tensor:
@@ -329,10 +341,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional
     dropout) for [..., N, D] queries and [..., M, D] keys and values: scores
     materialised in blocks of query rows where that pays (``attention_pays``),
     SDPA otherwise."""
-    if not attention_pays(q, k, v):
+    target = _attention_target(q, k, v)
+    if target is None:
         return F.scaled_dot_product_attention(q, k, v, scale=scale)
     from conv_patch import kernels
-    target = target_for(q.device)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     n, d, m, dv = q.shape[-2], q.shape[-1], k.shape[-2], v.shape[-1]
     lead = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])

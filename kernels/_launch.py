@@ -1,9 +1,11 @@
-"""Host-side helpers shared by the launchers (no Triton code here).
+"""Host-side helpers shared by the launchers (no Triton kernels here).
 
 Plain integer arithmetic on purpose: ``triton.cdiv`` and
 ``triton.next_power_of_2`` are constexpr functions in Triton 3.x and cost
 microseconds per host-side call, which adds up on every launch.
 """
+
+from torch import Tensor
 
 INT32_LIMIT = 2**31 - 1
 
@@ -57,7 +59,7 @@ def run_conv_kernel(kernel, grid_fn, x, w, bias, out, residual, *, stride, paddi
     C_out, _, KH, KW = w.shape
     bm, bn, bk = block_sizes(config, C_in, C_out)
     res = residual if residual is not None else out
-    kernel[grid_fn(bm, bn)](
+    launch(kernel, grid_fn(bm, bn),
         x, w, bias if bias is not None else out, res, out,
         N, C_in, H, W, C_out, out.shape[2], out.shape[3],
         *x.stride(), *w.stride(), *res.stride(), *out.stride(),
@@ -71,3 +73,111 @@ def run_conv_kernel(kernel, grid_fn, x, w, bias, out, residual, *, stride, paddi
         num_stages=int(config.get("num_stages", 2)),
     )
     return out
+
+
+# -- launching -----------------------------------------------------------------
+# ``kernel[grid](*args)`` costs ~50 us of host time per call on the H200's
+# host (bench/results/overhead-*.json): Triton binds the ~40 arguments,
+# specialises each one (integer == 1 or divisible by 16, pointer alignment),
+# and builds a cache key from the result before it launches. A FLUX decode
+# makes ~120 launches, and at 1024^2 the GPU waited on them. ``launch``
+# keeps the compiled kernel of each call signature: the key holds every
+# integer argument's value and every tensor's dtype and 16-byte alignment,
+# which determine Triton's specialisation exactly, so a hit launches the very
+# kernel Triton's own lookup would have returned (~15 us). Under the
+# interpreter, with a launch hook installed (profilers) or with
+# CONV_PATCH_FAST_LAUNCH=0, every call goes through Triton's own path.
+FAST_LAUNCH_ENTRIES = 4096
+_FAST: dict = {}
+# "on": whether launches may use the cache; "triton": (knobs, driver,
+# TensorDescriptor), imported once (an import statement per launch is ~1 us).
+_FAST_STATE: dict = {}
+
+
+def _fast_launch_on() -> bool:
+    on = _FAST_STATE.get("on")
+    if on is None:
+        import os
+        interp = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+        on = _FAST_STATE["on"] = not interp and os.environ.get("CONV_PATCH_FAST_LAUNCH", "1") != "0"
+    return on
+
+
+def _triton():
+    mods = _FAST_STATE.get("triton")
+    if mods is None:
+        from triton import knobs
+        from triton.runtime.driver import driver
+        from triton.tools.tensor_descriptor import TensorDescriptor
+        mods = _FAST_STATE["triton"] = (knobs, driver, TensorDescriptor)
+    return mods
+
+
+def arg_key(args):
+    """What Triton's specialisation of ``args`` depends on, or None for an
+    argument kind this cache does not know (that call takes Triton's path)."""
+    desc = _triton()[2]
+    key = []
+    for a in args:
+        t = type(a)
+        if t is int or t is bool:
+            key.append(a)
+        elif t is float:
+            key.append(float)  # fp32 arguments are never specialised
+        elif isinstance(a, Tensor):
+            key.append((a.dtype, a.data_ptr() % 16 == 0))
+        elif t is desc:
+            key.append((a.base.dtype, a.base.data_ptr() % 16 == 0, tuple(a.shape), tuple(a.strides),
+                        tuple(a.block_shape), getattr(a, "padding", None)))
+        else:
+            return None
+    return tuple(key)
+
+
+def _constexpr_values(kernel, n_args: int, meta: dict):
+    """The constexpr arguments in signature order, when the kernel takes its
+    ``n_args`` runtime arguments first and every constexpr from ``meta``."""
+    params = getattr(kernel, "params", None)
+    if params is None or any(p.is_constexpr for p in params[:n_args]):
+        return None
+    rest = params[n_args:]
+    if not all(p.is_constexpr and p.name in meta for p in rest):
+        return None
+    return tuple(meta[p.name] for p in rest)
+
+
+def _hooked(hook) -> bool:
+    """A launch hook is installed. Triton 3.6+ keeps an always-present
+    HookChain whose ``calls`` are the hooks; older versions None or a
+    callable."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+def launch(kernel, grid, *args, **meta):
+    """``kernel[grid](*args, **meta)``, from the cache of compiled kernels
+    where the call's signature was seen before (see above)."""
+    if not _fast_launch_on():
+        return kernel[grid](*args, **meta)
+    knobs, driver, _ = _triton()
+    if _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook):
+        return kernel[grid](*args, **meta)
+    akey = arg_key(args)
+    if akey is None:
+        return kernel[grid](*args, **meta)
+    device = driver.active.get_current_device()
+    key = (kernel, device, akey, tuple(meta.items()))
+    hit = _FAST.get(key)
+    if hit is None:
+        compiled = kernel[grid](*args, **meta)
+        consts = _constexpr_values(kernel, len(args), meta)
+        if consts is not None and all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata")):
+            if len(_FAST) >= FAST_LAUNCH_ENTRIES:
+                _FAST.clear()
+            _FAST[key] = (compiled, consts)
+        return compiled
+    compiled, consts = hit
+    g1 = grid[1] if len(grid) > 1 else 1
+    g2 = grid[2] if len(grid) > 2 else 1
+    compiled.run(grid[0], g1, g2, driver.active.get_current_stream(device), compiled.function,
+                 compiled.packed_metadata, None, None, None, *args, *consts)
+    return compiled

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from ._common import epilogue_store, grouped_tile, _idx
-from ._launch import MIN_DOT_BLOCK, cdiv, needs_int64, next_pow2
+from ._launch import MIN_DOT_BLOCK, cdiv, launch, needs_int64, next_pow2
 
 
 @triton.jit
@@ -127,7 +127,7 @@ def launch_conv2d_tma(x, w, bias, out, residual, *, stride, padding, dilation, b
     w_desc = TensorDescriptor(w, [C_out, KH * KW, C_in], [w.stride(0), C_in, 1], [bn, 1, bk])
     res = residual if residual is not None else out
     grid = (N * cdiv(OH, bh) * cdiv(OW, bw) * cdiv(C_out, bn),)
-    conv2d_tma_kernel[grid](
+    launch(conv2d_tma_kernel, grid,
         x_desc, w_desc, bias if bias is not None else out, res, out,
         N, C_in, H, W, C_out, OH, OW,
         *res.stride(), *out.stride(),

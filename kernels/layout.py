@@ -12,7 +12,7 @@ reads along the pixels and writes along the channels, each side coalesced
 import triton
 import triton.language as tl
 
-from ._launch import cdiv
+from ._launch import cdiv, launch
 
 
 @triton.jit
@@ -35,6 +35,6 @@ def launch_nchw_to_nhwc(x, out, block_c=64, block_p=64):
     ``out``: a dense channels_last tensor of the same shape."""
     N, C, H, W = x.shape
     grid = (cdiv(H * W, block_p), cdiv(C, block_c), N)
-    nchw_to_nhwc_kernel[grid](x, out, C, H * W, x.stride(0), x.stride(1),
-                              BLOCK_C=block_c, BLOCK_P=block_p, num_warps=4)
+    launch(nchw_to_nhwc_kernel, grid, x, out, C, H * W, x.stride(0), x.stride(1),
+           BLOCK_C=block_c, BLOCK_P=block_p, num_warps=4)
     return out

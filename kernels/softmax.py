@@ -19,6 +19,8 @@ fp32 before the exponent, folded with log2(e) so that the kernel uses exp2.
 import triton
 import triton.language as tl
 
+from ._launch import launch
+
 LOG2E = 1.4426950408889634
 
 
@@ -51,6 +53,6 @@ def launch_softmax_rows(s, p, scale, block, num_warps=8):
     """``p[i] = softmax(scale * s[i])`` for the rows of 2-D ``s`` and ``p``
     (unit stride along a row; ``p`` may be another dtype)."""
     rows, cols = s.shape
-    softmax_rows_kernel[(rows,)](s, p, cols, s.stride(0), p.stride(0), float(scale) * LOG2E,
-                                 BLOCK=block, num_warps=num_warps)
+    launch(softmax_rows_kernel, (rows,), s, p, cols, s.stride(0), p.stride(0), float(scale) * LOG2E,
+           BLOCK=block, num_warps=num_warps)
     return p

@@ -7,8 +7,9 @@ recipes fuse around the convolutions.
 
 Layer 1: ``group_norm_stats_kernel`` (NCHW: per (sample, group) partial
 moments, split so that every SM has work even with 32 groups),
-``group_norm_stats_nhwc_kernel`` (NHWC: per (sample, channel) partial moments
-over pixel chunks, read in whole coalesced rows), ``group_norm_finalize_kernel``
+``group_norm_stats_nhwc_kernel`` (NHWC: per-channel moments over pixel
+chunks, read in whole coalesced rows, merged per group before they are
+written), ``group_norm_finalize_kernel``
 (merges a group's partials into mean and rstd on the device, and folds them
 with the affine into a per-(sample, channel) scale and shift) and
 ``group_norm_apply_{nhwc,nchw}_kernel`` (one FMA and the activation per
@@ -26,7 +27,7 @@ import triton
 import triton.language as tl
 
 from ._common import activate
-from ._launch import cdiv, next_pow2
+from ._launch import cdiv, launch, next_pow2
 
 
 @triton.jit
@@ -61,8 +62,9 @@ def group_norm_stats_kernel(x_ptr, part_ptr, GROUP_SIZE, CHUNK, SPLITS, BLOCK: t
 
 
 @triton.jit
-def group_norm_stats_nhwc_kernel(x_ptr, part_ptr, C, HW, CHUNK, SPLITS,
-                                 BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+def group_norm_stats_nhwc_kernel(x_ptr, part_ptr, C, HW, CHUNK, SPLITS, G, Cg,
+                                 BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_G: tl.constexpr,
+                                 CG_POW2: tl.constexpr):
     # NHWC: a pixel's channels are contiguous, so a program reads whole rows
     # of C channels (coalesced) and keeps per-*channel* moments; walking one
     # group's Cg-channel slivers instead read 8-byte pieces of every 32-byte
@@ -93,33 +95,53 @@ def group_norm_stats_nhwc_kernel(x_ptr, part_ptr, C, HW, CHUNK, SPLITS,
     t1 = tl.sum(s1, axis=0)
     mean = shift + t1 / count
     m2 = tl.maximum(tl.sum(s2, axis=0) - t1 * t1 / count, 0.0)
-    out = part_ptr + ((n * SPLITS + s) * C + offs_c) * 3
-    tl.store(out, tl.zeros((BLOCK_C,), dtype=tl.float32) + count, mask=c_ok)
-    tl.store(out + 1, mean, mask=c_ok)
-    tl.store(out + 2, m2, mask=c_ok)
+    # The group's moments from its channels' (equal counts): the mean of the
+    # means, and M2 = sum of M2 + count * sum of (mean_c - mean_g)^2. One
+    # triple per group instead of per channel: the finalize pass then merges
+    # SPLITS partials per group, not SPLITS * Cg (at Cg = 16 and ~1000
+    # splits that merge was a latency-bound 15 us per GroupNorm).
+    if CG_POW2 > 0:
+        # Cg a power of two: channel c is row c // Cg of a [BLOCK_G, Cg]
+        # view (rows past G are padding channels, never stored).
+        mean_g = tl.reshape(mean, (BLOCK_G, CG_POW2))
+        g_mean = tl.sum(mean_g, axis=1) / CG_POW2
+        dev = mean_g - g_mean[:, None]
+        g_m2 = tl.sum(tl.reshape(m2, (BLOCK_G, CG_POW2)), axis=1) + count * tl.sum(dev * dev, axis=1)
+        offs_g = tl.arange(0, BLOCK_G)
+    else:
+        # Any other Cg: a [BLOCK_G, BLOCK_C] membership mask (register-
+        # hungry at 32 x 512, which is why the view above exists).
+        offs_g = tl.arange(0, BLOCK_G)
+        member = ((offs_c[None, :] // Cg) == offs_g[:, None]) & c_ok[None, :]
+        g_mean = tl.sum(tl.where(member, mean[None, :], 0.0), axis=1) / Cg
+        dev = tl.where(member, mean[None, :] - g_mean[:, None], 0.0)
+        g_m2 = tl.sum(tl.where(member, m2[None, :], 0.0), axis=1) + count * tl.sum(dev * dev, axis=1)
+    g_ok = offs_g < G
+    out = part_ptr + ((n * SPLITS + s) * G + offs_g) * 3
+    tl.store(out, tl.zeros((BLOCK_G,), dtype=tl.float32) + count * Cg, mask=g_ok)
+    tl.store(out + 1, g_mean, mask=g_ok)
+    tl.store(out + 2, g_m2, mask=g_ok)
 
 
 @triton.jit
-def group_norm_finalize_kernel(part_ptr, mean_ptr, rstd_ptr, w_ptr, b_ptr, ss_ptr, G, Cg, S, SUB,
+def group_norm_finalize_kernel(part_ptr, w_ptr, b_ptr, ss_ptr, G, Cg, S,
                                psn, pss, psc, eps, HAS_AFFINE: tl.constexpr, BLOCK: tl.constexpr,
                                BLOCK_CG: tl.constexpr):
-    # One program per (sample, group): Chan-merges the group's S x SUB
-    # partial (count, mean, M2) triples, at part + n*psn + s*pss + (g*SUB+j)*psc,
-    # into mean and 1/sqrt(var + eps). On the device, so a GroupNorm is three
-    # launches and no host-side torch ops.
+    # One program per (sample, group): Chan-merges the group's S partial
+    # (count, mean, M2) triples, at part + n*psn + s*pss + g*psc, into mean
+    # and 1/sqrt(var + eps), folded with the affine into the apply pass's
+    # scale and shift. On the device, so a GroupNorm is three launches and
+    # one allocation.
     ng = tl.program_id(0)
     n = (ng // G).to(tl.int64)
     g = ng % G
-    total = S * SUB
     count = 0.0
     mean = 0.0
     m2 = 0.0
-    for b0 in range(0, total, BLOCK):
-        i = b0 + tl.arange(0, BLOCK)
-        ok = i < total
-        s = i // SUB
-        j = i - s * SUB
-        ptr = part_ptr + n * psn + s * pss + (g * SUB + j) * psc
+    for b0 in range(0, S, BLOCK):
+        s = b0 + tl.arange(0, BLOCK)
+        ok = s < S
+        ptr = part_ptr + n * psn + s * pss + g * psc
         c = tl.load(ptr, mask=ok, other=0.0)
         m = tl.load(ptr + 1, mask=ok, other=0.0)
         q = tl.load(ptr + 2, mask=ok, other=0.0)
@@ -132,8 +154,6 @@ def group_norm_finalize_kernel(part_ptr, mean_ptr, rstd_ptr, w_ptr, b_ptr, ss_pt
         m2 = m2 + bm2 + delta * delta * (count * bn / tl.maximum(tot, 1.0))
         count = tot
     rstd = 1.0 / tl.sqrt(m2 / count + eps)
-    tl.store(mean_ptr + ng, mean)
-    tl.store(rstd_ptr + ng, rstd)
     # The apply pass's per-(sample, channel) affine: y = x * scale + shift.
     c = g * Cg + tl.arange(0, BLOCK_CG)
     c_ok = tl.arange(0, BLOCK_CG) < Cg
@@ -189,21 +209,21 @@ def launch_group_norm(x, out, groups, weight, bias, eps, activation, channels_la
                       target_programs):
     """``x``/``out`` dense [N, C, H, W] in the same layout (``channels_last``
     says which; ``out`` may be ``x``: the apply pass reads each element
-    before writing it, after the statistics are complete). Returns (mean,
-    rstd) as [N, G] fp32, as PyTorch's native group norm does."""
-    mean, rstd, scale_shift = launch_group_norm_stats(x, groups, weight, bias, eps, channels_last, stats_block,
-                                                      target_programs)
-    launch_group_norm_apply(x, out, scale_shift, activation, channels_last, block)
-    return mean, rstd
+    before writing it, after the statistics are complete). Returns ``out``."""
+    scale_shift = launch_group_norm_stats(x, groups, weight, bias, eps, channels_last, stats_block,
+                                          target_programs)
+    return launch_group_norm_apply(x, out, scale_shift, activation, channels_last, block)
 
 
 def launch_group_norm_stats(x, groups, weight, bias, eps, channels_last, stats_block, target_programs):
-    """Statistics of dense [N, C, H, W] ``x``: (mean, rstd) as [N, G] fp32
-    and the apply pass's per-(sample, channel) fp32 (scale, shift) [N, C, 2]."""
+    """Statistics of dense [N, C, H, W] ``x``, as the apply pass's
+    per-(sample, channel) fp32 (scale, shift) [N, C, 2]."""
     import torch
 
     N, C, H, W = x.shape
     Cg, HW = C // groups, H * W
+    # One allocation for the partials and the result: each torch.empty is
+    # microseconds of host time, and a decode runs ~30 GroupNorms.
     if channels_last:
         block_c = next_pow2(C)
         block_p = max(1, stats_block // block_c)
@@ -211,27 +231,30 @@ def launch_group_norm_stats(x, groups, weight, bias, eps, channels_last, stats_b
         splits = max(1, min(cdiv(HW, 4 * block_p), cdiv(target_programs, N)))
         chunk = cdiv(HW, splits)
         splits = cdiv(HW, chunk)
-        part = torch.empty((N, splits, C, 3), dtype=torch.float32, device=x.device)
-        group_norm_stats_nhwc_kernel[(N, splits)](x, part, C, HW, chunk, splits,
-                                                  BLOCK_P=block_p, BLOCK_C=block_c)
-        sub, psn, pss, psc = Cg, splits * C * 3, C * 3, 3
+        ws = torch.empty(N * C * 2 + N * splits * groups * 3, dtype=torch.float32, device=x.device)
+        part = ws[N * C * 2:]
+        pow2 = Cg & (Cg - 1) == 0
+        launch(group_norm_stats_nhwc_kernel, (N, splits), x, part, C, HW, chunk, splits, groups, Cg,
+               BLOCK_P=block_p, BLOCK_C=block_c, BLOCK_G=block_c // Cg if pow2 else next_pow2(groups),
+               CG_POW2=Cg if pow2 else 0)
+        psn, pss, psc = splits * groups * 3, groups * 3, 3
     else:
         # Enough programs to fill the GPU, each reading at least a few blocks.
         per_group = Cg * HW
         splits = max(1, min(cdiv(per_group, 4 * stats_block), cdiv(target_programs, N * groups)))
         chunk = cdiv(per_group, splits)
         splits = cdiv(per_group, chunk)
-        part = torch.empty((N * groups, splits, 3), dtype=torch.float32, device=x.device)
-        group_norm_stats_kernel[(N * groups, splits)](x, part, per_group, chunk, splits, BLOCK=stats_block)
-        sub, psn, pss, psc = 1, groups * splits * 3, 3, splits * 3
-    mean = torch.empty((N * groups,), dtype=torch.float32, device=x.device)
-    rstd = torch.empty_like(mean)
-    scale_shift = torch.empty((N, C, 2), dtype=torch.float32, device=x.device)
-    group_norm_finalize_kernel[(N * groups,)](
-        part, mean, rstd, weight if weight is not None else x, bias if bias is not None else x, scale_shift,
-        groups, Cg, splits, sub, psn, pss, psc, float(eps), HAS_AFFINE=weight is not None,
-        BLOCK=min(1024, next_pow2(splits * sub)), BLOCK_CG=next_pow2(Cg))
-    return mean.view(N, groups), rstd.view(N, groups), scale_shift
+        ws = torch.empty(N * C * 2 + N * groups * splits * 3, dtype=torch.float32, device=x.device)
+        part = ws[N * C * 2:]
+        launch(group_norm_stats_kernel, (N * groups, splits), x, part, per_group, chunk, splits,
+               BLOCK=stats_block)
+        psn, pss, psc = groups * splits * 3, 3, splits * 3
+    scale_shift = ws[:N * C * 2].view(N, C, 2)
+    launch(group_norm_finalize_kernel, (N * groups,),
+           part, weight if weight is not None else x, bias if bias is not None else x, scale_shift,
+           groups, Cg, splits, psn, pss, psc, float(eps), HAS_AFFINE=weight is not None,
+           BLOCK=min(1024, next_pow2(splits)), BLOCK_CG=next_pow2(Cg))
+    return scale_shift
 
 
 def launch_group_norm_apply(x, out, scale_shift, activation, channels_last, block):
@@ -243,9 +266,9 @@ def launch_group_norm_apply(x, out, scale_shift, activation, channels_last, bloc
         block_c = next_pow2(C)
         block_p = max(1, block // block_c)
         tiles = cdiv(HW, block_p)
-        group_norm_apply_nhwc_kernel[(N * tiles,)](x, out, scale_shift, C, HW, tiles, ACT=int(activation),
-                                                   BLOCK_P=block_p, BLOCK_C=block_c)
+        launch(group_norm_apply_nhwc_kernel, (N * tiles,), x, out, scale_shift, C, HW, tiles,
+               ACT=int(activation), BLOCK_P=block_p, BLOCK_C=block_c)
     else:
-        group_norm_apply_nchw_kernel[(N * C, cdiv(HW, block))](x, out, scale_shift, HW, ACT=int(activation),
-                                                               BLOCK=block)
+        launch(group_norm_apply_nchw_kernel, (N * C, cdiv(HW, block)), x, out, scale_shift, HW,
+               ACT=int(activation), BLOCK=block)
     return out

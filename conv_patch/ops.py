@@ -114,10 +114,69 @@ def run_kernel(decision: RouteDecision, target: Target, spec: ConvSpec, x: torch
     return out.squeeze(0) if unbatched else out
 
 
+def cudnn_conv2d(spec: ConvSpec, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], *,
+                 residual=None, beta=1.0, activation: str = "none", out_scale=1.0,
+                 out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The CUDNN route: ``F.conv2d`` computes the convolution without its
+    bias, and ``epilogue`` adds bias, residual, activation and scale in one
+    pass (PyTorch's own bias add is a pass of its own, unvectorised on a
+    channels_last output)."""
+    if spec.pad_begin != spec.pad_end:
+        (t, l), (b, r) = spec.pad_begin, spec.pad_end
+        x, padding = F.pad(x, (l, r, t, b)), 0
+    else:
+        padding = spec.pad_begin
+    y = F.conv2d(x, weight, None, spec.stride, padding, spec.dilation)
+    check_residual(residual, y.shape)
+    if bias is None and residual is None and activation == "none" and out_scale == 1.0:
+        return y if out is None else out.copy_(y)
+    return epilogue(y, bias, residual, beta, activation, out_scale, out=y if out is None else out)
+
+
+# Elements per program of the epilogue pass: memory-bound, like the
+# GroupNorm apply pass, so the same size; under the interpreter one program.
+EPILOGUE_BLOCK = {"gpu": 4096, "interpreter": 1 << 16}
+
+
+def epilogue_runs(y: torch.Tensor, bias=None, residual=None, out=None) -> bool:
+    """Whether ``epilogue`` runs the kernel for a conv output shaped and laid
+    out like ``y`` (dense NHWC, 4-D, on a device with kernels; inference)."""
+    if torch.compiler.is_compiling() or y.dim() != 4 or needs_grad(y, bias, residual):
+        return False
+    if not (target_for(y.device).kernels and y.dtype in (torch.float16, torch.bfloat16, torch.float32)
+            and (y.is_contiguous(memory_format=torch.channels_last) or y.shape[1] == 1)):
+        return False
+    return all(t is None or (t.device == y.device and t.dtype == y.dtype) for t in (bias, residual, out)) and (
+        bias is None or (bias.dim() == 1 and bias.is_contiguous()))
+
+
+def epilogue(y: torch.Tensor, bias: Optional[torch.Tensor] = None, residual: Optional[torch.Tensor] = None,
+             beta=1.0, activation: str = "none", out_scale=1.0, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``out_scale * act(y + bias + beta * residual)`` with ``bias`` per
+    channel of [N, C, H, W] ``y``: one pass of the conv kernels' epilogue
+    where ``epilogue_runs``, PyTorch ops otherwise. Into ``out`` when given
+    (which may be ``y`` or ``residual``)."""
+    code = activation_code(activation)
+    check_residual(residual, y.shape)
+    if out is not None and tuple(out.shape) != tuple(y.shape):
+        raise ValueError(f"epilogue: out has shape {tuple(out.shape)}, expected {tuple(y.shape)}")
+    if not epilogue_runs(y, bias, residual, out):
+        z = y
+        if bias is not None:
+            z = y.add_(bias.view(1, -1, 1, 1)) if out is y else y + bias.view(1, -1, 1, 1)
+        z = eager_epilogue(z, residual, beta, activation, out_scale)
+        return z if out is None or z is out else out.copy_(z)
+    kernels = _kernels()
+    out = torch.empty_like(y) if out is None else out
+    block = EPILOGUE_BLOCK["interpreter" if target_for(y.device).interpreter else "gpu"]
+    return kernels.launch_epilogue(y, bias, residual, out, beta=beta, activation=code, out_scale=out_scale,
+                                   block=block)
+
+
 def to_nhwc(x: torch.Tensor) -> torch.Tensor:
     """A dense channels_last copy of a contiguous NCHW ``x`` (Triton kernel;
     see kernels/layout.py for why not PyTorch's own)."""
-    from conv_patch import kernels
+    kernels = _kernels()
     if x.is_contiguous(memory_format=torch.channels_last):
         return x
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device, memory_format=torch.channels_last)
@@ -147,17 +206,8 @@ def _functional(spec: ConvSpec, x, weight, bias, residual, beta, activation, out
     elif config is not None and decision.is_kernel:
         decision = dataclasses.replace(decision, config=config, tier="given", table="")
     if decision.route is Route.CUDNN:
-        if spec.pad_begin != spec.pad_end:
-            (t, l), (b, r) = spec.pad_begin, spec.pad_end
-            y = F.conv2d(F.pad(x, (l, r, t, b)), weight, bias, spec.stride, 0, spec.dilation)
-        else:
-            y = F.conv2d(x, weight, bias, spec.stride, spec.pad_begin, spec.dilation)
-        check_residual(residual, y.shape)
-        y = eager_epilogue(y, residual, beta, activation, out_scale)
-        if out is not None:
-            out.copy_(y)
-            return out
-        return y
+        return cudnn_conv2d(spec, x, weight, bias, residual=residual, beta=beta, activation=activation,
+                            out_scale=out_scale, out=out)
     if not decision.is_kernel:
         raise UnsupportedConv(decision.reason)
     check_residual(residual, output_shape(spec, tuple(x.shape)))

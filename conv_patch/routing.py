@@ -53,7 +53,8 @@ ROUTE_INFO = {
     ),
     Route.CUDNN: (
         "the original module, chosen because the architecture's table records cuDNN measured faster for "
-        "this exact shape (convpatch tune); the fused epilogue then runs as PyTorch ops"
+        "this exact shape (convpatch tune): cuDNN computes the convolution, then bias and the fused "
+        "epilogue run as one pass (conv_patch.ops.epilogue) on NHWC outputs, as PyTorch ops otherwise"
     ),
     Route.FALLBACK: "the original PyTorch module (cuDNN/ATen): every case the kernels do not take",
 }

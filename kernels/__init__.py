@@ -13,6 +13,7 @@ from .conv2d import conv2d_fwd_kernel, launch_conv2d  # noqa: E402
 from .conv_transpose2d import conv_transpose2d_fwd_kernel, launch_conv_transpose2d  # noqa: E402
 from .conv2d_tma import conv2d_tma_kernel, launch_conv2d_tma  # noqa: E402
 from .layout import launch_nchw_to_nhwc, nchw_to_nhwc_kernel  # noqa: E402
+from .epilogue import epilogue_kernel, launch_epilogue  # noqa: E402
 from .group_norm import (group_norm_apply_nchw_kernel, group_norm_apply_nhwc_kernel,  # noqa: E402
                          group_norm_finalize_kernel, group_norm_stats_kernel, group_norm_stats_nhwc_kernel,
                          launch_group_norm, launch_group_norm_apply, launch_group_norm_stats)
@@ -26,12 +27,15 @@ KERNELS = {
 
 # Not convolutions; signatures of their own.
 LAYOUT_KERNELS = {"nchw_to_nhwc": nchw_to_nhwc_kernel}
+# The conv epilogue alone, after a cuDNN convolution.
+EPILOGUE_KERNELS = {"epilogue": epilogue_kernel}
 NORM_KERNELS = {"group_norm_stats": group_norm_stats_kernel, "group_norm_stats_nhwc": group_norm_stats_nhwc_kernel,
                 "group_norm_finalize": group_norm_finalize_kernel, "group_norm_apply_nhwc": group_norm_apply_nhwc_kernel,
                 "group_norm_apply_nchw": group_norm_apply_nchw_kernel}
 ATTENTION_KERNELS = {"softmax_rows": softmax_rows_kernel}
 
-__all__ = ["ATTENTION_KERNELS", "INTERPRET", "KERNELS", "LAYOUT_KERNELS", "NORM_KERNELS", "launch_conv2d",
+__all__ = ["ATTENTION_KERNELS", "EPILOGUE_KERNELS", "INTERPRET", "KERNELS", "LAYOUT_KERNELS", "NORM_KERNELS",
+           "launch_conv2d", "launch_epilogue",
            "launch_conv2d_tma", "launch_conv_transpose2d", "launch_group_norm", "launch_group_norm_apply",
            "launch_group_norm_stats", "launch_nchw_to_nhwc",
            "launch_softmax_rows"]

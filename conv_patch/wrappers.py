@@ -122,15 +122,19 @@ class PatchedConvMixin:
             decision = RouteDecision(Route.FALLBACK, "ComfyUI weight casting or patching active")
             self.__dict__["_cp_last"] = decision
         else:
-            decision = self.route(x, residual, output_padding)
+            # route(), inlined: the target and the parameters are looked up
+            # once per call (nn.Module attribute access is not free, and this
+            # runs ~100 times per VAE decode).
+            spec, target, weight, bias = self.spec, target_for(x.device), self.weight, self.bias
+            call = CallDesc.of_call(x, weight, bias, residual, output_padding)
+            decision = select_route(spec, call, target, self._cp_table)
             self.__dict__["_cp_last"] = decision
         if decision.is_kernel:
-            spec, target = self.spec, target_for(x.device)
             if residual is not None:
                 ops.check_residual(residual, ops.output_shape(spec, tuple(x.shape), output_padding))
-            w = pack.packed_weight(self, self.weight, self._cp_transposed)
+            w = pack.packed_weight(self, weight, self._cp_transposed)
             try:
-                return ops.run_kernel(decision, target, spec, x, w, self.bias, residual=residual,
+                return ops.run_kernel(decision, target, spec, x, w, bias, residual=residual,
                                       beta=beta, activation=activation, out_scale=out_scale,
                                       output_padding=output_padding, out=out)
             except _kernel_errors() as e:
@@ -139,6 +143,11 @@ class PatchedConvMixin:
                 self.__dict__["_cp_last"] = RouteDecision(Route.FALLBACK, reason)
                 warnings.warn(f"conv-patch: {reason}; this call ran on PyTorch", KernelFailureWarning,
                               stacklevel=3)
+        elif decision.route is Route.CUDNN and not self._cp_transposed:
+            # The table's cuDNN route: the same convolution as the original
+            # forward, with bias and the fused epilogue in one pass after it.
+            return ops.cudnn_conv2d(self.spec, x, self.weight, self.bias, residual=residual, beta=beta,
+                                    activation=activation, out_scale=out_scale, out=out)
         y = self._cp_fallback_forward(self, x, *fallback_args)
         if residual is None and activation == "none" and out_scale == 1.0:
             return _into(out, y)
@@ -184,11 +193,17 @@ def _into(out: Optional[torch.Tensor], y: torch.Tensor) -> torch.Tensor:
     return y if out is None else out.copy_(y)
 
 
+_COMFY_ATTRS = ("comfy_cast_weights", "weight_function", "bias_function")
+
+
 def comfy_active(m) -> bool:
     """ComfyUI is casting this module's weights per call (low-VRAM) or
-    patching them (``weight_function``/``bias_function``, e.g. LoRA)."""
-    return bool(getattr(m, "comfy_cast_weights", False) or getattr(m, "weight_function", None)
-                or getattr(m, "bias_function", None))
+    patching them (``weight_function``/``bias_function``, e.g. LoRA).
+    Read from the instance's and the class's dictionaries: a plain
+    ``getattr`` of a missing name goes through ``nn.Module.__getattr__`` and
+    an AttributeError, microseconds on every call of every conv."""
+    d, cls = m.__dict__, type(m)
+    return any(d[a] if a in d else getattr(cls, a, None) for a in _COMFY_ATTRS)
 
 
 def is_comfy_conv_class(cls: type) -> bool:

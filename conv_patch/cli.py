@@ -65,6 +65,9 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--exact-only", action="store_true",
                    help="with --base: refresh only the exact entries of the shapes measured now; the base's "
                         "buckets and 'any' stay as they are")
+    t.add_argument("--max-out-channels", type=int, default=None, metavar="C",
+                   help="only the convolutions with at most C output channels (with --base --exact-only: "
+                        "re-tune a model's conv_out layers alone)")
     t.add_argument("--time-limit", type=float, default=None, metavar="S",
                    help="stop starting new shapes after S seconds and write the table from what was measured")
     t.add_argument("--device", default=None, help="cuda or cuda:N (cpu only under TRITON_INTERPRET=1)")
@@ -291,6 +294,8 @@ def cmd_tune(args) -> int:
         # were named, so a --time-limit run covers what matters most.
         calls = sorted(distinct_calls(args.family, args.res, args.batch, args.part),
                        key=lambda c: c.shape[0])
+        if args.max_out_channels is not None:
+            calls = [c for c in calls if c.spec.out_channels <= args.max_out_channels]
     except ImportError as e:
         raise UsageError(f"--family {' '.join(args.family)}: needs {e.name} "
                          f"(pip install 'conv-patch[diffusers]')") from None

@@ -104,6 +104,8 @@ def run_kernel(decision: RouteDecision, target: Target, spec: ConvSpec, x: torch
             # The NHWC staging copy (see kernels/conv2d_tma.py); ``out`` was
             # allocated above in the caller's layout and stays in it.
             x = to_nhwc(x)
+    elif decision.route is Route.CONV2D_TAPS:
+        launch = kernels.launch_conv2d_taps
     else:
         launch = kernels.launch_conv_transpose2d if spec.transposed else kernels.launch_conv2d
     launch(x, w, bias, out, residual,
@@ -199,7 +201,8 @@ def _functional(spec: ConvSpec, x, weight, bias, residual, beta, activation, out
     call = CallDesc.of_call(x, weight, bias, residual)
     target = target_for(x.device)
     decision = select_route(spec, call, target, table)
-    if config is not None and decision.route in (Route.CONV2D_IGEMM, Route.CONV2D_TMA, Route.CUDNN):
+    if config is not None and decision.route in (Route.CONV2D_IGEMM, Route.CONV2D_TMA, Route.CONV2D_TAPS,
+                                                 Route.CUDNN):
         # A given config may name its route (tests, the tuner); the router
         # still decides whether the call is eligible for it.
         decision = _given(spec, call, target, config)
@@ -218,7 +221,7 @@ def _functional(spec: ConvSpec, x, weight, bias, residual, beta, activation, out
 
 
 def _given(spec, call, target, config):
-    from .routing import tma_problem
+    from .routing import taps_problem, tma_problem
     name = config.get("route", "igemm")
     if name == "tma":
         shape = call.shape if len(call.shape) == 4 else (1,) + tuple(call.shape)
@@ -226,6 +229,11 @@ def _given(spec, call, target, config):
         if problem:
             raise UnsupportedConv(f"tma route: {problem}")
         return RouteDecision(Route.CONV2D_TMA, config=config, tier="given")
+    if name == "taps":
+        problem = taps_problem(spec)
+        if problem:
+            raise UnsupportedConv(f"taps route: {problem}")
+        return RouteDecision(Route.CONV2D_TAPS, config=config, tier="given")
     if name == "cudnn":
         return RouteDecision(Route.CUDNN, "given config", config=config, tier="given")
     return RouteDecision(Route.CONV2D_IGEMM, config=config, tier="given")

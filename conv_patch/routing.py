@@ -26,6 +26,7 @@ class Route(enum.Enum):
     CONV2D_IGEMM = "conv2d_igemm"
     CONV_TRANSPOSE2D_IGEMM = "conv_transpose2d_igemm"
     CONV2D_TMA = "conv2d_tma"
+    CONV2D_TAPS = "conv2d_taps"
     CUDNN = "cudnn"
     FALLBACK = "fallback"
 
@@ -51,6 +52,11 @@ ROUTE_INFO = {
         "NHWC read in place, NCHW through one NHWC staging copy (output written NCHW directly); "
         "same fused epilogue as the portable kernels"
     ),
+    Route.CONV2D_TAPS: (
+        "few output channels (C_out*KH*KW <= 64, e.g. a VAE's conv_out): the input read once by a 1x1 "
+        "GEMM against every tap's weights (fp32 partials), then each output pixel's taps summed; any "
+        "stride, padding, dilation; same layouts, dtypes and fused epilogue as conv2d"
+    ),
     Route.CUDNN: (
         "the original module, chosen because the architecture's table records cuDNN measured faster for "
         "this exact shape (convpatch tune): cuDNN computes the convolution, then bias and the fused "
@@ -63,6 +69,7 @@ ROUTE_INFO = {
 TABLE_ROUTES = {
     ("conv2d", "igemm"): Route.CONV2D_IGEMM,
     ("conv2d", "tma"): Route.CONV2D_TMA,
+    ("conv2d", "taps"): Route.CONV2D_TAPS,
     ("conv_transpose2d", "igemm"): Route.CONV_TRANSPOSE2D_IGEMM,
 }
 
@@ -138,6 +145,23 @@ def tma_problem(spec: ConvSpec, call: CallDesc, shape: tuple, target: Target) ->
     return tma_layout_problem(shape, call.layout, call.dtype.itemsize, spec.in_channels)
 
 
+# The largest C_out * KH * KW (the first GEMM's N) the taps route takes:
+# beyond it the implicit GEMM's column tile is no longer mostly waste.
+MAX_TAP_OUTPUTS = 64
+
+
+def taps_problem(spec: ConvSpec) -> Optional[str]:
+    """Why the few-output-channel route cannot take this conv, or None."""
+    if spec.transposed:
+        return "conv_transpose2d"
+    taps = spec.kernel[0] * spec.kernel[1]
+    if taps == 1:
+        return "1x1 (already a single GEMM)"
+    if spec.out_channels * taps > MAX_TAP_OUTPUTS:
+        return f"C_out*KH*KW = {spec.out_channels * taps} > {MAX_TAP_OUTPUTS}"
+    return None
+
+
 # TMA needs 16-byte aligned base addresses and strides.
 TMA_ALIGN = 16
 
@@ -189,6 +213,8 @@ def select_route(spec: ConvSpec, call: Optional[CallDesc] = None,
     routes = {"igemm"}
     if tma_problem(spec, call, shape, target) is None:
         routes.add("tma")
+    if taps_problem(spec) is None:
+        routes.add("taps")
     if call.device_type == "cuda":
         routes.add("cudnn")
     cfg, tier = tbl.lookup(spec, shape, call.layout, call.dtype, shape[0] * oh * ow, frozenset(routes))

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from . import config_tables, ops
 from .model_shapes import ConvCall, distinct_calls
-from .routing import tma_arch, tma_problem
+from .routing import taps_problem, tma_arch, tma_problem
 from .specs import CallDesc
 from .target import Target, conv_tf32
 from .wrappers import _kernel_errors
@@ -70,17 +70,23 @@ TMA_CANDIDATES = [
     _cfg("tma", 128, 256, 64, 8, 3, bw=16), _cfg("tma", 128, 256, 64, 8, 3, bw=64),
     _cfg("tma", 128, 64, 64, 4, 4, bw=32), _cfg("tma", 64, 128, 64, 4, 4, bw=64),
 ]
+# The few-output-channel route: tiles of its first stage, a 1x1 GEMM with
+# N = C_out*KH*KW <= 64 and K = C_in (memory-bound: wide row tiles).
+TAPS_CANDIDATES = [
+    _cfg("taps", 128, 32, 64, 4, 3), _cfg("taps", 256, 32, 64, 8, 3), _cfg("taps", 128, 64, 128, 4, 3),
+]
 # Under the interpreter (the tuner's own tests): two of each, tiles sized for it.
 INTERPRETER_CANDIDATES = [
     _cfg("igemm", 1024, 128, 128, 4, 1), _cfg("igemm", 64, 64, 32, 4, 1),
     _cfg("tma", 256, 64, 64, 4, 1, bw=16), _cfg("tma", 64, 32, 32, 4, 1, bw=8),
+    _cfg("taps", 256, 32, 64, 4, 1),
 ]
 
 
 def candidates(target: Target) -> List[dict]:
     if target.interpreter:
         return [dict(c) for c in INTERPRETER_CANDIDATES]
-    out = [dict(c) for c in IGEMM_CANDIDATES]
+    out = [dict(c) for c in IGEMM_CANDIDATES + TAPS_CANDIDATES]
     if tma_arch(target.arch):
         out += [dict(c) for c in TMA_CANDIDATES]
     return out
@@ -157,7 +163,7 @@ def measure(call: ConvCall, layout: str, dtype: torch.dtype, device: torch.devic
     for cfg in cands:
         lab = config_label(cfg)
         configs[lab] = cfg
-        if cfg.get("route") == "tma" and not tma_ok:
+        if (cfg.get("route") == "tma" and not tma_ok) or (cfg.get("route") == "taps" and taps_problem(spec)):
             continue
         out = torch.empty(ref.shape, dtype=dtype, device=device, memory_format=fmt)
         fn = lambda: ops.conv2d(x, packed, b, spec.stride, pad, spec.dilation, out=out, config=cfg)  # noqa: E731
@@ -246,6 +252,9 @@ def build_table(measurements: List[Measurement], arch: str, dtype: torch.dtype, 
         raise ValueError("exact_only refreshes the exact entries of a base table; no base given")
     rebuilt = [] if exact_only else measured_layouts
     for layout in rebuilt:
+        # Taps first: only convs that route can take match those buckets.
+        bucketed("taps", [m for m in measurements if m.layout == layout and taps_problem(m.call.spec) is None],
+                 [layout])
         bucketed("tma", [m for m in measurements if m.layout == layout and m.tma_ok], [layout])
         bucketed("igemm", [m for m in measurements if m.layout == layout], [layout])
     for b in old.get("buckets") or []:

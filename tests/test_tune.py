@@ -120,6 +120,22 @@ def test_cli_tune_writes_a_table_that_loads(tmp_path, capsys):
     assert "wrote" in capsys.readouterr().out
 
 
+def test_cli_tune_max_out_channels_measures_the_taps_route(tmp_path):
+    """--max-out-channels 3: only TAESD's conv_out, where the few-output-
+    channel route is a candidate and is measured (checked, timed) too."""
+    if not target_for(torch.device("cpu")).kernels:
+        pytest.skip("needs the interpreter")
+    out, rep = tmp_path / "t.json", tmp_path / "r.jsonl"
+    rc = cli.main(["tune", "--family", "taesd", "--res", "16", "--batch", "1", "--layout", "nhwc",
+                   "--part", "decoder", "--device", "cpu", "--max-out-channels", "3", "--out", str(out),
+                   "--report", str(rep)])
+    assert rc == 0
+    exact = config_tables.load_user_table(str(out)).data["conv2d"]["exact"]
+    assert exact and all(".o3." in k for k in exact)
+    rows = [json.loads(line) for line in rep.read_text().splitlines()]
+    assert all(any(lab.startswith("taps") for lab in r["times"]) for r in rows), rows
+
+
 @pytest.mark.parametrize("argv,match", [
     (["--res", "20"], "multiples of 8"),
     (["--out", "/nonexistent/dir/t.json"], "cannot write there"),

@@ -165,7 +165,9 @@ def epilogue(y: torch.Tensor, bias: Optional[torch.Tensor] = None, residual: Opt
     if not epilogue_runs(y, bias, residual, out):
         z = y
         if bias is not None:
-            z = y.add_(bias.view(1, -1, 1, 1)) if out is y else y + bias.view(1, -1, 1, 1)
+            # [C, 1, 1]: the channel is dim -3 of a batched and of an unbatched output.
+            b = bias.view(-1, 1, 1)
+            z = y.add_(b) if out is y else y + b
         z = eager_epilogue(z, residual, beta, activation, out_scale)
         return z if out is None or z is out else out.copy_(z)
     kernels = _kernels()

@@ -109,6 +109,21 @@ def test_epilogue_int64_offsets_match(device, monkeypatch):
     assert torch.equal(ops.epilogue(y, b, activation="silu"), plain)
 
 
+def test_cudnn_route_takes_unbatched_inputs(device):
+    """A 3-D input on the cuDNN route: PyTorch's ops add the bias and the
+    residual (the kernel takes 4-D outputs), broadcast over the right dim."""
+    g = torch.Generator().manual_seed(12)
+    x = randn(g, 6, 5, 7, device=device)
+    w = randn(g, 4, 6, 3, 3, device=device)
+    b = randn(g, 4, device=device)
+    r = randn(g, 4, 5, 7, device=device)
+    y = ops.conv2d(x, w, b, padding=1, residual=r, activation="silu", config={"route": "cudnn"})
+    ref = F.silu(F.conv2d(x.double().cpu(), w.double().cpu(), b.double().cpu(), padding=1) + r.double().cpu())
+    assert y.shape == (4, 5, 7) and rel_err(y, ref) <= 1e-3
+    y = ops.conv2d(x, w, b, padding=1, config={"route": "cudnn"})
+    assert rel_err(y, F.conv2d(x.double().cpu(), w.double().cpu(), b.double().cpu(), padding=1)) <= 1e-3
+
+
 def test_epilogue_refuses_mismatched_out(device):
     y = torch.randn(1, 4, 3, 3, device=device)
     with pytest.raises(ValueError, match="out has shape"):

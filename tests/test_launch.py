@@ -20,6 +20,14 @@ def test_key_follows_what_triton_specialises():
     assert key((object(),)) is None  # unknown kinds take Triton's own path
 
 
+def test_launch_hooks_send_every_call_through_triton():
+    """Triton 3.6+ keeps an always-present HookChain: only hooks in it
+    (a profiler's) count as installed."""
+    empty, busy = SimpleNamespace(calls=[]), SimpleNamespace(calls=[print])
+    assert not _launch._hooked(None) and not _launch._hooked(empty)
+    assert _launch._hooked(busy) and _launch._hooked(print)
+
+
 def _param(name, const):
     return SimpleNamespace(name=name, is_constexpr=const)
 

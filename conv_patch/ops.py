@@ -140,29 +140,33 @@ def cudnn_conv2d(spec: ConvSpec, x: torch.Tensor, weight: torch.Tensor, bias: Op
 EPILOGUE_BLOCK = {"gpu": 4096, "interpreter": 1 << 16}
 
 
-def epilogue_runs(y: torch.Tensor, bias=None, residual=None, out=None) -> bool:
-    """Whether ``epilogue`` runs the kernel for a conv output shaped and laid
-    out like ``y`` (dense NHWC, 4-D, on a device with kernels; inference)."""
+def _epilogue_target(y: torch.Tensor, bias=None, residual=None, out=None) -> Optional[Target]:
+    """The target whose epilogue kernel takes a conv output shaped and laid
+    out like ``y`` (dense NHWC, 4-D, on a device with kernels; inference),
+    or None."""
     if torch.compiler.is_compiling() or y.dim() != 4 or needs_grad(y, bias, residual):
-        return False
-    if not (target_for(y.device).kernels and y.dtype in (torch.float16, torch.bfloat16, torch.float32)
+        return None
+    target = target_for(y.device)
+    if not (target.kernels and y.dtype in (torch.float16, torch.bfloat16, torch.float32)
             and (y.is_contiguous(memory_format=torch.channels_last) or y.shape[1] == 1)):
-        return False
-    return all(t is None or (t.device == y.device and t.dtype == y.dtype) for t in (bias, residual, out)) and (
+        return None
+    ok = all(t is None or (t.device == y.device and t.dtype == y.dtype) for t in (bias, residual, out)) and (
         bias is None or (bias.dim() == 1 and bias.is_contiguous()))
+    return target if ok else None
 
 
 def epilogue(y: torch.Tensor, bias: Optional[torch.Tensor] = None, residual: Optional[torch.Tensor] = None,
              beta=1.0, activation: str = "none", out_scale=1.0, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``out_scale * act(y + bias + beta * residual)`` with ``bias`` per
     channel of [N, C, H, W] ``y``: one pass of the conv kernels' epilogue
-    where ``epilogue_runs``, PyTorch ops otherwise. Into ``out`` when given
-    (which may be ``y`` or ``residual``)."""
+    on dense NHWC outputs on a device with kernels, PyTorch ops otherwise.
+    Into ``out`` when given (which may be ``y`` or ``residual``)."""
     code = activation_code(activation)
     check_residual(residual, y.shape)
     if out is not None and tuple(out.shape) != tuple(y.shape):
         raise ValueError(f"epilogue: out has shape {tuple(out.shape)}, expected {tuple(y.shape)}")
-    if not epilogue_runs(y, bias, residual, out):
+    target = _epilogue_target(y, bias, residual, out)
+    if target is None:
         z = y
         if bias is not None:
             # [C, 1, 1]: the channel is dim -3 of a batched and of an unbatched output.
@@ -172,7 +176,7 @@ def epilogue(y: torch.Tensor, bias: Optional[torch.Tensor] = None, residual: Opt
         return z if out is None or z is out else out.copy_(z)
     kernels = _kernels()
     out = torch.empty_like(y) if out is None else out
-    block = EPILOGUE_BLOCK["interpreter" if target_for(y.device).interpreter else "gpu"]
+    block = EPILOGUE_BLOCK["interpreter" if target.interpreter else "gpu"]
     return kernels.launch_epilogue(y, bias, residual, out, beta=beta, activation=code, out_scale=out_scale,
                                    block=block)
 
@@ -356,7 +360,7 @@ def group_norm_conv2d(x: torch.Tensor, num_groups: int, norm_weight, norm_bias, 
     kernels = _kernels()
     block, stats_block, programs = _gn_launch(target)
     scale_shift = kernels.launch_group_norm_stats(x, num_groups, norm_weight, norm_bias, float(eps),
-                                                        True, stats_block, programs)
+                                                  True, stats_block, programs)
     out = torch.empty((n, weight.shape[0], h, w), dtype=x.dtype, device=x.device,
                       memory_format=torch.channels_last)
     rows = max(1, band_bytes // (w * c * x.element_size()) - 2)

@@ -99,8 +99,14 @@ class PatchedConvMixin:
         spec = self.spec
         if x is None:
             return select_route(spec)
-        call = CallDesc.of_call(x, self.weight, self.bias, residual, output_padding)
-        return select_route(spec, call, target_for(x.device), self._cp_table)
+        return self._cp_route(spec, target_for(x.device), x, self.weight, self.bias, residual, output_padding)
+
+    def _cp_route(self, spec, target, x, weight, bias, residual, output_padding) -> RouteDecision:
+        """``route()`` with the target and parameters its caller already
+        holds (nn.Module attribute access is not free, and the call path
+        runs ~100 times per VAE decode)."""
+        call = CallDesc.of_call(x, weight, bias, residual, output_padding)
+        return select_route(spec, call, target, self._cp_table)
 
     def _cp_comfy_active(self) -> bool:
         return comfy_active(self)
@@ -122,12 +128,8 @@ class PatchedConvMixin:
             decision = RouteDecision(Route.FALLBACK, "ComfyUI weight casting or patching active")
             self.__dict__["_cp_last"] = decision
         else:
-            # route(), inlined: the target and the parameters are looked up
-            # once per call (nn.Module attribute access is not free, and this
-            # runs ~100 times per VAE decode).
             spec, target, weight, bias = self.spec, target_for(x.device), self.weight, self.bias
-            call = CallDesc.of_call(x, weight, bias, residual, output_padding)
-            decision = select_route(spec, call, target, self._cp_table)
+            decision = self._cp_route(spec, target, x, weight, bias, residual, output_padding)
             self.__dict__["_cp_last"] = decision
         if decision.is_kernel:
             if residual is not None:
@@ -144,9 +146,10 @@ class PatchedConvMixin:
                 warnings.warn(f"conv-patch: {reason}; this call ran on PyTorch", KernelFailureWarning,
                               stacklevel=3)
         elif decision.route is Route.CUDNN and not self._cp_transposed:
-            # The table's cuDNN route: the same convolution as the original
-            # forward, with bias and the fused epilogue in one pass after it.
-            return ops.cudnn_conv2d(self.spec, x, self.weight, self.bias, residual=residual, beta=beta,
+            # The table's cuDNN route (only ever decided by the routing
+            # branch above): the same convolution as the original forward,
+            # with bias and the fused epilogue in one pass after it.
+            return ops.cudnn_conv2d(spec, x, weight, bias, residual=residual, beta=beta,
                                     activation=activation, out_scale=out_scale, out=out)
         y = self._cp_fallback_forward(self, x, *fallback_args)
         if residual is None and activation == "none" and out_scale == 1.0:

@@ -10,8 +10,10 @@ weights (``$CONV_PATCH_SHARED/models`` or ``../shared/models``; fp16, as
 published). The patched model is the NCHW model after ``conv_patch.apply``
 (what a user gets without converting anything): ``apply(m, recipes=False)``
 for the convs-only column, ``apply(m)`` (block recipes on) for ours.
-``--graph`` adds the patched model replayed from a CUDA graph
-(``graphed_ms``; the host's launch cost removed). ``--profile`` adds each
+``--graph`` adds the patched model with ``PatchConfig(cuda_graphs=True)``
+(``graphed_ms``: its decoder/encoder replayed from a CUDA graph per input
+shape, the host's launch cost removed; the warm-up call captures) and the
+memory all graphs captured so far keep (``graph_pools_gib``). ``--profile`` adds each
 row's top GPU kernels of one patched call (torch
 profiler) as ``profile``. Variants run interleaved
 (A, B, C, A, B, C, ...) with ``--runs`` timed calls each after warm-up (which
@@ -122,24 +124,11 @@ def _sync():
         torch.cuda.synchronize()
 
 
-def graphed(fn, example):
-    """``fn`` captured once in a CUDA graph on a static copy of ``example``;
-    the returned callable copies its input in and replays (what a user does
-    to take the host's per-launch cost out of a small model's decode)."""
-    static_in = example.clone()
-    with torch.inference_mode():
-        for _ in range(2):
-            fn(static_in)  # compile and warm up outside the capture
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            static_out = fn(static_in)
-
-    def run(x):
-        static_in.copy_(x)
-        graph.replay()
-        return static_out
-    return run
+def _graph_pool_bytes() -> int:
+    """GPU memory held by the private pools of the CUDA graphs captured so far
+    (the graphed model's, every resolution and part up to this row)."""
+    segs = torch.cuda.memory._snapshot()["segments"]
+    return sum(s["total_size"] for s in segs if tuple(s.get("segment_pool_id", (0, 0))) != (0, 0))
 
 
 def bench_variants(variants, runs, warmup=3):
@@ -185,7 +174,7 @@ def main(argv=None):
     ap.add_argument("--out", default=None, help="results folder (default bench/results)")
     ap.add_argument("--profile", action="store_true", help="record the top GPU kernels of one patched call")
     ap.add_argument("--graph", action="store_true",
-                    help="add the patched model replayed from a CUDA graph (GPU only) as graphed_ms")
+                    help="add the patched model with PatchConfig(cuda_graphs=True) as graphed_ms")
     args = ap.parse_args(argv)
     torch.backends.cudnn.benchmark = True
     rows = []
@@ -199,6 +188,10 @@ def main(argv=None):
         conv_patch.apply(convs, recipes=False)
         patched = copy.deepcopy(model)
         report = conv_patch.apply(patched)
+        graphed = None
+        if args.graph:
+            graphed = copy.deepcopy(model)
+            conv_patch.apply(graphed, config=conv_patch.PatchConfig(cuda_graphs=True, max_graphs=len(args.res)))
         # The first patched call compiles every kernel the model needs (cold
         # when TRITON_CACHE_DIR is empty); no autotuning runs at any point.
         first = {}
@@ -220,8 +213,8 @@ def main(argv=None):
                 xs = [torch.randn(shape, device=device, dtype=dtype, generator=g) for _ in range(3)]
                 xs_cl = [x.contiguous(memory_format=torch.channels_last) for x in xs]
                 extra = {}
-                if args.graph and torch.cuda.is_available():
-                    extra["graphed"] = (graphed(lambda x, m=patched, f=run: f(m, x), xs[0]), xs, None)
+                if graphed is not None:
+                    extra["graphed"] = (lambda x, m=graphed, f=run: f(m, x), xs, None)
                 try:
                     ms, peak = bench_variants({
                         "eager_nchw": (lambda x, m=model, f=run: f(m, x), xs, model),
@@ -247,7 +240,8 @@ def main(argv=None):
                 }
                 if "graphed" in ms:
                     row["graphed_ms"] = ms["graphed"]
-                    del extra
+                    if torch.cuda.is_available():
+                        row["graph_pools_gib"] = _graph_pool_bytes() / 2**30
                 if args.profile:
                     row["profile"] = profile_top(lambda x=xs[0], m=patched, f=run: f(m, x))
                 rows.append(row)
@@ -257,7 +251,7 @@ def main(argv=None):
                       f"patched {row['ours_ms']:.2f} ms "
                       f"(x{row['speedup']:.2f}), peak {_gib(row['peak_gib'])}", flush=True)
         print(name, str(report).splitlines()[0], flush=True)
-        del model, cl, convs, patched
+        del model, cl, convs, patched, graphed
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     path = write_results("vae", rows, {}, args.out)

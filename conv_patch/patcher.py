@@ -28,9 +28,18 @@ class PatchConfig:
 
     ``table``: a kernel config table (dict, or path to a JSON file in the
     ``configs/`` schema) used instead of the GPU architecture's own table.
+
+    ``cuda_graphs``: replay each outermost fused block (a VAE's encoder and
+    decoder, a TAESD stack) from a CUDA graph per input shape, captured on
+    the second call with that shape; it takes the host's launch cost out of
+    a decode. Each cached graph holds the memory of that call's activations;
+    ``max_graphs`` bounds them per block. ``conv_patch/graphs.py`` lists
+    what invalidates a graph and what runs eagerly. Needs ``recipes``.
     """
 
     table: Optional[Union[dict, str, os.PathLike]] = None
+    cuda_graphs: bool = False
+    max_graphs: int = 4
 
 
 @dataclass
@@ -43,11 +52,13 @@ class PatchReport:
     skipped: Dict[str, str] = field(default_factory=dict)
     already_patched: List[str] = field(default_factory=list)
     fused: Dict[str, str] = field(default_factory=dict)
+    graphed: List[str] = field(default_factory=list)
 
     def __str__(self) -> str:
         lines = [f"conv-patch: {len(self.patched)} patched, {len(self.skipped)} skipped, "
                  f"{len(self.already_patched)} already patched, {len(self.fused)} blocks fused"]
         lines += [f"  fused    {fqn or '<root>'}: {what}" for fqn, what in self.fused.items()]
+        lines += [f"  graphed  {fqn or '<root>'}: CUDA graph per input shape" for fqn in self.graphed]
         lines += [f"  patched  {fqn or '<root>'}: {what}" for fqn, what in self.patched.items()]
         lines += [f"  skipped  {fqn or '<root>'}: {why}" for fqn, why in self.skipped.items()]
         return "\n".join(lines)
@@ -162,6 +173,7 @@ def apply(model, *, filter_fn: Optional[FilterFn] = None,
     table = None
     if config is not None and config.table is not None:
         table = config_tables.load_user_table(config.table)
+    graphs = config is not None and _graph_option(config, recipes)
 
     report = PatchReport()
     wrappers: Dict[int, nn.Module] = {}
@@ -176,7 +188,22 @@ def apply(model, *, filter_fn: Optional[FilterFn] = None,
         parent._modules[name] = wrapper
     for _, module, recipe in fusions:
         rc.fuse(module, recipe)
+    if graphs:
+        from . import graphs as cg
+        for fqn, module in cg.outermost(targets, rc.is_fused):
+            cg.install(module, config.max_graphs)
+            report.graphed.append(fqn)
     return report
+
+
+def _graph_option(config: PatchConfig, recipes: bool) -> bool:
+    if not isinstance(config.cuda_graphs, bool):
+        raise TypeError(f"PatchConfig.cuda_graphs must be a bool, got {config.cuda_graphs!r}")
+    if isinstance(config.max_graphs, bool) or not isinstance(config.max_graphs, int) or config.max_graphs < 1:
+        raise ValueError(f"PatchConfig.max_graphs must be an int >= 1, got {config.max_graphs!r}")
+    if config.cuda_graphs and not recipes:
+        raise ValueError("PatchConfig(cuda_graphs=True) graphs the fused blocks; it needs recipes=True")
+    return config.cuda_graphs
 
 
 def remove(model, _only: Optional[set] = None) -> List[str]:

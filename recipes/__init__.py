@@ -58,6 +58,7 @@ def fuse(module: nn.Module, recipe: Recipe) -> None:
 def unfuse(module: nn.Module) -> None:
     if is_fused(module):
         module.__class__ = module._cp_base
+        module.__dict__.pop("_cp_graphs", None)
 
 
 __all__ = ["ORDER", "REGISTRY", "FusedBlock", "Recipe", "recipe_for", "plan", "fuse", "unfuse", "is_fused"]

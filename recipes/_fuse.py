@@ -16,6 +16,7 @@ falling back for any reason keeps its exact PyTorch semantics.
 
 from __future__ import annotations
 
+import functools
 from typing import Dict, Optional
 
 import torch
@@ -50,6 +51,10 @@ class FusedBlock:
     _cp_base: type = nn.Module
 
     def forward(self, *args, **kwargs):
+        graphs = self.__dict__.get("_cp_graphs")
+        if graphs is not None:
+            # PatchConfig(cuda_graphs=True) on an outermost fused block.
+            return graphs(self, functools.partial(self._cp_recipe.forward, self), args, kwargs)
         return self._cp_recipe.forward(self, *args, **kwargs)
 
     def __reduce_ex__(self, protocol):

@@ -39,11 +39,11 @@ def test_bench_layers_rows(tmp_path):
 def test_bench_vae_rows(tmp_path):
     from bench import vae
     vae.main(["--models", "taef2", "--res", "16", "--parts", "decode", "--runs", "1", "--warmup", "0",
-              "--dtype", "fp32", "--out", str(tmp_path), "--profile"])
+              "--dtype", "fp32", "--out", str(tmp_path), "--profile", "--graph"])
     rows = _result(tmp_path, "vae")["rows"]
     assert len(rows) == 1 and rows[0]["name"] == "taef2 decode 16x16"
     r = rows[0]
-    assert ROW_KEYS | {"peak_gib", "channels_last_ms", "first_call_s", "convs_only_ms", "profile"} <= set(r)
+    assert ROW_KEYS | {"peak_gib", "channels_last_ms", "first_call_s", "convs_only_ms", "profile", "graphed_ms"} <= set(r)
     assert r["profile"] and all(len(p) == 3 and p[2] >= 0 for p in r["profile"])
     assert r["baseline"] == "eager nchw" and r["ours_ms"] > 0
 

@@ -1,0 +1,224 @@
+"""PatchConfig(cuda_graphs=True): the graph cache's rules (conv_patch/graphs.py).
+
+On the CPU the cache's logic runs against a stand-in capture whose "replay"
+re-runs the fused forward on the static inputs and copies the result into
+the static outputs, as a graph replay writes them; the GPU tests capture and
+replay real CUDA graphs."""
+
+import copy
+import pickle
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import conv_patch
+from conv_patch import graphs, taesd
+from _util import rel_err
+
+
+class _Replay:
+    def __init__(self, cap):
+        self.cap = cap
+
+    def replay(self):
+        cap = self.cap
+        out = cap.fn(*cap.sargs, **cap.skwargs)
+        for s, t in zip([cap.out] if isinstance(cap.out, torch.Tensor) else cap.out,
+                        [out] if isinstance(out, torch.Tensor) else out):
+            s.copy_(t)
+
+
+class FakeCaptured(graphs.Captured):
+    def __init__(self, fn, args, kwargs):
+        self.static = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+                       for t in graphs._tensors(args, kwargs)]
+        self._copy_in(args, kwargs)
+        self.fn = fn
+        self.sargs, self.skwargs = graphs._substitute(args, kwargs, iter(self.static))
+        self.out = fn(*self.sargs, **self.skwargs)
+        self.graph = _Replay(self)
+
+
+@pytest.fixture
+def fake_graphs(monkeypatch):
+    monkeypatch.setattr(graphs, "_device_ok", lambda t: True)
+    monkeypatch.setattr(graphs.GraphCache, "capture_cls", FakeCaptured)
+
+
+def _chain(device, seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Conv2d(3, 5, 3, padding=1), nn.ReLU(), nn.Conv2d(5, 6, 3, padding=1), nn.SiLU(),
+                         nn.Conv2d(6, 3, 1)).to(device).eval()
+
+
+def _x(seed, device, shape=(1, 3, 6, 7)):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(device)
+
+
+def test_apply_installs_graphs_on_outermost_fused_blocks_and_remove_drops_them(device):
+    dec = taesd.seeded_(taesd.decoder(latent_channels=4, channels=8)).to(device).eval()
+    report = conv_patch.apply(dec, config=conv_patch.PatchConfig(cuda_graphs=True, max_graphs=2))
+    assert report.graphed == [""] and "graphed  <root>" in str(report)
+    assert graphs.cache_of(dec).max_graphs == 2
+    assert all(graphs.cache_of(m) is None for m in list(dec.modules())[1:])  # inner fused blocks: none
+    twin = copy.deepcopy(dec)
+    assert graphs.cache_of(twin) is not graphs.cache_of(dec) and not graphs.cache_of(twin).graphs
+    assert graphs.cache_of(pickle.loads(pickle.dumps(dec))) is not None
+    conv_patch.remove(dec)
+    assert graphs.cache_of(dec) is None and "_cp_graphs" not in dec.__dict__
+
+
+def test_config_is_checked():
+    m = _chain("cpu")
+    for bad, err in [(dict(cuda_graphs=1), TypeError), (dict(cuda_graphs=True, max_graphs=0), ValueError),
+                     (dict(cuda_graphs=True, max_graphs=True), ValueError)]:
+        with pytest.raises(err):
+            conv_patch.apply(m, config=conv_patch.PatchConfig(**bad))
+    with pytest.raises(ValueError, match="recipes"):
+        conv_patch.apply(m, config=conv_patch.PatchConfig(cuda_graphs=True), recipes=False)
+    assert not any(conv_patch.is_patched(c) for c in m.modules())  # an error leaves the model as it was
+
+
+def test_second_call_captures_then_replays_fresh_outputs(device, exact_fp32, fake_graphs):
+    m = _chain(device)
+    ref = copy.deepcopy(m)
+    conv_patch.apply(m, config=conv_patch.PatchConfig(cuda_graphs=True))
+    cache = graphs.cache_of(m)
+    with torch.no_grad():
+        outs = [m(_x(i, device)) for i in range(4)]
+        assert cache.stats == {"captures": 1, "replays": 3, "eager": 1}
+        for i, y in enumerate(outs):  # each result kept its own values: no aliasing of static outputs
+            assert rel_err(y, ref(_x(i, device))) <= 1e-5
+        assert outs[2].data_ptr() != outs[3].data_ptr()
+        m(_x(0, device, (1, 3, 5, 5)))  # a new shape: once eager, not captured
+        assert cache.stats["captures"] == 1 and len(cache.graphs) == 1
+
+
+def test_lru_bound_and_what_runs_eagerly(device, exact_fp32, fake_graphs):
+    m = _chain(device)
+    conv_patch.apply(m, config=conv_patch.PatchConfig(cuda_graphs=True, max_graphs=2))
+    cache = graphs.cache_of(m)
+    with torch.no_grad():
+        for hw in (5, 6, 7, 6):
+            for _ in range(2):
+                m(_x(0, device, (1, 3, hw, hw)))
+    assert cache.stats["captures"] == 3 and len(cache.graphs) == 2
+    assert [k[2][1][2:] for k in cache.graphs] == [(7, 7), (6, 6)]  # 5x5, least recently used, dropped
+    before = dict(cache.stats)
+    for _ in range(2):
+        m(_x(0, device, (1, 3, 6, 6)))  # grad mode on and the weights require grad: autograd records it
+    assert cache.stats["eager"] == before["eager"] + 2 and cache.stats["replays"] == before["replays"]
+
+
+def test_weight_changes_recapture_and_a_streaming_module_stops_being_graphed(device, exact_fp32, fake_graphs):
+    m = _chain(device)
+    conv_patch.apply(m, config=conv_patch.PatchConfig(cuda_graphs=True))
+    cache = graphs.cache_of(m)
+    x = _x(3, device)
+    with torch.no_grad():
+        m(x), m(x)
+        m[0].weight.mul_(0.5)  # in place: same storage, the graph reads it
+        m(x)
+        assert cache.stats["captures"] == 1 and cache.stats["replays"] == 2
+        for i in range(graphs.MAX_RECAPTURES):
+            m[2].weight = nn.Parameter(m[2].weight.detach().clone())  # a new storage: recapture
+            m(x)
+            assert cache.recaptures == i + 1 and cache.stats["captures"] == 2 + i
+        m[2].register_forward_hook(lambda *a: None)
+        with pytest.warns(RuntimeWarning, match="CUDA graphs off"):
+            y = m(x)
+        assert cache.disabled and not cache.graphs
+        unpatched = conv_patch.remove(m) and m
+        assert rel_err(y, unpatched(x)) <= 1e-5
+
+
+def test_failed_capture_warns_once_and_runs_eagerly(device, exact_fp32, fake_graphs, monkeypatch):
+    def broken(*a, **k):
+        raise RuntimeError("operation not permitted when stream is capturing")
+    m = _chain(device)
+    conv_patch.apply(m, config=conv_patch.PatchConfig(cuda_graphs=True))
+    monkeypatch.setattr(graphs.GraphCache, "capture_cls", broken)
+    x = _x(1, device)
+    with torch.no_grad():
+        m(x)
+        with pytest.warns(RuntimeWarning, match="capture failed"):
+            y = m(x)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert torch.equal(m(x), y)
+    assert graphs.cache_of(m).stats["captures"] == 0
+
+
+def test_unhashable_arguments_and_cpu_tensors_are_not_graphed(device, exact_fp32):
+    assert graphs.call_key((torch.zeros(1),), {}) is None  # a CPU tensor: real CUDA graphs only
+    assert graphs.call_key((1, [2]), {}) is None
+    assert graphs.call_key((1, "a"), {"b": None}) is not None
+    m = _chain(device)
+    conv_patch.apply(m, config=conv_patch.PatchConfig(cuda_graphs=True))
+    with torch.no_grad():
+        for _ in range(3):
+            m(_x(0, device))
+    assert graphs.cache_of(m).stats["captures"] == (1 if device.type == "cuda" else 0)
+
+
+# -- real CUDA graphs ----------------------------------------------------------
+@pytest.fixture
+def same_upsample_form(monkeypatch):
+    """A capture always folds the upsample into four 2x2 convs
+    (ops.subpixel_pays); the eager twin folds it too here, so that both
+    round the same way."""
+    from conv_patch import ops
+    monkeypatch.setattr(ops, "SUBPIXEL_MIN_MACS", 0)
+
+
+@pytest.mark.gpu
+def test_graphed_flux_config_decode_matches_eager_and_sees_weight_updates(same_upsample_form):
+    diffusers = pytest.importorskip("diffusers")
+    torch.manual_seed(0)
+    vae = diffusers.AutoencoderKL(
+        block_out_channels=(128, 256, 256), layers_per_block=1, latent_channels=16,
+        down_block_types=("DownEncoderBlock2D",) * 3, up_block_types=("UpDecoderBlock2D",) * 3,
+        use_quant_conv=False, use_post_quant_conv=False).cuda().eval().to(torch.bfloat16)
+    eager = copy.deepcopy(vae)
+    conv_patch.apply(eager)
+    report = conv_patch.apply(vae, config=conv_patch.PatchConfig(cuda_graphs=True))
+    assert set(report.graphed) == {"encoder", "decoder"}
+    cache = graphs.cache_of(vae.decoder)
+    zs = [torch.randn(1, 16, 32, 32, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    with torch.no_grad():
+        outs = [vae.decode(z).sample for z in zs]
+        assert cache.stats["captures"] == 1 and cache.stats["replays"] == 2
+        for z, y in zip(zs, outs):
+            ref = eager.decode(z).sample
+            assert y.is_contiguous() and rel_err(y, ref) <= 1e-3
+        # An in-place update (a LoRA merge writes .data) reaches the replay.
+        for m in (vae, eager):
+            m.decoder.conv_out.weight.data.mul_(-0.5)
+        assert rel_err(vae.decode(zs[0]).sample, eager.decode(zs[0]).sample) <= 2e-3
+        assert cache.stats["captures"] == 1
+        img = torch.randn(1, 3, 128, 128, device="cuda", dtype=torch.bfloat16)
+        for _ in range(3):
+            lat = vae.encode(img).latent_dist.mean
+        assert rel_err(lat, eager.encode(img).latent_dist.mean) <= 2e-3
+        assert graphs.cache_of(vae.encoder).stats["replays"] == 2
+
+
+@pytest.mark.gpu
+def test_graphed_taesd_decoder_recaptures_when_moved(same_upsample_form):
+    dec = taesd.seeded_(taesd.decoder(16, 32)).to("cuda", torch.float16).eval()
+    eager = copy.deepcopy(dec)
+    conv_patch.apply(eager)
+    conv_patch.apply(dec, config=conv_patch.PatchConfig(cuda_graphs=True))
+    x = torch.randn(2, 16, 24, 20, device="cuda", dtype=torch.float16)
+    with torch.no_grad():
+        for _ in range(3):
+            y = dec(x)
+        assert rel_err(y, eager(x)) <= 2e-3
+        dec.to(torch.bfloat16), eager.to(torch.bfloat16)
+        for _ in range(2):
+            y = dec(x.bfloat16())
+        assert rel_err(y, eager(x.bfloat16())) <= 1e-3
+    cache = graphs.cache_of(dec)
+    assert cache.stats["captures"] == 2 and cache.recaptures == 1

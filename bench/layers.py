@@ -45,8 +45,8 @@ def run_layer(call, layout, dtype, rounds, fused, device):
     b = torch.randn(spec.out_channels, device=device, dtype=dtype, generator=g)
     packed = w.contiguous(memory_format=torch.channels_last)
     refresh = packed.data_ptr() != w.data_ptr()
-    st, pad, dil = spec.stride, spec.pad_begin, spec.dilation
-    y = F.conv2d(x, w, b, st, pad, dil)
+    st, pad, dil = spec.stride, spec.padding_arg, spec.dilation
+    y = spec.torch_conv2d(x, w, b)
     r = torch.randn(y.shape, device=device, dtype=dtype, generator=g).contiguous(memory_format=fmt)
     decision = select_route(spec, CallDesc.of_call(x, packed, b), target_for(x.device))
 
@@ -56,12 +56,12 @@ def run_layer(call, layout, dtype, rounds, fused, device):
         return ops.conv2d(x, packed, b, st, pad, dil, **kw)
 
     if fused:
-        fns = [lambda: F.silu(F.conv2d(x, w, b, st, pad, dil) + r),
+        fns = [lambda: F.silu(spec.torch_conv2d(x, w, b) + r),
                lambda: ours(residual=r, activation="silu")]
-        ref = F.silu(F.conv2d(x.float(), w.float(), b.float(), st, pad, dil) + r.float())
+        ref = F.silu(spec.torch_conv2d(x.float(), w.float(), b.float()) + r.float())
     else:
-        fns = [lambda: F.conv2d(x, w, b, st, pad, dil), ours]
-        ref = F.conv2d(x.float(), w.float(), b.float(), st, pad, dil)
+        fns = [lambda: spec.torch_conv2d(x, w, b), ours]
+        ref = spec.torch_conv2d(x.float(), w.float(), b.float())
     base_ms, ours_ms = interleaved_ms(fns, rounds=rounds, warmup=10, rep=40)
     err = ((fns[1]().float() - ref).norm() / ref.norm()).item()
     flops = 2 * y.numel() // y.shape[1] * spec.out_channels * spec.in_channels * k[0] * k[1]

@@ -68,6 +68,9 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--max-out-channels", type=int, default=None, metavar="C",
                    help="only the convolutions with at most C output channels (with --base --exact-only: "
                         "re-tune a model's conv_out layers alone)")
+    t.add_argument("--stride", type=int, default=None, metavar="S",
+                   help="only the convolutions of stride S (with --base --exact-only: re-tune a model's "
+                        "downsampling convs alone)")
     t.add_argument("--time-limit", type=float, default=None, metavar="S",
                    help="stop starting new shapes after S seconds and write the table from what was measured")
     t.add_argument("--device", default=None, help="cuda or cuda:N (cpu only under TRITON_INTERPRET=1)")
@@ -296,6 +299,8 @@ def cmd_tune(args) -> int:
                        key=lambda c: c.shape[0])
         if args.max_out_channels is not None:
             calls = [c for c in calls if c.spec.out_channels <= args.max_out_channels]
+        if args.stride is not None:
+            calls = [c for c in calls if args.stride in c.spec.stride]
     except ImportError as e:
         raise UsageError(f"--family {' '.join(args.family)}: needs {e.name} "
                          f"(pip install 'conv-patch[diffusers]')") from None

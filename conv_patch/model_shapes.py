@@ -33,15 +33,36 @@ class ConvCall:
         return f"{self.spec.describe()} on {n}x{c}x{h}x{w}"
 
 
+def _padded_downsample_convs(model: nn.Module) -> set:
+    """The convs of diffusers ``Downsample2D`` blocks that pad (0, 1, 0, 1)
+    with ``F.pad`` before a stride-2 conv of their own padding 0: the block
+    recipe folds that pad into the conv (``recipes/diffusers.py``), so the
+    patched model runs them on the unpadded input."""
+    out = set()
+    for m in model.modules():
+        conv = getattr(m, "conv", None)
+        if (type(m).__name__ == "Downsample2D" and getattr(m, "padding", None) == 0
+                and isinstance(conv, nn.Conv2d) and tuple(conv.padding) == (0, 0)):
+            out.add(id(conv))
+    return out
+
+
 def trace_convs(model: nn.Module, run: Callable[[nn.Module], object]) -> "Counter[Tuple[ConvSpec, tuple]]":
-    """Counter of (spec, input shape) over every conv call of ``run(model)``.
+    """Counter of (spec, input shape) over every conv call of ``run(model)``,
+    and for a padding Downsample2D's conv also the folded form the block
+    recipe runs (the unpadded input, the pad as the conv's end padding).
     ``model`` should live on the meta device."""
     seen: "Counter[Tuple[ConvSpec, tuple]]" = Counter()
+    folded = _padded_downsample_convs(model)
 
     def hook(mod, args):
         x = args[0]
         shape = tuple(x.shape) if x.dim() == 4 else (1,) + tuple(x.shape)
-        seen[(ConvSpec.from_module(mod), shape)] += 1
+        spec = ConvSpec.from_module(mod)
+        seen[(spec, shape)] += 1
+        if id(mod) in folded:
+            n, c, h, w = shape
+            seen[(dataclasses.replace(spec, pad_end=(1, 1)), (n, c, h - 1, w - 1))] += 1
 
     handles = [m.register_forward_pre_hook(hook) for m in model.modules()
                if isinstance(m, (nn.Conv2d, nn.ConvTranspose2d))]

@@ -138,8 +138,13 @@ def tma_problem(spec: ConvSpec, call: CallDesc, shape: tuple, target: Target) ->
         return "conv_transpose2d"
     if not (tma_arch(target.arch) or target.interpreter):
         return f"{target.arch} has no TMA"
-    if spec.stride != (1, 1):
-        return f"stride {spec.stride} (a strided gather is not a TMA box)"
+    sh, sw = spec.stride
+    if (sh, sw) != (1, 1):
+        # A box of the [N, H/S, S, W/S, S*C] view (kernels/conv2d_tma.py).
+        if shape[2] % sh or shape[3] % sw:
+            return f"stride {spec.stride} does not divide the input's {shape[2]}x{shape[3]}"
+        if spec.in_channels % 16:
+            return f"stride {spec.stride} with C_in={spec.in_channels}, not a multiple of 16"
     if not call.aligned16:
         return "input or weight not 16-byte aligned"
     return tma_layout_problem(shape, call.layout, call.dtype.itemsize, spec.in_channels)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 Pair = Tuple[int, int]
@@ -62,6 +63,25 @@ class ConvSpec:
     @property
     def kind(self) -> str:
         return "conv_transpose2d" if self.transposed else "conv2d"
+
+    @property
+    def padding_arg(self):
+        """The padding ``ops.conv2d`` takes for this conv: (top, left), or
+        F.pad's (left, right, top, bottom) where the ends differ (a folded
+        pad, like diffusers' Downsample2D's)."""
+        if self.pad_begin == self.pad_end:
+            return self.pad_begin
+        (t, l), (b, r) = self.pad_begin, self.pad_end
+        return (l, r, t, b)
+
+    def torch_conv2d(self, x, w, b=None):
+        """PyTorch's computation of this (non-transposed) conv: ``F.conv2d``,
+        after ``F.pad`` where the ends differ (what benchmarks and the tuner
+        compare against)."""
+        pad = self.padding_arg
+        if len(pad) == 4:
+            x, pad = F.pad(x, pad), 0
+        return F.conv2d(x, w, b, self.stride, pad, self.dilation)
 
     @classmethod
     def from_module(cls, m: nn.Module) -> "ConvSpec":

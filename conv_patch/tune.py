@@ -27,7 +27,6 @@ import time
 from typing import Callable, Dict, Iterable, List, Optional
 
 import torch
-import torch.nn.functional as F
 
 from . import config_tables, ops
 from .model_shapes import ConvCall, distinct_calls
@@ -148,13 +147,13 @@ def measure(call: ConvCall, layout: str, dtype: torch.dtype, device: torch.devic
     b = torch.randn(spec.out_channels, generator=g).to(device, dtype)
     packed = w.contiguous(memory_format=torch.channels_last)
     w_torch = w.contiguous(memory_format=fmt)
-    pad = spec.pad_begin
+    pad = spec.padding_arg
     with conv_tf32(False):
-        ref = F.conv2d(x.float(), w.float(), b.float(), spec.stride, pad, spec.dilation)
+        ref = spec.torch_conv2d(x.float(), w.float(), b.float())
     oh, ow = ref.shape[2], ref.shape[3]
     tol = TOLERANCE[dtype]
     if device.type == "cuda":
-        cudnn_out = F.conv2d(x, w_torch, b, spec.stride, pad, spec.dilation).float()
+        cudnn_out = spec.torch_conv2d(x, w_torch, b).float()
         cudnn_err = ((cudnn_out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
         tol = min(tol, CUDNN_ERR_FACTOR * cudnn_err + CUDNN_ERR_SLACK)
         del cudnn_out
@@ -180,7 +179,7 @@ def measure(call: ConvCall, layout: str, dtype: torch.dtype, device: torch.devic
             rejected[lab] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:120]}"
     cudnn_ms = None
     if device.type == "cuda":
-        cudnn_ms = timer(lambda: F.conv2d(x, w_torch, b, spec.stride, pad, spec.dilation))
+        cudnn_ms = timer(lambda: spec.torch_conv2d(x, w_torch, b))
     key = config_tables.shape_key(spec, shape, layout, dtype)
     return Measurement(key, call, layout, shape[0] * oh * ow, tma_ok, times, rejected, cudnn_ms, configs)
 
@@ -279,10 +278,10 @@ def tune(calls: Iterable[ConvCall], layouts, dtype: torch.dtype, device: torch.d
     calls = list(calls)
     start = time.monotonic()
     cands = cands if cands is not None else candidates(target)
-    # Tables key conv2d only; asymmetric padding (never in these VAEs: their
-    # Downsample pads with F.pad first) is left to the buckets.
-    jobs = [(c, lay) for c in calls for lay in layouts
-            if not c.spec.transposed and c.spec.pad_begin == c.spec.pad_end]
+    # Tables key conv2d only. Asymmetric padding (diffusers' Downsample2D pad
+    # as the block recipe folds it) is measured against F.pad + cuDNN, what
+    # the cudnn route would run.
+    jobs = [(c, lay) for c in calls for lay in layouts if not c.spec.transposed]
     out = []
     for i, (call, layout) in enumerate(jobs):
         if time_limit_s is not None and time.monotonic() - start > time_limit_s:

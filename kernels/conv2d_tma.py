@@ -24,8 +24,16 @@ Design:
     past C_in reads TMA zeros, never the next tap's weights.
   * The reduction loop is one flat loop over (tap, channel block) so Triton's
     software pipeliner keeps ``num_stages`` TMA loads in flight across taps.
-  * Only stride 1 fits a box (a strided gather is not a box); the router sends
-    other strides, misaligned tensors and fp32 to the portable kernel.
+  * Stride S > 1 (a VAE encoder's downsampling convs) is a box too, of a
+    5-D view of the same memory: [N, H/S, S, W/S, S*C] (row = S*q + p, column
+    = S*q' + p', the column parity folded into the channel dimension). Tap
+    (kh, kw) reads input row S*oh + kh*dh - ph = S*(oh + qh) + rh, so for a
+    tile of output rows the rows it needs are the box at (n, oh0 + qh, rh,
+    ow0 + qw, rw*C + c0): one box per tap again, edges zero-filled as
+    before. The router requires S to divide H and W (the view must be
+    exact) and C_in a multiple of 16, so a channel block never runs from
+    one column parity into the next.
+  * Misaligned tensors, fp32 and other strides go to the portable kernel.
 """
 
 import triton
@@ -41,12 +49,12 @@ def conv2d_tma_kernel(
     N, C_in, H, W, C_out, OH, OW,
     srn, src, srh, srw,
     son, soc, soh, sow,
-    KH, KW, PH, PW, DH, DW,
+    KH, KW, PH, PW, DH, DW, SH, SW,
     beta, out_scale,
     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, ACT: tl.constexpr,
     IDX64: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_W: tl.constexpr, GROUP_M: tl.constexpr,
+    BLOCK_W: tl.constexpr, GROUP_M: tl.constexpr, STRIDED: tl.constexpr,
 ):
     BLOCK_H: tl.constexpr = BLOCK_M // BLOCK_W
     tiles_w = tl.cdiv(OW, BLOCK_W)
@@ -68,9 +76,15 @@ def conv2d_tma_kernel(
         c0 = (it - tap * k_blocks) * BLOCK_K
         kh = tap // KW
         kw = tap - kh * KW
-        ih = oh0 - PH + kh * DH
-        iw = ow0 - PW + kw * DW
-        a = tl.reshape(x_desc.load([n, ih, iw, c0]), (BLOCK_M, BLOCK_K))
+        if STRIDED:
+            # Offsets made non-negative before // and %, whose rounding of
+            # negatives differs between compiled Triton and the interpreter.
+            dh = kh * DH + (SH - 1) * PH
+            dw = kw * DW + (SW - 1) * PW
+            a = x_desc.load([n, oh0 + dh // SH - PH, dh % SH, ow0 + dw // SW - PW, (dw % SW) * C_in + c0])
+        else:
+            a = x_desc.load([n, oh0 - PH + kh * DH, ow0 - PW + kw * DW, c0])
+        a = tl.reshape(a, (BLOCK_M, BLOCK_K))
         b = tl.reshape(w_desc.load([n0, tap, c0]), (BLOCK_N, BLOCK_K))
         if UPCAST:
             # The interpreter's tl.dot is wrong on bf16 operands (Triton
@@ -104,13 +118,20 @@ def launch_conv2d_tma(x, w, bias, out, residual, *, stride, padding, dilation, b
     """Same call as the portable launchers. ``x`` is dense NHWC (logical
     [N, C, H, W], channels_last strides) and ``w`` the [C_out, C_in, KH, KW]
     view of a co,kh,kw,ci-dense pack; the router has checked alignment and
-    stride 1."""
+    that the stride divides H and W."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     N, C_in, H, W = x.shape
     C_out, _, KH, KW = w.shape
     OH, OW = out.shape[2], out.shape[3]
+    sh, sw = stride
     bm, bn, bk, bw = tile_sizes(config, C_in, C_out, OW)
+    strided = (sh, sw) != (1, 1)
+    if strided:
+        # A channel block must not run from one column parity into the next
+        # (C_in is a multiple of 16, the router's rule).
+        while C_in % bk:
+            bk //= 2
     bh = bm // bw
     warps = int(config.get("num_warps", 4))
     if warps == 8 and bn < 256:
@@ -123,7 +144,11 @@ def launch_conv2d_tma(x, w, bias, out, residual, *, stride, padding, dilation, b
         warps = 4
     # Dense NHWC strides written out: PyTorch may report any stride for a
     # size-1 dimension, TMA wants every stride 16-byte aligned.
-    x_desc = TensorDescriptor(x, [N, H, W, C_in], [H * W * C_in, W * C_in, C_in, 1], [1, bh, bw, bk])
+    if strided:
+        x_desc = TensorDescriptor(x, [N, H // sh, sh, W // sw, sw * C_in],
+                                  [H * W * C_in, sh * W * C_in, W * C_in, sw * C_in, 1], [1, bh, 1, bw, bk])
+    else:
+        x_desc = TensorDescriptor(x, [N, H, W, C_in], [H * W * C_in, W * C_in, C_in, 1], [1, bh, bw, bk])
     w_desc = TensorDescriptor(w, [C_out, KH * KW, C_in], [w.stride(0), C_in, 1], [bn, 1, bk])
     res = residual if residual is not None else out
     grid = (N * cdiv(OH, bh) * cdiv(OW, bw) * cdiv(C_out, bn),)
@@ -131,11 +156,11 @@ def launch_conv2d_tma(x, w, bias, out, residual, *, stride, padding, dilation, b
         x_desc, w_desc, bias if bias is not None else out, res, out,
         N, C_in, H, W, C_out, OH, OW,
         *res.stride(), *out.stride(),
-        KH, KW, padding[0], padding[1], dilation[0], dilation[1],
+        KH, KW, padding[0], padding[1], dilation[0], dilation[1], sh, sw,
         float(beta), float(out_scale),
         HAS_BIAS=bias is not None, HAS_RES=residual is not None, ACT=int(activation),
         IDX64=bool(force_int64 or needs_int64(out, residual)), UPCAST=bool(upcast),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_W=bw, GROUP_M=int(config.get("GROUP_M", 8)),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_W=bw, GROUP_M=int(config.get("GROUP_M", 8)), STRIDED=strided,
         num_warps=warps, num_stages=int(config.get("num_stages", 3)),
     )
     return out

@@ -13,14 +13,16 @@ TILES = {"BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M"}
 ALLOWED_CONSTEXPR = {
     "conv2d": SWITCHES | TILES | {"PRECISION"},
     "conv_transpose2d": SWITCHES | TILES | {"PRECISION"},
-    # BLOCK_W is the TMA tile's width in pixels.
-    "conv2d_tma": SWITCHES | TILES | {"BLOCK_W"},
+    # BLOCK_W is the TMA tile's width in pixels; STRIDED picks the 5-D
+    # descriptor of stride > 1 (the stride itself, SH/SW, is a runtime value).
+    "conv2d_tma": SWITCHES | TILES | {"BLOCK_W", "STRIDED"},
 }
 SHAPE_ARGS = {"N", "C_in", "H", "W", "C_out", "OH", "OW", "KH", "KW", "PH", "PW",
               "DH", "DW", "son", "soc", "soh", "sow"}
 # The TMA kernel reads the input through a descriptor (shape and strides are
-# runtime fields of it) and takes stride 1 only.
+# runtime fields of it); its conv stride is SH/SW.
 POINTER_SHAPE_ARGS = {"STH", "STW", "sxn", "sxc", "sxh", "sxw"}
+TMA_SHAPE_ARGS = {"SH", "SW"}
 
 
 @pytest.mark.parametrize("name", sorted(KERNELS))
@@ -28,5 +30,5 @@ def test_only_switches_and_tiles_are_constexpr(name):
     params = inspect.signature(KERNELS[name].fn).parameters
     constexpr = {n for n, p in params.items() if p.annotation is tl.constexpr}
     assert constexpr == ALLOWED_CONSTEXPR[name]
-    shape_args = SHAPE_ARGS if name == "conv2d_tma" else SHAPE_ARGS | POINTER_SHAPE_ARGS
+    shape_args = SHAPE_ARGS | (TMA_SHAPE_ARGS if name == "conv2d_tma" else POINTER_SHAPE_ARGS)
     assert shape_args <= set(params) and not (shape_args & constexpr)

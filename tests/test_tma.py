@@ -8,12 +8,13 @@ the NHWC staging copy and must come back NCHW.
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from conv_patch import PatchConfig, config_tables, ops
 from conv_patch.routing import Route, select_route, tma_problem
 from conv_patch.specs import CallDesc, ConvSpec
 from conv_patch.target import Target, target_for
-from _util import rel_err
+from _util import poisoned, rel_err
 from test_kernels import check_conv
 
 HAS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
@@ -34,6 +35,13 @@ TMA_CASES = [
     (3, 8, 5, 8, 8, 3, 1, "valid", 1, False, False, "silu", "nchw"),
     (2, 16, 1, 1, 24, 3, 1, 1, 1, False, True, "none", None),  # 1x1 spatial: both layouts at once
     (1, 8, 7, 13, 8, 3, 1, 1, 1, False, True, "relu", None),  # NCHW width 13: any width
+    # Stride > 1: boxes of the [N, H/S, S, W/S, S*C] view.
+    (2, 32, 10, 18, 24, 3, 2, 1, 1, True, True, "silu", "nhwc"),
+    (1, 16, 12, 8, 20, 3, 2, 0, 1, False, True, "none", None),
+    (1, 16, 8, 14, 16, 3, 2, 2, 2, True, False, "relu", None),
+    (1, 32, 6, 12, 8, 4, 2, 1, 1, True, True, "none", "nchw"),
+    (1, 16, 8, 10, 16, 3, (2, 1), 1, 1, True, True, "none", None),
+    (1, 48, 16, 16, 16, 3, 4, 1, 1, False, True, "gelu", None),
 ]
 
 TMA_TILES = {"route": "tma", "BLOCK_M": 64, "BLOCK_N": 16, "BLOCK_K": 16, "BLOCK_W": 8,
@@ -55,6 +63,23 @@ def test_tma_conv2d_wide_tiles_int64(case, device):
     check_conv(case, torch.bfloat16, device, config=TMA_WIDE, force_int64=True, seed=4)
 
 
+@needs_tma
+@pytest.mark.parametrize("n,c,h,w", [(1, 32, 10, 14), (2, 16, 6, 8)])
+def test_tma_stride2_with_a_folded_downsample_pad(n, c, h, w, device):
+    """diffusers' Downsample2D: F.pad(x, (0, 1, 0, 1)) then a stride-2 3x3
+    conv, the pad folded into the bounds (the box past the last row and
+    column reads TMA zeros)."""
+    g = torch.Generator().manual_seed(h)
+    x = torch.randn(n, c, h, w, generator=g).to(device, torch.bfloat16).contiguous(memory_format=torch.channels_last)
+    wt = (torch.randn(24, c, 3, 3, generator=g) * (9 * c) ** -0.5).to(device, torch.bfloat16)
+    b = torch.randn(24, generator=g).to(device, torch.bfloat16)
+    ref = F.conv2d(F.pad(x.double().cpu(), (0, 1, 0, 1)), wt.double().cpu(), b.double().cpu(), 2)
+    out = poisoned(ref.shape, torch.bfloat16, device, channels_last=True)
+    for cfg in (TMA_TILES, TMA_WIDE):
+        y = ops.conv2d(x, wt, b, 2, (0, 1, 0, 1), config=cfg, out=out)
+        assert rel_err(y, ref) <= 1e-2
+
+
 def _spec(c_in=16, c_out=16, k=3, stride=1):
     return ConvSpec.from_module(torch.nn.Conv2d(c_in, c_out, k, stride, padding=k // 2))
 
@@ -68,7 +93,8 @@ SM90 = Target("sm90", True)
 
 
 @pytest.mark.parametrize("spec,call,target,why", [
-    (_spec(stride=2), _call((1, 16, 8, 8)), SM90, "stride"),
+    (_spec(stride=2), _call((1, 16, 9, 8)), SM90, "stride (2, 2) does not divide"),
+    (_spec(c_in=24, stride=2), _call((1, 24, 8, 8)), SM90, "not a multiple of 16"),
     (_spec(c_in=12), _call((1, 12, 8, 8)), SM90, "C_in=12"),
     (_spec(), _call((1, 16, 8, 8), dtype=torch.float32), SM90, "fp16/bf16"),
     (_spec(), _call((1, 16, 8, 8), layout="strided"), SM90, "strided"),
@@ -99,7 +125,7 @@ def test_table_routes_tma_and_skips_it_when_ineligible():
                           {"max_m": None, "config": IGEMM}])
     ok = select_route(_spec(), _call((1, 16, 8, 8)), SM90, tbl)
     assert ok.route is Route.CONV2D_TMA and ok.tier == "bucket"
-    stride2 = select_route(_spec(stride=2), _call((1, 16, 8, 8)), SM90, tbl)
+    stride2 = select_route(_spec(stride=2), _call((1, 16, 9, 9)), SM90, tbl)
     assert stride2.route is Route.CONV2D_IGEMM and stride2.config is IGEMM
     # No portable entry at all: the curated defaults take over, never a crash.
     only_tma = _table(any_cfg=dict(TMA_TILES))
@@ -167,8 +193,8 @@ def test_nchw_to_nhwc_copy(shape, device):
 def test_patched_model_takes_the_tma_route_through_a_table(device):
     """apply() with a table whose configs name the TMA route: 3x3 stride-1
     and 1x1 convs run it (weights packed by the wrapper, an NCHW input
-    staged), the stride-2 conv falls back to the portable kernel in the same
-    table, and the model's output matches the unpatched one."""
+    staged), the stride-2 conv of an odd height falls back to the portable
+    kernel in the same table, and the model's output matches the unpatched one."""
     import conv_patch
     if not target_for(device).kernels:
         pytest.skip("no kernels here")
@@ -182,7 +208,7 @@ def test_patched_model_takes_the_tma_route_through_a_table(device):
     net = net.to(device, torch.bfloat16).eval()
     table = {"conv2d": {"buckets": [{"max_m": None, "config": dict(TMA_WIDE)},
                                     {"max_m": None, "config": dict(IGEMM)}]}}
-    x = torch.randn(2, 8, 12, 16, generator=g).to(device, torch.bfloat16)
+    x = torch.randn(2, 8, 13, 16, generator=g).to(device, torch.bfloat16)
     with torch.no_grad():
         ref = net.double()(x.double()) if device.type == "cpu" else net.float()(x.float())
         net.to(torch.bfloat16)

@@ -2,6 +2,7 @@
 interpreter on tiny shapes: what it measures, what it rejects, and that the
 table it writes loads and routes."""
 
+import dataclasses
 import json
 
 import pytest
@@ -22,6 +23,9 @@ def test_flux_decoder_convs_traced_off_the_architecture():
     enc = family_convs("sd", 512, batch=4, parts=("encoder",))
     # SD's encoder pads (0,1,0,1) before its stride-2 convs, and ends in the 8->8 quant conv.
     assert any(c.spec.stride == (2, 2) and c.shape[2] == 513 for c in enc)
+    # ... and the block recipe folds that pad: the form a patched encoder runs.
+    assert any(c.spec.stride == (2, 2) and c.shape[2] == 512 and c.spec.pad_end == (1, 1)
+               and c.spec.pad_begin == (0, 0) for c in enc)
     assert any(c.spec.in_channels == 8 and c.spec.kernel == (1, 1) for c in enc)
     assert all(c.shape[0] == 4 for c in enc)
 
@@ -74,6 +78,19 @@ def test_tune_measures_rejects_and_builds_a_table(monkeypatch):
     assert d.tier == "exact" and d.route in (Route.CONV2D_TMA, Route.CONV2D_IGEMM)
 
 
+def test_tune_measures_a_folded_downsample_pad_on_the_tma_route():
+    target = target_for(torch.device("cpu"))
+    if not target.kernels:
+        pytest.skip("needs the interpreter")
+    spec = dataclasses.replace(ConvSpec.from_module(torch.nn.Conv2d(16, 16, 3, 2, 0)), pad_end=(1, 1))
+    cands = [c for c in tune.candidates(target) if c.get("route") == "tma"][:2]
+    cands += [c for c in tune.candidates(target) if c.get("route", "igemm") == "igemm"][:1]
+    (m,) = tune.tune([ConvCall(spec, (1, 16, 8, 8), "test")], ["nhwc"], torch.bfloat16, torch.device("cpu"),
+                     target, cands=cands, timer=lambda fn: 1.0)
+    assert m.key.endswith("bfloat16") and "/b1x1" in m.key and m.tma_ok
+    assert not m.rejected and len(m.times) == 3  # every candidate matched F.pad + F.conv2d
+
+
 def test_cudnn_wins_only_by_the_margin():
     call = _tiny_calls()[0]
     cfg = {"route": "igemm", "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32}
@@ -118,6 +135,18 @@ def test_cli_tune_writes_a_table_that_loads(tmp_path, capsys):
     lines = rep.read_text().splitlines()
     assert len(lines) == len(table.data["conv2d"]["exact"]) and json.loads(lines[0])["best"]
     assert "wrote" in capsys.readouterr().out
+
+
+def test_cli_tune_stride_keeps_the_downsampling_convs(tmp_path):
+    if not target_for(torch.device("cpu")).kernels:
+        pytest.skip("needs the interpreter")
+    out, rep = tmp_path / "t.json", tmp_path / "r.jsonl"
+    rc = cli.main(["tune", "--family", "taesd", "--res", "8", "--batch", "1", "--layout", "nhwc",
+                   "--part", "encoder", "--stride", "2", "--device", "cpu", "--out", str(out),
+                   "--report", str(rep)])
+    assert rc == 0
+    keys = list(config_tables.load_user_table(str(out)).data["conv2d"]["exact"])
+    assert len(keys) == 3 and all(".s2x2." in k for k in keys)
 
 
 def test_cli_tune_max_out_channels_measures_the_taps_route(tmp_path):

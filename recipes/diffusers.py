@@ -187,6 +187,42 @@ class Decoder(NHWCInside):
         return like_input(norm_conv(m.conv_norm_out, m.conv_out, x, "silu"), sample)
 
 
+class Encoder(NHWCInside):
+    """``Encoder`` of AutoencoderKL in NHWC, entered through ``conv_in``
+    itself: the image (3 channels) is read in the caller's layout and
+    conv_in writes NHWC. Converting the image first made conv_in read
+    3-channel NHWC pixels, which the implicit GEMM pads to a 16-wide
+    channel block per tap: 0.53 ms at 1024^2 on the H200 against 0.35 ms
+    reading NCHW (the sm90 table's entries), plus the conversion. The tail,
+    GroupNorm → SiLU → conv_out, is one ``norm_conv`` step."""
+
+    def match(self, m):
+        return (super().match(m) and is_group_norm(getattr(m, "conv_norm_out", None))
+                and is_silu(getattr(m, "conv_act", None)) and is_conv(getattr(m, "conv_out", None), 3, 1, 1)
+                and isinstance(getattr(m, "conv_in", None), nn.Conv2d))
+
+    def forward(self, m, sample, *args, **kwargs):
+        if (args or kwargs or not hasattr(sample, "dim") or sample.dim() != 4
+                or (torch.is_grad_enabled() and getattr(m, "gradient_checkpointing", False))
+                or not plain(m.conv_in, m.conv_norm_out, m.conv_act)
+                or torch.compiler.is_compiling() or not target_for(sample.device).kernels):
+            return super().forward(m, sample, *args, **kwargs)
+        n, _, h, w = sample.shape
+        spec_out = m.conv_in.out_channels
+        stride, pad, dil, k = m.conv_in.stride, m.conv_in.padding, m.conv_in.dilation, m.conv_in.kernel_size
+        if isinstance(pad, str):
+            return super().forward(m, sample, *args, **kwargs)
+        oh = (h + 2 * pad[0] - dil[0] * (k[0] - 1) - 1) // stride[0] + 1
+        ow = (w + 2 * pad[1] - dil[1] * (k[1] - 1) - 1) // stride[1] + 1
+        out = torch.empty((n, spec_out, oh, ow), dtype=sample.dtype, device=sample.device,
+                          memory_format=torch.channels_last)
+        x = conv(m.conv_in, sample, out=out)
+        for d in m.down_blocks:
+            x = d(x)
+        x = m.mid_block(x)
+        return like_input(norm_conv(m.conv_norm_out, m.conv_out, x, "silu"), sample)
+
+
 class TinyBlock(Recipe):
     """``fuse(conv(x) + skip(x))`` of AutoencoderTiny / TAESD: conv, act,
     conv, act, conv with the activations in the epilogues and the skip added
@@ -234,5 +270,5 @@ UPSAMPLE = register(Upsample2D())
 DOWNSAMPLE = register(Downsample2D())
 ATTENTION = register(Attention())
 DECODER = register(Decoder("diffusers.Decoder", "Decoder", ("conv_in", "mid_block", "up_blocks", "conv_out")))
-ENCODER = register(NHWCInside("diffusers.Encoder", "Encoder", ("conv_in", "mid_block", "down_blocks", "conv_out")))
+ENCODER = register(Encoder("diffusers.Encoder", "Encoder", ("conv_in", "mid_block", "down_blocks", "conv_out")))
 TINY_BLOCK = register(TinyBlock("tiny.Block", ("AutoencoderTinyBlock", "Block")))

@@ -252,6 +252,34 @@ def test_autoencoder_kl_decode_encode_fused_keeps_layouts(device, exact_fp32, no
     assert all(p.is_contiguous() for p in vae.parameters())
 
 
+def test_encoder_enters_through_conv_in_in_the_callers_layout(device, exact_fp32, no_fallback, monkeypatch):
+    """The Encoder recipe's own walk (conv_in reads the image as given and
+    writes NHWC), not the generic NHWC-inside forward."""
+    from conv_patch.recipes import diffusers as rdiff
+    vae = _small_kl(device)
+    img = torch.randn(2, 3, 12, 10, device=device)
+    with torch.no_grad():
+        ref = vae.encode(img).latent_dist.mean
+        conv_patch.apply(vae)
+
+        def refuse(*a, **k):
+            raise AssertionError("the Encoder took the generic NHWC-inside forward")
+        monkeypatch.setattr(rdiff.NHWCInside, "forward", refuse)
+        seen, real = [], rdiff.conv
+
+        def spy(m, x, **kw):
+            if m is vae.encoder.conv_in:
+                seen.append((x.is_contiguous(), kw["out"].is_contiguous()))
+            return real(m, x, **kw)
+        monkeypatch.setattr(rdiff, "conv", spy)
+        for x in (img, img.contiguous(memory_format=torch.channels_last)):
+            lat = vae.encode(x).latent_dist.mean
+            assert rel_err(lat, ref) <= 1e-5
+            assert vae.encoder(x).is_contiguous(memory_format=(
+                torch.contiguous_format if x.is_contiguous() else torch.channels_last))
+    assert seen == [(True, False), (True, False), (False, False), (False, False)]  # the image as given, NHWC out
+
+
 def test_decoder_walks_up_blocks_and_bands_large_inputs(device, exact_fp32, no_fallback, monkeypatch):
     from conv_patch.recipes import _fuse
     vae = _small_kl(device)

@@ -123,45 +123,36 @@ def test_base_table_entries_survive_a_partial_retune():
     assert cli.main(["tune", "--exact-only", "--device", "cpu"]) == 2
 
 
-def test_cli_tune_writes_a_table_that_loads(tmp_path, capsys):
+def _cli_tune_taesd(tmp_path, res, part, *extra):
+    """``convpatch tune`` of TAESD on the CPU: (the table's exact entries,
+    the report's rows)."""
     if not target_for(torch.device("cpu")).kernels:
         pytest.skip("needs the interpreter")
     out, rep = tmp_path / "t.json", tmp_path / "r.jsonl"
-    rc = cli.main(["tune", "--family", "taesd", "--res", "16", "--batch", "1", "--layout", "nhwc",
-                   "--part", "decoder", "--device", "cpu", "--out", str(out), "--report", str(rep)])
+    rc = cli.main(["tune", "--family", "taesd", "--res", str(res), "--batch", "1", "--layout", "nhwc",
+                   "--part", part, "--device", "cpu", *extra, "--out", str(out), "--report", str(rep)])
     assert rc == 0
     table = config_tables.load_user_table(str(out))
-    assert table.data["conv2d"]["exact"] and "taesd" in table.data["source"]
-    lines = rep.read_text().splitlines()
-    assert len(lines) == len(table.data["conv2d"]["exact"]) and json.loads(lines[0])["best"]
+    assert "taesd" in table.data["source"]
+    return table.data["conv2d"]["exact"], [json.loads(line) for line in rep.read_text().splitlines()]
+
+
+def test_cli_tune_writes_a_table_that_loads(tmp_path, capsys):
+    exact, rows = _cli_tune_taesd(tmp_path, 16, "decoder")
+    assert exact and len(rows) == len(exact) and rows[0]["best"]
     assert "wrote" in capsys.readouterr().out
 
 
 def test_cli_tune_stride_keeps_the_downsampling_convs(tmp_path):
-    if not target_for(torch.device("cpu")).kernels:
-        pytest.skip("needs the interpreter")
-    out, rep = tmp_path / "t.json", tmp_path / "r.jsonl"
-    rc = cli.main(["tune", "--family", "taesd", "--res", "8", "--batch", "1", "--layout", "nhwc",
-                   "--part", "encoder", "--stride", "2", "--device", "cpu", "--out", str(out),
-                   "--report", str(rep)])
-    assert rc == 0
-    keys = list(config_tables.load_user_table(str(out)).data["conv2d"]["exact"])
-    assert len(keys) == 3 and all(".s2x2." in k for k in keys)
+    exact, _ = _cli_tune_taesd(tmp_path, 8, "encoder", "--stride", "2")
+    assert len(exact) == 3 and all(".s2x2." in k for k in exact)
 
 
 def test_cli_tune_max_out_channels_measures_the_taps_route(tmp_path):
     """--max-out-channels 3: only TAESD's conv_out, where the few-output-
     channel route is a candidate and is measured (checked, timed) too."""
-    if not target_for(torch.device("cpu")).kernels:
-        pytest.skip("needs the interpreter")
-    out, rep = tmp_path / "t.json", tmp_path / "r.jsonl"
-    rc = cli.main(["tune", "--family", "taesd", "--res", "16", "--batch", "1", "--layout", "nhwc",
-                   "--part", "decoder", "--device", "cpu", "--max-out-channels", "3", "--out", str(out),
-                   "--report", str(rep)])
-    assert rc == 0
-    exact = config_tables.load_user_table(str(out)).data["conv2d"]["exact"]
+    exact, rows = _cli_tune_taesd(tmp_path, 16, "decoder", "--max-out-channels", "3")
     assert exact and all(".o3." in k for k in exact)
-    rows = [json.loads(line) for line in rep.read_text().splitlines()]
     assert all(any(lab.startswith("taps") for lab in r["times"]) for r in rows), rows
 
 

@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from conv_patch.ops import output_shape
+from conv_patch.specs import ConvSpec
 from conv_patch.target import target_for
 
 from ._fuse import (Recipe, attention, base, channels_last, conv, dropout_is_identity, from_tokens, group_norm,
@@ -207,15 +209,8 @@ class Encoder(NHWCInside):
                 or not plain(m.conv_in, m.conv_norm_out, m.conv_act)
                 or torch.compiler.is_compiling() or not target_for(sample.device).kernels):
             return super().forward(m, sample, *args, **kwargs)
-        n, _, h, w = sample.shape
-        spec_out = m.conv_in.out_channels
-        stride, pad, dil, k = m.conv_in.stride, m.conv_in.padding, m.conv_in.dilation, m.conv_in.kernel_size
-        if isinstance(pad, str):
-            return super().forward(m, sample, *args, **kwargs)
-        oh = (h + 2 * pad[0] - dil[0] * (k[0] - 1) - 1) // stride[0] + 1
-        ow = (w + 2 * pad[1] - dil[1] * (k[1] - 1) - 1) // stride[1] + 1
-        out = torch.empty((n, spec_out, oh, ow), dtype=sample.dtype, device=sample.device,
-                          memory_format=torch.channels_last)
+        shape = output_shape(ConvSpec.from_module(m.conv_in), tuple(sample.shape))
+        out = torch.empty(shape, dtype=sample.dtype, device=sample.device, memory_format=torch.channels_last)
         x = conv(m.conv_in, sample, out=out)
         for d in m.down_blocks:
             x = d(x)

@@ -87,13 +87,16 @@ def main(argv=None):
     ap.add_argument("--limit", type=int, default=None, help="only the first N distinct convs")
     ap.add_argument("--max-out-channels", type=int, default=None, metavar="C",
                     help="only the convs with at most C output channels")
+    ap.add_argument("--max-in-channels", type=int, default=None, metavar="C",
+                    help="only the convs with at most C input channels")
     ap.add_argument("--out", default=None, help="results folder (default bench/results)")
     args = ap.parse_args(argv)
     torch.backends.cudnn.benchmark = True
     dtype = DTYPES[args.dtype]
     device = bench_device()
     calls = [c for c in distinct_calls(args.families, args.res, [1], args.parts)
-             if args.max_out_channels is None or c.spec.out_channels <= args.max_out_channels][:args.limit]
+             if (args.max_out_channels is None or c.spec.out_channels <= args.max_out_channels)
+             and (args.max_in_channels is None or c.spec.in_channels <= args.max_in_channels)][:args.limit]
     rows = []
     for call in calls:
         for layout in ("nhwc", "nchw"):

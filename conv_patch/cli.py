@@ -68,6 +68,8 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--max-out-channels", type=int, default=None, metavar="C",
                    help="only the convolutions with at most C output channels (with --base --exact-only: "
                         "re-tune a model's conv_out layers alone)")
+    t.add_argument("--max-in-channels", type=int, default=None, metavar="C",
+                   help="only the convolutions with at most C input channels (an encoder's conv_in)")
     t.add_argument("--stride", type=int, default=None, metavar="S",
                    help="only the convolutions of stride S (with --base --exact-only: re-tune a model's "
                         "downsampling convs alone)")
@@ -299,6 +301,8 @@ def cmd_tune(args) -> int:
                        key=lambda c: c.shape[0])
         if args.max_out_channels is not None:
             calls = [c for c in calls if c.spec.out_channels <= args.max_out_channels]
+        if args.max_in_channels is not None:
+            calls = [c for c in calls if c.spec.in_channels <= args.max_in_channels]
         if args.stride is not None:
             calls = [c for c in calls if args.stride in c.spec.stride]
     except ImportError as e:

@@ -22,9 +22,9 @@ TILE_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K")
 KINDS = ("conv2d", "conv_transpose2d")
 # "route" of a config: the portable implicit GEMM (the default), the Hopper
 # TMA kernel, the few-output-channel taps route (its tiles are those of its
-# first stage, a portable 1x1 GEMM), or cuDNN (exact entries only, where the
-# tuner measured it faster).
-ROUTES = ("igemm", "tma", "taps", "cudnn")
+# first stage, a portable 1x1 GEMM), the few-input-channel flat route, or
+# cuDNN (exact entries only, where the tuner measured it faster).
+ROUTES = ("igemm", "tma", "taps", "flat", "cudnn")
 ALL_ROUTES = frozenset(ROUTES)
 # Exact keys of one 16-bit dtype serve the other: same element size, same
 # tensor-core rate, so the same tile wins (the tuner runs bf16).

@@ -106,6 +106,8 @@ def run_kernel(decision: RouteDecision, target: Target, spec: ConvSpec, x: torch
             x = to_nhwc(x)
     elif decision.route is Route.CONV2D_TAPS:
         launch = kernels.launch_conv2d_taps
+    elif decision.route is Route.CONV2D_FLAT:
+        launch = kernels.launch_conv2d_flat
     else:
         launch = kernels.launch_conv_transpose2d if spec.transposed else kernels.launch_conv2d
     launch(x, w, bias, out, residual,
@@ -208,7 +210,7 @@ def _functional(spec: ConvSpec, x, weight, bias, residual, beta, activation, out
     target = target_for(x.device)
     decision = select_route(spec, call, target, table)
     if config is not None and decision.route in (Route.CONV2D_IGEMM, Route.CONV2D_TMA, Route.CONV2D_TAPS,
-                                                 Route.CUDNN):
+                                                 Route.CONV2D_FLAT, Route.CUDNN):
         # A given config may name its route (tests, the tuner); the router
         # still decides whether the call is eligible for it.
         decision = _given(spec, call, target, config)
@@ -227,7 +229,7 @@ def _functional(spec: ConvSpec, x, weight, bias, residual, beta, activation, out
 
 
 def _given(spec, call, target, config):
-    from .routing import taps_problem, tma_problem
+    from .routing import flat_problem, taps_problem, tma_problem
     name = config.get("route", "igemm")
     if name == "tma":
         shape = call.shape if len(call.shape) == 4 else (1,) + tuple(call.shape)
@@ -240,6 +242,11 @@ def _given(spec, call, target, config):
         if problem:
             raise UnsupportedConv(f"taps route: {problem}")
         return RouteDecision(Route.CONV2D_TAPS, config=config, tier="given")
+    if name == "flat":
+        problem = flat_problem(spec)
+        if problem:
+            raise UnsupportedConv(f"flat route: {problem}")
+        return RouteDecision(Route.CONV2D_FLAT, config=config, tier="given")
     if name == "cudnn":
         return RouteDecision(Route.CUDNN, "given config", config=config, tier="given")
     return RouteDecision(Route.CONV2D_IGEMM, config=config, tier="given")

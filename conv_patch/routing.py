@@ -27,6 +27,7 @@ class Route(enum.Enum):
     CONV_TRANSPOSE2D_IGEMM = "conv_transpose2d_igemm"
     CONV2D_TMA = "conv2d_tma"
     CONV2D_TAPS = "conv2d_taps"
+    CONV2D_FLAT = "conv2d_flat"
     CUDNN = "cudnn"
     FALLBACK = "fallback"
 
@@ -57,6 +58,12 @@ ROUTE_INFO = {
         "GEMM against every tap's weights (fp32 partials), then each output pixel's taps summed; any "
         "stride, padding, dilation; same layouts, dtypes and fused epilogue as conv2d"
     ),
+    Route.CONV2D_FLAT: (
+        "few input channels (C_in*KH*KW <= 64, e.g. a VAE encoder's conv_in on an RGB image): the "
+        "implicit GEMM with its reduction over (c_in, kh, kw) flattened into one dimension, so 3x3x3 "
+        "is one K = 32 block instead of nine of K = 16; any stride, padding, dilation; same layouts, "
+        "dtypes and fused epilogue as conv2d"
+    ),
     Route.CUDNN: (
         "the original module, chosen because the architecture's table records cuDNN measured faster for "
         "this exact shape (convpatch tune): cuDNN computes the convolution, then bias and the fused "
@@ -70,6 +77,7 @@ TABLE_ROUTES = {
     ("conv2d", "igemm"): Route.CONV2D_IGEMM,
     ("conv2d", "tma"): Route.CONV2D_TMA,
     ("conv2d", "taps"): Route.CONV2D_TAPS,
+    ("conv2d", "flat"): Route.CONV2D_FLAT,
     ("conv_transpose2d", "igemm"): Route.CONV_TRANSPOSE2D_IGEMM,
 }
 
@@ -167,6 +175,21 @@ def taps_problem(spec: ConvSpec) -> Optional[str]:
     return None
 
 
+# The largest C_in * KH * KW the flat route takes: one or two K blocks; past
+# it the per-tap reduction wastes little and reads whole pixel rows.
+MAX_FLAT_REDUCTION = 64
+
+
+def flat_problem(spec: ConvSpec) -> Optional[str]:
+    """Why the few-input-channel route cannot take this conv, or None."""
+    if spec.transposed:
+        return "conv_transpose2d"
+    k = spec.in_channels * spec.kernel[0] * spec.kernel[1]
+    if k > MAX_FLAT_REDUCTION:
+        return f"C_in*KH*KW = {k} > {MAX_FLAT_REDUCTION}"
+    return None
+
+
 # TMA needs 16-byte aligned base addresses and strides.
 TMA_ALIGN = 16
 
@@ -220,6 +243,8 @@ def select_route(spec: ConvSpec, call: Optional[CallDesc] = None,
         routes.add("tma")
     if taps_problem(spec) is None:
         routes.add("taps")
+    if flat_problem(spec) is None:
+        routes.add("flat")
     if call.device_type == "cuda":
         routes.add("cudnn")
     cfg, tier = tbl.lookup(spec, shape, call.layout, call.dtype, shape[0] * oh * ow, frozenset(routes))

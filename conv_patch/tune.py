@@ -30,7 +30,7 @@ import torch
 
 from . import config_tables, ops
 from .model_shapes import ConvCall, distinct_calls
-from .routing import taps_problem, tma_arch, tma_problem
+from .routing import flat_problem, taps_problem, tma_arch, tma_problem
 from .specs import CallDesc
 from .target import Target, conv_tf32
 from .wrappers import _kernel_errors
@@ -75,18 +75,24 @@ TMA_CANDIDATES = [
 TAPS_CANDIDATES = [
     _cfg("taps", 128, 32, 64, 4, 3), _cfg("taps", 256, 32, 64, 8, 3), _cfg("taps", 128, 64, 128, 4, 3),
 ]
+# The few-input-channel route: its reduction (C_in*KH*KW <= 64) is one or two
+# K blocks, so the tile's rows and columns decide; memory-bound on the output.
+FLAT_CANDIDATES = [
+    _cfg("flat", 128, 128, 32, 4, 2), _cfg("flat", 128, 64, 32, 4, 2), _cfg("flat", 256, 64, 32, 8, 2),
+    _cfg("flat", 64, 128, 64, 4, 2),
+]
 # Under the interpreter (the tuner's own tests): two of each, tiles sized for it.
 INTERPRETER_CANDIDATES = [
     _cfg("igemm", 1024, 128, 128, 4, 1), _cfg("igemm", 64, 64, 32, 4, 1),
     _cfg("tma", 256, 64, 64, 4, 1, bw=16), _cfg("tma", 64, 32, 32, 4, 1, bw=8),
-    _cfg("taps", 256, 32, 64, 4, 1),
+    _cfg("taps", 256, 32, 64, 4, 1), _cfg("flat", 256, 32, 32, 4, 1),
 ]
 
 
 def candidates(target: Target) -> List[dict]:
     if target.interpreter:
         return [dict(c) for c in INTERPRETER_CANDIDATES]
-    out = [dict(c) for c in IGEMM_CANDIDATES + TAPS_CANDIDATES]
+    out = [dict(c) for c in IGEMM_CANDIDATES + TAPS_CANDIDATES + FLAT_CANDIDATES]
     if tma_arch(target.arch):
         out += [dict(c) for c in TMA_CANDIDATES]
     return out
@@ -163,7 +169,9 @@ def measure(call: ConvCall, layout: str, dtype: torch.dtype, device: torch.devic
     for cfg in cands:
         lab = config_label(cfg)
         configs[lab] = cfg
-        if (cfg.get("route") == "tma" and not tma_ok) or (cfg.get("route") == "taps" and taps_problem(spec)):
+        route = cfg.get("route")
+        if ((route == "tma" and not tma_ok) or (route == "taps" and taps_problem(spec))
+                or (route == "flat" and flat_problem(spec))):
             continue
         out = torch.empty(ref.shape, dtype=dtype, device=device, memory_format=fmt)
         fn = lambda: ops.conv2d(x, packed, b, spec.stride, pad, spec.dilation, out=out, config=cfg)  # noqa: E731
@@ -252,8 +260,10 @@ def build_table(measurements: List[Measurement], arch: str, dtype: torch.dtype, 
         raise ValueError("exact_only refreshes the exact entries of a base table; no base given")
     rebuilt = [] if exact_only else measured_layouts
     for layout in rebuilt:
-        # Taps first: only convs that route can take match those buckets.
+        # Taps and flat first: only convs those routes can take match their buckets.
         bucketed("taps", [m for m in measurements if m.layout == layout and taps_problem(m.call.spec) is None],
+                 [layout])
+        bucketed("flat", [m for m in measurements if m.layout == layout and flat_problem(m.call.spec) is None],
                  [layout])
         bucketed("tma", [m for m in measurements if m.layout == layout and m.tma_ok], [layout])
         bucketed("igemm", [m for m in measurements if m.layout == layout], [layout])

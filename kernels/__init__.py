@@ -13,6 +13,7 @@ from .conv2d import conv2d_fwd_kernel, launch_conv2d  # noqa: E402
 from .conv_transpose2d import conv_transpose2d_fwd_kernel, launch_conv_transpose2d  # noqa: E402
 from .conv2d_tma import conv2d_tma_kernel, launch_conv2d_tma  # noqa: E402
 from .conv2d_taps import conv2d_tap_sum_kernel, launch_conv2d_taps  # noqa: E402
+from .conv2d_flat import conv2d_flat_kernel, launch_conv2d_flat  # noqa: E402
 from .layout import launch_nchw_to_nhwc, nchw_to_nhwc_kernel  # noqa: E402
 from .epilogue import epilogue_kernel, launch_epilogue  # noqa: E402
 from .group_norm import (group_norm_apply_nchw_kernel, group_norm_apply_nhwc_kernel,  # noqa: E402
@@ -24,6 +25,7 @@ KERNELS = {
     "conv2d": conv2d_fwd_kernel,
     "conv_transpose2d": conv_transpose2d_fwd_kernel,
     "conv2d_tma": conv2d_tma_kernel,
+    "conv2d_flat": conv2d_flat_kernel,
 }
 # The second stage of the few-output-channel route (the first is conv2d).
 TAPS_KERNELS = {"conv2d_tap_sum": conv2d_tap_sum_kernel}
@@ -38,6 +40,6 @@ NORM_KERNELS = {"group_norm_stats": group_norm_stats_kernel, "group_norm_stats_n
 ATTENTION_KERNELS = {"softmax_rows": softmax_rows_kernel}
 
 __all__ = ["ATTENTION_KERNELS", "EPILOGUE_KERNELS", "INTERPRET", "KERNELS", "LAYOUT_KERNELS", "NORM_KERNELS",
-           "TAPS_KERNELS", "launch_conv2d", "launch_conv2d_taps", "launch_conv2d_tma", "launch_conv_transpose2d",
+           "TAPS_KERNELS", "launch_conv2d", "launch_conv2d_flat", "launch_conv2d_taps", "launch_conv2d_tma", "launch_conv_transpose2d",
            "launch_epilogue", "launch_group_norm", "launch_group_norm_apply", "launch_group_norm_stats",
            "launch_nchw_to_nhwc", "launch_softmax_rows"]

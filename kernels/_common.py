@@ -55,6 +55,20 @@ def round_to_tf32(x):
 
 
 @triton.jit
+def mma(a, b, acc, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """acc + a @ b as the portable kernels compute it."""
+    if UPCAST:
+        # The interpreter's tl.dot is wrong on bf16 operands (Triton
+        # 3.4-3.9); on hardware this branch is compiled out.
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    if PRECISION == "tf32":
+        a = round_to_tf32(a)
+        b = round_to_tf32(b)
+    return tl.dot(a, b, acc, input_precision=PRECISION)
+
+
+@triton.jit
 def accumulate_tap(acc, x_ptr, w_ptr, x_row, row_ok, ih, iw, H, W, C_in,
                    sxc, sxh, sxw, w_tap, swi, w_col, n_ok,
                    IDX64: tl.constexpr, UPCAST: tl.constexpr,
@@ -80,15 +94,7 @@ def accumulate_tap(acc, x_ptr, w_ptr, x_row, row_ok, ih, iw, H, W, C_in,
         k_ok = offs_k < C_in - c0
         a = tl.load(a_ptrs, mask=ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        if UPCAST:
-            # The interpreter's tl.dot is wrong on bf16 operands (Triton
-            # 3.4-3.9); on hardware this branch is compiled out.
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        if PRECISION == "tf32":
-            a = round_to_tf32(a)
-            b = round_to_tf32(b)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        acc = mma(a, b, acc, UPCAST, PRECISION)
         a_ptrs += a_step
         b_ptrs += BLOCK_K * swi
     return acc

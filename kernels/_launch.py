@@ -49,15 +49,17 @@ def block_sizes(config, c_in, c_out):
 
 def run_conv_kernel(kernel, grid_fn, x, w, bias, out, residual, *, stride, padding,
                     dilation, beta, activation, out_scale, config, precision, upcast,
-                    force_int64=False):
+                    force_int64=False, reduction=None):
     """Launch one of the implicit-GEMM kernels, which share one signature.
 
     ``w`` is viewed as [C_out, C_in, KH, KW] whatever its storage; ``out`` is
     preallocated; ``padding`` is (top, left). ``grid_fn(bm, bn)`` sizes the grid.
+    ``reduction`` is the extent BLOCK_K is narrowed to (default C_in, the
+    per-tap reduction).
     """
     N, C_in, H, W = x.shape
     C_out, _, KH, KW = w.shape
-    bm, bn, bk = block_sizes(config, C_in, C_out)
+    bm, bn, bk = block_sizes(config, reduction or C_in, C_out)
     res = residual if residual is not None else out
     launch(kernel, grid_fn(bm, bn),
         x, w, bias if bias is not None else out, res, out,

@@ -19,7 +19,8 @@ def test_verify_embedded_default_passes(tmp_path, capsys, device):
     assert report["passed"] and len(report["layers"]) == 41
     # The interpreter's table is all portable; a GPU's may name the TMA
     # route or cuDNN per shape.
-    allowed = {"conv2d_igemm"} if device.type == "cpu" else {"conv2d_igemm", "conv2d_tma", "conv2d_taps", "cudnn"}
+    allowed = {"conv2d_igemm"} if device.type == "cpu" else {"conv2d_igemm", "conv2d_tma", "conv2d_taps",
+                                                                  "conv2d_flat", "cudnn"}
     assert all(r["route"].split()[0] in allowed for r in report["layers"])  # "cudnn (why)"
     assert report["end_to_end"][0]["passed"]
 

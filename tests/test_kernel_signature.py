@@ -13,6 +13,7 @@ TILES = {"BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M"}
 ALLOWED_CONSTEXPR = {
     "conv2d": SWITCHES | TILES | {"PRECISION"},
     "conv_transpose2d": SWITCHES | TILES | {"PRECISION"},
+    "conv2d_flat": SWITCHES | TILES | {"PRECISION"},
     # BLOCK_W is the TMA tile's width in pixels; STRIDED picks the 5-D
     # descriptor of stride > 1 (the stride itself, SH/SW, is a runtime value).
     "conv2d_tma": SWITCHES | TILES | {"BLOCK_W", "STRIDED"},

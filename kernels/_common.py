@@ -44,6 +44,21 @@ def grouped_tile(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def output_tile(N, OH, OW, C_out, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+                IDX64: tl.constexpr):
+    """This program's tile of the implicit GEMM over all N*OH*OW output
+    pixels (rows may span images): (row_ok, n, oh, ow) per row, (offs_n,
+    n_ok) per column; ``n`` is int64 under IDX64."""
+    M = N * OH * OW
+    pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(C_out, BLOCK_N), GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ow = offs_m % OW
+    t = offs_m // OW
+    return offs_m < M, _idx(t // OH, IDX64), t % OH, ow, offs_n, offs_n < C_out
+
+
+@triton.jit
 def round_to_tf32(x):
     """Round fp32 to the nearest TF32 value (ties away from zero). The tensor
     cores read only the top 19 bits of an fp32 operand, i.e. they truncate;

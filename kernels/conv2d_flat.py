@@ -17,7 +17,7 @@ Layer 1: ``conv2d_flat_kernel`` (the portable kernels' signature); layer 2:
 import triton
 import triton.language as tl
 
-from ._common import _idx, epilogue_store, grouped_tile, mma
+from ._common import _idx, epilogue_store, mma, output_tile
 from ._launch import cdiv, run_conv_kernel
 
 
@@ -36,19 +36,7 @@ def conv2d_flat_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
-    M = N * OH * OW
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(C_out, BLOCK_N)
-    pid_m, pid_n = grouped_tile(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
-
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = offs_m < M
-    n_ok = offs_n < C_out
-    ow = offs_m % OW
-    t = offs_m // OW
-    oh = t % OH
-    n = _idx(t // OH, IDX64)
+    row_ok, n, oh, ow, offs_n, n_ok = output_tile(N, OH, OW, C_out, BLOCK_M, BLOCK_N, GROUP_M, IDX64)
     ih0 = oh * STH - PH
     iw0 = ow * STW - PW
     x_row = n * sxn

@@ -122,10 +122,15 @@ def test_weight_changes_recapture_and_a_streaming_module_stops_being_graphed(dev
         m[0].weight.mul_(0.5)  # in place: same storage, the graph reads it
         m(x)
         assert cache.stats["captures"] == 1 and cache.stats["replays"] == 2
+        m[2].weight = nn.Parameter(m[2].weight.detach().clone())  # a new storage: recapture
+        m(x)
+        assert cache.recaptures == 1 and cache.stats["captures"] == 2
+        m(x)  # stable again: an occasional change is not streaming
+        assert cache.recaptures == 0 and cache.stats["replays"] == 4
         for i in range(graphs.MAX_RECAPTURES):
-            m[2].weight = nn.Parameter(m[2].weight.detach().clone())  # a new storage: recapture
+            m[2].weight = nn.Parameter(m[2].weight.detach().clone())
             m(x)
-            assert cache.recaptures == i + 1 and cache.stats["captures"] == 2 + i
+            assert cache.recaptures == i + 1 and cache.stats["captures"] == 3 + i
         m[2].register_forward_hook(lambda *a: None)
         with pytest.warns(RuntimeWarning, match="CUDA graphs off"):
             y = m(x)

@@ -229,27 +229,15 @@ def _functional(spec: ConvSpec, x, weight, bias, residual, beta, activation, out
 
 
 def _given(spec, call, target, config):
-    from .routing import flat_problem, taps_problem, tma_problem
+    from .routing import TABLE_ROUTES, route_problem
     name = config.get("route", "igemm")
-    if name == "tma":
-        shape = call.shape if len(call.shape) == 4 else (1,) + tuple(call.shape)
-        problem = tma_problem(spec, call, shape, target)
-        if problem:
-            raise UnsupportedConv(f"tma route: {problem}")
-        return RouteDecision(Route.CONV2D_TMA, config=config, tier="given")
-    if name == "taps":
-        problem = taps_problem(spec)
-        if problem:
-            raise UnsupportedConv(f"taps route: {problem}")
-        return RouteDecision(Route.CONV2D_TAPS, config=config, tier="given")
-    if name == "flat":
-        problem = flat_problem(spec)
-        if problem:
-            raise UnsupportedConv(f"flat route: {problem}")
-        return RouteDecision(Route.CONV2D_FLAT, config=config, tier="given")
     if name == "cudnn":
         return RouteDecision(Route.CUDNN, "given config", config=config, tier="given")
-    return RouteDecision(Route.CONV2D_IGEMM, config=config, tier="given")
+    shape = call.shape if len(call.shape) == 4 else (1,) + tuple(call.shape)
+    problem = route_problem(name, spec, call, shape, target)
+    if problem:
+        raise UnsupportedConv(f"{name} route: {problem}")
+    return RouteDecision(TABLE_ROUTES.get(("conv2d", name), Route.CONV2D_IGEMM), config=config, tier="given")
 
 
 def _spec(transposed, weight, bias, stride, padding, dilation, output_padding=0):

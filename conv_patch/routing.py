@@ -190,6 +190,24 @@ def flat_problem(spec: ConvSpec) -> Optional[str]:
     return None
 
 
+# Table routes with eligibility rules of their own ("igemm" takes every
+# conv2d; "cudnn" is a matter of device, not of the conv).
+KERNEL_ROUTE_RULES = ("tma", "taps", "flat")
+
+
+def route_problem(route: str, spec: ConvSpec, call: CallDesc, shape: tuple, target: Target) -> Optional[str]:
+    """Why the table route ``route`` (``KERNEL_ROUTE_RULES``) cannot take this
+    call, or None; the one place the router, a given config (``ops``) and
+    the tuner ask."""
+    if route == "tma":
+        return tma_problem(spec, call, shape, target)
+    if route == "taps":
+        return taps_problem(spec)
+    if route == "flat":
+        return flat_problem(spec)
+    return None
+
+
 # TMA needs 16-byte aligned base addresses and strides.
 TMA_ALIGN = 16
 
@@ -238,13 +256,7 @@ def select_route(spec: ConvSpec, call: Optional[CallDesc] = None,
     if problem:
         return _fallback(problem)
     tbl = table if table is not None else config_tables.packaged_table(target.arch)
-    routes = {"igemm"}
-    if tma_problem(spec, call, shape, target) is None:
-        routes.add("tma")
-    if taps_problem(spec) is None:
-        routes.add("taps")
-    if flat_problem(spec) is None:
-        routes.add("flat")
+    routes = {"igemm"} | {r for r in KERNEL_ROUTE_RULES if route_problem(r, spec, call, shape, target) is None}
     if call.device_type == "cuda":
         routes.add("cudnn")
     cfg, tier = tbl.lookup(spec, shape, call.layout, call.dtype, shape[0] * oh * ow, frozenset(routes))

@@ -30,7 +30,7 @@ import torch
 
 from . import config_tables, ops
 from .model_shapes import ConvCall, distinct_calls
-from .routing import flat_problem, taps_problem, tma_arch, tma_problem
+from .routing import flat_problem, route_problem, taps_problem, tma_arch, tma_problem
 from .specs import CallDesc
 from .target import Target, conv_tf32
 from .wrappers import _kernel_errors
@@ -169,9 +169,7 @@ def measure(call: ConvCall, layout: str, dtype: torch.dtype, device: torch.devic
     for cfg in cands:
         lab = config_label(cfg)
         configs[lab] = cfg
-        route = cfg.get("route")
-        if ((route == "tma" and not tma_ok) or (route == "taps" and taps_problem(spec))
-                or (route == "flat" and flat_problem(spec))):
+        if route_problem(cfg.get("route", "igemm"), spec, desc, shape, target):
             continue
         out = torch.empty(ref.shape, dtype=dtype, device=device, memory_format=fmt)
         fn = lambda: ops.conv2d(x, packed, b, spec.stride, pad, spec.dilation, out=out, config=cfg)  # noqa: E731

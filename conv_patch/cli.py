@@ -73,6 +73,9 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--stride", type=int, default=None, metavar="S",
                    help="only the convolutions of stride S (with --base --exact-only: re-tune a model's "
                         "downsampling convs alone)")
+    t.add_argument("--kernel", type=int, default=None, metavar="K",
+                   help="only the KxK convolutions (--kernel 2: the 2x2 convs an upsampling conv is folded "
+                        "into)")
     t.add_argument("--time-limit", type=float, default=None, metavar="S",
                    help="stop starting new shapes after S seconds and write the table from what was measured")
     t.add_argument("--device", default=None, help="cuda or cuda:N (cpu only under TRITON_INTERPRET=1)")
@@ -305,6 +308,8 @@ def cmd_tune(args) -> int:
             calls = [c for c in calls if c.spec.in_channels <= args.max_in_channels]
         if args.stride is not None:
             calls = [c for c in calls if args.stride in c.spec.stride]
+        if args.kernel is not None:
+            calls = [c for c in calls if c.spec.kernel == (args.kernel, args.kernel)]
     except ImportError as e:
         raise UsageError(f"--family {' '.join(args.family)}: needs {e.name} "
                          f"(pip install 'conv-patch[diffusers]')") from None

@@ -49,11 +49,17 @@ def _padded_downsample_convs(model: nn.Module) -> set:
 
 def trace_convs(model: nn.Module, run: Callable[[nn.Module], object]) -> "Counter[Tuple[ConvSpec, tuple]]":
     """Counter of (spec, input shape) over every conv call of ``run(model)``,
-    and for a padding Downsample2D's conv also the folded form the block
-    recipe runs (the unpadded input, the pad as the conv's end padding).
-    ``model`` should live on the meta device."""
+    and the folded forms the block recipes run instead: for a padding
+    Downsample2D's conv the unpadded input with the pad as the conv's end
+    padding, for an upsampling conv (nearest x2, then 3x3) the four 2x2
+    convs of the small input, one per output parity, each with its own
+    asymmetric padding (``ops.upsample_conv2d``). ``model`` should live on
+    the meta device."""
+    from conv_patch.recipes import upsample_convs
+
     seen: "Counter[Tuple[ConvSpec, tuple]]" = Counter()
     folded = _padded_downsample_convs(model)
+    upsampling = upsample_convs(model)
 
     def hook(mod, args):
         x = args[0]
@@ -63,6 +69,12 @@ def trace_convs(model: nn.Module, run: Callable[[nn.Module], object]) -> "Counte
         if id(mod) in folded:
             n, c, h, w = shape
             seen[(dataclasses.replace(spec, pad_end=(1, 1)), (n, c, h - 1, w - 1))] += 1
+        if id(mod) in upsampling:
+            n, c, h, w = shape
+            for a in (0, 1):
+                for b in (0, 1):
+                    sub = dataclasses.replace(spec, kernel=(2, 2), pad_begin=(1 - a, 1 - b), pad_end=(a, b))
+                    seen[(sub, (n, c, h // 2, w // 2))] += 1
 
     handles = [m.register_forward_pre_hook(hook) for m in model.modules()
                if isinstance(m, (nn.Conv2d, nn.ConvTranspose2d))]

@@ -69,6 +69,7 @@ TMA_CANDIDATES = [
     _cfg("tma", 128, 128, 64, 4, 4, bw=16), _cfg("tma", 128, 128, 64, 4, 4, bw=64),
     _cfg("tma", 128, 256, 64, 8, 3, bw=16), _cfg("tma", 128, 256, 64, 8, 3, bw=64),
     _cfg("tma", 128, 64, 64, 4, 4, bw=32), _cfg("tma", 64, 128, 64, 4, 4, bw=64),
+    _cfg("tma", 128, 256, 64, 8, 4, bw=64),
 ]
 # The few-output-channel route: tiles of its first stage, a 1x1 GEMM with
 # N = C_out*KH*KW <= 64 and K = C_in (memory-bound: wide row tiles).

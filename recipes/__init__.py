@@ -62,3 +62,14 @@ def unfuse(module: nn.Module) -> None:
 
 
 __all__ = ["ORDER", "REGISTRY", "FusedBlock", "Recipe", "recipe_for", "plan", "fuse", "unfuse", "is_fused"]
+
+
+def upsample_convs(model: nn.Module) -> set:
+    """ids of the convs in ``model`` that the recipes would run as the
+    subpixel fold of a nearest-x2 upsample (``Recipe.upsample_convs``)."""
+    out = set()
+    for m in model.modules():
+        r = recipe_for(m)
+        if r is not None:
+            out.update(id(c) for c in r.upsample_convs(m) if c is not None)
+    return out

@@ -43,6 +43,12 @@ class Recipe:
     def forward(self, module, *args, **kwargs):
         raise NotImplementedError
 
+    def upsample_convs(self, module) -> tuple:
+        """The convs this recipe runs on a nearest-x2 upsampled input as
+        the four 2x2 convs of ``ops.upsample_conv2d`` (the tuner traces
+        those, not the 3x3 conv on the 4x input the unpatched model runs)."""
+        return ()
+
 
 class FusedBlock:
     """Mixed in first: the fused forward; the block's class stays a base."""

@@ -102,6 +102,9 @@ class SequentialChain(Recipe):
                 y = mod(y)
         return like_input(y, x)
 
+    def upsample_convs(self, m):
+        return tuple(mod for kind, mod, _ in chain_plan(list(m)) if kind == "upconv")
+
 
 GROUP_NORM = register(GroupNormRecipe())
 SEQUENTIAL = register(SequentialChain())

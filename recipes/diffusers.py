@@ -70,6 +70,9 @@ class Upsample2D(Recipe):
             return base(m, hidden_states, output_size, *args, **kwargs)
         return upsample_conv(_up_conv(m), hidden_states)
 
+    def upsample_convs(self, m):
+        return (_up_conv(m),)
+
 
 class Downsample2D(Recipe):
     """``F.pad(x, (0, 1, 0, 1))`` then the stride-2 conv: the pad folded into

@@ -113,6 +113,9 @@ class WithConv(Recipe):
             return base(m, x)
         return self.step(m.conv, x)
 
+    def upsample_convs(self, m):
+        return (m.conv,) if self.step is upsample_conv else ()
+
 
 def _padded_conv(c, x):
     return conv(c, x, padding=(0, 1, 0, 1))

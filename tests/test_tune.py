@@ -17,9 +17,20 @@ from conv_patch.target import target_for
 
 def test_flux_decoder_convs_traced_off_the_architecture():
     convs = family_convs("flux", 1024, parts=("decoder",))
-    assert sum(convs.values()) == 35  # conv_in, 2 mid resnets, 4 up blocks x 3 resnets, 3 upsamplers, shortcuts, conv_out
+    plain = {c: n for c, n in convs.items() if c.spec.kernel != (2, 2)}
+    # conv_in, 2 mid resnets, 4 up blocks x 3 resnets, 3 upsamplers, shortcuts, conv_out
+    assert sum(plain.values()) == 35
     shapes = {(c.spec.in_channels, c.spec.out_channels, c.spec.kernel[0], c.shape[2]) for c in convs}
     assert (16, 512, 3, 128) in shapes and (128, 3, 3, 1024) in shapes and (256, 128, 1, 1024) in shapes
+    # Each upsampler's 3x3 conv also as the recipe runs it: four 2x2 convs of
+    # the small input, one per output parity, with that parity's padding.
+    subs = [c for c in convs if c.spec.kernel == (2, 2)]
+    assert len(subs) == 12 and sum(convs[c] for c in subs) == 12
+    assert {(c.spec.pad_begin, c.spec.pad_end) for c in subs} == {
+        ((1, 1), (0, 0)), ((1, 0), (0, 1)), ((0, 1), (1, 0)), ((0, 0), (1, 1))}
+    assert {(c.spec.in_channels, c.shape[2]) for c in subs} == {(512, 128), (512, 256), (256, 512)}
+    # TAESD's Sequential chains fold theirs too.
+    assert any(c.spec.kernel == (2, 2) and c.shape[2] == 32 for c in family_convs("taesd", 256, parts=("decoder",)))
     enc = family_convs("sd", 512, batch=4, parts=("encoder",))
     # SD's encoder pads (0,1,0,1) before its stride-2 convs, and ends in the 8->8 quant conv.
     assert any(c.spec.stride == (2, 2) and c.shape[2] == 513 for c in enc)
@@ -32,7 +43,8 @@ def test_flux_decoder_convs_traced_off_the_architecture():
 
 def test_distinct_calls_dedupe_bias_and_keep_order():
     calls = distinct_calls(["taesd"], [16, 32], [1])
-    keys = [(c.spec.in_channels, c.spec.out_channels, c.spec.kernel, c.spec.stride, c.shape) for c in calls]
+    keys = [(c.spec.in_channels, c.spec.out_channels, c.spec.kernel, c.spec.stride, c.spec.pad_begin, c.spec.pad_end,
+             c.shape) for c in calls]
     assert len(keys) == len(set(keys))
     assert calls[0].where == "taesd decoder @16"
     with pytest.raises(ValueError, match="multiple of 8"):

@@ -313,18 +313,28 @@ def _gn_launch(target: Target):
 
 def group_norm(x: torch.Tensor, num_groups: int, weight: Optional[torch.Tensor] = None,
                bias: Optional[torch.Tensor] = None, eps: float = 1e-5,
-               activation: str = "none", out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``act(F.group_norm(x, num_groups, weight, bias, eps))`` with fp32
-    statistics, output in ``x``'s dtype and memory format (into ``out`` when
-    given, which may be ``x`` itself: normalised in place). Dense NCHW or
-    NHWC 4-D inputs run the Triton kernels (on a GPU, or the CPU under the
-    interpreter); anything else runs PyTorch."""
+               activation: str = "none", out: Optional[torch.Tensor] = None,
+               input_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``act(F.group_norm(x + input_bias, num_groups, weight, bias, eps))``
+    with fp32 statistics, output in ``x``'s dtype and memory format (into
+    ``out`` when given, which may be ``x`` itself: normalised in place).
+    ``input_bias`` ([C], per channel) is a conv bias the conv that made
+    ``x`` left out: the norm folds it into its statistics and its affine, so
+    a conv without a fused epilogue (the cuDNN route) needs no bias pass.
+    Dense NCHW or NHWC 4-D inputs run the Triton kernels (on a GPU, or the
+    CPU under the interpreter); anything else runs PyTorch."""
     code = activation_code(activation)
     nhwc = _nhwc(x)
     fmt = torch.channels_last if nhwc else torch.contiguous_format
     if out is not None and (out.shape != x.shape or out.dtype != x.dtype or not out.is_contiguous(memory_format=fmt)):
         raise ValueError(f"group_norm: out must match the input's shape {tuple(x.shape)}, dtype and layout")
+    if input_bias is not None and tuple(input_bias.shape) != (x.shape[1],):
+        raise ValueError(f"group_norm: input_bias must be [{x.shape[1]}], got {tuple(input_bias.shape)}")
     target = _group_norm_target(x, num_groups, weight, bias)
+    if input_bias is not None and not (target is not None and nhwc and input_bias.is_contiguous()
+                                       and input_bias.device == x.device):
+        # Only the NHWC statistics kernel takes the bias; elsewhere it is added first.
+        x, input_bias = x + input_bias.to(x.dtype).view(-1, 1, 1), None
     if target is None:
         y = eager_epilogue(F.group_norm(x, num_groups, weight, bias, eps), None, 1.0, activation, 1.0)
         return y if out is None else out.copy_(y)
@@ -332,7 +342,7 @@ def group_norm(x: torch.Tensor, num_groups: int, weight: Optional[torch.Tensor] 
     out = torch.empty_like(x, memory_format=fmt) if out is None else out
     block, stats_block, programs = _gn_launch(target)
     kernels.launch_group_norm(x, out, num_groups, weight, bias, float(eps), code, nhwc, block,
-                              stats_block, programs)
+                              stats_block, programs, input_bias=input_bias)
     return out
 
 
@@ -492,7 +502,19 @@ def subpixel_weights(weight: torch.Tensor) -> torch.Tensor:
     ``[a, b].permute(0, 3, 1, 2)`` is the 2x2 weight of output parity (a, b)
     in the kernels' co,kh,kw,ci layout. Taps are summed in (at least) fp32 and
     rounded once to the weight's dtype. Recomputed at every call, like the
-    packs (conv_patch/pack.py says why a cached copy could be stale)."""
+    packs (conv_patch/pack.py says why a cached copy could be stale): one
+    kernel where the device has them (kernels/weight_prep.py), else PyTorch
+    ops."""
+    w = weight.detach()
+    if (not torch.compiler.is_compiling() and w.dtype in (torch.float16, torch.bfloat16, torch.float32)
+            and target_for(w.device).kernels):
+        c_out, c_in = w.shape[:2]
+        out = torch.empty((2, 2, c_out, 2, 2, c_in), dtype=w.dtype, device=w.device)
+        return _kernels().launch_subpixel_fold(w, out)
+    return _subpixel_weights_torch(weight)
+
+
+def _subpixel_weights_torch(weight: torch.Tensor) -> torch.Tensor:
     acc = torch.promote_types(weight.dtype, torch.float32)
     rows = _fold_taps(weight.detach().to(acc), 2)  # [a, co, ci, kh, 3]
     w = _fold_taps(rows, 4)  # [b, a, co, ci, kh, kw]

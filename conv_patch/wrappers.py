@@ -149,13 +149,51 @@ class PatchedConvMixin:
             # The table's cuDNN route (only ever decided by the routing
             # branch above): the same convolution as the original forward,
             # with bias and the fused epilogue in one pass after it.
-            return ops.cudnn_conv2d(spec, x, weight, bias, residual=residual, beta=beta,
+            return ops.cudnn_conv2d(spec, x, self._cp_cudnn_weight(x, weight), bias, residual=residual, beta=beta,
                                     activation=activation, out_scale=out_scale, out=out)
         y = self._cp_fallback_forward(self, x, *fallback_args)
         if residual is None and activation == "none" and out_scale == 1.0:
             return _into(out, y)
         ops.check_residual(residual, y.shape)
         return _into(out, ops.eager_epilogue(y, residual, beta, activation, out_scale))
+
+    def _cp_cudnn_weight(self, x, weight):
+        """The weight handed to cuDNN: for an NHWC input its channels_last
+        copy, the pack. cuDNN converts an NCHW weight to channels_last
+        itself at every call (a PyTorch strided copy: 9 us for a 512x512x3x3
+        weight on the H200, 16 of them per FLUX decode); the pack is that
+        same copy, made by the pack kernel inside a CUDA graph. An NCHW
+        input keeps the weight as it is: a channels_last weight would make
+        PyTorch return a channels_last output."""
+        if x.dim() == 4 and x.is_cuda and ops._nhwc(x):
+            return pack.packed_weight(self, weight, False)
+        return weight
+
+    def forward_without_bias(self, x):
+        """``(y, b)`` with ``y + b`` (``b`` [C_out], per channel) equal to
+        ``self(x)``: where the kernels or the table's cuDNN route take the
+        call, ``y`` is computed without the bias and ``b`` is ``self.bias``,
+        for the GroupNorm that reads ``y`` next to fold in
+        (``ops.group_norm(input_bias=...)``): on the cuDNN route the bias
+        costs a pass over the output of its own. Elsewhere ``(self(x), None)``.
+        Hooks are the caller's business: a hook would see ``y`` without its
+        bias."""
+        bias = self.bias
+        if bias is None or self._cp_transposed or torch.compiler.is_compiling() or self._cp_comfy_active():
+            return self(x), None
+        spec, target, weight = self.spec, target_for(x.device), self.weight
+        decision = self._cp_route(spec, target, x, weight, bias, None, None)
+        if decision.route is Route.CUDNN:
+            self.__dict__["_cp_last"] = decision
+            return ops.cudnn_conv2d(spec, x, self._cp_cudnn_weight(x, weight), None), bias
+        if decision.is_kernel:
+            try:
+                y = ops.run_kernel(decision, target, spec, x, pack.packed_weight(self, weight, False), None)
+                self.__dict__["_cp_last"] = decision
+                return y, bias
+            except _kernel_errors():
+                pass  # the call below reports it and runs the original forward
+        return self(x), None
 
     @property
     def _cp_fallback_forward(self):

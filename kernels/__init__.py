@@ -20,6 +20,8 @@ from .group_norm import (group_norm_apply_nchw_kernel, group_norm_apply_nhwc_ker
                          group_norm_finalize_kernel, group_norm_stats_kernel, group_norm_stats_nhwc_kernel,
                          launch_group_norm, launch_group_norm_apply, launch_group_norm_stats)
 from .softmax import launch_softmax_rows, softmax_rows_kernel  # noqa: E402
+from .weight_prep import (launch_subpixel_fold, launch_weight_pack, subpixel_fold_kernel,  # noqa: E402
+                          weight_pack_kernel)
 
 KERNELS = {
     "conv2d": conv2d_fwd_kernel,
@@ -38,8 +40,10 @@ NORM_KERNELS = {"group_norm_stats": group_norm_stats_kernel, "group_norm_stats_n
                 "group_norm_finalize": group_norm_finalize_kernel, "group_norm_apply_nhwc": group_norm_apply_nhwc_kernel,
                 "group_norm_apply_nchw": group_norm_apply_nchw_kernel}
 ATTENTION_KERNELS = {"softmax_rows": softmax_rows_kernel}
+# Weight packs and the subpixel fold, refreshed at every call.
+WEIGHT_KERNELS = {"weight_pack": weight_pack_kernel, "subpixel_fold": subpixel_fold_kernel}
 
 __all__ = ["ATTENTION_KERNELS", "EPILOGUE_KERNELS", "INTERPRET", "KERNELS", "LAYOUT_KERNELS", "NORM_KERNELS",
-           "TAPS_KERNELS", "launch_conv2d", "launch_conv2d_flat", "launch_conv2d_taps", "launch_conv2d_tma", "launch_conv_transpose2d",
+           "TAPS_KERNELS", "WEIGHT_KERNELS", "launch_conv2d", "launch_conv2d_flat", "launch_conv2d_taps", "launch_conv2d_tma", "launch_conv_transpose2d",
            "launch_epilogue", "launch_group_norm", "launch_group_norm_apply", "launch_group_norm_stats",
-           "launch_nchw_to_nhwc", "launch_softmax_rows"]
+           "launch_nchw_to_nhwc", "launch_softmax_rows", "launch_subpixel_fold", "launch_weight_pack"]

@@ -62,9 +62,9 @@ def group_norm_stats_kernel(x_ptr, part_ptr, GROUP_SIZE, CHUNK, SPLITS, BLOCK: t
 
 
 @triton.jit
-def group_norm_stats_nhwc_kernel(x_ptr, part_ptr, C, HW, CHUNK, SPLITS, G, Cg,
+def group_norm_stats_nhwc_kernel(x_ptr, ib_ptr, part_ptr, C, HW, CHUNK, SPLITS, G, Cg,
                                  BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_G: tl.constexpr,
-                                 CG_POW2: tl.constexpr):
+                                 CG_POW2: tl.constexpr, HAS_IB: tl.constexpr):
     # NHWC: a pixel's channels are contiguous, so a program reads whole rows
     # of C channels (coalesced) and keeps per-*channel* moments; walking one
     # group's Cg-channel slivers instead read 8-byte pieces of every 32-byte
@@ -95,6 +95,11 @@ def group_norm_stats_nhwc_kernel(x_ptr, part_ptr, C, HW, CHUNK, SPLITS, G, Cg,
     t1 = tl.sum(s1, axis=0)
     mean = shift + t1 / count
     m2 = tl.maximum(tl.sum(s2, axis=0) - t1 * t1 / count, 0.0)
+    if HAS_IB:
+        # x is a conv output whose bias was left for this norm to add (see
+        # ops.group_norm's input_bias): it moves each channel's mean, not its
+        # spread, so it enters here, before channels merge into groups.
+        mean += tl.load(ib_ptr + offs_c, mask=c_ok, other=0.0).to(tl.float32)
     # The group's moments from its channels' (equal counts): the mean of the
     # means, and M2 = sum of M2 + count * sum of (mean_c - mean_g)^2. One
     # triple per group instead of per channel: the finalize pass then merges
@@ -124,9 +129,9 @@ def group_norm_stats_nhwc_kernel(x_ptr, part_ptr, C, HW, CHUNK, SPLITS, G, Cg,
 
 
 @triton.jit
-def group_norm_finalize_kernel(part_ptr, w_ptr, b_ptr, ss_ptr, G, Cg, S,
-                               psn, pss, psc, eps, HAS_AFFINE: tl.constexpr, BLOCK: tl.constexpr,
-                               BLOCK_CG: tl.constexpr):
+def group_norm_finalize_kernel(part_ptr, w_ptr, b_ptr, ib_ptr, ss_ptr, G, Cg, S,
+                               psn, pss, psc, eps, HAS_AFFINE: tl.constexpr, HAS_IB: tl.constexpr,
+                               BLOCK: tl.constexpr, BLOCK_CG: tl.constexpr):
     # One program per (sample, group): Chan-merges the group's S partial
     # (count, mean, M2) triples, at part + n*psn + s*pss + g*psc, into mean
     # and 1/sqrt(var + eps), folded with the affine into the apply pass's
@@ -163,6 +168,9 @@ def group_norm_finalize_kernel(part_ptr, w_ptr, b_ptr, ss_ptr, G, Cg, S,
         gamma = tl.load(w_ptr + c, mask=c_ok, other=1.0).to(tl.float32)
         scale = scale * gamma
         shift = tl.load(b_ptr + c, mask=c_ok, other=0.0).to(tl.float32) - mean * scale
+    if HAS_IB:
+        # The apply pass reads x without the input bias: (x + b) * scale + shift.
+        shift += tl.load(ib_ptr + c, mask=c_ok, other=0.0).to(tl.float32) * scale
     row = ss_ptr + (n * (G * Cg) + c) * 2
     tl.store(row, scale, mask=c_ok)
     tl.store(row + 1, shift, mask=c_ok)
@@ -206,19 +214,25 @@ def group_norm_apply_nchw_kernel(x_ptr, y_ptr, ss_ptr, HW, ACT: tl.constexpr, BL
 
 
 def launch_group_norm(x, out, groups, weight, bias, eps, activation, channels_last, block, stats_block,
-                      target_programs):
+                      target_programs, input_bias=None):
     """``x``/``out`` dense [N, C, H, W] in the same layout (``channels_last``
     says which; ``out`` may be ``x``: the apply pass reads each element
-    before writing it, after the statistics are complete). Returns ``out``."""
+    before writing it, after the statistics are complete). Returns ``out``.
+    ``input_bias`` ([C], NHWC only): normalise ``x + input_bias``."""
     scale_shift = launch_group_norm_stats(x, groups, weight, bias, eps, channels_last, stats_block,
-                                          target_programs)
+                                          target_programs, input_bias)
     return launch_group_norm_apply(x, out, scale_shift, activation, channels_last, block)
 
 
-def launch_group_norm_stats(x, groups, weight, bias, eps, channels_last, stats_block, target_programs):
-    """Statistics of dense [N, C, H, W] ``x``, as the apply pass's
-    per-(sample, channel) fp32 (scale, shift) [N, C, 2]."""
+def launch_group_norm_stats(x, groups, weight, bias, eps, channels_last, stats_block, target_programs,
+                            input_bias=None):
+    """Statistics of dense [N, C, H, W] ``x`` (plus ``input_bias`` [C] per
+    channel, NHWC only), as the apply pass's per-(sample, channel) fp32
+    (scale, shift) [N, C, 2]."""
     import torch
+
+    if input_bias is not None and not channels_last:
+        raise ValueError("group_norm: input_bias is only taken with NHWC input")
 
     N, C, H, W = x.shape
     Cg, HW = C // groups, H * W
@@ -234,9 +248,10 @@ def launch_group_norm_stats(x, groups, weight, bias, eps, channels_last, stats_b
         ws = torch.empty(N * C * 2 + N * splits * groups * 3, dtype=torch.float32, device=x.device)
         part = ws[N * C * 2:]
         pow2 = Cg & (Cg - 1) == 0
-        launch(group_norm_stats_nhwc_kernel, (N, splits), x, part, C, HW, chunk, splits, groups, Cg,
+        launch(group_norm_stats_nhwc_kernel, (N, splits), x, x if input_bias is None else input_bias, part,
+               C, HW, chunk, splits, groups, Cg,
                BLOCK_P=block_p, BLOCK_C=block_c, BLOCK_G=block_c // Cg if pow2 else next_pow2(groups),
-               CG_POW2=Cg if pow2 else 0)
+               CG_POW2=Cg if pow2 else 0, HAS_IB=input_bias is not None)
         psn, pss, psc = splits * groups * 3, groups * 3, 3
     else:
         # Enough programs to fill the GPU, each reading at least a few blocks.
@@ -251,9 +266,10 @@ def launch_group_norm_stats(x, groups, weight, bias, eps, channels_last, stats_b
         psn, pss, psc = groups * splits * 3, 3, splits * 3
     scale_shift = ws[:N * C * 2].view(N, C, 2)
     launch(group_norm_finalize_kernel, (N * groups,),
-           part, weight if weight is not None else x, bias if bias is not None else x, scale_shift,
+           part, weight if weight is not None else x, bias if bias is not None else x,
+           input_bias if input_bias is not None else x, scale_shift,
            groups, Cg, splits, psn, pss, psc, float(eps), HAS_AFFINE=weight is not None,
-           BLOCK=min(1024, next_pow2(splits)), BLOCK_CG=next_pow2(Cg))
+           HAS_IB=input_bias is not None, BLOCK=min(1024, next_pow2(splits)), BLOCK_CG=next_pow2(Cg))
     return scale_shift
 
 

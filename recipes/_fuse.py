@@ -165,14 +165,19 @@ def _kernels_may_run(m: nn.Module) -> bool:
 
 
 def group_norm(norm: nn.GroupNorm, x: torch.Tensor, activation: str = "none",
-               out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``act(norm(x))``; one pass of conv-patch's GroupNorm kernels where
-    they can run, else the norm class's own forward and PyTorch's activation.
-    ``out`` (may be ``x``) receives the result. Hooks are the caller's
-    business (fused blocks check ``plain`` first, the GroupNorm recipe runs
-    inside the module's own call)."""
+               out: Optional[torch.Tensor] = None, input_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``act(norm(x + input_bias))`` (``input_bias`` per channel, the bias
+    of the conv that made ``x``, see ``conv_without_bias``); one pass of
+    conv-patch's GroupNorm kernels where they can run, else the norm class's
+    own forward and PyTorch's activation. ``out`` (may be ``x``) receives
+    the result. Hooks are the caller's business (fused blocks check
+    ``plain`` first, the GroupNorm recipe runs inside the module's own
+    call)."""
     if x.dim() == 4 and not comfy_active(norm):
-        return ops.group_norm(x, norm.num_groups, norm.weight, norm.bias, norm.eps, activation, out=out)
+        return ops.group_norm(x, norm.num_groups, norm.weight, norm.bias, norm.eps, activation, out=out,
+                              input_bias=input_bias)
+    if input_bias is not None:
+        x = x + input_bias.view(-1, *([1] * (x.dim() - 2)))
     own = getattr(type(norm), "_cp_base", type(norm)).forward
     y = ops.eager_epilogue(own(norm, x), None, 1.0, activation, 1.0)
     return y if out is None else out.copy_(y)
@@ -210,18 +215,34 @@ BAND_FROM_BYTES = 1 << 30
 BAND_BYTES = 256 << 20
 
 
-def norm_conv(norm: nn.GroupNorm, m: nn.Conv2d, x: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+def conv_without_bias(m: nn.Conv2d, x: torch.Tensor):
+    """``(y, b)`` with ``y + b`` (``b`` per channel, or None) equal to
+    ``m(x)``, for the GroupNorm that reads ``y`` next to add ``b``
+    (``PatchedConv2d.forward_without_bias`` says where and why). Only for a
+    conv without hooks."""
+    if _kernels_may_run(m) and isinstance(m, nn.Conv2d) and not isinstance(m, nn.ConvTranspose2d):
+        return m.forward_without_bias(x)
+    return m(x), None
+
+
+def norm_conv(norm: nn.GroupNorm, m: nn.Conv2d, x: torch.Tensor, activation: str = "silu",
+              keep_bias: bool = False):
     """``m(act(norm(x)))``: the normalised input made in row bands where it
-    would be large (and the kernels take both ops), else whole."""
+    would be large (and the kernels take both ops), else whole. With
+    ``keep_bias`` the pair ``conv_without_bias`` returns, for a GroupNorm to
+    add the bias."""
     if (x.dim() == 4 and x.numel() * x.element_size() >= BAND_FROM_BYTES and _kernels_may_run(m)
             and not comfy_active(norm) and is_conv(m, 3, 1, 1) and not torch.compiler.is_compiling()
             and inference(x, norm, m)):
         try:
-            return ops.group_norm_conv2d(x, norm.num_groups, norm.weight, norm.bias, norm.eps, activation,
-                                         pack.packed_weight(m, m.weight, False), m.bias, band_bytes=BAND_BYTES,
-                                         table=m._cp_table)
+            y = ops.group_norm_conv2d(x, norm.num_groups, norm.weight, norm.bias, norm.eps, activation,
+                                      pack.packed_weight(m, m.weight, False), m.bias, band_bytes=BAND_BYTES,
+                                      table=m._cp_table)
+            return (y, None) if keep_bias else y
         except ops.UnsupportedConv:
             pass
+    if keep_bias:
+        return conv_without_bias(m, group_norm(norm, x, activation))
     return conv(m, group_norm(norm, x, activation))
 
 
@@ -232,8 +253,12 @@ def resnet(x: torch.Tensor, norm1, conv1, norm2, conv2, shortcut=None, out_scale
     (norm2 over conv1's output, conv2's output over the shortcut's), which
     keeps a 2048^2 block at its input plus two outputs; not where a hook on
     the conv that made them may hold on to them."""
-    h = norm_conv(norm1, conv1, x)
-    h = group_norm(norm2, h, "silu", out=h if plain(conv1) else None)
+    if plain(conv1):
+        h, b = norm_conv(norm1, conv1, x, keep_bias=True)
+        h = group_norm(norm2, h, "silu", out=h, input_bias=b)
+    else:
+        h = norm_conv(norm1, conv1, x)
+        h = group_norm(norm2, h, "silu")
     if shortcut is None:
         return conv(conv2, h, residual=x, out_scale=out_scale)
     sc = conv(shortcut, x)

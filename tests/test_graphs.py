@@ -198,9 +198,14 @@ def test_graphed_flux_config_decode_matches_eager_and_sees_weight_updates(same_u
         for z, y in zip(zs, outs):
             ref = eager.decode(z).sample
             assert y.is_contiguous() and rel_err(y, ref) <= 1e-3
-        # An in-place update (a LoRA merge writes .data) reaches the replay.
+        # An in-place update (a LoRA merge writes .data) reaches the replay:
+        # through a pack (conv_out, a resnet conv1 whose bias GroupNorm adds)
+        # and through the upsampler's subpixel fold.
         for m in (vae, eager):
             m.decoder.conv_out.weight.data.mul_(-0.5)
+            m.decoder.up_blocks[0].upsamplers[0].conv.weight.data.mul_(-0.7)
+            m.decoder.up_blocks[1].resnets[0].conv1.weight.data.mul_(1.3)
+            m.decoder.up_blocks[1].resnets[0].conv1.bias.data.add_(0.5)
         assert rel_err(vae.decode(zs[0]).sample, eager.decode(zs[0]).sample) <= 2e-3
         assert cache.stats["captures"] == 1
         img = torch.randn(1, 3, 128, 128, device="cuda", dtype=torch.bfloat16)
@@ -226,4 +231,6 @@ def test_graphed_taesd_decoder_recaptures_when_moved(same_upsample_form):
             y = dec(x.bfloat16())
         assert rel_err(y, eager(x.bfloat16())) <= 1e-3
     cache = graphs.cache_of(dec)
-    assert cache.stats["captures"] == 2 and cache.recaptures == 1
+    # One recapture for the move; the stable call after it clears the count
+    # of consecutive changes (graphs are only given up on for streaming).
+    assert cache.stats["captures"] == 2 and cache.recaptures == 0 and cache.disabled is None

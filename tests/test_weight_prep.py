@@ -1,0 +1,131 @@
+"""The weight kernels: the pack (co, kh, kw, ci) and the subpixel fold of an
+upsampling conv's 3x3 weight, against PyTorch's permute and a float64 fold;
+and the GroupNorm input bias a conv leaves to the norm."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from _util import poisoned, randn, rel_err
+
+from conv_patch import ops
+from conv_patch.kernels import launch_subpixel_fold, launch_weight_pack
+
+
+def _fold64(w):
+    """The four 2x2 weights, [a, b, co, kh, kw, ci], summed in float64."""
+    w = w.double()
+    rows = {0: ((0,), (1, 2)), 1: ((0, 1), (2,))}
+    out = torch.empty(2, 2, w.shape[0], 2, 2, w.shape[1], dtype=torch.float64)
+    for a in (0, 1):
+        for b in (0, 1):
+            for i in (0, 1):
+                for j in (0, 1):
+                    out[a, b, :, i, j] = sum(w[:, :, r, c] for r in rows[a][i] for c in rows[b][j])
+    return out
+
+
+@pytest.mark.parametrize("co,ci,kh,kw", [(5, 7, 3, 3), (3, 130, 3, 3), (4, 16, 1, 1), (6, 9, 2, 3)])
+@pytest.mark.parametrize("strided", [False, True])
+def test_weight_pack_kernel_is_the_permute(device, co, ci, kh, kw, strided):
+    g = torch.Generator().manual_seed(co * 100 + ci)
+    w = randn(g, co, ci, kh, kw, dtype=torch.bfloat16, device=device)
+    if strided:  # a weight of other strides: kh and kw swapped in memory, a channel slice
+        w = randn(g, co, ci + 3, kw, kh, dtype=torch.bfloat16, device=device).transpose(2, 3)[:, 2:ci + 2]
+    out = poisoned((co, kh, kw, ci), torch.bfloat16, device)
+    launch_weight_pack(w, out)
+    assert torch.equal(out, w.permute(0, 2, 3, 1))
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 4e-3)])
+@pytest.mark.parametrize("co,ci", [(5, 7), (3, 130)])
+def test_subpixel_fold_kernel_against_float64(device, dtype, tol, co, ci):
+    g = torch.Generator().manual_seed(co + ci)
+    w = randn(g, co, ci, 3, 3, dtype=dtype, device=device)
+    out = poisoned((2, 2, co, 2, 2, ci), dtype, device)
+    launch_subpixel_fold(w, out)
+    assert rel_err(out, _fold64(w)) <= tol
+    # ... and it is what upsample_conv2d uses: the same as PyTorch's fold.
+    assert rel_err(ops.subpixel_weights(w), _fold64(w)) <= tol
+    with pytest.raises(ValueError, match="3x3"):
+        launch_subpixel_fold(w[:, :, :2], out)
+
+
+def test_subpixel_weights_run_the_fold_kernel_where_kernels_run(device, exact_fp32, monkeypatch):
+    from conv_patch import kernels
+    calls = []
+    real = kernels.launch_subpixel_fold
+    monkeypatch.setattr(kernels, "launch_subpixel_fold", lambda w, o: calls.append(1) or real(w, o))
+    w = torch.randn(4, 6, 3, 3, device=device)
+    x = torch.randn(1, 6, 5, 7, device=device)
+    y = ops.upsample_conv2d(x, w)
+    assert calls == [1]
+    ref = F.conv2d(F.interpolate(x.double(), scale_factor=2.0), w.double(), padding=1)
+    assert rel_err(y, ref) <= 1e-5
+
+
+@pytest.mark.parametrize("channels_last", [True, False])
+@pytest.mark.parametrize("c,groups", [(12, 3), (10, 5)])
+def test_group_norm_adds_the_input_bias_a_conv_left_out(device, channels_last, c, groups):
+    g = torch.Generator().manual_seed(c)
+    x = randn(g, 2, c, 7, 5, scale=2.0, device=device) + 0.5
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    b = randn(g, c, scale=3.0, device=device)
+    w, beta = randn(g, c, device=device), randn(g, c, device=device)
+    ref = F.silu(F.group_norm(x.double() + b.double().view(-1, 1, 1), groups, w.double(), beta.double(), 1e-6))
+    out = ops.group_norm(x, groups, w, beta, 1e-6, "silu", input_bias=b)
+    assert out.is_contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+    assert rel_err(out, ref) <= 1e-5
+    # In place, as the resnet recipe normalises conv1's output.
+    y = x.clone()
+    assert ops.group_norm(y, groups, w, beta, 1e-6, "silu", out=y, input_bias=b) is y
+    assert rel_err(y, ref) <= 1e-5
+    with pytest.raises(ValueError, match="input_bias"):
+        ops.group_norm(x, groups, w, beta, 1e-6, input_bias=b[:-1])
+
+
+def test_conv_without_bias_leaves_the_bias_to_the_norm(device, exact_fp32, monkeypatch):
+    import conv_patch
+    from conv_patch.routing import Route, RouteDecision
+    g = torch.Generator().manual_seed(3)
+    conv = torch.nn.Conv2d(6, 10, 3, padding=1).to(device)
+    x = randn(g, 1, 6, 9, 7, device=device).contiguous(memory_format=torch.channels_last)
+    ref = F.conv2d(x.double(), conv.weight.double(), conv.bias.double(), padding=1)
+    model = torch.nn.Sequential(conv)
+    conv_patch.apply(model, recipes=False)
+    m = model[0]
+    with torch.no_grad():
+        y, b = m.forward_without_bias(x)  # a kernel route
+        assert b is m.bias and rel_err(y + b.view(-1, 1, 1), ref) <= 1e-5
+        assert rel_err(y, ref - conv.bias.double().view(-1, 1, 1)) <= 1e-5
+        # The table's cuDNN route: F.conv2d without its bias, no epilogue pass.
+        monkeypatch.setattr(type(m), "_cp_route", lambda *a: RouteDecision(Route.CUDNN, "test"))
+        y, b = m.forward_without_bias(x)
+        assert b is m.bias and rel_err(y + b.view(-1, 1, 1), ref) <= 1e-5
+        # A call the original module takes keeps its bias.
+        monkeypatch.setattr(type(m), "_cp_route", lambda *a: RouteDecision(Route.FALLBACK, "test"))
+        y, b = m.forward_without_bias(x)
+        assert b is None and rel_err(y, ref) <= 1e-5
+
+
+def test_resnet_recipe_defers_conv1_bias_into_norm2(device, exact_fp32, monkeypatch):
+    pytest.importorskip("diffusers")
+    from diffusers.models.resnet import ResnetBlock2D
+
+    import conv_patch
+    torch.manual_seed(0)
+    block = ResnetBlock2D(in_channels=8, out_channels=8, temb_channels=None, groups=4,
+                                                  eps=1e-6).to(device).eval()
+    with torch.no_grad():
+        block.conv1.bias.uniform_(-2, 2)
+    x = torch.randn(1, 8, 6, 5, device=device)
+    with torch.no_grad():
+        ref = block(x, None).double()
+    conv_patch.apply(block)
+    seen = []
+    real = ops.group_norm
+    monkeypatch.setattr(ops, "group_norm", lambda *a, **k: seen.append(k.get("input_bias")) or real(*a, **k))
+    with torch.no_grad():
+        y = block(x, None)
+    assert len(seen) == 2 and seen[0] is None and seen[1] is block.conv1.bias
+    assert rel_err(y, ref) <= 1e-5

@@ -144,6 +144,13 @@ class Captured:
                        for t in _tensors(args, kwargs)]
         self._copy_in(args, kwargs)
         sargs, skwargs = _substitute(args, kwargs, iter(self.static))
+        from . import pack
+        with pack.graph_path():
+            # One eager call down the capture's own path first (the pack
+            # kernel, the upsample always folded): every kernel the capture
+            # records is then compiled and loaded. A Triton kernel's first
+            # launch inside the capture invalidated TAEF2's on the H200.
+            fn(*sargs, **skwargs)
         self.graph = torch.cuda.CUDAGraph()
         # thread_local: another thread's CUDA work (a UI's preview) neither
         # breaks this capture nor is recorded in it.

@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from . import pack
 from .routing import Route, RouteDecision, select_route
 from .specs import CallDesc, ConvSpec, _pair, needs_grad, resolve_padding
 from .target import Target, dot_precision, target_for
@@ -479,10 +480,11 @@ def subpixel_pays(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``upsample_conv2d``'s folded form is worth its four launches
     here (always under the interpreter, where the tests exercise it, under
     torch.compile, where ``upsample_conv2d`` traces the plain form, and while
-    a CUDA graph is captured: its replay costs no host time per launch)."""
+    a CUDA graph is captured or its warm-up runs, ``pack.on_graph_path``:
+    a replay costs no host time per launch)."""
     if torch.compiler.is_compiling() or target_for(x.device).interpreter:
         return True
-    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+    if pack.on_graph_path(x):
         return True
     n, _, h, w = x.shape
     return n * h * w * weight.shape[0] * weight.shape[1] >= SUBPIXEL_MIN_MACS

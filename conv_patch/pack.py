@@ -23,12 +23,17 @@ convolutions; bench/results/layers-h200-2026-11-29.json): 0.33 ms of
 refreshes per decode, against 24.3 ms of conv-patch convolution at 1024^2
 (1.4% NHWC, 0.85% NCHW) and 8.8-11.5 ms at 512^2 (2.9-3.7%). The copy is
 launch-bound (a 4.7 MB 512x512x3x3 weight refreshes in 13 us); a dedicated
-Triton transpose kernel measured 0.28 ms per decode, too little gain to keep.
-Reading the NCHW weight in place with no pack at all ran 2.1-3.1x slower.
+Triton transpose kernel measured 0.28 ms per decode, too little gain to keep
+when launched eagerly, where host time is the cost. Inside a CUDA graph only
+GPU time counts: there the pack kernel (kernels/weight_prep.py) refreshes a
+512x512x3x3 weight in ~2.5 us against PyTorch's 7.4 us strided copy, so
+graph captures (and their warm-up call, ``graph_path``) use it. Reading the
+NCHW weight in place with no pack at all ran 2.1-3.1x slower.
 """
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from dataclasses import dataclass
 from typing import Optional
@@ -38,6 +43,11 @@ import torch
 PACK_LAYOUT = "co_kh_kw_ci"
 
 _LIVE: "weakref.WeakSet[PackEntry]" = weakref.WeakSet()
+# Set by conv_patch.graphs for the eager warm-up call before a capture, so
+# that it takes the capture's path and launches (so compiles and loads)
+# every kernel the capture records: a Triton kernel's first launch inside a
+# capture can invalidate it.
+_GRAPH_PATH = False
 _STATS = {"allocations": 0, "refreshes": 0}
 
 
@@ -89,7 +99,7 @@ def packed_weight(holder, weight: torch.Tensor, transposed: bool) -> torch.Tenso
         holder.__dict__["_cp_pack"] = entry
         _LIVE.add(entry)
         _STATS["allocations"] += 1
-    if view.is_cuda and torch.cuda.is_current_stream_capturing():
+    if on_graph_path(view):
         # Inside a CUDA graph (PatchConfig(cuda_graphs=True)) the refresh is
         # GPU time at every replay, and a launch costs no host time: the
         # pack kernel moves a 512x512x3x3 weight in a fraction of the 7.4 us
@@ -101,6 +111,24 @@ def packed_weight(holder, weight: torch.Tensor, transposed: bool) -> torch.Tenso
         entry.buf.copy_(view)
     _STATS["refreshes"] += 1
     return entry.buf
+
+
+@contextlib.contextmanager
+def graph_path():
+    """Calls inside run as inside a CUDA graph capture (``on_graph_path``)."""
+    global _GRAPH_PATH
+    before, _GRAPH_PATH = _GRAPH_PATH, True
+    try:
+        yield
+    finally:
+        _GRAPH_PATH = before
+
+
+def on_graph_path(t: torch.Tensor) -> bool:
+    """Whether work on ``t`` is being captured into a CUDA graph (or is the
+    eager warm-up of that capture): launches then cost no host time at
+    replay, only GPU time."""
+    return t.is_cuda and (_GRAPH_PATH or torch.cuda.is_current_stream_capturing())
 
 
 def release(holder) -> None:

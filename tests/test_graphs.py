@@ -234,3 +234,33 @@ def test_graphed_taesd_decoder_recaptures_when_moved(same_upsample_form):
     # One recapture for the move; the stable call after it clears the count
     # of consecutive changes (graphs are only given up on for streaming).
     assert cache.stats["captures"] == 2 and cache.recaptures == 0 and cache.disabled is None
+
+
+def test_capture_is_preceded_by_a_warm_up_call_down_the_capture_path(monkeypatch):
+    """The eager call before a capture takes the capture's path (pack kernel,
+    upsample folded), so that no kernel is first launched inside it."""
+    import contextlib
+
+    from conv_patch import pack
+    seen = []
+
+    class Graph:
+        def replay(self):
+            pass
+
+    @contextlib.contextmanager
+    def fake_graph(g, capture_error_mode=None):
+        seen.append("capture")
+        yield
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "graph", fake_graph)
+    x = torch.randn(2, 3)
+
+    def fn(t):
+        seen.append(("call", pack._GRAPH_PATH))
+        return t * 2
+
+    cap = graphs.Captured(fn, (x,), {})
+    assert seen == [("call", True), "capture", ("call", False)]
+    assert not pack._GRAPH_PATH and torch.equal(cap.out, x * 2)

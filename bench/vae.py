@@ -13,7 +13,8 @@ for the convs-only column, ``apply(m)`` (block recipes on) for ours.
 ``--graph`` adds the patched model with ``PatchConfig(cuda_graphs=True)``
 (``graphed_ms``: its decoder/encoder replayed from a CUDA graph per input
 shape, the host's launch cost removed; the warm-up call captures) and the
-memory all graphs captured so far keep (``graph_pools_gib``). ``--profile`` adds each
+memory all graphs captured so far keep (``graph_pools_gib``), with the graph
+caches' captures, replays and eager calls so far (``graph_calls``). ``--profile`` adds each
 row's top GPU kernels of one patched call (torch
 profiler) as ``profile``. Variants run interleaved
 (A, B, C, A, B, C, ...) with ``--runs`` timed calls each after warm-up (which
@@ -131,6 +132,19 @@ def _graph_pool_bytes() -> int:
     return sum(s["total_size"] for s in segs if tuple(s.get("segment_pool_id", (0, 0))) != (0, 0))
 
 
+def _graph_calls(model) -> dict:
+    """Captures, replays and eager calls so far over the graphed model's
+    graph caches (a capture that failed shows as eager calls)."""
+    from conv_patch import graphs
+    total = {"captures": 0, "replays": 0, "eager": 0}
+    for m in model.modules():
+        cache = graphs.cache_of(m)
+        if cache is not None:
+            for k in total:
+                total[k] += cache.stats[k]
+    return total
+
+
 def bench_variants(variants, runs, warmup=3):
     """variants: name -> (fn, inputs in that variant's layout, its model or
     None when no peak is wanted)."""
@@ -240,6 +254,7 @@ def main(argv=None):
                 }
                 if "graphed" in ms:
                     row["graphed_ms"] = ms["graphed"]
+                    row["graph_calls"] = _graph_calls(graphed)
                     if torch.cuda.is_available():
                         row["graph_pools_gib"] = _graph_pool_bytes() / 2**30
                 if args.profile:

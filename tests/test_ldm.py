@@ -38,3 +38,10 @@ def test_ldm_encoder_decoder_patched_vs_unpatched(device, exact_fp32):
     assert len(r_enc.patched) == n_convs(enc) and len(r_dec.patched) == n_convs(dec)
     assert any("nin_shortcut" in k for k in r_enc.patched) and any(".attn." in k for k in r_dec.patched)
     assert any("downsample.conv" in k for k in r_enc.patched)
+
+
+def test_ldm_upsample_convs_are_the_ones_the_tracer_folds():
+    from conv_patch.recipes import upsample_convs
+    _, dec = _pair("cpu")
+    ups = [m.upsample.conv for m in dec.up if hasattr(m, "upsample")]
+    assert ups and upsample_convs(dec) == {id(c) for c in ups}

@@ -9,11 +9,11 @@ what cuDNN also needs 0.34 ms, against 0.06 ms to read the input once.
 Here the input is read once, by the portable kernel as a 1x1 conv whose
 N = C_out * KH * KW outputs are every tap's contribution (P, fp32, one
 plane per output channel and tap; the weight pack co,kh,kw,ci viewed as
-[C_out * KH * KW, C_in] is exactly that GEMM's B operand, no copy), and ``conv2d_tap_sum_kernel`` gathers
-out[n, co, oh, ow] = sum over taps of P[n, co*KH*KW + tap, ih, iw] (zero
-outside the input: the padding) and ends in the shared epilogue. P is
-fp32, so the only rounding to the output dtype is the epilogue's, as in the
-implicit GEMM.
+[C_out * KH * KW, C_in] is exactly that GEMM's B operand, no copy), and
+``conv2d_tap_sum_kernel`` gathers out[n, co, oh, ow] = sum over taps of
+P[n, co*KH*KW + tap, ih, iw] (zero outside the input: the padding) and ends
+in the shared epilogue. P is fp32, so the only rounding to the output dtype
+is the epilogue's, as in the implicit GEMM.
 
 Layer 1: ``conv2d_tap_sum_kernel``; layer 2: ``launch_conv2d_taps`` (both
 stages; the first takes the table's config, the second is memory-bound
@@ -73,7 +73,9 @@ def launch_conv2d_taps(x, w, bias, out, residual, *, stride, padding, dilation, 
     # partials along a row of pixels, coalesced. Rows of C_out*KH*KW partials
     # per pixel (channels_last) made those reads 4-byte gathers at a 108-byte
     # stride: on the H200 at 128 -> 3 on 1024^2 the whole conv took 0.43 ms
-    # that way, 0.23 ms with planes (scratch A/B in one process).
+    # that way and 0.23 ms with planes, side by side; bench.layers then
+    # measured 0.14 ms against cuDNN's 0.335
+    # (bench/results/layers-sm90-taps-planar-h200-2026-11-30.json).
     p = torch.empty((N, taps, H, W), dtype=torch.float32, device=x.device)
     launch_conv2d(x, w1, None, p, None, stride=(1, 1), padding=(0, 0), dilation=(1, 1), beta=1.0,
                   activation=0, out_scale=1.0, config=config, precision=precision, upcast=upcast,

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from . import pack
-from .routing import Route, RouteDecision, select_route
+from .routing import Route, RouteDecision, select_route, tma_arch
 from .specs import CallDesc, ConvSpec, _pair, needs_grad, resolve_padding
 from .target import Target, dot_precision, target_for
 
@@ -389,17 +389,33 @@ def group_norm_conv2d(x: torch.Tensor, num_groups: int, norm_weight, norm_bias, 
 # Attention with a head wider than 256 channels (the VAE mid-block's single
 # 512-channel head) has no FlashAttention or cuDNN kernel in PyTorch; its
 # memory-efficient kernel ran at ~150 TF/s on the H200 (3.6 ms at N = 16384,
-# 67 ms at N = 65536). Materialising the scores of a block of query rows
-# lets cuBLAS run both GEMMs (~700 TF/s) with fp32 scores, as FlashAttention
-# keeps them, and the probabilities rounded once to the input dtype for the
-# second GEMM, as FlashAttention rounds them. The block is bounded in bytes
-# so that a 2048^2 decode stays within its memory budget.
+# 67 ms at N = 65536). So the scores of a block of query rows are
+# materialised. On Hopper (and under the interpreter) two Triton GEMMs do it
+# with the softmax folded into their epilogue and prologue and the scores
+# kept once, in fp16 (kernels/attention.py); elsewhere cuBLAS runs both GEMMs
+# with fp32 scores and a softmax pass between them (kernels/softmax.py). The
+# probabilities are rounded once to the input dtype for the second GEMM, as
+# FlashAttention rounds them. Blocks are bounded in bytes so that a 2048^2
+# decode stays within its memory budget: its mid-block runs where little
+# else is allocated, far below the decode's peak in the last up block.
 ATTENTION_BLOCK_BYTES = 256 << 20
+FUSED_ATTENTION_BLOCK_BYTES = 1 << 30
 # Softmax (block, warps) per program. H200, fp32 scores to bf16: 8192 with 16
 # warps ran a 4096 x 16384 block in 0.105 ms against 0.163 with (2048, 8) (the
 # second pass reads the row back from L2), and a 1024 x 65536 block at the
 # same 4 TB/s as every other choice. Under the interpreter one block per row.
 SOFTMAX_LAUNCH = {"gpu": (8192, 16), "interpreter": (1 << 16, 4)}
+# Tiles of the fused route: the score tile (its width is the granularity of
+# the softmax partials) and the P V tile. Interpreter tiles are small so that
+# the tests' awkward sizes span several tiles and K blocks.
+FUSED_ATTENTION_TILES = {
+    "gpu": {"scores": {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 32, "num_warps": 4, "num_stages": 3},
+            "combine": {"BLOCK_R": 32, "BLOCK_T": 32, "num_warps": 4},
+            "pv": {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3}},
+    "interpreter": {"scores": {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 16, "GROUP_M": 2},
+                    "combine": {"BLOCK_R": 16, "BLOCK_T": 2},
+                    "pv": {"BLOCK_M": 16, "BLOCK_N": 16}},
+}
 
 
 def attention_pays(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -407,6 +423,15 @@ def attention_pays(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     with a head wider than PyTorch's fused kernels take, or any call under
     the interpreter, where the tests exercise it) instead of calling SDPA."""
     return _attention_target(q, k, v) is not None
+
+
+def attention_route(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
+    """"fused" (kernels/attention.py), "blocked" (cuBLAS + softmax kernel) or
+    "sdpa": what ``attention`` runs for these tensors."""
+    target = _attention_target(q, k, v)
+    if target is None:
+        return "sdpa"
+    return "fused" if target.interpreter or tma_arch(target.arch) else "blocked"
 
 
 def _attention_target(q, k, v) -> Optional[Target]:
@@ -422,14 +447,28 @@ def _attention_target(q, k, v) -> Optional[Target]:
     return target if ok else None
 
 
+def _tma_rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (2-D) as a TMA can describe it: unit column stride, 16-byte
+    aligned base and row stride; otherwise a copy with its rows padded to a
+    16-byte multiple, returned as a view of the original width."""
+    align = 16 // t.element_size()
+    if t.stride(1) == 1 and t.stride(0) % align == 0 and t.data_ptr() % 16 == 0:
+        return t
+    cols = -(-t.shape[1] // align) * align
+    out = t.new_zeros((t.shape[0], cols))
+    out[:, :t.shape[1]] = t
+    return out[:, :t.shape[1]]
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float] = None) -> torch.Tensor:
     """``F.scaled_dot_product_attention(q, k, v, scale=scale)`` (no mask, no
     dropout) for [..., N, D] queries and [..., M, D] keys and values: scores
-    materialised in blocks of query rows where that pays (``attention_pays``),
-    SDPA otherwise."""
-    target = _attention_target(q, k, v)
-    if target is None:
+    materialised in blocks of query rows where that pays (``attention_pays``;
+    ``attention_route`` names the kernels), SDPA otherwise."""
+    route = attention_route(q, k, v)
+    if route == "sdpa":
         return F.scaled_dot_product_attention(q, k, v, scale=scale)
+    interp = target_for(q.device).interpreter
     kernels = _kernels()
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     n, d, m, dv = q.shape[-2], q.shape[-1], k.shape[-2], v.shape[-1]
@@ -438,17 +477,33 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional
     k3 = k.expand(*lead, m, d).reshape(-1, m, d)
     v3 = v.expand(*lead, m, dv).reshape(-1, m, dv)
     out = torch.empty((q3.shape[0], n, dv), dtype=q.dtype, device=q.device)
+    if route == "fused":
+        config = FUSED_ATTENTION_TILES["interpreter" if interp else "gpu"]
+        align = 16 // q.element_size()
+        m_pad = -(-m // align) * align
+        rows = max(1, min(n, FUSED_ATTENTION_BLOCK_BYTES // (m_pad * q.element_size())))
+        t = kernels.attention_partial_columns(m, config)
+        e = torch.empty((rows, m_pad), dtype=q.dtype, device=q.device)
+        mx = torch.empty((t, rows), dtype=torch.float32, device=q.device)
+        sm = torch.empty_like(mx)
+        for b in range(q3.shape[0]):
+            qb, kb, vb = _tma_rows(q3[b]), _tma_rows(k3[b]), _tma_rows(v3[b])
+            for i in range(0, n, rows):
+                r = min(rows, n - i)
+                kernels.launch_attention_block(qb[i:i + r], kb, vb, out[b, i:i + r], e, mx, sm, scale, config,
+                                               interp)
+        return out.view(*lead, n, dv)
     rows = max(1, min(n, ATTENTION_BLOCK_BYTES // (4 * max(m, 1))))
     scores = torch.empty((rows, m), dtype=torch.float32, device=q.device)
     probs = torch.empty((rows, m), dtype=q.dtype, device=q.device)
-    block, warps = SOFTMAX_LAUNCH["interpreter" if target.interpreter else "gpu"]
+    block, warps = SOFTMAX_LAUNCH["interpreter" if interp else "gpu"]
     for b in range(q3.shape[0]):
         kt = k3[b].t()
-        if target.interpreter:
+        if interp:
             kt = kt.float()
         for i in range(0, n, rows):
             r = min(rows, n - i)
-            if target.interpreter:
+            if interp:
                 torch.mm(q3[b, i:i + r].float(), kt, out=scores[:r])
             else:
                 torch.mm(q3[b, i:i + r], kt, out_dtype=torch.float32, out=scores[:r])

@@ -20,6 +20,8 @@ from .group_norm import (group_norm_apply_nchw_kernel, group_norm_apply_nhwc_ker
                          group_norm_finalize_kernel, group_norm_stats_kernel, group_norm_stats_nhwc_kernel,
                          launch_group_norm, launch_group_norm_apply, launch_group_norm_stats)
 from .softmax import launch_softmax_rows, softmax_rows_kernel  # noqa: E402
+from .attention import (attention_combine_kernel, attention_pv_kernel, attention_scores_kernel,  # noqa: E402
+                        launch_attention_block, partial_columns as attention_partial_columns)
 from .weight_prep import (launch_subpixel_fold, launch_weight_pack, subpixel_fold_kernel,  # noqa: E402
                           weight_pack_kernel)
 
@@ -39,11 +41,12 @@ EPILOGUE_KERNELS = {"epilogue": epilogue_kernel}
 NORM_KERNELS = {"group_norm_stats": group_norm_stats_kernel, "group_norm_stats_nhwc": group_norm_stats_nhwc_kernel,
                 "group_norm_finalize": group_norm_finalize_kernel, "group_norm_apply_nhwc": group_norm_apply_nhwc_kernel,
                 "group_norm_apply_nchw": group_norm_apply_nchw_kernel}
-ATTENTION_KERNELS = {"softmax_rows": softmax_rows_kernel}
+ATTENTION_KERNELS = {"softmax_rows": softmax_rows_kernel, "attention_scores": attention_scores_kernel,
+                     "attention_combine": attention_combine_kernel, "attention_pv": attention_pv_kernel}
 # Weight packs and the subpixel fold, refreshed at every call.
 WEIGHT_KERNELS = {"weight_pack": weight_pack_kernel, "subpixel_fold": subpixel_fold_kernel}
 
-__all__ = ["ATTENTION_KERNELS", "EPILOGUE_KERNELS", "INTERPRET", "KERNELS", "LAYOUT_KERNELS", "NORM_KERNELS",
+__all__ = ["ATTENTION_KERNELS", "attention_partial_columns", "launch_attention_block", "EPILOGUE_KERNELS", "INTERPRET", "KERNELS", "LAYOUT_KERNELS", "NORM_KERNELS",
            "TAPS_KERNELS", "WEIGHT_KERNELS", "launch_conv2d", "launch_conv2d_flat", "launch_conv2d_taps", "launch_conv2d_tma", "launch_conv_transpose2d",
            "launch_epilogue", "launch_group_norm", "launch_group_norm_apply", "launch_group_norm_stats",
            "launch_nchw_to_nhwc", "launch_softmax_rows", "launch_subpixel_fold", "launch_weight_pack"]

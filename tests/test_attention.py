@@ -28,19 +28,30 @@ def test_softmax_rows_kernel_matches_float64(device, dtype):
     assert rel_err(big[:, :37], ref) <= TOL[dtype] and torch.isnan(big[:, 37:].float()).all()
 
 
+def _force_route(monkeypatch, route):
+    """Run ``ops.attention`` down ``route`` wherever it would not call SDPA
+    (the blocked cuBLAS route is the GPU's off Hopper; here it is forced)."""
+    chosen = ops.attention_route
+    monkeypatch.setattr(ops, "attention_route", lambda *a: "sdpa" if chosen(*a) == "sdpa" else route)
+
+
+@pytest.mark.parametrize("route", ["fused", "blocked"])
 @pytest.mark.parametrize("q_shape,m,dv,dtype", [
     ((2, 3, 37, 24), 41, 27, torch.float32),
     ((50, 520), 50, 520, torch.float32),
     ((1, 1, 33, 17), 33, 20, torch.bfloat16),
-], ids=["heads", "unbatched-wide", "bf16"])
-def test_attention_blocks_match_float64(device, monkeypatch, q_shape, m, dv, dtype):
+    ((1, 1, 21, 16), 70, 48, torch.float16),
+], ids=["heads", "unbatched-wide", "bf16", "fp16"])
+def test_attention_blocks_match_float64(device, monkeypatch, route, q_shape, m, dv, dtype):
     g = torch.Generator().manual_seed(4)
     q = torch.randn(*q_shape, generator=g)
     k = torch.randn(*q_shape[:-2], m, q_shape[-1], generator=g)
     v = torch.randn(*q_shape[:-2], m, dv, generator=g)
+    _force_route(monkeypatch, route)
     # A few query rows per block, not dividing N: every block boundary and
     # the short last block are exercised.
     monkeypatch.setattr(ops, "ATTENTION_BLOCK_BYTES", 4 * m * 7)
+    monkeypatch.setattr(ops, "FUSED_ATTENTION_BLOCK_BYTES", 4 * (m + 8) * 7)
     out = ops.attention(*(t.to(device, dtype) for t in (q, k, v)), scale=0.3)
     ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), scale=0.3)
     assert out.dtype == dtype and rel_err(out, ref) <= TOL[dtype]
@@ -51,6 +62,39 @@ def test_attention_blocks_match_float64(device, monkeypatch, q_shape, m, dv, dty
     ref = F.scaled_dot_product_attention(q.double(), kb.double().expand(*q.shape[:-2], m, q.shape[-1]),
                                          vb.double().expand(*q.shape[:-2], m, dv))
     assert rel_err(out, ref) <= TOL[dtype]
+
+
+def test_fused_attention_kernels_write_every_output_and_nothing_else(device):
+    """The two kernels launched directly: poisoned scores scratch (its
+    columns past M must never be read), poisoned partials wider than needed,
+    a strided output window that must be written exactly; scores spread
+    widely (score tiles whose maxima differ by ~100, whose weights underflow
+    to zero) and keys not a multiple of the score tile."""
+    from conv_patch import kernels
+    interp = device.type == "cpu"
+    cfg = ops.FUSED_ATTENTION_TILES["interpreter" if interp else "gpu"]
+    # fp32 under the interpreter; on GPUs the route's bf16 (the GPU tiles
+    # hold no fp32 pipeline in shared memory, and tl.dot rounds fp32 to TF32).
+    dtype = torch.float32 if interp else torch.bfloat16
+    g = torch.Generator().manual_seed(8)
+    r, m, d, dv = 45, 75, 40, 24
+    q = torch.randn(r, d, generator=g)
+    k = torch.randn(m, d, generator=g) * torch.linspace(0.2, 6.0, m)[:, None]
+    v = torch.randn(m, dv, generator=g)
+    t = kernels.attention_partial_columns(m, cfg)
+    e = poisoned((r + 3, m + 21), dtype, device)
+    mx, sm = poisoned((t + 2, r + 5), torch.float32, device), poisoned((t + 2, r + 5), torch.float32, device)
+    big = poisoned((r + 4, dv + 5), dtype, device)
+    win = big[2:2 + r, 3:3 + dv]
+    q, k, v = (x.to(dtype) for x in (q, k, v))
+    kernels.launch_attention_block(q.to(device), k.to(device), v.to(device), win, e, mx, sm, 0.7, cfg, interp)
+    # Against the rounded inputs: sharp scores amplify bf16's input rounding
+    # to ~1% on their own, which is not the kernels' error.
+    ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), scale=0.7)
+    assert rel_err(win, ref) <= TOL[dtype]
+    outside = torch.ones_like(big, dtype=torch.bool)
+    outside[2:2 + r, 3:3 + dv] = False
+    assert torch.isnan(big[outside]).all()
 
 
 def test_attention_leaves_autograd_to_sdpa(device):
@@ -142,3 +186,26 @@ def test_wide_head_attention_on_the_gpu(dtype):
     assert rel_err(out, ref) <= TOL[dtype]
     # As accurate as PyTorch's own kernel, within rounding.
     assert rel_err(out, ref) <= 1.5 * rel_err(sdpa, ref) + 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("route", ["fused", "blocked"])
+def test_wide_head_attention_routes_on_the_gpu(monkeypatch, route):
+    """Both routes against float64 and SDPA on sharp scores (std ~6, where
+    score tiles' maxima differ and P's rounding matters), keys not a
+    multiple of the score tile, query blocks not dividing N, a batch of 2."""
+    _force_route(monkeypatch, route)
+    g = torch.Generator(device="cuda").manual_seed(6)
+    n, m = 2500, 2000 + 37
+    q = torch.randn(2, 1, n, 512, device="cuda", generator=g).to(torch.bfloat16)
+    k, v = (torch.randn(2, 1, m, 512, device="cuda", generator=g).to(torch.bfloat16) for _ in range(2))
+    monkeypatch.setattr(ops, "FUSED_ATTENTION_BLOCK_BYTES", 2 * (m + 3) * 999)
+    monkeypatch.setattr(ops, "ATTENTION_BLOCK_BYTES", 4 * m * 999)
+    out = ops.attention(q, k, v, scale=0.27)
+    check = slice(0, 1200)
+    ref = F.scaled_dot_product_attention(q[..., check, :].double(), k.double(), v.double(), scale=0.27)
+    sdpa = F.scaled_dot_product_attention(q, k, v, scale=0.27)[..., check, :]
+    assert rel_err(out[..., check, :], ref) <= 1.5 * rel_err(sdpa, ref) + 1e-3
+    # The last rows (another query block) as well.
+    ref = F.scaled_dot_product_attention(q[..., -300:, :].double(), k.double(), v.double(), scale=0.27)
+    assert rel_err(out[..., -300:, :], ref) <= TOL[torch.bfloat16]

@@ -411,9 +411,10 @@ SOFTMAX_LAUNCH = {"gpu": (8192, 16), "interpreter": (1 << 16, 4)}
 # scores 128x128x64 with 4 warps and 3 stages ran at 494-532 TF/s (8 warps
 # 442-480; 128x256 and 256x128 tiles 277-390; 4 stages 424; a persistent,
 # flattened loop no faster), P V 128x128 with 8 warps and 3 stages at 560-575
-# (2 stages 310, 4 warps 420, 128x256 330; 4 stages exceed shared memory);
-# GROUP_M 32 saved 2% over 8, and 32-row combine programs 0.1 ms of 0.45 at
-# 65536 tokens over 128-row ones (64 programs). Interpreter tiles are small so
+# (whole attention at 65536 tokens 19.0 ms against 23.6 with 2 stages, 21.5
+# with 4 warps, 20.1 with 64-row and 21.7 with 128x256 tiles; 4 stages exceed
+# shared memory); GROUP_M 32 saved 2% over 8, and 32-row combine programs
+# 0.1 ms of 0.45 over 128-row ones (64 programs). Interpreter tiles are small so
 # that the tests' awkward sizes span several tiles and K blocks.
 FUSED_ATTENTION_TILES = {
     "gpu": {"scores": {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 32, "num_warps": 4, "num_stages": 3},

@@ -369,21 +369,50 @@ def group_norm_conv2d(x: torch.Tensor, num_groups: int, norm_weight, norm_bias, 
                                                   True, stats_block, programs)
     out = torch.empty((n, weight.shape[0], h, w), dtype=x.dtype, device=x.device,
                       memory_format=torch.channels_last)
-    rows = max(1, band_bytes // (w * c * x.element_size()) - 2)
-    band = torch.empty((1, c, min(h, rows + 2), w), dtype=x.dtype, device=x.device,
-                       memory_format=torch.channels_last)
+    # Bands of equal height: a short last band is a launch of its own for a
+    # few rows (a 2048^2 decode had 8- and 9-row ones).
+    most = max(1, band_bytes // (w * c * x.element_size()) - 2)
+    rows = -(-h // -(-h // most))
+    band = torch.empty((1, c, rows + 2, w), dtype=x.dtype, device=x.device, memory_format=torch.channels_last)
     code = activation_code(activation)
+    # Every band runs the route and tile the table gives the whole conv: a
+    # band's own shape (fewer rows, padding on one side) has no exact entry,
+    # and its bucket had put a 2048^2 decode's 512 -> 256 conv on the TMA
+    # kernel where cuDNN is 16% faster and its 128 -> 3 conv_out on the TMA
+    # kernel at 3x the taps route's time (bench/README.md, 2026-12-01).
+    whole = _band_config(x, weight, bias, table)
     for i in range(n):
         for r0 in range(0, h, rows):
-            # Output rows r0..r1 read input rows r0-1..r1 (the conv's halo);
-            # the image edge is the conv's zero padding, as unbanded.
+            # Output rows r0..r1 read input rows r0-1..r1 (the conv's halo).
+            # The band always holds both halo rows, zeros past the image
+            # edge (the conv's zero padding), so every band is the same
+            # symmetric conv, which cuDNN takes as well as the kernels.
             r1 = min(h, r0 + rows)
             a, b = max(0, r0 - 1), min(h, r1 + 1)
-            src = band[:, :, :b - a]
-            kernels.launch_group_norm_apply(x[i:i + 1, :, a:b], src, scale_shift[i:i + 1], code, True, block)
-            conv2d(src, weight, bias, padding=(1, 1, int(r0 == 0), int(r1 == h)),
-                   out=out[i:i + 1, :, r0:r1], table=table)
+            top = a - (r0 - 1)
+            src = band[:, :, :r1 - r0 + 2]
+            if top:
+                src[:, :, :1].zero_()
+            if b < r1 + 1:
+                src[:, :, -1:].zero_()
+            kernels.launch_group_norm_apply(x[i:i + 1, :, a:b], src[:, :, top:top + b - a], scale_shift[i:i + 1],
+                                            code, True, block)
+            dst = out[i:i + 1, :, r0:r1]
+            try:
+                conv2d(src, weight, bias, padding=(0, 1), out=dst, table=table, config=whole)
+            except UnsupportedConv:
+                conv2d(src, weight, bias, padding=(0, 1), out=dst, table=table)
     return out
+
+
+def _band_config(x, weight, bias, table) -> Optional[dict]:
+    """The config (route included) the table picks for the unbanded 3x3 conv
+    of ``x``, for its bands to run; None where that is no kernel or cuDNN."""
+    spec = _spec(False, weight, bias, 1, 1, 1)
+    decision = select_route(spec, CallDesc.of_call(x, weight, bias, None), target_for(x.device), table)
+    if (decision.route is Route.CUDNN or decision.is_kernel) and decision.config:
+        return dict(decision.config)
+    return None
 
 
 # Attention with a head wider than 256 channels (the VAE mid-block's single

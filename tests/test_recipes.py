@@ -83,6 +83,35 @@ def test_group_norm_conv_in_bands_matches_float64(device, exact_fp32, band_rows)
     assert rel_err(y, ref) <= 1e-5
 
 
+def test_group_norm_conv_bands_run_the_whole_convs_route(device, exact_fp32, monkeypatch):
+    """Each band runs the config the table gives the unbanded conv (a
+    band's own shape has no exact entry and would take a bucket), bands
+    are of equal height, and the answer is the unbanded one."""
+    from conv_patch import config_tables
+    from conv_patch.specs import ConvSpec
+    g = torch.Generator().manual_seed(12)
+    x = (torch.randn(1, 12, 11, 7, generator=g) + 0.5).to(device).contiguous(memory_format=torch.channels_last)
+    gw, gb = torch.randn(12, generator=g) * 0.5 + 1, torch.randn(12, generator=g) * 0.5
+    w, b = torch.randn(10, 12, 3, 3, generator=g), torch.randn(10, generator=g)
+    spec = ConvSpec(False, 12, 10, (3, 3), (1, 1), (1, 1), (1, 1), (1, 1), (0, 0), 1, "zeros", True)
+    whole = {"route": "igemm", "BLOCK_M": 32, "BLOCK_N": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 1}
+    table = config_tables.load_user_table({"schema": 1, "arch": "test", "conv2d": {
+        "exact": {config_tables.shape_key(spec, tuple(x.shape), "nhwc", torch.float32): whole},
+        "any": {"route": "igemm", "BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 1}}})
+    seen = []
+    orig = ops.conv2d
+    monkeypatch.setattr(ops, "conv2d", lambda src, *a, **k: seen.append((src.shape[2], k.get("config")))
+                        or orig(src, *a, **k))
+    # At most 5 rows a band: 11 rows make bands of 4, 4 and 3 rows (plus
+    # their 2 halo rows each), not 5, 5 and a 1-row tail.
+    y = ops.group_norm_conv2d(x, 3, gw.to(device), gb.to(device), 1e-6, "silu", w.to(device), b.to(device),
+                              band_bytes=(5 + 2) * 7 * 12 * 4, table=table)
+    assert [rows for rows, _ in seen] == [6, 6, 5] and all(cfg == whole for _, cfg in seen)
+    ref = F.conv2d(F.silu(F.group_norm(x.double().cpu(), 3, gw.double(), gb.double(), 1e-6)), w.double(),
+                   b.double(), padding=1)
+    assert rel_err(y, ref) <= 1e-5
+
+
 def test_in_place_group_norm_and_conv_into_its_residual(device, exact_fp32):
     g = torch.Generator().manual_seed(6)
     x = torch.randn(2, 6, 5, 7, generator=g).to(device)

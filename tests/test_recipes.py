@@ -83,10 +83,13 @@ def test_group_norm_conv_in_bands_matches_float64(device, exact_fp32, band_rows)
     assert rel_err(y, ref) <= 1e-5
 
 
-def test_group_norm_conv_bands_run_the_whole_convs_route(device, exact_fp32, monkeypatch):
+@pytest.mark.parametrize("route", ["igemm", "cudnn"])
+def test_group_norm_conv_bands_run_the_whole_convs_route(device, exact_fp32, monkeypatch, route):
     """Each band runs the config the table gives the unbanded conv (a
     band's own shape has no exact entry and would take a bucket), bands
-    are of equal height, and the answer is the unbanded one."""
+    are of equal height, and the answer is the unbanded one; also where
+    that route is cuDNN's (F.conv2d, here on the CPU too, then the epilogue
+    into the band's rows of the output)."""
     from conv_patch import config_tables
     from conv_patch.specs import ConvSpec
     g = torch.Generator().manual_seed(12)
@@ -95,6 +98,11 @@ def test_group_norm_conv_bands_run_the_whole_convs_route(device, exact_fp32, mon
     w, b = torch.randn(10, 12, 3, 3, generator=g), torch.randn(10, generator=g)
     spec = ConvSpec(False, 12, 10, (3, 3), (1, 1), (1, 1), (1, 1), (1, 1), (0, 0), 1, "zeros", True)
     whole = {"route": "igemm", "BLOCK_M": 32, "BLOCK_N": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 1}
+    if route == "cudnn":
+        # The router offers cuDNN to CUDA calls only; the bands' side of it
+        # runs anywhere.
+        whole = {"route": "cudnn"}
+        monkeypatch.setattr(ops, "_band_config", lambda *a: dict(whole))
     table = config_tables.load_user_table({"schema": 1, "arch": "test", "conv2d": {
         "exact": {config_tables.shape_key(spec, tuple(x.shape), "nhwc", torch.float32): whole},
         "any": {"route": "igemm", "BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 1}}})

@@ -420,8 +420,8 @@ def _band_config(x, weight, bias, table) -> Optional[dict]:
 # memory-efficient kernel ran at ~150 TF/s on the H200 (3.6 ms at N = 16384,
 # 67 ms at N = 65536). So the scores of a block of query rows are
 # materialised. On Hopper (and under the interpreter) two Triton GEMMs do it
-# with the softmax folded into their epilogue and prologue and the scores
-# kept once, in fp16 (kernels/attention.py); elsewhere cuBLAS runs both GEMMs
+# with the softmax folded into them and the scores written once, in the
+# input dtype (kernels/attention.py); elsewhere cuBLAS runs both GEMMs
 # with fp32 scores and a softmax pass between them (kernels/softmax.py). The
 # probabilities are rounded once to the input dtype for the second GEMM, as
 # FlashAttention rounds them. Blocks are bounded in bytes so that a 2048^2

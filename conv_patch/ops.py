@@ -497,12 +497,23 @@ def _tma_rows(t: torch.Tensor) -> torch.Tensor:
     return out[:, :t.shape[1]]
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float] = None) -> torch.Tensor:
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float] = None, *,
+              route: Optional[str] = None) -> torch.Tensor:
     """``F.scaled_dot_product_attention(q, k, v, scale=scale)`` (no mask, no
     dropout) for [..., N, D] queries and [..., M, D] keys and values: scores
     materialised in blocks of query rows where that pays (``attention_pays``;
-    ``attention_route`` names the kernels), SDPA otherwise."""
-    route = attention_route(q, k, v)
+    ``attention_route`` names the kernels), SDPA otherwise. ``route``
+    ("fused", "blocked" or "sdpa"; benchmarks and tests) overrides the choice
+    where the tensors allow it: "blocked" wherever scores are materialised,
+    "fused" where ``attention_route`` would pick it."""
+    chosen = attention_route(q, k, v)
+    if route is not None and route != chosen:
+        allowed = {"sdpa", chosen} | ({"blocked"} if chosen == "fused" else set())
+        if route not in allowed:
+            raise ValueError(f"attention route {route!r} is not available for these tensors "
+                             f"(available: {', '.join(sorted(allowed))})")
+        chosen = route
+    route = chosen
     if route == "sdpa":
         return F.scaled_dot_product_attention(q, k, v, scale=scale)
     interp = target_for(q.device).interpreter

@@ -28,13 +28,6 @@ def test_softmax_rows_kernel_matches_float64(device, dtype):
     assert rel_err(big[:, :37], ref) <= TOL[dtype] and torch.isnan(big[:, 37:].float()).all()
 
 
-def _force_route(monkeypatch, route):
-    """Run ``ops.attention`` down ``route`` wherever it would not call SDPA
-    (the blocked cuBLAS route is the GPU's off Hopper; here it is forced)."""
-    chosen = ops.attention_route
-    monkeypatch.setattr(ops, "attention_route", lambda *a: "sdpa" if chosen(*a) == "sdpa" else route)
-
-
 @pytest.mark.parametrize("route", ["fused", "blocked"])
 @pytest.mark.parametrize("q_shape,m,dv,dtype", [
     ((2, 3, 37, 24), 41, 27, torch.float32),
@@ -47,18 +40,18 @@ def test_attention_blocks_match_float64(device, monkeypatch, route, q_shape, m, 
     q = torch.randn(*q_shape, generator=g)
     k = torch.randn(*q_shape[:-2], m, q_shape[-1], generator=g)
     v = torch.randn(*q_shape[:-2], m, dv, generator=g)
-    _force_route(monkeypatch, route)
+    # The cuBLAS route is the GPU's off Hopper; here it is asked for.
     # A few query rows per block, not dividing N: every block boundary and
     # the short last block are exercised.
     monkeypatch.setattr(ops, "ATTENTION_BLOCK_BYTES", 4 * m * 7)
     monkeypatch.setattr(ops, "FUSED_ATTENTION_BLOCK_BYTES", 4 * (m + 8) * 7)
-    out = ops.attention(*(t.to(device, dtype) for t in (q, k, v)), scale=0.3)
+    out = ops.attention(*(t.to(device, dtype) for t in (q, k, v)), scale=0.3, route=route)
     ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), scale=0.3)
     assert out.dtype == dtype and rel_err(out, ref) <= TOL[dtype]
     # The default scale is SDPA's, 1/sqrt(D); one key/value set broadcast
     # over the leading dimensions.
     kb, vb = (k.flatten(0, -3)[0], v.flatten(0, -3)[0]) if k.dim() > 2 else (k, v)
-    out = ops.attention(q.to(device, dtype), kb.to(device, dtype), vb.to(device, dtype))
+    out = ops.attention(q.to(device, dtype), kb.to(device, dtype), vb.to(device, dtype), route=route)
     ref = F.scaled_dot_product_attention(q.double(), kb.double().expand(*q.shape[:-2], m, q.shape[-1]),
                                          vb.double().expand(*q.shape[:-2], m, dv))
     assert rel_err(out, ref) <= TOL[dtype]
@@ -95,6 +88,16 @@ def test_fused_attention_kernels_write_every_output_and_nothing_else(device):
     outside = torch.ones_like(big, dtype=torch.bool)
     outside[2:2 + r, 3:3 + dv] = False
     assert torch.isnan(big[outside]).all()
+
+
+def test_attention_route_can_be_asked_for_where_it_is_available(device):
+    q = torch.randn(1, 6, 8, device=device)
+    chosen = ops.attention_route(q, q, q)
+    assert chosen == ("fused" if device.type == "cpu" else "sdpa")  # fp32: SDPA on GPUs
+    ref = F.scaled_dot_product_attention(q.double(), q.double(), q.double())
+    assert rel_err(ops.attention(q, q, q, route="sdpa"), ref) <= 1e-5
+    with pytest.raises(ValueError, match="'fused' is not available.*available: (blocked, fused, )?sdpa"):
+        ops.attention(q.requires_grad_(), q, q, route="fused")
 
 
 def test_attention_leaves_autograd_to_sdpa(device):
@@ -194,14 +197,15 @@ def test_wide_head_attention_routes_on_the_gpu(monkeypatch, route):
     """Both routes against float64 and SDPA on sharp scores (std ~6, where
     score tiles' maxima differ and P's rounding matters), keys not a
     multiple of the score tile, query blocks not dividing N, a batch of 2."""
-    _force_route(monkeypatch, route)
     g = torch.Generator(device="cuda").manual_seed(6)
     n, m = 2500, 2000 + 37
     q = torch.randn(2, 1, n, 512, device="cuda", generator=g).to(torch.bfloat16)
     k, v = (torch.randn(2, 1, m, 512, device="cuda", generator=g).to(torch.bfloat16) for _ in range(2))
     monkeypatch.setattr(ops, "FUSED_ATTENTION_BLOCK_BYTES", 2 * (m + 3) * 999)
     monkeypatch.setattr(ops, "ATTENTION_BLOCK_BYTES", 4 * m * 999)
-    out = ops.attention(q, k, v, scale=0.27)
+    if route == "fused" and ops.attention_route(q, k, v) != "fused":
+        pytest.skip("the fused route needs TMA (sm90+)")
+    out = ops.attention(q, k, v, scale=0.27, route=route)
     check = slice(0, 1200)
     ref = F.scaled_dot_product_attention(q[..., check, :].double(), k.double(), v.double(), scale=0.27)
     sdpa = F.scaled_dot_product_attention(q, k, v, scale=0.27)[..., check, :]

@@ -63,5 +63,8 @@ def test_bench_attention_rows(tmp_path):
     rows = _result(tmp_path, "attention")["rows"]
     assert [r["name"] for r in rows] == ["attention N=37 D=20"]
     cpu = rows[0]["dtype"] == "float32"  # on a GPU: bf16, and a narrow head goes to SDPA
-    assert ROW_KEYS <= set(rows[0]) and rows[0]["blocked"] == cpu
+    assert ROW_KEYS <= set(rows[0]) and rows[0]["route"] == ("fused" if cpu else "sdpa")
     assert rows[0]["rel_err"] <= (1e-5 if cpu else 1e-2)
+    if cpu:
+        # The cuBLAS route, timed beside the fused one, is checked too.
+        assert rows[0]["blocked_ms"] > 0 and rows[0]["blocked_rel_err"] <= 1e-5

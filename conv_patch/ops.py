@@ -507,13 +507,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional
     where the tensors allow it: "blocked" wherever scores are materialised,
     "fused" where ``attention_route`` would pick it."""
     chosen = attention_route(q, k, v)
-    if route is not None and route != chosen:
-        allowed = {"sdpa", chosen} | ({"blocked"} if chosen == "fused" else set())
-        if route not in allowed:
-            raise ValueError(f"attention route {route!r} is not available for these tensors "
-                             f"(available: {', '.join(sorted(allowed))})")
-        chosen = route
-    route = chosen
+    allowed = {"sdpa", chosen} | ({"blocked"} if chosen == "fused" else set())
+    if route is None:
+        route = chosen
+    elif route not in allowed:
+        raise ValueError(f"attention route {route!r} is not available for these tensors "
+                         f"(available: {', '.join(sorted(allowed))})")
     if route == "sdpa":
         return F.scaled_dot_product_attention(q, k, v, scale=scale)
     interp = target_for(q.device).interpreter

@@ -135,27 +135,39 @@ def activate(x, ACT: tl.constexpr):
 
 
 @triton.jit
+def epilogue_values(acc, r, offs_n, n_ok, bias_ptr, beta, out_scale, HAS_BIAS: tl.constexpr,
+                    HAS_RES: tl.constexpr, ACT: tl.constexpr):
+    """``out_scale * act(acc + bias + beta * r)`` in fp32, ``r`` the
+    residual tile (read under HAS_RES only). The fusion semantics of every
+    kernel, whichever way its tile is then stored."""
+    if HAS_BIAS:
+        b = tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+        acc += b[None, :]
+    if HAS_RES:
+        acc += beta * r
+    acc = activate(acc, ACT)
+    return acc * out_scale
+
+
+@triton.jit
 def epilogue_store(acc, n, oh, ow, row_ok, offs_n, n_ok,
                    out_ptr, son, soc, soh, sow, bias_ptr, res_ptr, srn, src, srh, srw,
                    beta, out_scale, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
                    ACT: tl.constexpr, IDX64: tl.constexpr):
     """out[n, :, oh, ow] = out_scale * act(acc + bias + beta * residual), in
-    fp32, cast once at the store. Every kernel ends here, so the fusion
-    semantics cannot drift between them. ``n`` is already int64 under IDX64."""
-    if HAS_BIAS:
-        b = tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-        acc += b[None, :]
+    fp32, cast once at the store. Every kernel ends here (or, storing by
+    TMA, in ``epilogue_values``), so the fusion semantics cannot drift
+    between them. ``n`` is already int64 under IDX64."""
     mask = row_ok[:, None] & n_ok[None, :]
     oh = _idx(oh, IDX64)
     ow = _idx(ow, IDX64)
     col = _idx(offs_n, IDX64)
+    r = acc
     if HAS_RES:
         res_row = n * srn + oh * srh + ow * srw
         r = tl.load(res_ptr + res_row[:, None] + col[None, :] * src,
                     mask=mask, other=0.0).to(tl.float32)
-        acc += beta * r
-    acc = activate(acc, ACT)
-    acc = acc * out_scale
+    acc = epilogue_values(acc, r, offs_n, n_ok, bias_ptr, beta, out_scale, HAS_BIAS, HAS_RES, ACT)
     out_row = n * son + oh * soh + ow * sow
     tl.store(out_ptr + out_row[:, None] + col[None, :] * soc,
              acc.to(out_ptr.dtype.element_ty), mask=mask)

@@ -39,13 +39,13 @@ Design:
 import triton
 import triton.language as tl
 
-from ._common import epilogue_store, grouped_tile, _idx
+from ._common import epilogue_store, epilogue_values, grouped_tile, _idx
 from ._launch import MIN_DOT_BLOCK, cdiv, launch, needs_int64, next_pow2
 
 
 @triton.jit
 def conv2d_tma_kernel(
-    x_desc, w_desc, bias_ptr, res_ptr, out_ptr,
+    x_desc, w_desc, bias_ptr, res_ptr, out_ptr, res_desc, out_desc,
     N, C_in, H, W, C_out, OH, OW,
     srn, src, srh, srw,
     son, soc, soh, sow,
@@ -54,7 +54,7 @@ def conv2d_tma_kernel(
     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, ACT: tl.constexpr,
     IDX64: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_W: tl.constexpr, GROUP_M: tl.constexpr, STRIDED: tl.constexpr,
+    BLOCK_W: tl.constexpr, GROUP_M: tl.constexpr, STRIDED: tl.constexpr, TMA_IO: tl.constexpr,
 ):
     BLOCK_H: tl.constexpr = BLOCK_M // BLOCK_W
     tiles_w = tl.cdiv(OW, BLOCK_W)
@@ -93,10 +93,20 @@ def conv2d_tma_kernel(
             b = b.to(tl.float32)
         acc = tl.dot(a, tl.trans(b), acc)
 
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    if TMA_IO:
+        # Residual in and output out as boxes of dense NHWC tensors, like the
+        # input: a pointer epilogue moves them in the wgmma accumulator's
+        # layout, 4-byte pieces per thread, rows far apart.
+        r = acc
+        if HAS_RES:
+            r = tl.reshape(res_desc.load([n, oh0, ow0, n0]), (BLOCK_M, BLOCK_N)).to(tl.float32)
+        v = epilogue_values(acc, r, offs_n, offs_n < C_out, bias_ptr, beta, out_scale, HAS_BIAS, HAS_RES, ACT)
+        out_desc.store([n, oh0, ow0, n0], tl.reshape(v.to(out_desc.dtype), (1, BLOCK_H, BLOCK_W, BLOCK_N)))
+        return
     offs = tl.arange(0, BLOCK_M)
     oh = oh0 + offs // BLOCK_W
     ow = ow0 + offs % BLOCK_W
-    offs_n = n0 + tl.arange(0, BLOCK_N)
     epilogue_store(acc, _idx(n, IDX64), oh, ow, (oh < OH) & (ow < OW), offs_n, offs_n < C_out,
                    out_ptr, son, soc, soh, sow, bias_ptr, res_ptr, srn, src, srh, srw,
                    beta, out_scale, HAS_BIAS, HAS_RES, ACT, IDX64)
@@ -111,6 +121,14 @@ def tile_sizes(config, c_in, c_out, ow):
     bk = min(int(config["BLOCK_K"]), max(MIN_DOT_BLOCK, next_pow2(c_in)))
     bw = min(int(config.get("BLOCK_W", 16)), next_pow2(ow), bm)
     return bm, bn, bk, bw
+
+
+def dense_nhwc(t, row_bytes) -> bool:
+    """``t`` ([N, C, H, W]) can be a TMA box target: dense NHWC (a band of
+    rows of a one-sample tensor is), 16-byte aligned base and pixel rows."""
+    n, c, h, w = t.shape
+    return (row_bytes % 16 == 0 and t.data_ptr() % 16 == 0 and t.stride(1) == 1 and t.stride(3) == c
+            and t.stride(2) == w * c and (n == 1 or t.stride(0) == h * w * c))
 
 
 def launch_conv2d_tma(x, w, bias, out, residual, *, stride, padding, dilation, beta, activation,
@@ -151,9 +169,19 @@ def launch_conv2d_tma(x, w, bias, out, residual, *, stride, padding, dilation, b
         x_desc = TensorDescriptor(x, [N, H, W, C_in], [H * W * C_in, W * C_in, C_in, 1], [1, bh, bw, bk])
     w_desc = TensorDescriptor(w, [C_out, KH * KW, C_in], [w.stride(0), C_in, 1], [bn, 1, bk])
     res = residual if residual is not None else out
+    # A config may turn the TMA epilogue off ("tma_io": false) for an A/B.
+    tma_io = bool(config.get("tma_io", True)) and dense_nhwc(out, C_out * out.element_size()) and (
+        residual is None or dense_nhwc(residual, C_out * residual.element_size()))
+    if tma_io:
+        box = [1, bh, bw, bn]
+        out_desc = TensorDescriptor(out, [N, OH, OW, C_out], [OH * OW * C_out, OW * C_out, C_out, 1], box)
+        res_desc = out_desc if residual is None else TensorDescriptor(
+            residual, [N, OH, OW, C_out], [OH * OW * C_out, OW * C_out, C_out, 1], box)
+    else:
+        out_desc = res_desc = x_desc
     grid = (N * cdiv(OH, bh) * cdiv(OW, bw) * cdiv(C_out, bn),)
     launch(conv2d_tma_kernel, grid,
-        x_desc, w_desc, bias if bias is not None else out, res, out,
+        x_desc, w_desc, bias if bias is not None else out, res, out, res_desc, out_desc,
         N, C_in, H, W, C_out, OH, OW,
         *res.stride(), *out.stride(),
         KH, KW, padding[0], padding[1], dilation[0], dilation[1], sh, sw,
@@ -161,6 +189,6 @@ def launch_conv2d_tma(x, w, bias, out, residual, *, stride, padding, dilation, b
         HAS_BIAS=bias is not None, HAS_RES=residual is not None, ACT=int(activation),
         IDX64=bool(force_int64 or needs_int64(out, residual)), UPCAST=bool(upcast),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_W=bw, GROUP_M=int(config.get("GROUP_M", 8)), STRIDED=strided,
-        num_warps=warps, num_stages=int(config.get("num_stages", 3)),
+        TMA_IO=tma_io, num_warps=warps, num_stages=int(config.get("num_stages", 3)),
     )
     return out

@@ -16,7 +16,7 @@ ALLOWED_CONSTEXPR = {
     "conv2d_flat": SWITCHES | TILES | {"PRECISION"},
     # BLOCK_W is the TMA tile's width in pixels; STRIDED picks the 5-D
     # descriptor of stride > 1 (the stride itself, SH/SW, is a runtime value).
-    "conv2d_tma": SWITCHES | TILES | {"BLOCK_W", "STRIDED"},
+    "conv2d_tma": SWITCHES | TILES | {"BLOCK_W", "STRIDED", "TMA_IO"},
 }
 SHAPE_ARGS = {"N", "C_in", "H", "W", "C_out", "OH", "OW", "KH", "KW", "PH", "PW",
               "DH", "DW", "son", "soc", "soh", "sow"}

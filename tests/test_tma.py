@@ -80,6 +80,48 @@ def test_tma_stride2_with_a_folded_downsample_pad(n, c, h, w, device):
         assert rel_err(y, ref) <= 1e-2
 
 
+@needs_tma
+@pytest.mark.parametrize("c_out,stride,with_res", [(24, 1, True), (16, 1, False), (32, 2, True), (20, 1, True)])
+def test_tma_boxed_epilogue_equals_the_pointer_epilogue(c_out, stride, with_res, device, monkeypatch):
+    """The residual read and the output written as TMA boxes: the same bits
+    as the pointer epilogue, into a band of rows of a larger NHWC output
+    (rows outside it stay poisoned), with the residual overwritten in place;
+    C_out = 20 (40-byte pixel rows, not 16-byte aligned) takes the pointer
+    epilogue."""
+    from conv_patch.kernels import conv2d_tma
+    if not target_for(device).kernels:
+        pytest.skip("no kernels here")
+    seen = []
+    launch = conv2d_tma.launch
+    monkeypatch.setattr(conv2d_tma, "launch", lambda k, g, *a, **m: (seen.append(m["TMA_IO"]), launch(k, g, *a, **m)))
+    g = torch.Generator().manual_seed(c_out)
+    x = torch.randn(1, 16, 12, 20, generator=g).to(device, torch.bfloat16).contiguous(memory_format=torch.channels_last)
+    w = (torch.randn(c_out, 16, 3, 3, generator=g) / 12).to(device, torch.bfloat16)
+    b = torch.randn(c_out, generator=g).to(device, torch.bfloat16)
+    oh, ow = 12 // stride, 20 // stride
+    r = torch.randn(1, c_out, oh, ow, generator=g).to(device, torch.bfloat16).contiguous(
+        memory_format=torch.channels_last) if with_res else None
+    ref = F.conv2d(x.double().cpu(), w.double().cpu(), b.double().cpu(), stride, 1)
+    if with_res:
+        ref = F.silu(ref + 0.5 * r.double().cpu())
+    outs = []
+    for tma_io in (True, False):
+        big = poisoned((1, c_out, oh + 5, ow), torch.bfloat16, device, channels_last=True)
+        out = big[:, :, 2:2 + oh]
+        res = None
+        if with_res:
+            res = out
+            res.copy_(r)
+        cfg = {**TMA_WIDE, "tma_io": tma_io}
+        ops.conv2d(x, w, b, stride, 1, residual=res, beta=0.5, activation="silu" if with_res else "none",
+                   out=out, config=cfg)
+        assert torch.isnan(big[:, :, :2].float()).all() and torch.isnan(big[:, :, 2 + oh:].float()).all()
+        assert rel_err(out, ref) <= 1e-2
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    assert seen == [c_out != 20, False]
+
+
 def _spec(c_in=16, c_out=16, k=3, stride=1):
     return ConvSpec.from_module(torch.nn.Conv2d(c_in, c_out, k, stride, padding=k // 2))
 

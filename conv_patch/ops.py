@@ -471,13 +471,25 @@ def attention_route(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
     return "fused" if target.interpreter or tma_arch(target.arch) else "blocked"
 
 
-def _attention_target(q, k, v) -> Optional[Target]:
+def attention_routes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
+    """Every route that can compute this call, whether or not it pays: what
+    ``attention(..., route=)`` may ask for. "sdpa" always; "blocked" where
+    the kernels take the tensors; "fused" where, besides, TMA does (on a
+    GPU fp16/bf16 only: Triton's fp32 dot is TF32 there)."""
+    target = _attention_target(q, k, v, any_width=True)
+    if target is None:
+        return ("sdpa",)
+    fused = target.interpreter or (tma_arch(target.arch) and q.dtype in (torch.float16, torch.bfloat16))
+    return ("blocked", "fused", "sdpa") if fused else ("blocked", "sdpa")
+
+
+def _attention_target(q, k, v, any_width: bool = False) -> Optional[Target]:
     if torch.compiler.is_compiling() or q.dim() < 2 or needs_grad(q, k, v):
         return None
     target = target_for(q.device)
     if not target.kernels or not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
         return None
-    if target.interpreter:
+    if target.interpreter or any_width:
         ok = q.dtype in (torch.float16, torch.bfloat16, torch.float32)
     else:
         ok = q.dtype in (torch.float16, torch.bfloat16) and max(q.shape[-1], v.shape[-1]) > 256
@@ -504,15 +516,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional
     materialised in blocks of query rows where that pays (``attention_pays``;
     ``attention_route`` names the kernels), SDPA otherwise. ``route``
     ("fused", "blocked" or "sdpa"; benchmarks and tests) overrides the choice
-    where the tensors allow it: "blocked" wherever scores are materialised,
-    "fused" where ``attention_route`` would pick it."""
-    chosen = attention_route(q, k, v)
-    allowed = {"sdpa", chosen} | ({"blocked"} if chosen == "fused" else set())
+    where ``attention_routes`` lists it."""
     if route is None:
-        route = chosen
-    elif route not in allowed:
+        route = attention_route(q, k, v)
+    elif route not in attention_routes(q, k, v):
         raise ValueError(f"attention route {route!r} is not available for these tensors "
-                         f"(available: {', '.join(sorted(allowed))})")
+                         f"(available: {', '.join(sorted(attention_routes(q, k, v)))})")
     if route == "sdpa":
         return F.scaled_dot_product_attention(q, k, v, scale=scale)
     interp = target_for(q.device).interpreter

@@ -75,6 +75,8 @@ def _check_config(cfg, where: str, exact: bool = False) -> dict:
         bw = cfg.get("BLOCK_W", 16)
         if not isinstance(bw, int) or bw < 1 or bw & (bw - 1) or bw > cfg["BLOCK_M"]:
             raise TableError(f"{where}: BLOCK_W must be a power of two <= BLOCK_M, got {bw!r}")
+        if not isinstance(cfg.get("tma_io", True), bool):
+            raise TableError(f"{where}: tma_io must be true or false, got {cfg['tma_io']!r}")
         if cfg["BLOCK_M"] < 64 or cfg.get("num_warps", 4) % 4:
             # wgmma: a warpgroup is 4 warps and its M tile is 64.
             raise TableError(f"{where}: the tma route needs BLOCK_M >= 64 and num_warps a multiple of 4")

@@ -68,3 +68,26 @@ def test_bench_attention_rows(tmp_path):
     if cpu:
         # The cuBLAS route, timed beside the fused one, is checked too.
         assert rows[0]["blocked_ms"] > 0 and rows[0]["blocked_rel_err"] <= 1e-5
+
+
+def test_bench_tma_epilogue_rows(tmp_path):
+    from bench import tma_epilogue
+    from conv_patch.target import target_for
+    import torch
+    if not target_for(torch.device("cuda" if torch.cuda.is_available() else "cpu")).kernels:
+        pytest.skip("no kernels here")
+    cfg = {"route": "tma", "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "BLOCK_W": 8, "num_warps": 4,
+           "num_stages": 2}
+    tma_epilogue.main(["--res", "8", "--limit", "2", "--config", json.dumps(cfg), "--rounds", "1",
+                       "--out", str(tmp_path)])
+    rows = _result(tmp_path, "tma_epilogue")["rows"]
+    assert [r["name"] for r in rows] == ["conv 128->128 3x3 @8^2 +residual", "conv 128->128 3x3 @8^2"]
+    assert all(ROW_KEYS | {"bit_equal", "config"} <= set(r) and r["bit_equal"] for r in rows)
+    # Every TMA config of the A/B table has the pointer epilogue, nothing else changed.
+    from conv_patch import config_tables
+    table = tma_epilogue.pointer_table("sm90")
+    orig = config_tables.packaged_table("sm90").data
+    exact = table["conv2d"]["exact"]
+    assert all(c.get("tma_io") is False for c in exact.values() if c.get("route") == "tma")
+    assert {k: {kk: vv for kk, vv in c.items() if kk != "tma_io"} for k, c in exact.items()} == orig["conv2d"]["exact"]
+    assert "tma_io" not in str(orig)

@@ -195,6 +195,7 @@ def test_cudnn_route_is_exact_only_and_shared_by_fp16():
     ({**TMA_TILES, "BLOCK_W": 12}, "BLOCK_W"),
     ({**TMA_TILES, "BLOCK_M": 32, "BLOCK_W": 8}, "BLOCK_M >= 64"),
     ({**TMA_TILES, "num_warps": 2}, "num_warps"),
+    ({**TMA_TILES, "tma_io": "no"}, "tma_io"),
     ({**IGEMM, "route": "cutlass"}, "route must be one of"),
 ])
 def test_bad_tma_configs_are_refused(bad, match):

@@ -93,7 +93,7 @@ def decode_rows(args, device):
     decode, _, vae, lat = flux_vae(torch.bfloat16)
     other = copy.deepcopy(vae)
     conv_patch.apply(vae)
-    conv_patch.apply(other, conv_patch.PatchConfig(table=pointer_table(target_for(device).arch)))
+    conv_patch.apply(other, config=conv_patch.PatchConfig(table=pointer_table(target_for(device).arch)))
     rows = []
     for res in args.decode:
         g = torch.Generator().manual_seed(res)
@@ -119,6 +119,7 @@ def main(argv=None):
     args, device, _ = side_by_side_setup(ap, argv)
     rows = layer_rows(args, device)
     if args.decode:
+        write_results("tma_epilogue", rows, {}, args.out)
         rows += decode_rows(args, device)
     path = write_results("tma_epilogue", rows, {}, args.out)
     print_table(rows, ["name", "baseline_ms", "ours_ms", "speedup", "bit_equal"])

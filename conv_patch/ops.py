@@ -519,9 +519,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional
     where ``attention_routes`` lists it."""
     if route is None:
         route = attention_route(q, k, v)
-    elif route not in attention_routes(q, k, v):
-        raise ValueError(f"attention route {route!r} is not available for these tensors "
-                         f"(available: {', '.join(sorted(attention_routes(q, k, v)))})")
+    else:
+        routes = attention_routes(q, k, v)
+        if route not in routes:
+            raise ValueError(f"attention route {route!r} is not available for these tensors "
+                             f"(available: {', '.join(sorted(routes))})")
     if route == "sdpa":
         return F.scaled_dot_product_attention(q, k, v, scale=scale)
     interp = target_for(q.device).interpreter

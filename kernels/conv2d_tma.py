@@ -33,6 +33,13 @@ Design:
     before. The router requires S to divide H and W (the view must be
     exact) and C_in a multiple of 16, so a channel block never runs from
     one column parity into the next.
+  * The epilogue's residual and output move as TMA boxes [1, BH, BW, BN]
+    of the dense NHWC tensors (the pointer epilogue moves them in the
+    wgmma accumulator's layout, 4-byte pieces per thread; boxes took
+    0.90-1.003x its time on the H200's FLUX-decoder convs, the 1x1 with a
+    residual 0.90, bench/results/tma-epilogue-*.json), clipped at the image edges by the
+    TMA unit. Outputs that are strided views (a subpixel parity, an NCHW
+    caller's layout) or rows not 16-byte aligned keep the pointer epilogue.
   * Misaligned tensors, fp32 and other strides go to the portable kernel.
 """
 
@@ -123,12 +130,12 @@ def tile_sizes(config, c_in, c_out, ow):
     return bm, bn, bk, bw
 
 
-def dense_nhwc(t, row_bytes) -> bool:
+def dense_nhwc(t) -> bool:
     """``t`` ([N, C, H, W]) can be a TMA box target: dense NHWC (a band of
     rows of a one-sample tensor is), 16-byte aligned base and pixel rows."""
     n, c, h, w = t.shape
-    return (row_bytes % 16 == 0 and t.data_ptr() % 16 == 0 and t.stride(1) == 1 and t.stride(3) == c
-            and t.stride(2) == w * c and (n == 1 or t.stride(0) == h * w * c))
+    return ((c * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0 and t.stride(1) == 1
+            and t.stride(3) == c and t.stride(2) == w * c and (n == 1 or t.stride(0) == h * w * c))
 
 
 def launch_conv2d_tma(x, w, bias, out, residual, *, stride, padding, dilation, beta, activation,
@@ -170,8 +177,7 @@ def launch_conv2d_tma(x, w, bias, out, residual, *, stride, padding, dilation, b
     w_desc = TensorDescriptor(w, [C_out, KH * KW, C_in], [w.stride(0), C_in, 1], [bn, 1, bk])
     res = residual if residual is not None else out
     # A config may turn the TMA epilogue off ("tma_io": false) for an A/B.
-    tma_io = bool(config.get("tma_io", True)) and dense_nhwc(out, C_out * out.element_size()) and (
-        residual is None or dense_nhwc(residual, C_out * residual.element_size()))
+    tma_io = bool(config.get("tma_io", True)) and dense_nhwc(out) and (residual is None or dense_nhwc(residual))
     if tma_io:
         box = [1, bh, bw, bn]
         out_desc = TensorDescriptor(out, [N, OH, OW, C_out], [OH * OW * C_out, OW * C_out, C_out, 1], box)

@@ -41,8 +41,9 @@ def test_attention_blocks_match_float64(device, monkeypatch, route, q_shape, m, 
     k = torch.randn(*q_shape[:-2], m, q_shape[-1], generator=g)
     v = torch.randn(*q_shape[:-2], m, dv, generator=g)
     # Small heads, which the GPU leaves to SDPA, asked down the kernels'
-    # routes (the cuBLAS one is the GPU's off Hopper). A few query rows per block, not dividing N: every block boundary and
-    # the short last block are exercised.
+    # routes (the cuBLAS one is the GPU's off Hopper). A few query rows per
+    # block, not dividing N: every block boundary and the short last block
+    # are exercised.
     monkeypatch.setattr(ops, "ATTENTION_BLOCK_BYTES", 4 * m * 7)
     monkeypatch.setattr(ops, "FUSED_ATTENTION_BLOCK_BYTES", 4 * (m + 8) * 7)
     q_, k_, v_ = (t.to(device, dtype) for t in (q, k, v))
@@ -100,9 +101,8 @@ def test_attention_route_can_be_asked_for_where_it_is_available(device):
     # ... where the cuBLAS route can still be asked for (the fused one's dots would be TF32).
     assert ops.attention_routes(q, q, q) == (("blocked", "fused", "sdpa") if device.type == "cpu"
                                              else ("blocked", "sdpa"))
-    assert rel_err(ops.attention(q, q, q, route="blocked"), F.scaled_dot_product_attention(
-        q.double(), q.double(), q.double())) <= 1e-5
     ref = F.scaled_dot_product_attention(q.double(), q.double(), q.double())
+    assert rel_err(ops.attention(q, q, q, route="blocked"), ref) <= 1e-5
     assert rel_err(ops.attention(q, q, q, route="sdpa"), ref) <= 1e-5
     with pytest.raises(ValueError, match="'fused' is not available.*available: (blocked, fused, )?sdpa"):
         ops.attention(q.requires_grad_(), q, q, route="fused")

@@ -82,3 +82,70 @@ def _fmt(v):
     if isinstance(v, float):
         return f"{v:.4g}"
     return "" if v is None else str(v)
+
+
+# nvidia-smi's throttle-reason bits (clocks_event_reasons.active): software
+# power cap, hardware slowdown, thermal.
+POWER_CAP_BIT = 0x4
+SMI_FIELDS = "timestamp,clocks.sm,power.draw,clocks_event_reasons.active"
+
+
+class ClockSampler:
+    """SM clock, power and throttle reasons sampled every ``period_ms`` by
+    ``nvidia-smi`` in the background while a benchmark runs. Why: under
+    back-to-back FLUX decodes an H200 sits at its 700 W cap and its SM clock
+    falls from 1980 to ~1650 MHz (bench/README.md), so the same code measures
+    86-99 ms depending on what ran before it; a row says which it was.
+    ``samples`` is empty where there is no nvidia-smi (a CPU run)."""
+
+    def __init__(self, period_ms: int = 50):
+        import shutil
+        import subprocess
+        import tempfile
+        self.samples = []
+        self._file = tempfile.TemporaryFile(mode="w+")
+        exe = shutil.which("nvidia-smi") if torch.cuda.is_available() else None
+        self._proc = None if exe is None else subprocess.Popen(
+            [exe, f"--query-gpu={SMI_FIELDS}", "--format=csv,noheader,nounits", f"-lms={period_ms}",
+             f"--id={torch.cuda.current_device()}"], stdout=self._file, stderr=subprocess.DEVNULL)
+
+    def stop(self):
+        if self._proc is not None:
+            self._proc.terminate()
+            self._proc.wait()
+        self._file.seek(0)
+        self.samples = parse_smi(self._file.read())
+        self._file.close()
+        return self.samples
+
+
+def parse_smi(text: str) -> list:
+    """(unix time, SM MHz, watts, reasons) per line of nvidia-smi's CSV;
+    lines that do not parse (a header, a cut-off last line) are skipped."""
+    out = []
+    for line in text.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) != 4:
+            continue
+        try:
+            stamp, frac = parts[0].split(".") if "." in parts[0] else (parts[0], "0")
+            # nvidia-smi prints local time; mktime reads it as local time,
+            # which makes it comparable with the runs' time.time() stamps.
+            t = time.mktime(time.strptime(stamp, "%Y/%m/%d %H:%M:%S")) + float("0." + frac)
+            out.append((t, float(parts[1]), float(parts[2]), int(parts[3], 16)))
+        except ValueError:
+            continue
+    return out
+
+
+def clock_stats(samples: list, intervals: list):
+    """Median SM clock and power, and the fraction of samples at the power
+    cap, over the samples inside ``intervals`` ([(t0, t1)] of time.time());
+    None without samples there."""
+    sel = [s for s in samples if any(a <= s[0] <= b for a, b in intervals)]
+    if not sel:
+        return None
+    return {"sm_clock_mhz": statistics.median(s[1] for s in sel),
+            "power_w": statistics.median(s[2] for s in sel),
+            "power_capped": sum(bool(s[3] & POWER_CAP_BIT) for s in sel) / len(sel),
+            "samples": len(sel)}

@@ -23,7 +23,12 @@ different inputs; the median is reported. Peak memory is that of a process
 holding only the variant's model and the input: the allocator's high-water
 mark during one call above what was allocated before it (the other variants'
 models are on the GPU too), plus the model's parameters, buffers and weight
-packs and the input.
+packs and the input. The calls run back to back by default, which on an
+H200 can hold the GPU at its power cap with lowered clocks; ``--idle S``
+rests it S seconds before each timed call (``idle_s``), ``--clocks``
+samples its SM clock and power during each variant's calls (``clocks``:
+per variant the median MHz and W and the fraction of samples at the power
+cap).
 Rows: name, baseline (eager NCHW), baseline_ms, ours_ms, speedup, peak_gib,
 plus the channels_last and convs-only times and peaks.
 """
@@ -39,7 +44,7 @@ import torch
 
 import conv_patch
 
-from .common import bench_device, print_table, write_results
+from .common import ClockSampler, bench_device, clock_stats, print_table, write_results
 
 SHARED = Path(os.environ.get("CONV_PATCH_SHARED") or Path(__file__).resolve().parents[2] / "shared")
 
@@ -145,16 +150,23 @@ def _graph_calls(model) -> dict:
     return total
 
 
-def bench_variants(variants, runs, warmup=3):
+def bench_variants(variants, runs, warmup=3, idle=0.0, spans=None):
     """variants: name -> (fn, inputs in that variant's layout, its model or
-    None when no peak is wanted)."""
+    None when no peak is wanted). ``idle``: seconds the GPU rests before
+    each timed call. ``spans`` (a dict), when given, receives each variant's
+    [(start, end)] of time.time() over its timed calls."""
     times = {k: [] for k in variants}
     with torch.inference_mode():
         for i in range(warmup + runs):
             for k, (fn, xs, _) in variants.items():
+                if idle and i >= warmup:
+                    time.sleep(idle)
+                t0 = time.time()
                 t = _time(fn, xs, i)
                 if i >= warmup:
                     times[k].append(t)
+                    if spans is not None:
+                        spans.setdefault(k, []).append((t0, time.time()))
         peaks = {k: _peak(fn, xs[0], m) for k, (fn, xs, m) in variants.items() if m is not None}
     return {k: statistics.median(v) for k, v in times.items()}, peaks
 
@@ -189,6 +201,11 @@ def main(argv=None):
     ap.add_argument("--profile", action="store_true", help="record the top GPU kernels of one patched call")
     ap.add_argument("--graph", action="store_true",
                     help="add the patched model with PatchConfig(cuda_graphs=True) as graphed_ms")
+    ap.add_argument("--idle", type=float, default=0.0,
+                    help="seconds the GPU rests before each timed call (a single call on a cool GPU, "
+                         "against the default back-to-back calls that can run it into its power cap)")
+    ap.add_argument("--clocks", action="store_true",
+                    help="sample SM clock and power (nvidia-smi) during each variant's calls: row 'clocks'")
     args = ap.parse_args(argv)
     torch.backends.cudnn.benchmark = True
     rows = []
@@ -229,6 +246,7 @@ def main(argv=None):
                 extra = {}
                 if graphed is not None:
                     extra["graphed"] = (lambda x, m=graphed, f=run: f(m, x), xs, None)
+                spans, sampler = {}, ClockSampler() if args.clocks else None
                 try:
                     ms, peak = bench_variants({
                         "eager_nchw": (lambda x, m=model, f=run: f(m, x), xs, model),
@@ -236,10 +254,12 @@ def main(argv=None):
                         "convs_only": (lambda x, m=convs, f=run: f(m, x), xs, convs),
                         "patched": (lambda x, m=patched, f=run: f(m, x), xs, patched),
                         **extra,
-                    }, args.runs, args.warmup)
+                    }, args.runs, args.warmup, args.idle, spans)
                 except torch.cuda.OutOfMemoryError:
                     print(f"{name} {part} {res}: out of memory, skipped", flush=True)
                     continue
+                finally:
+                    samples = sampler.stop() if sampler is not None else []
                 row = {
                     "name": f"{name} {part} {res}x{res}", "baseline": "eager nchw",
                     "baseline_ms": ms["eager_nchw"], "ours_ms": ms["patched"],
@@ -251,7 +271,10 @@ def main(argv=None):
                     "dtype": str(dtype).replace("torch.", ""), "runs": args.runs,
                     "first_call_s": first[part],
                     "convs_only_ms": ms["convs_only"], "convs_only_peak_gib": peak["convs_only"],
+                    "idle_s": args.idle,
                 }
+                if args.clocks:
+                    row["clocks"] = {k: clock_stats(samples, v) for k, v in spans.items()}
                 if "graphed" in ms:
                     row["graphed_ms"] = ms["graphed"]
                     row["graph_calls"] = _graph_calls(graphed)

@@ -39,11 +39,14 @@ def test_bench_layers_rows(tmp_path):
 def test_bench_vae_rows(tmp_path):
     from bench import vae
     vae.main(["--models", "taef2", "--res", "16", "--parts", "decode", "--runs", "1", "--warmup", "0",
-              "--dtype", "fp32", "--out", str(tmp_path), "--profile", "--graph"])
+              "--dtype", "fp32", "--out", str(tmp_path), "--profile", "--graph", "--idle", "0.01", "--clocks"])
     rows = _result(tmp_path, "vae")["rows"]
     assert len(rows) == 1 and rows[0]["name"] == "taef2 decode 16x16"
     r = rows[0]
-    assert ROW_KEYS | {"peak_gib", "channels_last_ms", "first_call_s", "convs_only_ms", "profile", "graphed_ms"} <= set(r)
+    assert ROW_KEYS | {"peak_gib", "channels_last_ms", "first_call_s", "convs_only_ms", "profile", "graphed_ms",
+                       "idle_s", "clocks"} <= set(r)
+    assert r["idle_s"] == 0.01 and set(r["clocks"]) == {"eager_nchw", "eager_channels_last", "convs_only",
+                                                        "patched", "graphed"}
     assert r["profile"] and all(len(p) == 3 and p[2] >= 0 for p in r["profile"])
     assert r["baseline"] == "eager nchw" and r["ours_ms"] > 0
 
@@ -91,3 +94,22 @@ def test_bench_tma_epilogue_rows(tmp_path):
     assert all(c.get("tma_io") is False for c in exact.values() if c.get("route") == "tma")
     assert {k: {kk: vv for kk, vv in c.items() if kk != "tma_io"} for k, c in exact.items()} == orig["conv2d"]["exact"]
     assert "tma_io" not in str(orig)
+
+
+def test_clock_samples_are_attributed_to_the_calls_they_fall_in():
+    import time
+    from bench.common import clock_stats, parse_smi
+    t0 = time.mktime(time.strptime("2026/12/01 02:40:54", "%Y/%m/%d %H:%M:%S"))
+    text = "\n".join([
+        "2026/12/01 02:40:54.100, 1980, 250.5, 0x0000000000000000",
+        "2026/12/01 02:40:54.600, 1665, 699.0, 0x0000000000000004",
+        "2026/12/01 02:40:55.100, 1440, 703.2, 0x0000000000000004",
+        "timestamp, clocks.sm [MHz], power.draw [W], clocks_event_reasons.active",
+        "2026/12/01 02:40:55.6",  # cut off
+    ])
+    samples = parse_smi(text)
+    assert [s[1] for s in samples] == [1980, 1665, 1440] and samples[1][0] == pytest.approx(t0 + 0.6)
+    late = clock_stats(samples, [(t0 + 0.5, t0 + 1.2)])
+    assert late == {"sm_clock_mhz": 1552.5, "power_w": pytest.approx(701.1), "power_capped": 1.0, "samples": 2}
+    assert clock_stats(samples, [(t0, t0 + 0.2), (t0 + 1.0, t0 + 1.2)])["power_capped"] == 0.5
+    assert clock_stats(samples, [(t0 + 5, t0 + 6)]) is None

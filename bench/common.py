@@ -84,8 +84,7 @@ def _fmt(v):
     return "" if v is None else str(v)
 
 
-# nvidia-smi's throttle-reason bits (clocks_event_reasons.active): software
-# power cap, hardware slowdown, thermal.
+# The software-power-cap bit of nvidia-smi's clocks_event_reasons.active.
 POWER_CAP_BIT = 0x4
 SMI_FIELDS = "timestamp,clocks.sm,power.draw,clocks_event_reasons.active"
 

@@ -465,10 +465,9 @@ def attention_pays(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 def attention_route(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
     """"fused" (kernels/attention.py), "blocked" (cuBLAS + softmax kernel) or
     "sdpa": what ``attention`` runs for these tensors."""
-    target = _attention_target(q, k, v)
-    if target is None:
+    if _attention_target(q, k, v) is None:
         return "sdpa"
-    return "fused" if target.interpreter or tma_arch(target.arch) else "blocked"
+    return "fused" if "fused" in attention_routes(q, k, v) else "blocked"
 
 
 def attention_routes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:

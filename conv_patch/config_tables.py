@@ -77,6 +77,9 @@ def _check_config(cfg, where: str, exact: bool = False) -> dict:
             raise TableError(f"{where}: BLOCK_W must be a power of two <= BLOCK_M, got {bw!r}")
         if not isinstance(cfg.get("tma_io", True), bool):
             raise TableError(f"{where}: tma_io must be true or false, got {cfg['tma_io']!r}")
+        per_sm = cfg.get("persistent", 0)
+        if not isinstance(per_sm, int) or isinstance(per_sm, bool) or per_sm < 0:
+            raise TableError(f"{where}: persistent must be a number of programs per SM (0: off), got {per_sm!r}")
         if cfg["BLOCK_M"] < 64 or cfg.get("num_warps", 4) % 4:
             # wgmma: a warpgroup is 4 warps and its M tile is 64.
             raise TableError(f"{where}: the tma route needs BLOCK_M >= 64 and num_warps a multiple of 4")

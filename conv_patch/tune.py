@@ -50,11 +50,13 @@ CUDNN_ERR_SLACK = 1e-3
 M_BUCKETS = (4096, 16384, 65536, 262144, 1048576, None)
 
 
-def _cfg(route, bm, bn, bk, warps, stages, bw=None, group=8):
+def _cfg(route, bm, bn, bk, warps, stages, bw=None, group=8, persistent=0):
     c = {"route": route, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group,
          "num_warps": warps, "num_stages": stages}
     if bw is not None:
         c["BLOCK_W"] = bw
+    if persistent:
+        c["persistent"] = persistent
     return c
 
 
@@ -64,12 +66,20 @@ IGEMM_CANDIDATES = [
     _cfg("igemm", 128, 64, 64, 4, 3),
 ]
 # The TMA kernel: 128-row tiles (one or two wgmma warpgroups), the tile's
-# width a 16-pixel square-ish patch (8x16) or a 64-pixel row segment (2x64).
+# width a 16-pixel square-ish patch (8x16), a 64-pixel row segment (2x64) or
+# one 128-pixel row. A one-row tile's input box reaches wgmma straight from
+# shared memory (taller boxes go through registers): on the H200 128x128
+# one-row tiles took 0.79-0.85x the time of 8x16 ones on the FLUX decoder's
+# 3x3 convs, and 128x256 ones run persistent (one program per SM) at 0.72-0.94x
+# cuDNN's time where one program per tile was slower than cuDNN
+# (bench/results/persistent-tma-*.json).
 TMA_CANDIDATES = [
     _cfg("tma", 128, 128, 64, 4, 4, bw=16), _cfg("tma", 128, 128, 64, 4, 4, bw=64),
     _cfg("tma", 128, 256, 64, 8, 3, bw=16), _cfg("tma", 128, 256, 64, 8, 3, bw=64),
     _cfg("tma", 128, 64, 64, 4, 4, bw=32), _cfg("tma", 64, 128, 64, 4, 4, bw=64),
     _cfg("tma", 128, 256, 64, 8, 4, bw=64),
+    _cfg("tma", 128, 128, 64, 4, 3, bw=128), _cfg("tma", 128, 128, 64, 4, 4, bw=128),
+    _cfg("tma", 128, 256, 64, 8, 3, bw=128, persistent=1),
 ]
 # The few-output-channel route: tiles of its first stage, a 1x1 GEMM with
 # N = C_out*KH*KW <= 64 and K = C_in (memory-bound: wide row tiles).
@@ -85,7 +95,7 @@ FLAT_CANDIDATES = [
 # Under the interpreter (the tuner's own tests): two of each, tiles sized for it.
 INTERPRETER_CANDIDATES = [
     _cfg("igemm", 1024, 128, 128, 4, 1), _cfg("igemm", 64, 64, 32, 4, 1),
-    _cfg("tma", 256, 64, 64, 4, 1, bw=16), _cfg("tma", 64, 32, 32, 4, 1, bw=8),
+    _cfg("tma", 256, 64, 64, 4, 1, bw=16), _cfg("tma", 64, 32, 32, 4, 1, bw=64, persistent=1),
     _cfg("taps", 256, 32, 64, 4, 1), _cfg("flat", 256, 32, 32, 4, 1),
 ]
 
@@ -105,7 +115,8 @@ def config_label(c: dict) -> str:
     lab = f"{c.get('route', 'igemm')} {c['BLOCK_M']}x{c['BLOCK_N']}x{c['BLOCK_K']}"
     if "BLOCK_W" in c:
         lab += f" w{c['BLOCK_W']}"
-    return lab + f" nw{c.get('num_warps', 4)} s{c.get('num_stages', 2)}"
+    lab += f" nw{c.get('num_warps', 4)} s{c.get('num_stages', 2)}"
+    return lab + (f" p{c['persistent']}" if c.get("persistent") else "")
 
 
 @dataclasses.dataclass

@@ -38,6 +38,23 @@ def needs_int64(*tensors):
     return False
 
 
+_SMS: dict = {}
+# Programs per "SM" under the interpreter (CPU tensors): few, so that a
+# persistent grid's programs each walk several tiles in the tests.
+INTERPRETER_SMS = 2
+
+
+def sm_count(device) -> int:
+    """Streaming multiprocessors of ``device`` (cached: the property lookup
+    costs microseconds per launch)."""
+    n = _SMS.get(device)
+    if n is None:
+        import torch
+        n = _SMS[device] = (torch.cuda.get_device_properties(device).multi_processor_count
+                            if device.type == "cuda" else INTERPRETER_SMS)
+    return n
+
+
 def block_sizes(config, c_in, c_out):
     """The table's tile, narrowed to the channel counts: a 3-channel output
     would otherwise spend 125 of 128 columns on masked work."""

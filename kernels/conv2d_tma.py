@@ -47,28 +47,24 @@ import triton
 import triton.language as tl
 
 from ._common import epilogue_store, epilogue_values, grouped_tile, _idx
-from ._launch import MIN_DOT_BLOCK, cdiv, launch, needs_int64, next_pow2
+from ._launch import MIN_DOT_BLOCK, cdiv, launch, needs_int64, next_pow2, sm_count
 
 
 @triton.jit
-def conv2d_tma_kernel(
-    x_desc, w_desc, bias_ptr, res_ptr, out_ptr, res_desc, out_desc,
-    N, C_in, H, W, C_out, OH, OW,
-    srn, src, srh, srw,
-    son, soc, soh, sow,
-    KH, KW, PH, PW, DH, DW, SH, SW,
-    beta, out_scale,
-    HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, ACT: tl.constexpr,
-    IDX64: tl.constexpr, UPCAST: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_W: tl.constexpr, GROUP_M: tl.constexpr, STRIDED: tl.constexpr, TMA_IO: tl.constexpr,
-):
+def conv_tile(tile, x_desc, w_desc, bias_ptr, res_ptr, out_ptr, res_desc, out_desc,
+              N, C_in, C_out, OH, OW,
+              srn, src, srh, srw, son, soc, soh, sow,
+              KH, KW, PH, PW, DH, DW, SH, SW, beta, out_scale,
+              HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, ACT: tl.constexpr,
+              IDX64: tl.constexpr, UPCAST: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              BLOCK_W: tl.constexpr, GROUP_M: tl.constexpr, STRIDED: tl.constexpr, TMA_IO: tl.constexpr):
+    """One output tile (number ``tile`` in grouped order): the reduction
+    over every (tap, channel block), then the epilogue."""
     BLOCK_H: tl.constexpr = BLOCK_M // BLOCK_W
     tiles_w = tl.cdiv(OW, BLOCK_W)
     tiles_h = tl.cdiv(OH, BLOCK_H)
-    num_pid_m = N * tiles_h * tiles_w
-    num_pid_n = tl.cdiv(C_out, BLOCK_N)
-    pid_m, pid_n = grouped_tile(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
+    pid_m, pid_n = grouped_tile(tile, N * tiles_h * tiles_w, tl.cdiv(C_out, BLOCK_N), GROUP_M)
 
     ow0 = (pid_m % tiles_w) * BLOCK_W
     t = pid_m // tiles_w
@@ -110,13 +106,46 @@ def conv2d_tma_kernel(
             r = tl.reshape(res_desc.load([n, oh0, ow0, n0]), (BLOCK_M, BLOCK_N)).to(tl.float32)
         v = epilogue_values(acc, r, offs_n, offs_n < C_out, bias_ptr, beta, out_scale, HAS_BIAS, HAS_RES, ACT)
         out_desc.store([n, oh0, ow0, n0], tl.reshape(v.to(out_desc.dtype), (1, BLOCK_H, BLOCK_W, BLOCK_N)))
-        return
-    offs = tl.arange(0, BLOCK_M)
-    oh = oh0 + offs // BLOCK_W
-    ow = ow0 + offs % BLOCK_W
-    epilogue_store(acc, _idx(n, IDX64), oh, ow, (oh < OH) & (ow < OW), offs_n, offs_n < C_out,
-                   out_ptr, son, soc, soh, sow, bias_ptr, res_ptr, srn, src, srh, srw,
-                   beta, out_scale, HAS_BIAS, HAS_RES, ACT, IDX64)
+    else:
+        offs = tl.arange(0, BLOCK_M)
+        oh = oh0 + offs // BLOCK_W
+        ow = ow0 + offs % BLOCK_W
+        epilogue_store(acc, _idx(n, IDX64), oh, ow, (oh < OH) & (ow < OW), offs_n, offs_n < C_out,
+                       out_ptr, son, soc, soh, sow, bias_ptr, res_ptr, srn, src, srh, srw,
+                       beta, out_scale, HAS_BIAS, HAS_RES, ACT, IDX64)
+
+
+@triton.jit
+def conv2d_tma_kernel(
+    x_desc, w_desc, bias_ptr, res_ptr, out_ptr, res_desc, out_desc,
+    N, C_in, H, W, C_out, OH, OW,
+    srn, src, srh, srw,
+    son, soc, soh, sow,
+    KH, KW, PH, PW, DH, DW, SH, SW,
+    beta, out_scale,
+    HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, ACT: tl.constexpr,
+    IDX64: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_W: tl.constexpr, GROUP_M: tl.constexpr, STRIDED: tl.constexpr, TMA_IO: tl.constexpr,
+    PERSISTENT: tl.constexpr,
+):
+    if PERSISTENT:
+        # A fixed grid walks the tiles; the programs' tiles interleave, so
+        # neighbours in grouped order still run at the same time.
+        BLOCK_H: tl.constexpr = BLOCK_M // BLOCK_W
+        tiles = N * tl.cdiv(OH, BLOCK_H) * tl.cdiv(OW, BLOCK_W) * tl.cdiv(C_out, BLOCK_N)
+        for tile in range(tl.program_id(0), tiles, tl.num_programs(0)):
+            conv_tile(tile, x_desc, w_desc, bias_ptr, res_ptr, out_ptr, res_desc, out_desc,
+                      N, C_in, C_out, OH, OW, srn, src, srh, srw, son, soc, soh, sow,
+                      KH, KW, PH, PW, DH, DW, SH, SW, beta, out_scale,
+                      HAS_BIAS, HAS_RES, ACT, IDX64, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_W,
+                      GROUP_M, STRIDED, TMA_IO)
+    else:
+        conv_tile(tl.program_id(0), x_desc, w_desc, bias_ptr, res_ptr, out_ptr, res_desc, out_desc,
+                  N, C_in, C_out, OH, OW, srn, src, srh, srw, son, soc, soh, sow,
+                  KH, KW, PH, PW, DH, DW, SH, SW, beta, out_scale,
+                  HAS_BIAS, HAS_RES, ACT, IDX64, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_W,
+                  GROUP_M, STRIDED, TMA_IO)
 
 
 def tile_sizes(config, c_in, c_out, ow):
@@ -185,7 +214,17 @@ def launch_conv2d_tma(x, w, bias, out, residual, *, stride, padding, dilation, b
             residual, [N, OH, OW, C_out], [OH * OW * C_out, OW * C_out, C_out, 1], box)
     else:
         out_desc = res_desc = x_desc
-    grid = (N * cdiv(OH, bh) * cdiv(OW, bw) * cdiv(C_out, bn),)
+    tiles = N * cdiv(OH, bh) * cdiv(OW, bw) * cdiv(C_out, bn)
+    per_sm = int(config.get("persistent", 0))
+    # Persistent only with one-row tiles (BLOCK_W = BLOCK_M) of a stride-1
+    # conv: then the input box [1, 1, BW, BK] reaches wgmma straight from
+    # shared memory. Boxes of several rows go through registers (Triton 3.6
+    # cannot fold their reshape into the shared layout), and in a persistent
+    # loop that path gave run-to-run different results on the H200 (errors
+    # 1.2-3x the one-tile kernel's, any stage count or barrier placement;
+    # bench/results/persistent-tma-*.json).
+    persistent = per_sm > 0 and bh == 1 and not strided
+    grid = (min(tiles, per_sm * sm_count(x.device)) if persistent else tiles,)
     launch(conv2d_tma_kernel, grid,
         x_desc, w_desc, bias if bias is not None else out, res, out, res_desc, out_desc,
         N, C_in, H, W, C_out, OH, OW,
@@ -195,6 +234,6 @@ def launch_conv2d_tma(x, w, bias, out, residual, *, stride, padding, dilation, b
         HAS_BIAS=bias is not None, HAS_RES=residual is not None, ACT=int(activation),
         IDX64=bool(force_int64 or needs_int64(out, residual)), UPCAST=bool(upcast),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_W=bw, GROUP_M=int(config.get("GROUP_M", 8)), STRIDED=strided,
-        TMA_IO=tma_io, num_warps=warps, num_stages=int(config.get("num_stages", 3)),
+        TMA_IO=tma_io, PERSISTENT=persistent, num_warps=warps, num_stages=int(config.get("num_stages", 3)),
     )
     return out

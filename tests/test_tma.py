@@ -122,6 +122,49 @@ def test_tma_boxed_epilogue_equals_the_pointer_epilogue(c_out, stride, with_res,
     assert seen == [c_out != 20, False]
 
 
+TMA_ROW = {"route": "tma", "BLOCK_M": 64, "BLOCK_N": 16, "BLOCK_K": 16, "BLOCK_W": 64,
+           "GROUP_M": 3, "num_warps": 4, "num_stages": 3, "persistent": 1}
+
+
+@needs_tma
+@pytest.mark.parametrize("n,w,stride,dil,persists", [
+    (2, 37, 1, 2, True),    # one-row tiles (37 -> BLOCK_W 64 = BLOCK_M): persistent
+    (1, 70, 1, 1, True),    # two tiles per row, the last one mostly past the edge
+    (2, 20, 1, 1, False),   # BLOCK_W narrows to 32: two-row tiles stay one per program
+    (1, 38, 2, 1, False),   # stride 2: one per program
+])
+def test_tma_persistent_walks_every_tile_once(n, w, stride, dil, persists, device, monkeypatch):
+    """``persistent``: a grid of n programs per SM (2 "SMs" under the
+    interpreter) walks all the tiles, which gives the same bits as one
+    program per tile; the launcher refuses it where the tile is taller than
+    one pixel row or the conv strided (a race on the H200, see
+    kernels/conv2d_tma.py) and launches one program per tile there."""
+    from conv_patch.kernels import conv2d_tma
+    if not target_for(device).kernels:
+        pytest.skip("no kernels here")
+    seen = []
+    launch = conv2d_tma.launch
+    monkeypatch.setattr(conv2d_tma, "launch",
+                        lambda k, g, *a, **m: (seen.append((g[0], m["PERSISTENT"])), launch(k, g, *a, **m)))
+    g = torch.Generator().manual_seed(w)
+    x = torch.randn(n, 32, 6, w, generator=g).to(device, torch.bfloat16).contiguous(memory_format=torch.channels_last)
+    wt = (torch.randn(20, 32, 3, 3, generator=g) / 17).to(device, torch.bfloat16)
+    b = torch.randn(20, generator=g).to(device, torch.bfloat16)
+    ref = F.conv2d(x.double().cpu(), wt.double().cpu(), b.double().cpu(), stride, dil, dil)
+    r = torch.randn(ref.shape, generator=g).to(device, torch.bfloat16).contiguous(memory_format=torch.channels_last)
+    ref = F.silu(ref + 0.5 * r.double().cpu())
+    outs = []
+    for cfg in (TMA_ROW, {**TMA_ROW, "persistent": 0}):
+        out = poisoned(ref.shape, torch.bfloat16, device, channels_last=True)
+        ops.conv2d(x, wt, b, stride, dil, dil, residual=r, beta=0.5, activation="silu", out=out, config=cfg)
+        assert rel_err(out, ref) <= 1e-2
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    (grid_p, persistent), (tiles, one) = seen
+    assert (persistent, one) == (persists, False)
+    assert grid_p < tiles if persists else grid_p == tiles
+
+
 def _spec(c_in=16, c_out=16, k=3, stride=1):
     return ConvSpec.from_module(torch.nn.Conv2d(c_in, c_out, k, stride, padding=k // 2))
 
@@ -196,6 +239,8 @@ def test_cudnn_route_is_exact_only_and_shared_by_fp16():
     ({**TMA_TILES, "BLOCK_M": 32, "BLOCK_W": 8}, "BLOCK_M >= 64"),
     ({**TMA_TILES, "num_warps": 2}, "num_warps"),
     ({**TMA_TILES, "tma_io": "no"}, "tma_io"),
+    ({**TMA_TILES, "persistent": -1}, "persistent"),
+    ({**TMA_TILES, "persistent": True}, "persistent"),
     ({**IGEMM, "route": "cutlass"}, "route must be one of"),
 ])
 def test_bad_tma_configs_are_refused(bad, match):

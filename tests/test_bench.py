@@ -113,3 +113,17 @@ def test_clock_samples_are_attributed_to_the_calls_they_fall_in():
     assert late == {"sm_clock_mhz": 1552.5, "power_w": pytest.approx(701.1), "power_capped": 1.0, "samples": 2}
     assert clock_stats(samples, [(t0, t0 + 0.2), (t0 + 1.0, t0 + 1.2)])["power_capped"] == 0.5
     assert clock_stats(samples, [(t0 + 5, t0 + 6)]) is None
+
+
+def test_bench_tma_tiles_rows(tmp_path):
+    from bench import tma_tiles
+    from conv_patch.target import target_for
+    import torch
+    if not target_for(torch.device("cuda" if torch.cuda.is_available() else "cpu")).kernels:
+        pytest.skip("no kernels here")
+    # 130 columns: one-row tiles of 128 and a second, mostly empty one per row.
+    tma_tiles.main(["--shapes", "16,24,2,130,3", "--rounds", "1", "--repeat", "2", "--out", str(tmp_path)])
+    rows = _result(tmp_path, "tma_tiles")["rows"]
+    assert [r["name"] for r in rows] == [f"conv 16->24 3x3 @2x130 {v}" for v in tma_tiles.VARIANTS]
+    assert all(ROW_KEYS | {"tflops", "config", "deterministic"} <= set(r) and r["deterministic"] for r in rows)
+    assert [r.get("bit_equal_one_tile") for r in rows] == [None] * 4 + [True]

@@ -68,11 +68,11 @@ IGEMM_CANDIDATES = [
 # The TMA kernel: 128-row tiles (one or two wgmma warpgroups), the tile's
 # width a 16-pixel square-ish patch (8x16), a 64-pixel row segment (2x64) or
 # one 128-pixel row. A one-row tile's input box reaches wgmma straight from
-# shared memory (taller boxes go through registers): on the H200 128x128
-# one-row tiles took 0.79-0.85x the time of 8x16 ones on the FLUX decoder's
-# 3x3 convs, and 128x256 ones run persistent (one program per SM) at 0.72-0.94x
-# cuDNN's time where one program per tile was slower than cuDNN
-# (bench/results/persistent-tma-*.json).
+# shared memory (taller boxes go through registers): on the H200 one-row
+# 128x128 tiles took 0.84-0.91x the time of 8x16 ones on the FLUX decoder's
+# 3x3 convs, and one-row 128x256 tiles walked by a persistent grid (one
+# program per SM) 0.83-0.95x cuDNN's time on its 256- and 512-channel ones
+# (bench/results/tma-tiles-h200-2026-12-01.json).
 TMA_CANDIDATES = [
     _cfg("tma", 128, 128, 64, 4, 4, bw=16), _cfg("tma", 128, 128, 64, 4, 4, bw=64),
     _cfg("tma", 128, 256, 64, 8, 3, bw=16), _cfg("tma", 128, 256, 64, 8, 3, bw=64),

@@ -24,6 +24,16 @@ Design:
     past C_in reads TMA zeros, never the next tap's weights.
   * The reduction loop is one flat loop over (tap, channel block) so Triton's
     software pipeliner keeps ``num_stages`` TMA loads in flight across taps.
+  * A tile of one pixel row (BLOCK_W = BLOCK_M) has an input box whose
+    reshape to [BLOCK_M, BLOCK_K] Triton 3.6 folds into the shared layout, so
+    wgmma reads it from shared memory; a taller box is reshaped in registers
+    (ldmatrix and a CTA barrier every K step). One-row tiles measured
+    0.84-0.91x the time of 8x16 ones on the FLUX decoder's 3x3 convs
+    (bench/results/tma-tiles-h200-2026-12-01.json).
+  * ``PERSISTENT``: a grid of ``persistent`` programs per SM walks the tiles
+    (one-row tiles of stride-1 convs only, see the launcher): with 128x256
+    tiles, one CTA per SM, it is what brought the 512-channel convs past
+    cuDNN.
   * Stride S > 1 (a VAE encoder's downsampling convs) is a box too, of a
     5-D view of the same memory: [N, H/S, S, W/S, S*C] (row = S*q + p, column
     = S*q' + p', the column parity folded into the channel dimension). Tap

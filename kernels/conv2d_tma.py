@@ -48,8 +48,11 @@ Design:
     wgmma accumulator's layout, 4-byte pieces per thread; boxes took
     0.90-1.003x its time on the H200's FLUX-decoder convs, the 1x1 with a
     residual 0.90, bench/results/tma-epilogue-*.json), clipped at the image edges by the
-    TMA unit. Outputs that are strided views (a subpixel parity, an NCHW
-    caller's layout) or rows not 16-byte aligned keep the pointer epilogue.
+    TMA unit. An NCHW caller's output (and residual) moves as boxes
+    [1, BN, 1, BW] of the NCHW tensor where the tile is one pixel row (the
+    box is then the transposed tile). Outputs that are strided views (a
+    subpixel parity), NCHW ones under taller tiles, and rows not 16-byte
+    aligned keep the pointer epilogue.
   * Misaligned tensors, fp32 and other strides go to the portable kernel.
 """
 
@@ -107,7 +110,7 @@ def conv_tile(tile, x_desc, w_desc, bias_ptr, res_ptr, out_ptr, res_desc, out_de
         acc = tl.dot(a, tl.trans(b), acc)
 
     offs_n = n0 + tl.arange(0, BLOCK_N)
-    if TMA_IO:
+    if TMA_IO == 1:
         # Residual in and output out as boxes of dense NHWC tensors, like the
         # input: a pointer epilogue moves them in the wgmma accumulator's
         # layout, 4-byte pieces per thread, rows far apart.
@@ -116,6 +119,15 @@ def conv_tile(tile, x_desc, w_desc, bias_ptr, res_ptr, out_ptr, res_desc, out_de
             r = tl.reshape(res_desc.load([n, oh0, ow0, n0]), (BLOCK_M, BLOCK_N)).to(tl.float32)
         v = epilogue_values(acc, r, offs_n, offs_n < C_out, bias_ptr, beta, out_scale, HAS_BIAS, HAS_RES, ACT)
         out_desc.store([n, oh0, ow0, n0], tl.reshape(v.to(out_desc.dtype), (1, BLOCK_H, BLOCK_W, BLOCK_N)))
+    elif TMA_IO == 2:
+        # Dense NCHW, one-row tile (the launcher's rule): the tile is the box
+        # [1, BN, 1, BW] at (n, n0, oh0, ow0), transposed; the pointer
+        # epilogue writes NCHW in 16-byte runs of 8 pixels per channel.
+        r = acc
+        if HAS_RES:
+            r = tl.trans(tl.reshape(res_desc.load([n, n0, oh0, ow0]), (BLOCK_N, BLOCK_M))).to(tl.float32)
+        v = epilogue_values(acc, r, offs_n, offs_n < C_out, bias_ptr, beta, out_scale, HAS_BIAS, HAS_RES, ACT)
+        out_desc.store([n, n0, oh0, ow0], tl.reshape(tl.trans(v.to(out_desc.dtype)), (1, BLOCK_N, 1, BLOCK_M)))
     else:
         offs = tl.arange(0, BLOCK_M)
         oh = oh0 + offs // BLOCK_W
@@ -177,6 +189,14 @@ def dense_nhwc(t) -> bool:
             and t.stride(3) == c and t.stride(2) == w * c and (n == 1 or t.stride(0) == h * w * c))
 
 
+def dense_nchw(t) -> bool:
+    """``t`` ([N, C, H, W]) is dense NCHW with 16-byte aligned base and
+    pixel rows: an NCHW box target."""
+    n, c, h, w = t.shape
+    return ((w * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0 and t.stride(3) == 1
+            and t.stride(2) == w and t.stride(1) == h * w and (n == 1 or t.stride(0) == c * h * w))
+
+
 def launch_conv2d_tma(x, w, bias, out, residual, *, stride, padding, dilation, beta, activation,
                       out_scale, config, precision, upcast, force_int64=False):
     """Same call as the portable launchers. ``x`` is dense NHWC (logical
@@ -216,12 +236,15 @@ def launch_conv2d_tma(x, w, bias, out, residual, *, stride, padding, dilation, b
     w_desc = TensorDescriptor(w, [C_out, KH * KW, C_in], [w.stride(0), C_in, 1], [bn, 1, bk])
     res = residual if residual is not None else out
     # A config may turn the TMA epilogue off ("tma_io": false) for an A/B.
-    tma_io = bool(config.get("tma_io", True)) and dense_nhwc(out) and (residual is None or dense_nhwc(residual))
+    tma_io = 0
+    if config.get("tma_io", True):
+        if dense_nhwc(out) and (residual is None or dense_nhwc(residual)):
+            tma_io, dims, strides, box = 1, [N, OH, OW, C_out], [OH * OW * C_out, OW * C_out, C_out, 1], [1, bh, bw, bn]
+        elif bh == 1 and dense_nchw(out) and (residual is None or dense_nchw(residual)):
+            tma_io, dims, strides, box = 2, [N, C_out, OH, OW], [C_out * OH * OW, OH * OW, OW, 1], [1, bn, 1, bw]
     if tma_io:
-        box = [1, bh, bw, bn]
-        out_desc = TensorDescriptor(out, [N, OH, OW, C_out], [OH * OW * C_out, OW * C_out, C_out, 1], box)
-        res_desc = out_desc if residual is None else TensorDescriptor(
-            residual, [N, OH, OW, C_out], [OH * OW * C_out, OW * C_out, C_out, 1], box)
+        out_desc = TensorDescriptor(out, dims, strides, box)
+        res_desc = out_desc if residual is None else TensorDescriptor(residual, dims, strides, box)
     else:
         out_desc = res_desc = x_desc
     tiles = N * cdiv(OH, bh) * cdiv(OW, bw) * cdiv(C_out, bn)

@@ -165,6 +165,45 @@ def test_tma_persistent_walks_every_tile_once(n, w, stride, dil, persists, devic
     assert grid_p == (min(tiles, conv2d_tma.sm_count(x.device)) if persists else tiles)
 
 
+@needs_tma
+@pytest.mark.parametrize("n,w,with_res,io", [
+    (2, 40, True, 2),    # one-row tiles (BLOCK_W 64), 80-byte rows: NCHW boxes
+    (1, 72, False, 2),   # a second, mostly empty tile per row, clipped by the TMA unit
+    (1, 20, True, 0),    # BLOCK_W narrows to 32, two-row tiles: pointer epilogue
+    (1, 36, True, 0),    # 72-byte rows, not 16-byte aligned: pointer epilogue
+])
+def test_tma_nchw_output_boxes_equal_the_pointer_epilogue(n, w, with_res, io, device, monkeypatch):
+    """An NCHW caller (input staged to NHWC) gets its output, and its
+    residual read, as TMA boxes [1, BN, 1, BW] where the tile is one pixel
+    row and the rows are 16-byte aligned: the same bits as the pointer
+    epilogue, nothing written outside the output."""
+    from conv_patch.kernels import conv2d_tma
+    if not target_for(device).kernels:
+        pytest.skip("no kernels here")
+    seen = []
+    launch = conv2d_tma.launch
+    monkeypatch.setattr(conv2d_tma, "launch", lambda k, g, *a, **m: (seen.append(m["TMA_IO"]), launch(k, g, *a, **m)))
+    g = torch.Generator().manual_seed(w)
+    x = torch.randn(n, 32, 5, w, generator=g).to(device, torch.bfloat16)
+    wt = (torch.randn(24, 32, 3, 3, generator=g) / 17).to(device, torch.bfloat16)
+    b = torch.randn(24, generator=g).to(device, torch.bfloat16)
+    ref = F.conv2d(x.double().cpu(), wt.double().cpu(), b.double().cpu(), 1, 1)
+    r = torch.randn(ref.shape, generator=g).to(device, torch.bfloat16) if with_res else None
+    if with_res:
+        ref = F.silu(ref + 0.5 * r.double().cpu())
+    outs = []
+    for tma_io in (True, False):
+        big = poisoned((n + 1,) + tuple(ref.shape[1:]), torch.bfloat16, device)
+        out = big[:n]
+        ops.conv2d(x, wt, b, 1, 1, residual=r, beta=0.5, activation="silu" if with_res else "none",
+                   out=out, config={**TMA_ROW, "persistent": 0, "tma_io": tma_io})
+        assert torch.isnan(big[n:].float()).all()
+        assert rel_err(out, ref) <= 1e-2
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    assert seen == [io, 0]
+
+
 def _spec(c_in=16, c_out=16, k=3, stride=1):
     return ConvSpec.from_module(torch.nn.Conv2d(c_in, c_out, k, stride, padding=k // 2))
 

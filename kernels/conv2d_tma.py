@@ -163,6 +163,8 @@ def conv2d_tma_kernel(
                       HAS_BIAS, HAS_RES, ACT, IDX64, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_W,
                       GROUP_M, STRIDED, TMA_IO)
     else:
+        # No loop around the tile here: the one-tile kernel keeps the code
+        # the table's one-tile configs were measured with.
         conv_tile(tl.program_id(0), x_desc, w_desc, bias_ptr, res_ptr, out_ptr, res_desc, out_desc,
                   N, C_in, C_out, OH, OW, srn, src, srh, srw, son, soc, soh, sow,
                   KH, KW, PH, PW, DH, DW, SH, SW, beta, out_scale,

@@ -80,6 +80,18 @@ def test_tma_stride2_with_a_folded_downsample_pad(n, c, h, w, device):
         assert rel_err(y, ref) <= 1e-2
 
 
+def _record_launches(monkeypatch, device, pick):
+    """The TMA kernel's launches from here on, each recorded as
+    ``pick(grid, meta)``; skips where no kernels run."""
+    from conv_patch.kernels import conv2d_tma
+    if not target_for(device).kernels:
+        pytest.skip("no kernels here")
+    seen = []
+    launch = conv2d_tma.launch
+    monkeypatch.setattr(conv2d_tma, "launch", lambda k, g, *a, **m: (seen.append(pick(g, m)), launch(k, g, *a, **m)))
+    return seen
+
+
 @needs_tma
 @pytest.mark.parametrize("c_out,stride,with_res", [(24, 1, True), (16, 1, False), (32, 2, True), (20, 1, True)])
 def test_tma_boxed_epilogue_equals_the_pointer_epilogue(c_out, stride, with_res, device, monkeypatch):
@@ -88,12 +100,7 @@ def test_tma_boxed_epilogue_equals_the_pointer_epilogue(c_out, stride, with_res,
     (rows outside it stay poisoned), with the residual overwritten in place;
     C_out = 20 (40-byte pixel rows, not 16-byte aligned) takes the pointer
     epilogue."""
-    from conv_patch.kernels import conv2d_tma
-    if not target_for(device).kernels:
-        pytest.skip("no kernels here")
-    seen = []
-    launch = conv2d_tma.launch
-    monkeypatch.setattr(conv2d_tma, "launch", lambda k, g, *a, **m: (seen.append(m["TMA_IO"]), launch(k, g, *a, **m)))
+    seen = _record_launches(monkeypatch, device, lambda g, m: m["TMA_IO"])
     g = torch.Generator().manual_seed(c_out)
     x = torch.randn(1, 16, 12, 20, generator=g).to(device, torch.bfloat16).contiguous(memory_format=torch.channels_last)
     w = (torch.randn(c_out, 16, 3, 3, generator=g) / 12).to(device, torch.bfloat16)
@@ -140,12 +147,7 @@ def test_tma_persistent_walks_every_tile_once(n, w, stride, dil, persists, devic
     one pixel row or the conv strided (a race on the H200, see
     kernels/conv2d_tma.py) and launches one program per tile there."""
     from conv_patch.kernels import conv2d_tma
-    if not target_for(device).kernels:
-        pytest.skip("no kernels here")
-    seen = []
-    launch = conv2d_tma.launch
-    monkeypatch.setattr(conv2d_tma, "launch",
-                        lambda k, g, *a, **m: (seen.append((g[0], m["PERSISTENT"])), launch(k, g, *a, **m)))
+    seen = _record_launches(monkeypatch, device, lambda g, m: (g[0], m["PERSISTENT"]))
     g = torch.Generator().manual_seed(w)
     x = torch.randn(n, 32, 6, w, generator=g).to(device, torch.bfloat16).contiguous(memory_format=torch.channels_last)
     wt = (torch.randn(20, 32, 3, 3, generator=g) / 17).to(device, torch.bfloat16)
@@ -177,12 +179,7 @@ def test_tma_nchw_output_boxes_equal_the_pointer_epilogue(n, w, with_res, io, de
     residual read, as TMA boxes [1, BN, 1, BW] where the tile is one pixel
     row and the rows are 16-byte aligned: the same bits as the pointer
     epilogue, nothing written outside the output."""
-    from conv_patch.kernels import conv2d_tma
-    if not target_for(device).kernels:
-        pytest.skip("no kernels here")
-    seen = []
-    launch = conv2d_tma.launch
-    monkeypatch.setattr(conv2d_tma, "launch", lambda k, g, *a, **m: (seen.append(m["TMA_IO"]), launch(k, g, *a, **m)))
+    seen = _record_launches(monkeypatch, device, lambda g, m: m["TMA_IO"])
     g = torch.Generator().manual_seed(w)
     x = torch.randn(n, 32, 5, w, generator=g).to(device, torch.bfloat16)
     wt = (torch.randn(24, 32, 3, 3, generator=g) / 17).to(device, torch.bfloat16)

@@ -76,6 +76,12 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--kernel", type=int, default=None, metavar="K",
                    help="only the KxK convolutions (--kernel 2: the 2x2 convs an upsampling conv is folded "
                         "into)")
+    t.add_argument("--missing", action="store_true",
+                   help="with --base: measure only the shapes whose keys the base table lacks")
+    t.add_argument("--from-report", nargs="+", metavar="REPORT", default=None,
+                   help="measure nothing: with --base, derive the buckets and 'any' anew from these --report "
+                        "files (a key's last line wins; only keys of the chosen families, sizes, batches and "
+                        "layouts count); the base's exact entries stay. Needs no GPU")
     t.add_argument("--time-limit", type=float, default=None, metavar="S",
                    help="stop starting new shapes after S seconds and write the table from what was measured")
     t.add_argument("--device", default=None, help="cuda or cuda:N (cpu only under TRITON_INTERPRET=1)")
@@ -272,27 +278,28 @@ def cmd_tune(args) -> int:
 
     from . import config_tables, tune
     from .model_shapes import distinct_calls
-    from .target import target_for
 
-    device = _pick_device(args.device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    target = target_for(device)
-    if not target.kernels:
-        raise UsageError(f"cannot tune here: {target.reason} (tuning needs a CUDA GPU, or "
-                         f"TRITON_INTERPRET=1 with --device cpu to exercise the tuner)")
     bad = [r for r in args.res if r <= 0 or r % 8]
     if bad or any(n <= 0 for n in args.batch):
         raise UsageError(f"--res must be positive multiples of 8 and --batch positive (got {bad or args.batch})")
-    out = args.out or f"{target.arch}.json"
-    if args.exact_only and not args.base:
-        raise UsageError("--exact-only refreshes the entries of a --base table; give --base")
+    for flag, given in (("--exact-only", args.exact_only), ("--missing", args.missing),
+                        ("--from-report", args.from_report)):
+        if given and not args.base:
+            raise UsageError(f"{flag} works on a --base table; give --base")
+    if args.from_report and (args.exact_only or args.missing):
+        raise UsageError("--from-report measures nothing: it cannot go with --exact-only or --missing")
     base = None
     if args.base:
         try:
             base = config_tables.load_user_table(args.base).data
         except config_tables.TableError as e:
             raise UsageError(str(e)) from None
+    if args.from_report:
+        device = target = None
+        out = args.out or f"{base.get('arch', 'table')}.json"
+    else:
+        device, target = _tune_target(args.device)
+        out = args.out or f"{target.arch}.json"
     for path in filter(None, (out, args.report)):
         parent = os.path.dirname(os.path.abspath(path))
         if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
@@ -314,6 +321,10 @@ def cmd_tune(args) -> int:
         raise UsageError(f"--family {' '.join(args.family)}: needs {e.name} "
                          f"(pip install 'conv-patch[diffusers]')") from None
     dtype = getattr(torch, DTYPES[args.dtype])
+    if args.from_report:
+        return _tune_from_reports(args, base, calls, dtype, out)
+    skip = set(base["conv2d"].get("exact") or {}) if args.missing else set()
+    n_jobs = len(tune.jobs_of(calls, args.layout, dtype, skip))
     tty = sys.stderr.isatty()
     report = open(args.report, "w") if args.report else None
 
@@ -324,13 +335,14 @@ def cmd_tune(args) -> int:
     try:
         with _Progress(tty, "tuning") as progress:
             ms = tune.tune(calls, args.layout, dtype, device, target, progress=progress,
-                           time_limit_s=args.time_limit, on_measure=log)
+                           time_limit_s=args.time_limit, on_measure=log, skip_keys=skip)
     finally:
         if report:
             report.close()
-    n_jobs = len(calls) * len(args.layout)
     note = tune.source_note(args.family, args.res, args.batch, args.layout, dtype, len(ms), n_jobs,
                             exact_only=args.exact_only)
+    if args.missing:
+        note += " Only the shape keys the base table lacked were measured."
     table = tune.build_table(ms, target.arch, dtype, note, base, exact_only=args.exact_only)
     tune.write_table(table, out)
     rows = tune.summary_rows(ms)
@@ -341,11 +353,73 @@ def cmd_tune(args) -> int:
               f"{_fmt(r['ours_ms'], '.4f')} ms  cudnn {_fmt(r['cudnn_ms'], '.4f')} ms  x{_fmt(r['speedup'])}")
     if gm:
         print(f"geomean speedup over cuDNN: {gm:.3f} ({len(sp)} shapes)")
+    _wrote(table, out)
+    return 0
+
+
+def _tune_target(name):
+    import torch
+
+    from .target import target_for
+
+    device = _pick_device(name)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    target = target_for(device)
+    if not target.kernels:
+        raise UsageError(f"cannot tune here: {target.reason} (tuning needs a CUDA GPU, or "
+                         f"TRITON_INTERPRET=1 with --device cpu to exercise the tuner)")
+    return device, target
+
+
+def _tune_from_reports(args, base, calls, dtype, out) -> int:
+    """``convpatch tune --from-report``: the base table with its buckets and
+    'any' derived anew from measurements already made."""
+    from . import tune
+
+    rows = []
+    for path in args.from_report:
+        try:
+            with open(path) as f:
+                lines = f.read().splitlines()
+        except (OSError, UnicodeDecodeError) as e:
+            raise UsageError(f"{path}: cannot read the report ({getattr(e, 'strerror', None) or e})") from None
+        for i, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                r = json.loads(line)
+            except ValueError:
+                r = None
+            if not isinstance(r, dict) or not isinstance(r.get("key"), str) \
+                    or not isinstance(r.get("times"), dict):
+                raise UsageError(f"{path}: line {i} is not a line of a convpatch tune --report")
+            rows.append(r)
+    ms, unknown, bad_labels = tune.measurements_from_reports(rows, calls, args.layout, dtype)
+    if not ms:
+        raise UsageError(f"{', '.join(args.from_report)}: no line has the key of a shape of --family "
+                         f"{' '.join(args.family)} --res {' '.join(map(str, args.res))} --batch "
+                         f"{' '.join(map(str, args.batch))} --layout {' '.join(args.layout)}")
+    layouts = sorted({m.layout for m in ms})
+    note = (f"buckets and 'any' of the {'/'.join(layouts)} layouts derived anew from {len(ms)} shape keys "
+            f"of convpatch tune reports ({', '.join(os.path.basename(p) for p in args.from_report)}); "
+            f"the exact entries are the base table's.")
+    table = tune.build_table(ms, base.get("arch", "unknown"), dtype, note, base, ranges_only=True)
+    tune.write_table(table, out)
+    print(f"{len(ms)} shape keys read back from {len(rows)} report lines"
+          + (f"; {len(unknown)} keys outside the chosen shapes skipped" if unknown else "")
+          + (f"; labels no candidate has, skipped: {', '.join(sorted(bad_labels))}" if bad_labels else ""))
+    _wrote(table, out)
+    return 0
+
+
+def _wrote(table, out):
+    from . import config_tables
+
     n_cudnn = sum(1 for e in table["conv2d"]["exact"].values() if e.get("route") == "cudnn")
     print(f"wrote {out}: {len(table['conv2d']['exact'])} exact entries ({n_cudnn} routed to cuDNN), "
           f"{len(table['conv2d']['buckets'])} buckets")
     config_tables.load_user_table(out)  # what we wrote must load
-    return 0
 
 
 def main(argv=None) -> int:

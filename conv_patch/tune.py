@@ -119,6 +119,24 @@ def config_label(c: dict) -> str:
     return lab + (f" p{c['persistent']}" if c.get("persistent") else "")
 
 
+def config_of_label(label: str) -> Optional[dict]:
+    """The candidate config a report's label names (``config_label``'s
+    inverse); None for a label it cannot have written."""
+    parts = label.split()
+    try:
+        bm, bn, bk = (int(v) for v in parts[1].split("x"))
+        fields = {"w": None, "nw": 4, "s": 2, "p": 0}
+        for p in parts[2:]:
+            name = p.rstrip("0123456789")
+            if name not in fields:
+                return None
+            fields[name] = int(p[len(name):])
+    except (IndexError, ValueError):
+        return None
+    cfg = _cfg(parts[0], bm, bn, bk, fields["nw"], fields["s"], bw=fields["w"], persistent=fields["p"])
+    return cfg if config_label(cfg) == label else None
+
+
 @dataclasses.dataclass
 class Measurement:
     key: str
@@ -219,25 +237,35 @@ def exact_entry(m: Measurement) -> Optional[dict]:
 def _pick(ms: List[Measurement], route: str) -> Optional[str]:
     """The config label of ``route`` with the best geomean slowdown against
     each shape's best, among configs valid on every shape given."""
+    return _best(ms, (route,))[0]
+
+
+def _best(ms: List[Measurement], routes) -> tuple:
+    """(label, summed log slowdown) of the best config of any of ``routes``
+    valid on every shape given; (None, inf) when there is none."""
     labels = None
     for m in ms:
-        ok = {lab for lab in m.times if m.configs[lab].get("route") == route}
+        ok = {lab for lab in m.times if m.configs[lab].get("route", "igemm") in routes}
         labels = ok if labels is None else labels & ok
     if not labels:
-        return None
+        return None, math.inf
 
     def score(lab):
         return sum(math.log(m.times[lab] / min(m.times.values())) for m in ms)
-    return min(sorted(labels), key=score)
+    lab = min(sorted(labels), key=score)
+    return lab, score(lab)
 
 
 def build_table(measurements: List[Measurement], arch: str, dtype: torch.dtype, note: str = "",
-                base: Optional[dict] = None, exact_only: bool = False) -> dict:
+                base: Optional[dict] = None, exact_only: bool = False, ranges_only: bool = False) -> dict:
     """The table of these measurements. With ``base`` (an earlier table of
     the same GPU), its exact entries stay unless re-measured, and its buckets
     stay for the layouts not measured now; with ``exact_only`` too, all of
     its buckets and its ``any`` stay (a re-measure of a few shapes refreshes
-    their entries without re-deriving the ranges from those few)."""
+    their entries without re-deriving the ranges from those few). With
+    ``ranges_only`` it is the other way round: the base's exact entries all
+    stay and the buckets of the measured layouts and ``any`` are derived anew
+    (measurements read back from reports, ``measurements_from_reports``)."""
     dname = config_tables.dtype_name(dtype)
     dtypes = [dname] + [k for k, v in config_tables.SHARED_EXACT_DTYPE.items() if v == dname]
     table = {"schema": 1, "arch": arch, "source": note, "conv2d": {"exact": {}, "buckets": []}}
@@ -247,7 +275,7 @@ def build_table(measurements: List[Measurement], arch: str, dtype: torch.dtype, 
         table["source"] = f"{base.get('source', '')} || then {note}"
         sec["exact"].update(old.get("exact") or {})
     measured_layouts = sorted({m.layout for m in measurements})
-    for m in measurements:
+    for m in ([] if ranges_only else measurements):
         e = exact_entry(m)
         if e is not None:
             sec["exact"][m.key] = e
@@ -255,53 +283,70 @@ def build_table(measurements: List[Measurement], arch: str, dtype: torch.dtype, 
     for m in measurements:
         configs.update(m.configs)
 
-    def bucketed(route, sel, layouts):
+    def bucketed(route, sel, layouts, unless_beaten_by=()):
         lo = 0
         for hi in M_BUCKETS:
             inside = [m for m in sel if m.m > lo and (hi is None or m.m <= hi)]
-            lab = _pick(inside, route) if inside else None
+            lab, score = _best(inside, (route,)) if inside else (None, math.inf)
+            if lab and unless_beaten_by and _best(inside, unless_beaten_by)[1] < score:
+                lab = None
             if lab:
                 b = {"max_m": hi, "dtypes": dtypes, "config": configs[lab]}
                 if layouts:
                     b["layouts"] = layouts
                 sec["buckets"].append(b)
             lo = hi or lo
-    if exact_only and not base:
-        raise ValueError("exact_only refreshes the exact entries of a base table; no base given")
+    if (exact_only or ranges_only) and not base:
+        raise ValueError("exact_only and ranges_only refresh part of a base table; no base given")
+    if exact_only and ranges_only:
+        raise ValueError("exact_only and ranges_only exclude each other")
     rebuilt = [] if exact_only else measured_layouts
     for layout in rebuilt:
-        # Taps and flat first: only convs those routes can take match their buckets.
+        # Taps and flat first: only convs those routes can take match their
+        # buckets, which are looked up before the general ones; so a range
+        # gets one only where its best config beat the general routes' best
+        # over the same convs (64 -> 3 3x3 convs take the TMA kernel).
+        general = ("tma", "igemm")
         bucketed("taps", [m for m in measurements if m.layout == layout and taps_problem(m.call.spec) is None],
-                 [layout])
+                 [layout], general)
         bucketed("flat", [m for m in measurements if m.layout == layout and flat_problem(m.call.spec) is None],
-                 [layout])
+                 [layout], general)
         bucketed("tma", [m for m in measurements if m.layout == layout and m.tma_ok], [layout])
         bucketed("igemm", [m for m in measurements if m.layout == layout], [layout])
     for b in old.get("buckets") or []:
         if not set(b.get("layouts") or ("nhwc", "nchw")) <= set(rebuilt):
             sec["buckets"].append(b)
     any_lab = _pick([m for m in measurements if m.tma_ok], "tma") or _pick(measurements, "igemm")
-    if old.get("any"):
+    if old.get("any") and not (ranges_only and any_lab):
         sec["any"] = old["any"]
     elif any_lab:
         sec["any"] = configs[any_lab]
     return config_tables.validate_table(table, f"tuned table for {arch}")
 
 
+def jobs_of(calls: Iterable[ConvCall], layouts, dtype: torch.dtype, skip_keys=()) -> list:
+    """(call, layout) pairs to measure: conv2d only (tables key nothing
+    else), without the shape keys in ``skip_keys`` (those a base table
+    already holds, for ``--missing``)."""
+    skip = set(skip_keys)
+    return [(c, lay) for c in calls for lay in layouts if not c.spec.transposed
+            and config_tables.shape_key(c.spec, c.shape, lay, dtype) not in skip]
+
+
 def tune(calls: Iterable[ConvCall], layouts, dtype: torch.dtype, device: torch.device,
          target: Target, cands: Optional[List[dict]] = None, progress=None, timer=None,
-         time_limit_s: Optional[float] = None, on_measure=None) -> List[Measurement]:
-    """Measure every call in every layout, in the order given. With
-    ``time_limit_s`` it stops starting new shapes once the time is spent (the
-    table then covers what was measured; buckets and 'any' still come from
-    measurements). ``on_measure(m)`` sees each result as it lands."""
-    calls = list(calls)
+         time_limit_s: Optional[float] = None, on_measure=None, skip_keys=()) -> List[Measurement]:
+    """Measure every call in every layout, in the order given, except the
+    shape keys in ``skip_keys``. With ``time_limit_s`` it stops starting new
+    shapes once the time is spent (the table then covers what was measured;
+    buckets and 'any' still come from measurements). ``on_measure(m)`` sees
+    each result as it lands."""
     start = time.monotonic()
     cands = cands if cands is not None else candidates(target)
-    # Tables key conv2d only. Asymmetric padding (diffusers' Downsample2D pad
-    # as the block recipe folds it) is measured against F.pad + cuDNN, what
-    # the cudnn route would run.
-    jobs = [(c, lay) for c in calls for lay in layouts if not c.spec.transposed]
+    # Asymmetric padding (diffusers' Downsample2D pad as the block recipe
+    # folds it) is measured against F.pad + cuDNN, what the cudnn route would
+    # run.
+    jobs = jobs_of(calls, layouts, dtype, skip_keys)
     out = []
     for i, (call, layout) in enumerate(jobs):
         if time_limit_s is not None and time.monotonic() - start > time_limit_s:
@@ -314,6 +359,39 @@ def tune(calls: Iterable[ConvCall], layouts, dtype: torch.dtype, device: torch.d
     if progress:
         progress(len(jobs), len(jobs), "done")
     return out
+
+
+def measurements_from_reports(rows: Iterable[dict], calls: Iterable[ConvCall], layouts,
+                              dtype: torch.dtype) -> tuple:
+    """Measurements read back from report lines (``summary_row``, one JSON
+    object per line of a ``--report`` file), for the keys of ``calls`` in
+    ``layouts``; a key's last line wins. Returns (measurements, lines whose
+    key is not among the calls, labels no candidate config has)."""
+    known = {config_tables.shape_key(c.spec, c.shape, lay, dtype): (c, lay) for c, lay in jobs_of(calls, layouts, dtype)}
+    latest, unknown_keys, bad_labels = {}, set(), set()
+    for r in rows:
+        if r.get("key") in known:
+            latest[r["key"]] = r
+        else:
+            unknown_keys.add(r.get("key"))
+    out = []
+    for key, r in latest.items():
+        call, layout = known[key]
+        configs = {}
+        for lab in list(r.get("times") or {}) + list(r.get("rejected") or {}):
+            cfg = config_of_label(lab)
+            if cfg is None:
+                bad_labels.add(lab)
+            else:
+                configs[lab] = cfg
+        times = {lab: float(t) for lab, t in (r.get("times") or {}).items() if lab in configs}
+        oh, ow = call.spec.output_hw(call.shape[2], call.shape[3])
+        # A TMA label in the report means the route took the shape: the
+        # tuner skips the candidates of a route that cannot.
+        tma_ok = any(c["route"] == "tma" for c in configs.values())
+        out.append(Measurement(key, call, layout, call.shape[0] * oh * ow, tma_ok, times,
+                               dict(r.get("rejected") or {}), r.get("cudnn_ms"), configs))
+    return out, unknown_keys, bad_labels
 
 
 def source_note(families, resolutions, batches, layouts, dtype, n_shapes, n_jobs=None, exact_only=False) -> str:
@@ -356,4 +434,5 @@ def summary_rows(measurements: List[Measurement]) -> List[dict]:
     return [summary_row(m) for m in measurements]
 
 
-__all__ = ["candidates", "measure", "tune", "build_table", "distinct_calls", "write_table"]
+__all__ = ["candidates", "measure", "tune", "build_table", "distinct_calls", "write_table",
+           "measurements_from_reports"]

@@ -178,3 +178,89 @@ def test_cli_tune_bad_input_is_one_line_exit_2(argv, match, capsys, device):
     rc = cli.main(["tune", "--device", str(device), "--family", "taesd"] + argv)
     err = capsys.readouterr().err
     assert rc == 2 and match in err and len(err.strip().splitlines()) == 1
+
+
+def test_config_labels_read_back_to_their_configs():
+    """--from-report rebuilds configs from the labels a report holds: every
+    candidate of every route must come back exactly, anything else not."""
+    sm90 = dataclasses.replace(target_for(torch.device("cpu")), arch="sm90", interpreter=False)
+    cands = tune.candidates(sm90) + tune.INTERPRETER_CANDIDATES
+    assert any(c.get("persistent") for c in cands) and any("BLOCK_W" in c for c in cands)
+    for c in cands:
+        assert tune.config_of_label(tune.config_label(c)) == c
+    for bad in ("cudnn", "tma 128x128 nw4 s3", "igemm 128x128x32 nw4 s3 q2", "tma 128x128x64 wide nw4 s3", ""):
+        assert tune.config_of_label(bad) is None, bad
+
+
+def test_few_channel_buckets_only_where_their_route_wins():
+    """Taps and flat buckets are looked up before the general ones, so one is
+    written only where its route beat TMA and the portable kernel over the
+    same convs: 64 -> 3 at 8x8 goes to TMA, at 128x128 to taps."""
+    taps, tma, ig = "taps 128x32x64 nw4 s3", "tma 128x128x64 w128 nw4 s3", "igemm 128x128x32 nw4 s3"
+
+    def measured(h, times):
+        call = ConvCall(ConvSpec.from_module(torch.nn.Conv2d(64, 3, 3, 1, 1)), (1, 64, h, h), f"t{h}")
+        return tune.Measurement(f"k{h}", call, "nhwc", h * h, True, times, {}, None,
+                                {lab: tune.config_of_label(lab) for lab in times})
+    ms = [measured(8, {taps: 2.0, tma: 1.0, ig: 1.5}), measured(128, {taps: 1.0, tma: 2.0, ig: 1.5})]
+    buckets = [(tune.config_label(b["config"]), b["max_m"])
+               for b in tune.build_table(ms, "sm90", torch.bfloat16)["conv2d"]["buckets"]]
+    assert (taps, 16384) in buckets and (taps, 4096) not in buckets
+    assert [lab for lab, m in buckets if m == 4096][0] == tma
+
+
+def test_tune_missing_and_from_report_extend_a_base_table(tmp_path, capsys):
+    """--missing measures only what the base lacks; --from-report re-derives
+    the buckets and 'any' from reports without measuring, keeping the base's
+    exact entries."""
+    if not target_for(torch.device("cpu")).kernels:
+        pytest.skip("needs the interpreter")
+    common = ["tune", "--family", "taesd", "--batch", "1", "--layout", "nhwc", "--part", "decoder",
+              "--device", "cpu", "--max-out-channels", "3"]
+    t1, r1 = tmp_path / "t1.json", tmp_path / "r1.jsonl"
+    assert cli.main(common + ["--res", "16", "--out", str(t1), "--report", str(r1)]) == 0
+    first = json.loads(t1.read_text())["conv2d"]["exact"]
+    t2, r2 = tmp_path / "t2.json", tmp_path / "r2.jsonl"
+    assert cli.main(common + ["--res", "16", "24", "--base", str(t1), "--missing", "--out", str(t2),
+                              "--report", str(r2)]) == 0
+    rows2 = [json.loads(line) for line in r2.read_text().splitlines()]
+    assert rows2 and not {r["key"] for r in rows2} & set(first)  # the 16 px shapes were not measured again
+    second = json.loads(t2.read_text())["conv2d"]["exact"]
+    assert set(first) < set(second) and all(second[k] == first[k] for k in first)
+    # The reports back into a table: exact entries untouched, ranges from both reports.
+    base = json.loads(t2.read_text())
+    base["conv2d"]["buckets"] = []
+    kept = next(iter(first))
+    base["conv2d"]["exact"][kept] = {"route": "cudnn"}  # unlike the report: must survive
+    base["conv2d"]["any"] = {"route": "igemm", "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32}
+    t3, t4 = tmp_path / "t3.json", tmp_path / "t4.json"
+    t3.write_text(json.dumps(base))
+    capsys.readouterr()
+    assert cli.main(common + ["--res", "16", "24", "--base", str(t3), "--from-report", str(r1), str(r2),
+                              "--out", str(t4)]) == 0
+    assert f"{len(first) + len(rows2)} shape keys read back" in capsys.readouterr().out
+    rebuilt = config_tables.load_user_table(str(t4)).data["conv2d"]
+    assert rebuilt["exact"] == base["conv2d"]["exact"] and rebuilt["buckets"]
+    assert rebuilt["any"] != base["conv2d"]["any"]
+
+
+@pytest.mark.parametrize("extra,match", [
+    (["--from-report", "{bad}"], "bad.jsonl: line 2 is not a line of a convpatch tune --report"),
+    (["--from-report", "{tmp}/none.jsonl"], "none.jsonl: cannot read the report"),
+    (["--from-report", "{bad}", "--missing"], "cannot go with --exact-only or --missing"),
+    (["--from-report", "{other}"], "no line has the key of a shape"),
+])
+def test_cli_tune_from_report_bad_input_is_one_line_exit_2(tmp_path, capsys, extra, match):
+    bad, other = tmp_path / "bad.jsonl", tmp_path / "other.jsonl"
+    bad.write_text('{"key": "k", "times": {}}\nnot json\n')
+    other.write_text('{"key": "n1.c1.h1.w1.o1.k1x1.s1x1.p0x0.d1x1.nhwc.bfloat16", "times": {}}\n')
+    base = tmp_path / "base.json"
+    base.write_text(json.dumps(config_tables.packaged_table("default").data))
+    extra = [a.format(bad=bad, tmp=tmp_path, other=other) for a in extra]
+    out = tmp_path / "out.json"
+    rc = cli.main(["tune", "--family", "taesd", "--res", "16", "--batch", "1", "--base", str(base),
+                   "--out", str(out)] + extra)
+    err = capsys.readouterr().err
+    assert rc == 2 and match in err and len(err.strip().splitlines()) == 1, err
+    assert not out.exists()
+    assert cli.main(["tune", "--missing"]) == 2 and "works on a --base table" in capsys.readouterr().err

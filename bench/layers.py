@@ -12,6 +12,9 @@ already in the pack layout (an NCHW model). cuDNN gets the weight in the
 input's layout, as a model converted with ``.to(memory_format=...)`` holds it.
 fused: ``silu(conv + bias + residual)`` in one conv-patch kernel against cuDNN
 conv followed by eager add and SiLU.
+--graph: both sides are captured in a CUDA graph and the replays timed, so
+the rows are GPU time alone (a small conv's kernel is shorter than the host
+time of a conv-patch call, which bench.overhead measures).
 Rows: name, baseline, baseline_ms, ours_ms, speedup, tflops, pct_of_peak.
 """
 
@@ -27,14 +30,14 @@ from conv_patch.specs import CallDesc
 from conv_patch.tune import geomean
 from conv_patch.target import target_for
 
-from .common import bench_device, interleaved_ms, print_table, write_results
+from .common import bench_device, graphed, interleaved_ms, print_table, write_results
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # bf16 dense matmul measured on the H200 (torch.matmul, 8192^3).
 PEAK_TFLOPS = 764.0
 
 
-def run_layer(call, layout, dtype, rounds, fused, device):
+def run_layer(call, layout, dtype, rounds, fused, device, graph=False):
     spec, shape = call.spec, call.shape
     fmt = torch.channels_last if layout == "nhwc" else torch.contiguous_format
     g = torch.Generator(device=device).manual_seed(0)
@@ -62,8 +65,10 @@ def run_layer(call, layout, dtype, rounds, fused, device):
     else:
         fns = [lambda: spec.torch_conv2d(x, w, b), ours]
         ref = spec.torch_conv2d(x.float(), w.float(), b.float())
-    base_ms, ours_ms = interleaved_ms(fns, rounds=rounds, warmup=10, rep=40)
     err = ((fns[1]().float() - ref).norm() / ref.norm()).item()
+    graph = graph and device.type == "cuda"
+    timed = [graphed(f) for f in fns] if graph else fns
+    base_ms, ours_ms = interleaved_ms(timed, rounds=rounds, warmup=10, rep=40)
     flops = 2 * y.numel() // y.shape[1] * spec.out_channels * spec.in_channels * k[0] * k[1]
     tflops = flops / ours_ms / 1e9
     return {
@@ -72,7 +77,7 @@ def run_layer(call, layout, dtype, rounds, fused, device):
         "baseline_ms": base_ms, "ours_ms": ours_ms, "speedup": base_ms / ours_ms,
         "tflops": tflops, "pct_of_peak": 100 * tflops / PEAK_TFLOPS,
         "route": decision.label(), "config": decision.config, "tier": decision.tier,
-        "rel_err_vs_fp32": err,
+        "rel_err_vs_fp32": err, "timing": "cuda graph replay" if graph else "launched",
     }
 
 
@@ -89,6 +94,8 @@ def main(argv=None):
                     help="only the convs with at most C output channels")
     ap.add_argument("--max-in-channels", type=int, default=None, metavar="C",
                     help="only the convs with at most C input channels")
+    ap.add_argument("--graph", action="store_true",
+                    help="time CUDA-graph replays of both sides: GPU time without the host's")
     ap.add_argument("--out", default=None, help="results folder (default bench/results)")
     args = ap.parse_args(argv)
     torch.backends.cudnn.benchmark = True
@@ -102,9 +109,9 @@ def main(argv=None):
         for layout in ("nhwc", "nchw"):
             variants = [False] if args.no_fused else [False, True]
             for fused in variants:
-                r = run_layer(call, layout, dtype, args.rounds, fused, device)
+                r = run_layer(call, layout, dtype, args.rounds, fused, device, args.graph)
                 rows.append(r)
-                write_results("layers", rows, {"dtype": args.dtype}, args.out)  # a cut-off run keeps its rows
+                write_results("layers", rows, {"dtype": args.dtype, "graph": args.graph}, args.out)  # a cut-off run keeps its rows
                 print(f"{r['name']}: cudnn {r['baseline_ms']:.4f} ms  ours {r['ours_ms']:.4f} ms  "
                       f"x{r['speedup']:.2f}  {r['route']}", flush=True)
     summary = {}
@@ -114,7 +121,7 @@ def main(argv=None):
             if sel:
                 summary[f"{layout}{'_fused' if fused else ''}"] = {
                     "geomean_speedup": geomean([r["speedup"] for r in sel]), "rows": len(sel)}
-    path = write_results("layers", rows, {"dtype": args.dtype, "peak_tflops": PEAK_TFLOPS,
+    path = write_results("layers", rows, {"dtype": args.dtype, "graph": args.graph, "peak_tflops": PEAK_TFLOPS,
                                           "summary": summary}, args.out)
     print_table(rows, ["name", "baseline_ms", "ours_ms", "speedup", "tflops", "pct_of_peak", "route"])
     for k, v in summary.items():

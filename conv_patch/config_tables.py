@@ -104,6 +104,10 @@ def validate_table(table, name: str) -> dict:
                 raise TableError(f"{where}: needs a config")
             if b.get("max_m") is not None and not isinstance(b["max_m"], int):
                 raise TableError(f"{where}: max_m must be an integer or null")
+            lo = b.get("min_m")
+            if lo is not None and (not isinstance(lo, int) or lo < 0
+                                   or (b.get("max_m") is not None and lo >= b["max_m"])):
+                raise TableError(f"{where}: min_m must be a non-negative integer below max_m")
             _check_config(b["config"], where)
         if "any" in sec:
             _check_config(sec["any"], f"{name}: {kind}.any")
@@ -183,6 +187,8 @@ def lookup(table: dict, spec: ConvSpec, shape: tuple, layout: str, dtype: torch.
             return cfg, "exact"
     for b in sec.get("buckets") or []:
         if b.get("max_m") is not None and m > b["max_m"]:
+            continue
+        if b.get("min_m") is not None and m <= b["min_m"]:
             continue
         if "dtypes" in b and dname not in b["dtypes"]:
             continue

@@ -292,6 +292,10 @@ def build_table(measurements: List[Measurement], arch: str, dtype: torch.dtype, 
                 lab = None
             if lab:
                 b = {"max_m": hi, "dtypes": dtypes, "config": configs[lab]}
+                if unless_beaten_by:
+                    # Closed below too: where this route lost in a smaller
+                    # range, its convs must not fall through to it here.
+                    b["min_m"] = lo
                 if layouts:
                     b["layouts"] = layouts
                 sec["buckets"].append(b)

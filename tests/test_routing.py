@@ -95,7 +95,8 @@ def test_lookup_tiers():
         "conv2d": {
             "exact": {config_tables.shape_key(CONV, (1, 8, 16, 16), "nhwc", torch.bfloat16):
                       {"BLOCK_M": 32, "BLOCK_N": 16, "BLOCK_K": 16}},
-            "buckets": [{"max_m": 100, "config": {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16}},
+            "buckets": [{"max_m": 1000, "min_m": 300, "config": {"BLOCK_M": 256, "BLOCK_N": 16, "BLOCK_K": 16}},
+                        {"max_m": 100, "config": {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16}},
                         {"max_m": None, "dtypes": ["float32"], "config": {"BLOCK_M": 64, "BLOCK_N": 16, "BLOCK_K": 16}}],
             "any": {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 32},
         }
@@ -103,8 +104,10 @@ def test_lookup_tiers():
     t = config_tables.Table(config_tables.validate_table(table, "t"), "t")
     exact = select_route(CONV, call(layout="nhwc"), GPU, t)
     assert (exact.tier, exact.config["BLOCK_M"]) == ("exact", 32)
-    small = select_route(CONV, call(shape=(1, 8, 8, 8)), GPU, t)  # 64 output pixels
+    small = select_route(CONV, call(shape=(1, 8, 8, 8)), GPU, t)  # 64 output pixels: below min_m
     assert (small.tier, small.config["BLOCK_M"]) == ("bucket", 16)
+    mid = select_route(CONV, call(shape=(1, 8, 20, 20)), GPU, t)  # 400: inside (300, 1000]
+    assert (mid.tier, mid.config["BLOCK_M"]) == ("bucket", 256)
     f32 = select_route(CONV, call(dtype=torch.float32), GPU, t)
     assert (f32.tier, f32.config["BLOCK_M"]) == ("bucket", 64)
     anyd = select_route(CONV, call(), GPU, t)
@@ -136,6 +139,8 @@ def test_packaged_tables_valid(name):
     ({"conv2d": {"any": {"BLOCK_M": 100, "BLOCK_N": 16, "BLOCK_K": 16}}}, "BLOCK_M must be a power of two"),
     ({"conv2d": {"any": {"BLOCK_M": 8, "BLOCK_N": 16, "BLOCK_K": 16}}}, ">= 16"),
     ({"conv2d": {"buckets": [{"max_m": "big", "config": {}}]}}, "max_m"),
+    ({"conv2d": {"buckets": [{"max_m": 64, "min_m": 64, "config": {}}]}}, "min_m must be"),
+    ({"conv2d": {"buckets": [{"min_m": -1, "config": {}}]}}, "min_m must be"),
     ({"conv2d": {"exact": {"k": {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "num_warps": 0}}}}, "num_warps"),
 ])
 def test_bad_tables_rejected(table, needle):

@@ -207,6 +207,10 @@ def test_few_channel_buckets_only_where_their_route_wins():
                for b in tune.build_table(ms, "sm90", torch.bfloat16)["conv2d"]["buckets"]]
     assert (taps, 16384) in buckets and (taps, 4096) not in buckets
     assert [lab for lab, m in buckets if m == 4096][0] == tma
+    # Closed below: the 8x8 conv must not fall through to the 16384 taps bucket.
+    table = config_tables.Table(tune.build_table(ms, "sm90", torch.bfloat16), "t")
+    assert table.lookup(ms[0].call.spec, ms[0].call.shape, "nhwc", torch.bfloat16, 64)[0]["route"] == "tma"
+    assert table.lookup(ms[1].call.spec, ms[1].call.shape, "nhwc", torch.bfloat16, 128 * 128)[0]["route"] == "taps"
 
 
 def test_tune_missing_and_from_report_extend_a_base_table(tmp_path, capsys):

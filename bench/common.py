@@ -52,27 +52,11 @@ def time_ms(fn, warmup=25, rep=100):
     return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
 
 
-def graphed(fn, warmup=3):
-    """``fn`` captured once in a CUDA graph, returned as the graph's replay
-    (``fn`` itself on the CPU). Timing the replay times the GPU work alone:
-    a conv-patch call spends ~0.1-0.2 ms of host time on routing and the
-    launch (results/overhead-*.json), more than a small conv's kernel, and
-    do_bench's events would count the GPU waiting for it (cuDNN's ~40 us
-    hide behind the L2 flush). The host cost is bench.overhead's to measure.
-    Warm-up runs first on a side stream, as capture requires; cuDNN picks
-    its algorithm there."""
-    if not torch.cuda.is_available():
-        return fn
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(warmup):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g.replay
+def graphed(fn):
+    """``fn`` as a CUDA graph's replay: timing it times the GPU work alone
+    (``conv_patch.tune.graph_replay``, which says why)."""
+    from conv_patch.tune import graph_replay
+    return graph_replay(fn)
 
 
 def interleaved_ms(fns, rounds=3, **kw):

@@ -82,6 +82,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="measure nothing: with --base, derive the buckets and 'any' anew from these --report "
                         "files (a key's last line wins; only keys of the chosen families, sizes, batches and "
                         "layouts count); the base's exact entries stay. Needs no GPU")
+    t.add_argument("--graph", action="store_true",
+                   help="time CUDA-graph replays of every candidate and of cuDNN: GPU time alone, without the "
+                        "host's (what a model run under CUDA graphs pays; small convs are host-bound otherwise)")
     t.add_argument("--time-limit", type=float, default=None, metavar="S",
                    help="stop starting new shapes after S seconds and write the table from what was measured")
     t.add_argument("--device", default=None, help="cuda or cuda:N (cpu only under TRITON_INTERPRET=1)")
@@ -335,7 +338,7 @@ def cmd_tune(args) -> int:
     try:
         with _Progress(tty, "tuning") as progress:
             ms = tune.tune(calls, args.layout, dtype, device, target, progress=progress,
-                           time_limit_s=args.time_limit, on_measure=log, skip_keys=skip)
+                           time_limit_s=args.time_limit, on_measure=log, skip_keys=skip, graph=args.graph)
     finally:
         if report:
             report.close()
@@ -343,6 +346,8 @@ def cmd_tune(args) -> int:
                             exact_only=args.exact_only)
     if args.missing:
         note += " Only the shape keys the base table lacked were measured."
+    if args.graph:
+        note += " Times are CUDA-graph replays (GPU time, no host time)."
     table = tune.build_table(ms, target.arch, dtype, note, base, exact_only=args.exact_only)
     tune.write_table(table, out)
     rows = tune.summary_rows(ms)

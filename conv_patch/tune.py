@@ -154,12 +154,35 @@ class Measurement:
         return min(self.times, key=self.times.get) if self.times else None
 
 
-def _timer(device: torch.device) -> Callable[[Callable], float]:
+def graph_replay(fn: Callable, warmup: int = 3) -> Callable:
+    """``fn`` captured once in a CUDA graph, returned as the graph's replay
+    (``fn`` itself off the GPU). Timing the replay times the GPU work alone:
+    a conv-patch call spends ~0.1-0.2 ms of host time on routing and the
+    launch (bench/results/overhead-*.json), more than a small conv's kernel,
+    and CUDA events would count the GPU waiting for it (cuDNN's ~40 us of
+    host time hide behind do_bench's L2 flush). Warm-up runs first on a
+    side stream, as capture requires; cuDNN picks its algorithm there."""
+    if not torch.cuda.is_available():
+        return fn
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g.replay
+
+
+def _timer(device: torch.device, graph: bool = False) -> Callable[[Callable], float]:
     if device.type == "cuda":
         import triton.testing
 
         def cuda_ms(fn):
-            return triton.testing.do_bench(fn, warmup=2, rep=10, return_mode="median")
+            return triton.testing.do_bench(graph_replay(fn) if graph else fn, warmup=2, rep=10,
+                                           return_mode="median")
         return cuda_ms
 
     def wall_ms(fn):  # the interpreter: only the tuner's logic is under test
@@ -339,13 +362,16 @@ def jobs_of(calls: Iterable[ConvCall], layouts, dtype: torch.dtype, skip_keys=()
 
 def tune(calls: Iterable[ConvCall], layouts, dtype: torch.dtype, device: torch.device,
          target: Target, cands: Optional[List[dict]] = None, progress=None, timer=None,
-         time_limit_s: Optional[float] = None, on_measure=None, skip_keys=()) -> List[Measurement]:
+         time_limit_s: Optional[float] = None, on_measure=None, skip_keys=(),
+         graph: bool = False) -> List[Measurement]:
     """Measure every call in every layout, in the order given, except the
     shape keys in ``skip_keys``. With ``time_limit_s`` it stops starting new
     shapes once the time is spent (the table then covers what was measured;
     buckets and 'any' still come from measurements). ``on_measure(m)`` sees
-    each result as it lands."""
+    each result as it lands. ``graph``: time CUDA-graph replays (GPU time
+    without the host's, see ``graph_replay``)."""
     start = time.monotonic()
+    timer = timer or _timer(device, graph)
     cands = cands if cands is not None else candidates(target)
     # Asymmetric padding (diffusers' Downsample2D pad as the block recipe
     # folds it) is measured against F.pad + cuDNN, what the cudnn route would

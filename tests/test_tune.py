@@ -157,8 +157,9 @@ def test_cli_tune_writes_a_table_that_loads(tmp_path, capsys):
 
 
 def test_cli_tune_stride_keeps_the_downsampling_convs(tmp_path):
-    exact, _ = _cli_tune_taesd(tmp_path, 8, "encoder", "--stride", "2")
+    exact, _ = _cli_tune_taesd(tmp_path, 8, "encoder", "--stride", "2", "--graph")
     assert len(exact) == 3 and all(".s2x2." in k for k in exact)
+    assert "CUDA-graph replays" in json.loads((tmp_path / "t.json").read_text())["source"]
 
 
 def test_cli_tune_max_out_channels_measures_the_taps_route(tmp_path):

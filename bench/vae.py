@@ -14,7 +14,10 @@ for the convs-only column, ``apply(m)`` (block recipes on) for ours.
 (``graphed_ms``: its decoder/encoder replayed from a CUDA graph per input
 shape, the host's launch cost removed; the warm-up call captures) and the
 memory all graphs captured so far keep (``graph_pools_gib``), with the graph
-caches' captures, replays and eager calls so far (``graph_calls``). ``--profile`` adds each
+caches' captures, replays and eager calls so far (``graph_calls``). ``--table T``
+adds the patched model with ``PatchConfig(table=T)`` (``table_ms``: an A/B
+of two config tables, e.g. an earlier packaged one, on the same calls).
+``--profile`` adds each
 row's top GPU kernels of one patched call (torch
 profiler) as ``profile``. Variants run interleaved
 (A, B, C, A, B, C, ...) with ``--runs`` timed calls each after warm-up (which
@@ -199,6 +202,8 @@ def main(argv=None):
                     help="override the model's dtype (bf16 for FLUX, fp16 for TAEF2)")
     ap.add_argument("--out", default=None, help="results folder (default bench/results)")
     ap.add_argument("--profile", action="store_true", help="record the top GPU kernels of one patched call")
+    ap.add_argument("--table", default=None, metavar="T",
+                    help="also time the model patched with this config table (table_ms)")
     ap.add_argument("--graph", action="store_true",
                     help="add the patched model with PatchConfig(cuda_graphs=True) as graphed_ms")
     ap.add_argument("--idle", type=float, default=0.0,
@@ -219,6 +224,10 @@ def main(argv=None):
         conv_patch.apply(convs, recipes=False)
         patched = copy.deepcopy(model)
         report = conv_patch.apply(patched)
+        tabled = None
+        if args.table:
+            tabled = copy.deepcopy(model)
+            conv_patch.apply(tabled, config=conv_patch.PatchConfig(table=args.table))
         graphed = None
         if args.graph:
             graphed = copy.deepcopy(model)
@@ -246,6 +255,8 @@ def main(argv=None):
                 extra = {}
                 if graphed is not None:
                     extra["graphed"] = (lambda x, m=graphed, f=run: f(m, x), xs, None)
+                if tabled is not None:
+                    extra["table"] = (lambda x, m=tabled, f=run: f(m, x), xs, None)
                 spans, sampler = {}, ClockSampler() if args.clocks else None
                 try:
                     ms, peak = bench_variants({
@@ -275,6 +286,8 @@ def main(argv=None):
                 }
                 if args.clocks:
                     row["clocks"] = {k: clock_stats(samples, v) for k, v in spans.items()}
+                if "table" in ms:
+                    row["table_ms"], row["table"] = ms["table"], args.table
                 if "graphed" in ms:
                     row["graphed_ms"] = ms["graphed"]
                     row["graph_calls"] = _graph_calls(graphed)
@@ -289,12 +302,12 @@ def main(argv=None):
                       f"patched {row['ours_ms']:.2f} ms "
                       f"(x{row['speedup']:.2f}), peak {_gib(row['peak_gib'])}", flush=True)
         print(name, str(report).splitlines()[0], flush=True)
-        del model, cl, convs, patched, graphed
+        del model, cl, convs, patched, graphed, tabled
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     path = write_results("vae", rows, {}, args.out)
     print_table(rows, ["name", "baseline_ms", "channels_last_ms", "convs_only_ms", "ours_ms", "graphed_ms",
-                       "speedup", "peak_gib", "baseline_peak_gib"])
+                       "table_ms", "speedup", "peak_gib", "baseline_peak_gib"])
     print("wrote", path)
 
 

@@ -62,14 +62,16 @@ def test_graphed_replays_the_captured_work():
 def test_bench_vae_rows(tmp_path):
     from bench import vae
     vae.main(["--models", "taef2", "--res", "16", "--parts", "decode", "--runs", "1", "--warmup", "0",
-              "--dtype", "fp32", "--out", str(tmp_path), "--profile", "--graph", "--idle", "0.01", "--clocks"])
+              "--dtype", "fp32", "--out", str(tmp_path), "--profile", "--graph", "--idle", "0.01", "--clocks",
+              "--table", str(Path(__file__).resolve().parents[1] / "configs" / "default.json")])
     rows = _result(tmp_path, "vae")["rows"]
     assert len(rows) == 1 and rows[0]["name"] == "taef2 decode 16x16"
     r = rows[0]
     assert ROW_KEYS | {"peak_gib", "channels_last_ms", "first_call_s", "convs_only_ms", "profile", "graphed_ms",
-                       "idle_s", "clocks"} <= set(r)
+                       "idle_s", "clocks", "table_ms"} <= set(r)
     assert r["idle_s"] == 0.01 and set(r["clocks"]) == {"eager_nchw", "eager_channels_last", "convs_only",
-                                                        "patched", "graphed"}
+                                                        "patched", "graphed", "table"}
+    assert r["table"].endswith("default.json") and r["table_ms"] > 0
     assert r["profile"] and all(len(p) == 3 and p[2] >= 0 for p in r["profile"])
     assert r["baseline"] == "eager nchw" and r["ours_ms"] > 0
 

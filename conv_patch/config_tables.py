@@ -75,8 +75,9 @@ def _check_config(cfg, where: str, exact: bool = False) -> dict:
         bw = cfg.get("BLOCK_W", 16)
         if not isinstance(bw, int) or bw < 1 or bw & (bw - 1) or bw > cfg["BLOCK_M"]:
             raise TableError(f"{where}: BLOCK_W must be a power of two <= BLOCK_M, got {bw!r}")
-        if not isinstance(cfg.get("tma_io", True), bool):
-            raise TableError(f"{where}: tma_io must be true or false, got {cfg['tma_io']!r}")
+        for flag in ("tma_io", "nchw_in_place"):
+            if not isinstance(cfg.get(flag, True), bool):
+                raise TableError(f"{where}: {flag} must be true or false, got {cfg[flag]!r}")
         per_sm = cfg.get("persistent", 0)
         if not isinstance(per_sm, int) or isinstance(per_sm, bool) or per_sm < 0:
             raise TableError(f"{where}: persistent must be a number of programs per SM (0: off), got {per_sm!r}")

@@ -101,7 +101,8 @@ def run_kernel(decision: RouteDecision, target: Target, spec: ConvSpec, x: torch
             # The functional API reads weights in place; the TMA descriptor
             # needs the co,kh,kw,ci pack the wrappers keep.
             w = w.contiguous(memory_format=torch.channels_last)
-        if not _nhwc(x):
+        if not _nhwc(x) and not kernels.reads_nchw_in_place(x, w.shape, spec.pad_begin, spec.stride,
+                                                             decision.config):
             # The NHWC staging copy (see kernels/conv2d_tma.py); ``out`` was
             # allocated above in the caller's layout and stays in it.
             x = to_nhwc(x)

@@ -50,7 +50,9 @@ ROUTE_INFO = {
         "Hopper (sm90+) conv2d: TMA tensor descriptors (their zero fill is the padding) feeding wgmma, "
         "multi-stage pipeline; stride 1, kernels larger than 1x1, any padding and dilation; fp16/bf16; "
         "C_in a multiple of 8; "
-        "NHWC read in place, NCHW through one NHWC staging copy (output written NCHW directly); "
+        "NHWC read in place, NCHW through one NHWC staging copy (output written NCHW directly), "
+        "except 1x1 and Kx1 convs without column padding under one-pixel-row tiles, whose NCHW input "
+        "is read in place; "
         "same fused epilogue as the portable kernels"
     ),
     Route.CONV2D_TAPS: (

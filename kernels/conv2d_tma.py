@@ -18,7 +18,12 @@ Design:
     innermost dimension (an unaligned start is an illegal instruction on the
     H200 with Triton 3.6; the interpreter asserts it too). So the torch-facing
     layer stages an NCHW input through one NHWC copy; the output is still
-    written in the caller's layout by the epilogue.
+    written in the caller's layout by the epilogue. The exception is a conv
+    with one column tap and no column padding (1x1, Kx1) under one-row
+    tiles: its boxes start at a tile's first column, so the NCHW input is
+    boxed in place as [1, BK, 1, BW] and the tile transposed in the kernel
+    (``reads_nchw_in_place``); for the VAEs' 1x1 shortcuts the copy would
+    move as many bytes as the conv.
   * The weight pack ([C_out, KH, KW, C_in], see conv_patch.pack) is described
     as [C_out, KH*KW, C_in] with box [BN, 1, BK]: a channel block that runs
     past C_in reads TMA zeros, never the next tap's weights.
@@ -64,27 +69,11 @@ from ._launch import MIN_DOT_BLOCK, cdiv, launch, needs_int64, next_pow2, sm_cou
 
 
 @triton.jit
-def conv_tile(tile, x_desc, w_desc, bias_ptr, res_ptr, out_ptr, res_desc, out_desc,
-              N, C_in, C_out, OH, OW,
-              srn, src, srh, srw, son, soc, soh, sow,
-              KH, KW, PH, PW, DH, DW, SH, SW, beta, out_scale,
-              HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, ACT: tl.constexpr,
-              IDX64: tl.constexpr, UPCAST: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              BLOCK_W: tl.constexpr, GROUP_M: tl.constexpr, STRIDED: tl.constexpr, TMA_IO: tl.constexpr):
-    """One output tile (number ``tile`` in grouped order): the reduction
-    over every (tap, channel block), then the epilogue."""
-    BLOCK_H: tl.constexpr = BLOCK_M // BLOCK_W
-    tiles_w = tl.cdiv(OW, BLOCK_W)
-    tiles_h = tl.cdiv(OH, BLOCK_H)
-    pid_m, pid_n = grouped_tile(tile, N * tiles_h * tiles_w, tl.cdiv(C_out, BLOCK_N), GROUP_M)
-
-    ow0 = (pid_m % tiles_w) * BLOCK_W
-    t = pid_m // tiles_w
-    oh0 = (t % tiles_h) * BLOCK_H
-    n = t // tiles_h
-    n0 = pid_n * BLOCK_N
-
+def nhwc_reduction(x_desc, w_desc, n, oh0, ow0, n0, C_in, KH, KW, PH, PW, DH, DW, SH, SW,
+                   UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   STRIDED: tl.constexpr):
+    """The tile's [BLOCK_M, BLOCK_N] fp32 sum over every (tap, channel
+    block) of an NHWC input (or its strided 5-D view)."""
     k_blocks = tl.cdiv(C_in, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for it in range(0, KH * KW * k_blocks):
@@ -108,6 +97,65 @@ def conv_tile(tile, x_desc, w_desc, bias_ptr, res_ptr, out_ptr, res_desc, out_de
             a = a.to(tl.float32)
             b = b.to(tl.float32)
         acc = tl.dot(a, tl.trans(b), acc)
+    return acc
+
+
+@triton.jit
+def nchw_in_place_reduction(x_desc, w_desc, n, oh0, ow0, n0, C_in, KH, PH, DH,
+                            UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_K: tl.constexpr):
+    """The same sum for a one-row tile of a conv with one column tap and no
+    column padding, over the NCHW input itself (``reads_nchw_in_place``):
+    the box [1, BK, 1, BW] at (n, c0, row, ow0) is the tile's input
+    transposed, so the GEMM runs transposed, out^T = W x^T, and both wgmma
+    operands come straight from shared memory (a transposed A operand, or a
+    3-D weight box reshaped, would go through registers: ldmatrix every K
+    step, Triton 3.6). The weight is the 2-D [C_out, KH*C_in] view with box
+    [BN, BK]: a channel block past C_in reads the next row tap's weights,
+    but against the input's zero-filled channels past C_in."""
+    k_blocks = tl.cdiv(C_in, BLOCK_K)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for it in range(0, KH * k_blocks):
+        kh = it // k_blocks
+        c0 = (it - kh * k_blocks) * BLOCK_K
+        xt = tl.reshape(x_desc.load([n, c0, oh0 - PH + kh * DH, ow0]), (BLOCK_K, BLOCK_M))
+        b = w_desc.load([n0, kh * C_in + c0])
+        if UPCAST:
+            xt = xt.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(b, xt, acc)
+    return tl.trans(acc)
+
+
+@triton.jit
+def conv_tile(tile, x_desc, w_desc, bias_ptr, res_ptr, out_ptr, res_desc, out_desc,
+              N, C_in, C_out, OH, OW,
+              srn, src, srh, srw, son, soc, soh, sow,
+              KH, KW, PH, PW, DH, DW, SH, SW, beta, out_scale,
+              HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, ACT: tl.constexpr,
+              IDX64: tl.constexpr, UPCAST: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              BLOCK_W: tl.constexpr, GROUP_M: tl.constexpr, STRIDED: tl.constexpr, TMA_IO: tl.constexpr,
+              X_NCHW: tl.constexpr):
+    """One output tile (number ``tile`` in grouped order): the reduction
+    over every (tap, channel block), then the epilogue."""
+    BLOCK_H: tl.constexpr = BLOCK_M // BLOCK_W
+    tiles_w = tl.cdiv(OW, BLOCK_W)
+    tiles_h = tl.cdiv(OH, BLOCK_H)
+    pid_m, pid_n = grouped_tile(tile, N * tiles_h * tiles_w, tl.cdiv(C_out, BLOCK_N), GROUP_M)
+
+    ow0 = (pid_m % tiles_w) * BLOCK_W
+    t = pid_m // tiles_w
+    oh0 = (t % tiles_h) * BLOCK_H
+    n = t // tiles_h
+    n0 = pid_n * BLOCK_N
+
+    if X_NCHW:
+        acc = nchw_in_place_reduction(x_desc, w_desc, n, oh0, ow0, n0, C_in, KH, PH, DH,
+                                      UPCAST, BLOCK_M, BLOCK_N, BLOCK_K)
+    else:
+        acc = nhwc_reduction(x_desc, w_desc, n, oh0, ow0, n0, C_in, KH, KW, PH, PW, DH, DW, SH, SW,
+                             UPCAST, BLOCK_M, BLOCK_N, BLOCK_K, STRIDED)
 
     offs_n = n0 + tl.arange(0, BLOCK_N)
     if TMA_IO == 1:
@@ -149,7 +197,7 @@ def conv2d_tma_kernel(
     IDX64: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_W: tl.constexpr, GROUP_M: tl.constexpr, STRIDED: tl.constexpr, TMA_IO: tl.constexpr,
-    PERSISTENT: tl.constexpr,
+    X_NCHW: tl.constexpr, PERSISTENT: tl.constexpr,
 ):
     if PERSISTENT:
         # A fixed grid walks the tiles; the programs' tiles interleave, so
@@ -161,7 +209,7 @@ def conv2d_tma_kernel(
                       N, C_in, C_out, OH, OW, srn, src, srh, srw, son, soc, soh, sow,
                       KH, KW, PH, PW, DH, DW, SH, SW, beta, out_scale,
                       HAS_BIAS, HAS_RES, ACT, IDX64, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_W,
-                      GROUP_M, STRIDED, TMA_IO)
+                      GROUP_M, STRIDED, TMA_IO, X_NCHW)
     else:
         # No loop around the tile here: the one-tile kernel keeps the code
         # the table's one-tile configs were measured with.
@@ -169,7 +217,7 @@ def conv2d_tma_kernel(
                   N, C_in, C_out, OH, OW, srn, src, srh, srw, son, soc, soh, sow,
                   KH, KW, PH, PW, DH, DW, SH, SW, beta, out_scale,
                   HAS_BIAS, HAS_RES, ACT, IDX64, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_W,
-                  GROUP_M, STRIDED, TMA_IO)
+                  GROUP_M, STRIDED, TMA_IO, X_NCHW)
 
 
 def tile_sizes(config, c_in, c_out, ow):
@@ -199,10 +247,29 @@ def dense_nchw(t) -> bool:
             and t.stride(2) == w and t.stride(1) == h * w and (n == 1 or t.stride(0) == c * h * w))
 
 
+def reads_nchw_in_place(x, w_shape, padding, stride, config) -> bool:
+    """The kernel reads this NCHW input ``x`` in place, as boxes [1, BK, 1,
+    BW] of the NCHW tensor, instead of through the NHWC staging copy: a conv
+    with one column tap and no column padding (1x1, Kx1) at stride 1, whose
+    tile is one pixel row, on a dense NCHW input with 16-byte aligned rows.
+    Then every box starts at an output tile's first column, aligned; with a
+    column tap or padding it would start at ``ow0 - pw + kw``, which a TMA
+    box cannot (the module docstring). A config may turn it off
+    (``"nchw_in_place": false``) for an A/B."""
+    if not config.get("nchw_in_place", True) or tuple(stride) != (1, 1):
+        return False
+    c_out, c_in, _, kw = w_shape
+    if kw != 1 or padding[1] != 0 or not dense_nchw(x):
+        return False
+    bm, _, _, bw = tile_sizes(config, c_in, c_out, x.shape[3])
+    return bm == bw
+
+
 def launch_conv2d_tma(x, w, bias, out, residual, *, stride, padding, dilation, beta, activation,
                       out_scale, config, precision, upcast, force_int64=False):
     """Same call as the portable launchers. ``x`` is dense NHWC (logical
-    [N, C, H, W], channels_last strides) and ``w`` the [C_out, C_in, KH, KW]
+    [N, C, H, W], channels_last strides), or NCHW where
+    ``reads_nchw_in_place`` says so, and ``w`` the [C_out, C_in, KH, KW]
     view of a co,kh,kw,ci-dense pack; the router has checked alignment and
     that the stride divides H and W."""
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -230,12 +297,18 @@ def launch_conv2d_tma(x, w, bias, out, residual, *, stride, padding, dilation, b
         warps = 4
     # Dense NHWC strides written out: PyTorch may report any stride for a
     # size-1 dimension, TMA wants every stride 16-byte aligned.
-    if strided:
+    x_nchw = reads_nchw_in_place(x, w.shape, padding, stride, config)
+    if x_nchw:
+        x_desc = TensorDescriptor(x, [N, C_in, H, W], [C_in * H * W, H * W, W, 1], [1, bk, 1, bw])
+    elif strided:
         x_desc = TensorDescriptor(x, [N, H // sh, sh, W // sw, sw * C_in],
                                   [H * W * C_in, sh * W * C_in, W * C_in, sw * C_in, 1], [1, bh, 1, bw, bk])
     else:
         x_desc = TensorDescriptor(x, [N, H, W, C_in], [H * W * C_in, W * C_in, C_in, 1], [1, bh, bw, bk])
-    w_desc = TensorDescriptor(w, [C_out, KH * KW, C_in], [w.stride(0), C_in, 1], [bn, 1, bk])
+    if x_nchw:
+        w_desc = TensorDescriptor(w, [C_out, KH * KW * C_in], [w.stride(0), 1], [bn, bk])
+    else:
+        w_desc = TensorDescriptor(w, [C_out, KH * KW, C_in], [w.stride(0), C_in, 1], [bn, 1, bk])
     res = residual if residual is not None else out
     # A config may turn the TMA epilogue off ("tma_io": false) for an A/B.
     tma_io = 0
@@ -269,6 +342,6 @@ def launch_conv2d_tma(x, w, bias, out, residual, *, stride, padding, dilation, b
         HAS_BIAS=bias is not None, HAS_RES=residual is not None, ACT=int(activation),
         IDX64=bool(force_int64 or needs_int64(out, residual)), UPCAST=bool(upcast),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_W=bw, GROUP_M=int(config.get("GROUP_M", 8)), STRIDED=strided,
-        TMA_IO=tma_io, PERSISTENT=persistent, num_warps=warps, num_stages=int(config.get("num_stages", 3)),
+        TMA_IO=tma_io, X_NCHW=x_nchw, PERSISTENT=persistent, num_warps=warps, num_stages=int(config.get("num_stages", 3)),
     )
     return out

@@ -16,8 +16,9 @@ ALLOWED_CONSTEXPR = {
     "conv2d_flat": SWITCHES | TILES | {"PRECISION"},
     # BLOCK_W is the TMA tile's width in pixels; STRIDED picks the 5-D
     # descriptor of stride > 1 (the stride itself, SH/SW, is a runtime value);
-    # PERSISTENT the tile loop (the grid size is a runtime value).
-    "conv2d_tma": SWITCHES | TILES | {"BLOCK_W", "STRIDED", "TMA_IO", "PERSISTENT"},
+    # PERSISTENT the tile loop (the grid size is a runtime value); X_NCHW the
+    # NCHW input boxes and the transposed GEMM (a layout, not a shape).
+    "conv2d_tma": SWITCHES | TILES | {"BLOCK_W", "STRIDED", "TMA_IO", "PERSISTENT", "X_NCHW"},
 }
 SHAPE_ARGS = {"N", "C_in", "H", "W", "C_out", "OH", "OW", "KH", "KW", "PH", "PW",
               "DH", "DW", "son", "soc", "soh", "sow"}

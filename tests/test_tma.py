@@ -201,6 +201,45 @@ def test_tma_nchw_output_boxes_equal_the_pointer_epilogue(n, w, with_res, io, de
     assert seen == [io, 0]
 
 
+@needs_tma
+@pytest.mark.parametrize("c_in,k,pad,w,in_place", [
+    (48, (1, 1), (0, 0), 40, True),    # a 1x1 shortcut, 80-byte rows: boxed in place
+    (40, (3, 1), (1, 0), 72, True),    # row taps (edge rows zero-filled), C_in not a multiple of BLOCK_K
+    (48, (1, 1), (0, 0), 36, False),   # 72-byte rows, not 16-byte aligned: staged
+    (48, (1, 3), (0, 1), 40, False),   # column taps start off the tile's first column: staged
+    (48, (1, 1), (0, 0), 20, False),   # BLOCK_W narrows to 32, two-row tiles: staged
+])
+def test_tma_reads_nchw_in_place_where_boxes_start_aligned(c_in, k, pad, w, in_place, device, monkeypatch):
+    """A 1x1 (or Kx1) conv of an NCHW input under one-row tiles reads the
+    input as boxes [1, BK, 1, BW] of the NCHW tensor and runs the GEMM
+    transposed, instead of through the NHWC staging copy: the same bits as
+    the staged path, into an NCHW output, nothing written outside it. With
+    C_in = 40 the last channel block reads the next row tap's weights
+    against the input's zero fill."""
+    seen = _record_launches(monkeypatch, device, lambda g, m: m["X_NCHW"])
+    g = torch.Generator().manual_seed(w + k[1])
+    x = torch.randn(2, c_in, 5, w, generator=g).to(device, torch.bfloat16)
+    wt = (torch.randn(24, c_in, *k, generator=g) / 17).to(device, torch.bfloat16)
+    b = torch.randn(24, generator=g).to(device, torch.bfloat16)
+    ref = F.conv2d(x.double().cpu(), wt.double().cpu(), b.double().cpu(), 1, pad)
+    r = torch.randn(ref.shape, generator=g).to(device, torch.bfloat16)
+    ref = F.silu(ref + 0.5 * r.double().cpu())
+    outs = []
+    for flag in (True, False):
+        big = poisoned((3,) + tuple(ref.shape[1:]), torch.bfloat16, device)
+        out = big[:2]
+        ops.conv2d(x, wt, b, 1, pad, residual=r, beta=0.5, activation="silu", out=out,
+                   config={**TMA_ROW, "persistent": 0, "nchw_in_place": flag})
+        assert torch.isnan(big[2:].float()).all()
+        assert rel_err(out, ref) <= 1e-2
+        outs.append(out)
+    if device.type == "cpu" or not in_place:
+        assert torch.equal(outs[0], outs[1])
+    else:  # the transposed GEMM may round its K=16 steps in another order
+        assert rel_err(outs[0], outs[1].double().cpu()) <= 1e-3
+    assert seen == [in_place, False]
+
+
 def _spec(c_in=16, c_out=16, k=3, stride=1):
     return ConvSpec.from_module(torch.nn.Conv2d(c_in, c_out, k, stride, padding=k // 2))
 

@@ -94,6 +94,7 @@ def main(argv=None):
                     help="only the convs with at most C output channels")
     ap.add_argument("--max-in-channels", type=int, default=None, metavar="C",
                     help="only the convs with at most C input channels")
+    ap.add_argument("--kernel", type=int, default=None, metavar="K", help="only the KxK convs")
     ap.add_argument("--graph", action="store_true",
                     help="time CUDA-graph replays of both sides: GPU time without the host's")
     ap.add_argument("--out", default=None, help="results folder (default bench/results)")
@@ -103,7 +104,10 @@ def main(argv=None):
     device = bench_device()
     calls = [c for c in distinct_calls(args.families, args.res, [1], args.parts)
              if (args.max_out_channels is None or c.spec.out_channels <= args.max_out_channels)
-             and (args.max_in_channels is None or c.spec.in_channels <= args.max_in_channels)][:args.limit]
+             and (args.max_in_channels is None or c.spec.in_channels <= args.max_in_channels)
+             and (args.kernel is None or c.spec.kernel == (args.kernel, args.kernel))][:args.limit]
+    if not calls:
+        ap.error("no convolution of those families, sizes and parts passes the filters")
     rows = []
     for call in calls:
         for layout in ("nhwc", "nchw"):

@@ -34,6 +34,11 @@ def test_bench_layers_rows(tmp_path):
     assert sum(r["name"].endswith("fused") for r in rows) == 4
     assert {"nhwc", "nchw", "nhwc_fused", "nchw_fused"} <= set(doc["summary"])
     assert not doc["graph"] and {r["timing"] for r in rows} == {"launched"}
+    layers.main(["--families", "taef2", "--res", "16", "--parts", "decoder", "--kernel", "1", "--no-fused",
+                 "--rounds", "1", "--out", str(tmp_path / "k1")])
+    assert {r["name"].split()[3] for r in _result(tmp_path / "k1", "layers")["rows"]} == {"k1x1"}
+    with pytest.raises(SystemExit):  # TAESD has no 1x1 conv
+        layers.main(["--families", "taesd", "--res", "16", "--kernel", "1"])
 
 
 @pytest.mark.gpu

@@ -217,8 +217,9 @@ TMA_ALIGN = 16
 def tma_layout_problem(shape, layout: str, elem_bytes: int, c_in: int) -> Optional[str]:
     """Why a dense input of this shape and layout cannot be described by a TMA
     descriptor (plus the [C_out, KH*KW, C_in] weight pack), or None. NCHW is
-    staged through one NHWC copy (see kernels/conv2d_tma.py), so only the
-    channel count matters."""
+    staged through one NHWC copy or, for 1x1 and Kx1 convs under one-row
+    tiles, boxed in place where its rows are 16-byte aligned (see
+    kernels/conv2d_tma.py), so only the channel count matters."""
     if elem_bytes != 2:
         return "the TMA route takes fp16/bf16"
     if layout not in ("nhwc", "nchw"):

@@ -52,13 +52,6 @@ def time_ms(fn, warmup=25, rep=100):
     return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
 
 
-def graphed(fn):
-    """``fn`` as a CUDA graph's replay: timing it times the GPU work alone
-    (``conv_patch.tune.graph_replay``, which says why)."""
-    from conv_patch.tune import graph_replay
-    return graph_replay(fn)
-
-
 def interleaved_ms(fns, rounds=3, **kw):
     """Time several variants A, B, ... in alternation and keep each one's
     median over the rounds, so drift of the card hits all of them alike."""

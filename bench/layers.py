@@ -27,10 +27,10 @@ from conv_patch import ops
 from conv_patch.model_shapes import distinct_calls
 from conv_patch.routing import select_route
 from conv_patch.specs import CallDesc
-from conv_patch.tune import geomean
+from conv_patch.tune import geomean, graph_replay
 from conv_patch.target import target_for
 
-from .common import bench_device, graphed, interleaved_ms, print_table, write_results
+from .common import bench_device, interleaved_ms, print_table, write_results
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # bf16 dense matmul measured on the H200 (torch.matmul, 8192^3).
@@ -67,7 +67,7 @@ def run_layer(call, layout, dtype, rounds, fused, device, graph=False):
         ref = spec.torch_conv2d(x.float(), w.float(), b.float())
     err = ((fns[1]().float() - ref).norm() / ref.norm()).item()
     graph = graph and device.type == "cuda"
-    timed = [graphed(f) for f in fns] if graph else fns
+    timed = [graph_replay(f) for f in fns] if graph else fns
     base_ms, ours_ms = interleaved_ms(timed, rounds=rounds, warmup=10, rep=40)
     flops = 2 * y.numel() // y.shape[1] * spec.out_channels * spec.in_channels * k[0] * k[1]
     tflops = flops / ours_ms / 1e9

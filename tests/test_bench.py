@@ -42,20 +42,20 @@ def test_bench_layers_rows(tmp_path):
 
 
 @pytest.mark.gpu
-def test_graphed_replays_the_captured_work():
+def test_graph_replay_redoes_the_captured_work():
     """bench.layers --graph times a graph's replays: the replay must redo
     the captured conv-patch call on the inputs' current values."""
     import torch
 
-    from bench.common import graphed
     from conv_patch import ops
+    from conv_patch.tune import graph_replay
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(1, 64, 40, 24, device="cuda", generator=g, dtype=torch.bfloat16)
     x = x.contiguous(memory_format=torch.channels_last)
     w = torch.randn(96, 64, 3, 3, device="cuda", generator=g, dtype=torch.bfloat16).contiguous(
         memory_format=torch.channels_last) * 0.05
     out = torch.empty(1, 96, 40, 24, device="cuda", dtype=torch.bfloat16).contiguous(memory_format=torch.channels_last)
-    replay = graphed(lambda: ops.conv2d(x, w, None, (1, 1), (1, 1), (1, 1), out=out))
+    replay = graph_replay(lambda: ops.conv2d(x, w, None, (1, 1), (1, 1), (1, 1), out=out))
     x.copy_(torch.randn(x.shape, device="cuda", generator=g))
     out.fill_(float("nan"))
     replay()

@@ -21,9 +21,9 @@ Design:
     written in the caller's layout by the epilogue. The exception is a conv
     with one column tap and no column padding (1x1, Kx1) under one-row
     tiles: its boxes start at a tile's first column, so the NCHW input is
-    boxed in place as [1, BK, 1, BW] and the tile transposed in the kernel
-    (``reads_nchw_in_place``); for the VAEs' 1x1 shortcuts the copy would
-    move as many bytes as the conv.
+    boxed in place as [1, BK, 1, BW] and the GEMM runs transposed
+    (``reads_nchw_in_place``, ``nchw_in_place_reduction``); for the VAEs'
+    1x1 shortcuts the copy would move as many bytes as the conv.
   * The weight pack ([C_out, KH, KW, C_in], see conv_patch.pack) is described
     as [C_out, KH*KW, C_in] with box [BN, 1, BK]: a channel block that runs
     past C_in reads TMA zeros, never the next tap's weights.
@@ -295,19 +295,18 @@ def launch_conv2d_tma(x, w, bias, out, residual, *, stride, padding, dilation, b
         # 128x256 tile, were bit-stable and cuDNN-accurate on every shape.
         # tests/test_gpu.py::test_tma_is_deterministic_and_cudnn_accurate.
         warps = 4
-    # Dense NHWC strides written out: PyTorch may report any stride for a
-    # size-1 dimension, TMA wants every stride 16-byte aligned.
+    # Dense strides written out: PyTorch may report any stride for a size-1
+    # dimension, TMA wants every stride 16-byte aligned.
     x_nchw = reads_nchw_in_place(x, w.shape, padding, stride, config)
     if x_nchw:
         x_desc = TensorDescriptor(x, [N, C_in, H, W], [C_in * H * W, H * W, W, 1], [1, bk, 1, bw])
-    elif strided:
-        x_desc = TensorDescriptor(x, [N, H // sh, sh, W // sw, sw * C_in],
-                                  [H * W * C_in, sh * W * C_in, W * C_in, sw * C_in, 1], [1, bh, 1, bw, bk])
-    else:
-        x_desc = TensorDescriptor(x, [N, H, W, C_in], [H * W * C_in, W * C_in, C_in, 1], [1, bh, bw, bk])
-    if x_nchw:
         w_desc = TensorDescriptor(w, [C_out, KH * KW * C_in], [w.stride(0), 1], [bn, bk])
     else:
+        if strided:
+            x_desc = TensorDescriptor(x, [N, H // sh, sh, W // sw, sw * C_in],
+                                      [H * W * C_in, sh * W * C_in, W * C_in, sw * C_in, 1], [1, bh, 1, bw, bk])
+        else:
+            x_desc = TensorDescriptor(x, [N, H, W, C_in], [H * W * C_in, W * C_in, C_in, 1], [1, bh, bw, bk])
         w_desc = TensorDescriptor(w, [C_out, KH * KW, C_in], [w.stride(0), C_in, 1], [bn, 1, bk])
     res = residual if residual is not None else out
     # A config may turn the TMA epilogue off ("tma_io": false) for an A/B.

@@ -1,9 +1,18 @@
 """Host time per call on a convolution too small for the GPU to matter: what
-Python routing, packing and the Triton launch cost each call.
+the dispatch (signature, plan lookup, pack refresh) and the launch cost each
+call, against PyTorch's own call of the same conv.
 
     python -m bench.overhead
+
+Rows (microseconds per call, the median of several rounds of back-to-back
+calls): the unpatched ``nn.Conv2d`` module and ``F.conv2d``; the patched
+module on a kernel route (the whole planned call) and on PyTorch's route;
+the parts of a planned call; the Triton launcher as ``ops`` calls it; the
+GroupNorm kernels against PyTorch's. The kernel route is forced by a user
+table (the cost model would rightly give so small a conv to PyTorch).
 """
 
+import statistics
 import time
 
 import torch
@@ -11,47 +20,120 @@ import torch.nn.functional as F
 from torch import nn
 
 import conv_patch
-from conv_patch import kernels, ops
+from conv_patch import config_tables, dispatch, kernels, ops
+from conv_patch.specs import ConvSpec
 
-from .common import print_table, write_results
+from .common import bench_device, print_table, write_results
+
+KERNEL_TABLE = {"conv2d": {"any": {"BLOCK_M": 64, "BLOCK_N": 16, "BLOCK_K": 16}}}
+TMA_TABLE = {"conv2d": {"any": {"route": "tma", "BLOCK_M": 64, "BLOCK_N": 16, "BLOCK_K": 16, "BLOCK_W": 8}}}
 
 
-def per_call_us(fn, n=500):
-    for _ in range(50):
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def per_call_us(fn, n=400, rounds=5, warmup=50):
+    for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(n):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t) / n * 1e6
+    _sync()
+    out = []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        for _ in range(n):
+            fn()
+        _sync()
+        out.append((time.perf_counter() - t) / n * 1e6)
+    return statistics.median(out)
 
 
-def main():
-    x = torch.randn(1, 16, 8, 8, device="cuda", dtype=torch.bfloat16)
-    conv = nn.Conv2d(16, 16, 3, padding=1).to("cuda", torch.bfloat16)
-    plain = nn.Sequential(nn.Conv2d(16, 16, 3, padding=1)).to("cuda", torch.bfloat16)
-    conv_patch.apply(plain)
-    wrapper = plain[0]
+def main(argv=None, n=400, rounds=5, warmup=50):
+    dev = bench_device()
+    dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    x = torch.randn(1, 16, 8, 8, device=dev, dtype=dt)
+    conv = nn.Conv2d(16, 16, 3, padding=1).to(dev, dt)
+    kernel_net = nn.Sequential(nn.Conv2d(16, 16, 3, padding=1)).to(dev, dt)
+    conv_patch.apply(kernel_net, config=conv_patch.PatchConfig(table=KERNEL_TABLE), recipes=False)
+    # PyTorch's route, forced the same way: the table's cuDNN entry for the shape.
+    key = config_tables.shape_key(ConvSpec.from_module(conv), tuple(x.shape), "nchw", dt)
+    torch_table = {"conv2d": {"exact": {key: {"route": "cudnn"}}, "any": KERNEL_TABLE["conv2d"]["any"]}}
+    torch_net = nn.Sequential(nn.Conv2d(16, 16, 3, padding=1)).to(dev, dt)
+    conv_patch.apply(torch_net, config=conv_patch.PatchConfig(table=torch_table), recipes=False)
+    lean_net = nn.Sequential(nn.Conv2d(16, 16, 3, padding=1)).to(dev, dt)
+    conv_patch.apply(lean_net, recipes=False)
+    tma_net = nn.Sequential(nn.Conv2d(16, 16, 3, padding=1)).to(dev, dt)
+    conv_patch.apply(tma_net, config=conv_patch.PatchConfig(table=TMA_TABLE), recipes=False)
+    x_nhwc = x.contiguous(memory_format=torch.channels_last)
+    wrapper, routed, lean, tma = kernel_net[0], torch_net[0], lean_net[0], tma_net[0]
     w = conv.weight.detach().contiguous(memory_format=torch.channels_last)
-    out = torch.empty(1, 16, 8, 8, device="cuda", dtype=torch.bfloat16)
-    cfg = {"BLOCK_M": 64, "BLOCK_N": 16, "BLOCK_K": 16}
-    cases = {
-        "F.conv2d (cuDNN)": lambda: F.conv2d(x, conv.weight, conv.bias, padding=1),
-        "wrapper call (route + pack + launch)": lambda: wrapper(x),
-        "ops.conv2d (route + launch)": lambda: ops.conv2d(x, w, conv.bias, padding=1),
-        "launcher only": lambda: kernels.launch_conv2d(
-            x, w, conv.bias, out, None, stride=(1, 1), padding=(1, 1), dilation=(1, 1), beta=1.0,
-            activation=0, out_scale=1.0, config=cfg, precision="ieee", upcast=False),
-        "pack refresh (torch copy_)": lambda: out.copy_(x),
-    }
-    rows = []
+    out = torch.empty(1, 16, 8, 8, device=dev, dtype=dt)
+    cfg = KERNEL_TABLE["conv2d"]["any"]
+    gn_x = torch.randn(1, 64, 8, 8, device=dev, dtype=dt)
     with torch.no_grad():
-        assert wrapper.route(x).is_kernel
-        for name, fn in cases.items():
-            rows.append({"name": name, "us_per_call": per_call_us(fn)})
+        wrapper(x)
+        routed(x)
+        lean(x)
+        tma(x_nhwc)
+        plan = next(iter(wrapper._cp_plans.values()))
+        roles = (x, plan._weight(wrapper, wrapper.weight), wrapper.bias, None, None)
+        cases = {
+            "nn.Conv2d module (unpatched)": lambda: conv(x),
+            "F.conv2d": lambda: F.conv2d(x, conv.weight, conv.bias, padding=1),
+            "patched, PyTorch route (planned call)": lambda: routed(x),
+            "patched, lean route (planned call)": lambda: lean(x),
+            "patched, packed portable kernel (planned call)": lambda: wrapper(x),
+            "patched, TMA kernel on NHWC (planned call)": lambda: tma(x_nhwc),
+            "plan: signature + lookup": lambda: dispatch.conv_key(x, wrapper.weight, wrapper.bias, None, None, 1.0,
+                                                                  "none", 1.0, None, None, False),
+            "plan: pack refresh": lambda: plan._weight(wrapper, wrapper.weight),
+            "plan: replayed launch": lambda: plan.program(roles),
+            "launcher (Triton launch path)": lambda: kernels.launch_conv2d(
+                x, w, conv.bias, out, None, stride=(1, 1), padding=(1, 1), dilation=(1, 1), beta=1.0,
+                activation=0, out_scale=1.0, config=cfg, precision="ieee", upcast=False),
+            "F.group_norm + F.silu": lambda: F.silu(F.group_norm(gn_x, 32, None, None, 1e-6)),
+            "ops.group_norm (silu)": lambda: ops.group_norm(gn_x, 32, None, None, 1e-6, "silu"),
+            "torch copy_ (one small op)": lambda: out.copy_(x),
+        }
+        if dev.type == "cuda":
+            # Off the GPU (the tests, under the interpreter) every route is the kernels'.
+            assert wrapper._cp_last.is_kernel and not routed._cp_last.is_kernel, (wrapper._cp_last, routed._cp_last)
+            assert lean._cp_last.tier == dispatch.LEAN and tma._cp_last.route.value == "conv2d_tma", (
+                lean._cp_last, tma._cp_last)
+        rows = [{"name": name, "us_per_call": per_call_us(fn, n, rounds, warmup)} for name, fn in cases.items()]
     print_table(rows, ["name", "us_per_call"])
-    print("wrote", write_results("overhead", rows))
+    lean = lean_rows(dev, dt) if dev.type == "cuda" else []
+    if lean:
+        print_table(lean, ["name", "lean_ms", "cudnn_ms", "lean_tflops", "cudnn_tflops"])
+    print("wrote", write_results("overhead", rows, {"lean": lean}))
+
+
+# NCHW convs of the zoo's host-bound models (an upscaler's 64 channels, SD
+# UNet widths): (N, C_in, C_out, size).
+LEAN_SHAPES = [(1, 64, 32, 256), (1, 192, 64, 256), (2, 320, 320, 64), (2, 640, 640, 32), (2, 1280, 1280, 16),
+               (1, 64, 64, 512), (1, 16, 16, 64)]
+
+
+def lean_rows(dev, dt):
+    """GPU time (graph replays) of the lean route, the portable kernel with
+    the NCHW input and weight read in place, against cuDNN: what
+    ``costs.LEAN_TFLOPS`` is set from."""
+    import triton.testing
+
+    from conv_patch import tune
+    rows = []
+    for n, ci, co, s in LEAN_SHAPES:
+        x = torch.randn(n, ci, s, s, device=dev, dtype=dt)
+        w = torch.randn(co, ci, 3, 3, device=dev, dtype=dt) * 0.05
+        out = torch.empty(n, co, s, s, device=dev, dtype=dt)
+        fl = 2.0 * n * s * s * co * ci * 9
+        lean = tune.graph_replay(lambda: ops.conv2d(x, w, None, padding=1, out=out, config=dispatch.LEAN_CONFIG))
+        cudnn = tune.graph_replay(lambda: F.conv2d(x, w, None, padding=1))
+        t_l = triton.testing.do_bench(lean, return_mode="median")
+        t_c = triton.testing.do_bench(cudnn, return_mode="median")
+        rows.append({"name": f"{n}x{ci}x{s}x{s} -> {co} 3x3 nchw", "lean_ms": t_l, "cudnn_ms": t_c,
+                     "lean_tflops": fl / t_l / 1e9, "cudnn_tflops": fl / t_c / 1e9})
+    return rows
 
 
 if __name__ == "__main__":

@@ -47,13 +47,13 @@ def conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], re
     target = target_for(x.device)
     decision = select_route(spec, CallDesc.of_call(x, weight, bias, residual), target)
     if decision.is_kernel:
-        from .wrappers import _kernel_errors
+        from .dispatch import kernel_errors
         w = weight.transpose(0, 1) if transposed else weight
         try:
             return ops.run_kernel(decision, target, spec, x, w.contiguous(memory_format=torch.channels_last),
                                   bias, residual=residual, beta=beta, activation=activation,
                                   out_scale=out_scale)
-        except _kernel_errors():
+        except kernel_errors():
             pass
     y = _torch_conv(spec, x, weight, bias)
     return ops.eager_epilogue(y, residual, beta, activation, out_scale).clone()
@@ -64,7 +64,7 @@ def _(x, weight, bias, residual, transposed, stride, pad_begin, pad_end, dilatio
       beta, activation, out_scale):
     spec = _spec(x, weight, bias, transposed, stride, pad_begin, pad_end, dilation, output_padding)
     shape = ops.output_shape(spec, tuple(x.shape), output_padding)
-    if x.dim() == 4 and ops._nhwc(x):
+    if x.dim() == 4 and ops.nhwc(x):
         return x.new_empty(shape).contiguous(memory_format=torch.channels_last)
     return x.new_empty(shape)
 

@@ -139,6 +139,17 @@ class Table:
             hit = self._memo[key] = lookup(self.data, spec, shape, layout, dtype, m, routes)
         return hit
 
+    def exact(self, key: str) -> Optional[dict]:
+        """The exact entry of a shape key (``shape_key``), a 16-bit dtype's
+        falling back to the other's (``SHARED_EXACT_DTYPE``), or None."""
+        exact = (self.data.get("conv2d") or {}).get("exact") or {}
+        cfg = exact.get(key)
+        if cfg is None:
+            stem, dname = key.rsplit(".", 1)
+            other = SHARED_EXACT_DTYPE.get(dname)
+            cfg = exact.get(f"{stem}.{other}") if other else None
+        return cfg
+
     def __repr__(self) -> str:
         return f"Table({self.name!r})"
 

@@ -17,11 +17,11 @@ import torch
 import torch.nn.functional as F
 
 from . import pack
+from .epilogue import ACTIVATIONS, activation_code, eager_epilogue  # noqa: F401  (re-exported)
 from .routing import Route, RouteDecision, select_route, tma_arch
 from .specs import CallDesc, ConvSpec, _pair, needs_grad, resolve_padding
 from .target import Target, dot_precision, target_for
 
-ACTIVATIONS = {"none": 0, "relu": 1, "silu": 2, "gelu": 3, "gelu_tanh": 4}
 
 
 _KERNELS = []
@@ -39,31 +39,6 @@ def _kernels():
 
 class UnsupportedConv(RuntimeError):
     """The kernels cannot run this call; the message is the router's reason."""
-
-
-def activation_code(activation: str) -> int:
-    try:
-        return ACTIVATIONS[activation]
-    except (KeyError, TypeError):
-        raise ValueError(f"activation {activation!r}: expected one of {', '.join(ACTIVATIONS)}") from None
-
-
-def eager_epilogue(y: torch.Tensor, residual: Optional[torch.Tensor], beta: float,
-                   activation: str, out_scale: float) -> torch.Tensor:
-    """out_scale * act(y + beta * residual) with PyTorch ops (fallback path)."""
-    if residual is not None:
-        y = y + residual if beta == 1.0 else torch.add(y, residual, alpha=beta)
-    if activation == "relu":
-        y = F.relu(y)
-    elif activation == "silu":
-        y = F.silu(y)
-    elif activation == "gelu":
-        y = F.gelu(y)
-    elif activation == "gelu_tanh":
-        y = F.gelu(y, approximate="tanh")
-    if out_scale != 1.0:
-        y = y * out_scale
-    return y
 
 
 def check_residual(residual: Optional[torch.Tensor], out_shape: tuple) -> None:
@@ -91,8 +66,8 @@ def run_kernel(decision: RouteDecision, target: Target, spec: ConvSpec, x: torch
         residual = residual.unsqueeze(0) if residual is not None else None
     shape = output_shape(spec, tuple(x.shape), output_padding)
     if out is None:
-        fmt = torch.channels_last if _nhwc(x) else torch.contiguous_format
-        out = torch.empty(shape, dtype=x.dtype, device=x.device, memory_format=fmt)
+        fmt = torch.channels_last if nhwc(x) else torch.contiguous_format
+        out = kernels.empty(shape, dtype=x.dtype, device=x.device, memory_format=fmt)
     elif unbatched:
         out = out.unsqueeze(0)
     if decision.route is Route.CONV2D_TMA:
@@ -101,7 +76,7 @@ def run_kernel(decision: RouteDecision, target: Target, spec: ConvSpec, x: torch
             # The functional API reads weights in place; the TMA descriptor
             # needs the co,kh,kw,ci pack the wrappers keep.
             w = w.contiguous(memory_format=torch.channels_last)
-        if not _nhwc(x) and not kernels.reads_nchw_in_place(x, w.shape, spec.pad_begin, spec.stride,
+        if not nhwc(x) and not kernels.reads_nchw_in_place(x, w.shape, spec.pad_begin, spec.stride,
                                                              decision.config):
             # The NHWC staging copy (see kernels/conv2d_tma.py); ``out`` was
             # allocated above in the caller's layout and stays in it.
@@ -179,7 +154,9 @@ def epilogue(y: torch.Tensor, bias: Optional[torch.Tensor] = None, residual: Opt
         z = eager_epilogue(z, residual, beta, activation, out_scale)
         return z if out is None or z is out else out.copy_(z)
     kernels = _kernels()
-    out = torch.empty_like(y) if out is None else out
+    if out is None:
+        fmt = torch.channels_last if y.is_contiguous(memory_format=torch.channels_last) else torch.contiguous_format
+        out = kernels.empty(y.shape, dtype=y.dtype, device=y.device, memory_format=fmt)
     block = EPILOGUE_BLOCK["interpreter" if target.interpreter else "gpu"]
     return kernels.launch_epilogue(y, bias, residual, out, beta=beta, activation=code, out_scale=out_scale,
                                    block=block)
@@ -191,11 +168,12 @@ def to_nhwc(x: torch.Tensor) -> torch.Tensor:
     kernels = _kernels()
     if x.is_contiguous(memory_format=torch.channels_last):
         return x
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device, memory_format=torch.channels_last)
+    out = kernels.empty(x.shape, dtype=x.dtype, device=x.device, memory_format=torch.channels_last)
     return kernels.launch_nchw_to_nhwc(x.contiguous(), out)
 
 
-def _nhwc(x: torch.Tensor) -> bool:
+def nhwc(x: torch.Tensor) -> bool:
+    """Dense channels_last and not also contiguous (an NHWC activation)."""
     return not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last)
 
 
@@ -293,7 +271,7 @@ def conv_transpose2d(x, weight, bias=None, stride=1, padding=0, output_padding=0
 GN_LAUNCH = {"gpu": (2048, 4096, 1024), "interpreter": (1 << 16, 1 << 16, 1)}
 
 
-def _group_norm_target(x, num_groups, weight, bias) -> Optional[Target]:
+def group_norm_target(x, num_groups, weight, bias) -> Optional[Target]:
     """The target whose GroupNorm kernels take this call, or None."""
     if x.dim() != 4 or x.shape[1] % num_groups:
         raise ValueError(f"group_norm: expected [N, C, H, W] with C divisible by {num_groups} groups, "
@@ -303,7 +281,7 @@ def _group_norm_target(x, num_groups, weight, bias) -> Optional[Target]:
         return None
     target = target_for(x.device)
     ok = (target.kernels and x.dtype in (torch.float16, torch.bfloat16, torch.float32)
-          and (x.is_contiguous() or _nhwc(x)) and x.numel() > 0 and not needs_grad(x, weight, bias)
+          and (x.is_contiguous() or nhwc(x)) and x.numel() > 0 and not needs_grad(x, weight, bias)
           and all(t is None or (t.device == x.device and t.dim() == 1 and t.is_contiguous())
                   for t in (weight, bias)))
     return target if ok else None
@@ -326,14 +304,14 @@ def group_norm(x: torch.Tensor, num_groups: int, weight: Optional[torch.Tensor] 
     Dense NCHW or NHWC 4-D inputs run the Triton kernels (on a GPU, or the
     CPU under the interpreter); anything else runs PyTorch."""
     code = activation_code(activation)
-    nhwc = _nhwc(x)
-    fmt = torch.channels_last if nhwc else torch.contiguous_format
+    is_nhwc = nhwc(x)
+    fmt = torch.channels_last if is_nhwc else torch.contiguous_format
     if out is not None and (out.shape != x.shape or out.dtype != x.dtype or not out.is_contiguous(memory_format=fmt)):
         raise ValueError(f"group_norm: out must match the input's shape {tuple(x.shape)}, dtype and layout")
     if input_bias is not None and tuple(input_bias.shape) != (x.shape[1],):
         raise ValueError(f"group_norm: input_bias must be [{x.shape[1]}], got {tuple(input_bias.shape)}")
-    target = _group_norm_target(x, num_groups, weight, bias)
-    if input_bias is not None and not (target is not None and nhwc and input_bias.is_contiguous()
+    target = group_norm_target(x, num_groups, weight, bias)
+    if input_bias is not None and not (target is not None and is_nhwc and input_bias.is_contiguous()
                                        and input_bias.device == x.device):
         # Only the NHWC statistics kernel takes the bias; elsewhere it is added first.
         x, input_bias = x + input_bias.to(x.dtype).view(-1, 1, 1), None
@@ -341,9 +319,10 @@ def group_norm(x: torch.Tensor, num_groups: int, weight: Optional[torch.Tensor] 
         y = eager_epilogue(F.group_norm(x, num_groups, weight, bias, eps), None, 1.0, activation, 1.0)
         return y if out is None else out.copy_(y)
     kernels = _kernels()
-    out = torch.empty_like(x, memory_format=fmt) if out is None else out
+    if out is None:
+        out = kernels.empty(x.shape, dtype=x.dtype, device=x.device, memory_format=fmt)
     block, stats_block, programs = _gn_launch(target)
-    kernels.launch_group_norm(x, out, num_groups, weight, bias, float(eps), code, nhwc, block,
+    kernels.launch_group_norm(x, out, num_groups, weight, bias, float(eps), code, is_nhwc, block,
                               stats_block, programs, input_bias=input_bias)
     return out
 
@@ -359,7 +338,7 @@ def group_norm_conv2d(x: torch.Tensor, num_groups: int, norm_weight, norm_bias, 
     normalised copy. Where the kernels cannot take the call, the unbanded
     expression."""
     n, c, h, w = x.shape
-    target = _group_norm_target(x, num_groups, norm_weight, norm_bias)
+    target = group_norm_target(x, num_groups, norm_weight, norm_bias)
     if (tuple(weight.shape[1:]) != (c, 3, 3) or not x.is_contiguous(memory_format=torch.channels_last)
             or target is None):
         return conv2d(group_norm(x, num_groups, norm_weight, norm_bias, eps, activation), weight, bias,
@@ -660,7 +639,7 @@ def upsample_conv2d(x, weight, bias=None, *, residual=None, beta=1.0, activation
         if decision.is_kernel or decision.route is Route.CUDNN:
             if out is None:
                 out = torch.empty(shape, dtype=x.dtype, device=x.device,
-                                  memory_format=torch.channels_last if _nhwc(x) else torch.contiguous_format)
+                                  memory_format=torch.channels_last if nhwc(x) else torch.contiguous_format)
             subs = subpixel_weights(weight)
             for a in (0, 1):
                 for b in (0, 1):

@@ -33,7 +33,7 @@ from .model_shapes import ConvCall, distinct_calls
 from .routing import flat_problem, route_problem, taps_problem, tma_arch, tma_problem
 from .specs import CallDesc
 from .target import Target, conv_tf32
-from .wrappers import _kernel_errors
+from .dispatch import kernel_errors
 
 # cuDNN must beat the best candidate by this much to take a shape: run-to-run
 # noise on one shape is up to ~8% on the H200, and a fused epilogue (which the
@@ -234,7 +234,7 @@ def measure(call: ConvCall, layout: str, dtype: torch.dtype, device: torch.devic
                 rejected[lab] = f"wrong output (rel err {err:.3g})"
                 continue
             times[lab] = timer(fn)
-        except _kernel_errors() as e:
+        except kernel_errors() as e:
             rejected[lab] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:120]}"
     cudnn_ms = None
     if device.type == "cuda":

@@ -18,29 +18,15 @@ from typing import Optional
 import torch
 from torch import nn
 
-from . import ops, pack
+from . import dispatch, pack
+
+from .epilogue import activation_code
 from .routing import Route, RouteDecision, select_route
 from .specs import CallDesc, ConvSpec, needs_grad
 from .target import target_for
 
 # Wrapper-private state lives under this prefix and is never copied back.
 PRIVATE = "_cp_"
-
-
-class KernelFailureWarning(RuntimeWarning):
-    """A kernel could not be built or launched here (e.g. a tile needing more
-    shared memory than this GPU has); that call ran on PyTorch instead."""
-
-
-def _kernel_errors():
-    """Errors that mean "this kernel cannot run on this machine", not "the
-    answer would be wrong": compile failures and resource limits."""
-    try:
-        from triton.compiler.errors import CompilationError
-        from triton.runtime.errors import OutOfResources
-    except ImportError:  # pragma: no cover - Triton always has them today
-        return ()
-    return (CompilationError, OutOfResources)
 
 
 class PatchedConvMixin:
@@ -64,7 +50,7 @@ class PatchedConvMixin:
     def wrap(cls, original: nn.Module, table=None):
         self = cls.__new__(cls)
         self.__dict__.update(original.__dict__)
-        self.__dict__.update(_cp_original=original, _cp_table=table, _cp_pack=None, _cp_last=None)
+        self.__dict__.update(_cp_original=original, _cp_table=table, _cp_pack=None, _cp_last=None, _cp_plans=None)
         return self
 
     def unwrap(self) -> nn.Module:
@@ -92,82 +78,58 @@ class PatchedConvMixin:
         super().__setattr__(name, value)
         if not name.startswith(PRIVATE):
             self.__dict__["_cp_spec"] = None
+            dispatch.clear(self)
 
     def route(self, x: Optional[torch.Tensor] = None, residual=None, output_padding=None) -> RouteDecision:
-        """The route this module takes for input ``x`` (or, without ``x``,
-        the kernel family it is eligible for)."""
-        spec = self.spec
+        """The route this module takes for input ``x`` (the router's choice
+        weighed against PyTorch as called, ``dispatch.decide``), or, without
+        ``x``, the kernel family it is eligible for."""
         if x is None:
-            return select_route(spec)
-        return self._cp_route(spec, target_for(x.device), x, self.weight, self.bias, residual, output_padding)
+            return select_route(self.spec)
+        return dispatch.decide(self, x, self.weight, self.bias, residual, 1.0, "none", 1.0, output_padding, None,
+                               x.is_cuda and pack.on_graph_path(x))[0]
 
-    def _cp_route(self, spec, target, x, weight, bias, residual, output_padding) -> RouteDecision:
-        """``route()`` with the target and parameters its caller already
-        holds (nn.Module attribute access is not free, and the call path
-        runs ~100 times per VAE decode)."""
-        call = CallDesc.of_call(x, weight, bias, residual, output_padding)
-        return select_route(spec, call, target, self._cp_table)
+    # Whether the class can be a ComfyUI conv (``is_comfy_conv_class``): only
+    # then can ComfyUI cast or patch its weights per call.
+    _cp_comfy_class = False
 
     def _cp_comfy_active(self) -> bool:
-        return comfy_active(self)
+        return self._cp_comfy_class and comfy_active(self)
 
     def _cp_call(self, x, residual, beta, activation, out_scale, output_padding=None, fallback_args=(),
-                 out=None):
-        """``out`` (inference only; may be ``residual``) receives the result."""
-        ops.activation_code(activation)
+                 out=None, padding=None, no_bias=False):
+        """``out`` (inference only; may be ``residual``) receives the result;
+        ``padding`` and ``no_bias`` as for ``dispatch.conv``."""
+        if activation != "none":
+            activation_code(activation)
         if torch.compiler.is_compiling():
-            if not self._cp_comfy_active() and not needs_grad(x, self.weight, self.bias, residual):
+            if padding is None and not no_bias and not self._cp_comfy_active() and not needs_grad(
+                    x, self.weight, self.bias, residual):
                 # One opaque custom op in the graph; it routes when it runs.
                 from . import compiled
                 return _into(out, compiled.call(self, x, residual, beta, activation, out_scale, output_padding))
             # The op has no backward: Dynamo traces the original forward.
-            decision = RouteDecision(Route.FALLBACK, "torch.compile tracing with autograd or ComfyUI casting")
-        elif self._cp_comfy_active():
+            return self._cp_eager(x, residual, beta, activation, out_scale, fallback_args, out, padding, no_bias)
+        if self._cp_comfy_class and comfy_active(self):
             # The computation must use the per-call weight ComfyUI builds, never
             # a pack of the stored parameter: the original forward does that.
-            decision = RouteDecision(Route.FALLBACK, "ComfyUI weight casting or patching active")
-            self.__dict__["_cp_last"] = decision
-        else:
-            spec, target, weight, bias = self.spec, target_for(x.device), self.weight, self.bias
-            decision = self._cp_route(spec, target, x, weight, bias, residual, output_padding)
-            self.__dict__["_cp_last"] = decision
-        if decision.is_kernel:
-            if residual is not None:
-                ops.check_residual(residual, ops.output_shape(spec, tuple(x.shape), output_padding))
-            w = pack.packed_weight(self, weight, self._cp_transposed)
-            try:
-                return ops.run_kernel(decision, target, spec, x, w, bias, residual=residual,
-                                      beta=beta, activation=activation, out_scale=out_scale,
-                                      output_padding=output_padding, out=out)
-            except _kernel_errors() as e:
-                # Raised while compiling or launching, before anything ran.
-                reason = f"kernel failed here: {type(e).__name__}: {str(e).strip().splitlines()[0][:160]}"
-                self.__dict__["_cp_last"] = RouteDecision(Route.FALLBACK, reason)
-                warnings.warn(f"conv-patch: {reason}; this call ran on PyTorch", KernelFailureWarning,
-                              stacklevel=3)
-        elif decision.route is Route.CUDNN and not self._cp_transposed:
-            # The table's cuDNN route (only ever decided by the routing
-            # branch above): the same convolution as the original forward,
-            # with bias and the fused epilogue in one pass after it.
-            return ops.cudnn_conv2d(spec, x, self._cp_cudnn_weight(x, weight), bias, residual=residual, beta=beta,
-                                    activation=activation, out_scale=out_scale, out=out)
+            self.__dict__["_cp_last"] = RouteDecision(Route.FALLBACK, "ComfyUI weight casting or patching active")
+            return self._cp_eager(x, residual, beta, activation, out_scale, fallback_args, out, padding, no_bias)
+        return dispatch.conv(self, x, residual, beta, activation, out_scale, output_padding, fallback_args, out,
+                             padding, no_bias)
+
+    def _cp_eager(self, x, residual, beta, activation, out_scale, fallback_args, out, padding, no_bias):
+        """The original forward plus the epilogue as PyTorch ops."""
+        from .ops import check_residual, eager_epilogue
+        if padding is not None:
+            x = torch.nn.functional.pad(x, tuple(padding))
         y = self._cp_fallback_forward(self, x, *fallback_args)
+        if no_bias:
+            return y, None
         if residual is None and activation == "none" and out_scale == 1.0:
             return _into(out, y)
-        ops.check_residual(residual, y.shape)
-        return _into(out, ops.eager_epilogue(y, residual, beta, activation, out_scale))
-
-    def _cp_cudnn_weight(self, x, weight):
-        """The weight handed to cuDNN: for an NHWC input its channels_last
-        copy, the pack. cuDNN converts an NCHW weight to channels_last
-        itself at every call (a PyTorch strided copy: 9 us for a 512x512x3x3
-        weight on the H200, 16 of them per FLUX decode); the pack is that
-        same copy, made by the pack kernel inside a CUDA graph. An NCHW
-        input keeps the weight as it is: a channels_last weight would make
-        PyTorch return a channels_last output."""
-        if x.dim() == 4 and x.is_cuda and ops._nhwc(x):
-            return pack.packed_weight(self, weight, False)
-        return weight
+        check_residual(residual, y.shape)
+        return _into(out, eager_epilogue(y, residual, beta, activation, out_scale))
 
     def forward_without_bias(self, x):
         """``(y, b)`` with ``y + b`` (``b`` [C_out], per channel) equal to
@@ -178,22 +140,9 @@ class PatchedConvMixin:
         costs a pass over the output of its own. Elsewhere ``(self(x), None)``.
         Hooks are the caller's business: a hook would see ``y`` without its
         bias."""
-        bias = self.bias
-        if bias is None or self._cp_transposed or torch.compiler.is_compiling() or self._cp_comfy_active():
+        if self.bias is None or self._cp_transposed or torch.compiler.is_compiling() or self._cp_comfy_active():
             return self(x), None
-        spec, target, weight = self.spec, target_for(x.device), self.weight
-        decision = self._cp_route(spec, target, x, weight, bias, None, None)
-        if decision.route is Route.CUDNN:
-            self.__dict__["_cp_last"] = decision
-            return ops.cudnn_conv2d(spec, x, self._cp_cudnn_weight(x, weight), None), bias
-        if decision.is_kernel:
-            try:
-                y = ops.run_kernel(decision, target, spec, x, pack.packed_weight(self, weight, False), None)
-                self.__dict__["_cp_last"] = decision
-                return y, bias
-            except _kernel_errors():
-                pass  # the call below reports it and runs the original forward
-        return self(x), None
+        return self._cp_call(x, None, 1.0, "none", 1.0, no_bias=True)
 
     @property
     def _cp_fallback_forward(self):
@@ -205,11 +154,13 @@ class PatchedConvMixin:
         # A weight that moves or changes dtype drops its pack now rather than
         # at the next call (a model offloaded to the CPU frees its GPU packs).
         pack.release(self)
+        dispatch.clear(self)
         return super()._apply(fn, *args, **kwargs)
 
     def __getstate__(self):
         state = self.__dict__.copy()
         state["_cp_pack"] = None
+        state["_cp_plans"] = None  # plans hold kernels and this process's buffers
         return state
 
     def extra_repr(self) -> str:
@@ -273,7 +224,7 @@ def wrapper_class_for(cls: type) -> type:
     base = PatchedConvTranspose2d if issubclass(cls, nn.ConvTranspose2d) else PatchedConv2d
     if cls not in _DYNAMIC:
         _DYNAMIC[cls] = type(f"Patched{cls.__name__}", (base, cls), {
-            "_cp_torch_class": cls, "__module__": __name__,
+            "_cp_torch_class": cls, "_cp_comfy_class": is_comfy_conv_class(cls), "__module__": __name__,
             "__qualname__": f"Patched{cls.__name__}",
             "__doc__": f"conv-patch wrapper of {cls.__module__}.{cls.__qualname__}.",
             "__reduce_ex__": _reduce_dynamic,

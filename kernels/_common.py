@@ -14,12 +14,13 @@ Index conventions used throughout:
 import triton
 import triton.language as tl
 
-# Activation codes; kept in sync with conv_patch.ops.ACTIVATIONS.
-ACT_NONE = 0
-ACT_RELU = 1
-ACT_SILU = 2
-ACT_GELU = 3
-ACT_GELU_TANH = 4
+from conv_patch.epilogue import CODES
+
+# Activation codes: conv_patch/epilogue.py's table, which the eager fallback reads too.
+ACT_RELU = tl.constexpr(CODES["relu"])
+ACT_SILU = tl.constexpr(CODES["silu"])
+ACT_GELU = tl.constexpr(CODES["gelu"])
+ACT_GELU_TANH = tl.constexpr(CODES["gelu_tanh"])
 
 
 @triton.jit
@@ -117,14 +118,14 @@ def accumulate_tap(acc, x_ptr, w_ptr, x_row, row_ok, ih, iw, H, W, C_in,
 
 @triton.jit
 def activate(x, ACT: tl.constexpr):
-    if ACT == 1:
+    if ACT == ACT_RELU:
         x = tl.maximum(x, 0.0)
-    elif ACT == 2:
+    elif ACT == ACT_SILU:
         # x * sigmoid(x); exp overflow to inf gives the right limit (-0).
         x = x / (1.0 + tl.exp(-x))
-    elif ACT == 3:
+    elif ACT == ACT_GELU:
         x = 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
-    elif ACT == 4:
+    elif ACT == ACT_GELU_TANH:
         # tanh(z) = 2*sigmoid(2z) - 1: core Triton has no portable tanh
         # (libdevice differs between CUDA and ROCm), and this form saturates
         # cleanly at both ends.

@@ -176,13 +176,19 @@ def launch(kernel, grid, *args, **meta):
     """``kernel[grid](*args, **meta)``, from the cache of compiled kernels
     where the call's signature was seen before (see above)."""
     if not _fast_launch_on():
-        return kernel[grid](*args, **meta)
+        compiled = kernel[grid](*args, **meta)
+        _record(kernel, grid, args, meta, None, None)
+        return compiled
     knobs, driver, _ = _triton()
     if _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook):
-        return kernel[grid](*args, **meta)
+        compiled = kernel[grid](*args, **meta)
+        _record(kernel, grid, args, meta, None, None)
+        return compiled
     akey = arg_key(args)
     if akey is None:
-        return kernel[grid](*args, **meta)
+        compiled = kernel[grid](*args, **meta)
+        _record(kernel, grid, args, meta, None, None)
+        return compiled
     device = driver.active.get_current_device()
     key = (kernel, device, akey, tuple(meta.items()))
     hit = _FAST.get(key)
@@ -193,10 +199,157 @@ def launch(kernel, grid, *args, **meta):
             if len(_FAST) >= FAST_LAUNCH_ENTRIES:
                 _FAST.clear()
             _FAST[key] = (compiled, consts)
+        _record(kernel, grid, args, meta, compiled, consts)
         return compiled
     compiled, consts = hit
+    _record(kernel, grid, args, meta, compiled, consts)
     g1 = grid[1] if len(grid) > 1 else 1
     g2 = grid[2] if len(grid) > 2 else 1
     compiled.run(grid[0], g1, g2, driver.active.get_current_stream(device), compiled.function,
                  compiled.packed_metadata, None, None, None, *args, *consts)
     return compiled
+
+
+# -- recorded programs -----------------------------------------------------------
+# A plan (conv_patch.dispatch) records the launches of its first call and
+# replays them on later calls with the same signature: the launchers' Python
+# (tile sizes, strides, descriptors, the cache key above) runs once per
+# signature instead of once per call. A replay substitutes the call's tensors
+# for the recorded ones by role: a tensor argument of a recorded launch must
+# be one of the roles the plan passed in, a view of one, or a tensor the
+# launchers allocated through ``empty`` while recording (scratch, allocated
+# afresh at every replay). Anything else makes the call unrecordable, and
+# that plan calls the launchers every time.
+_RECORDERS: list = []
+
+
+class Unrecordable(Exception):
+    """A launch used a tensor that is neither a role, a view of one, nor
+    scratch allocated through ``empty``."""
+
+
+class Recorder:
+    def __init__(self):
+        self.launches = []  # (kernel, grid, args, meta, compiled, consts, device)
+        self.scratch = []   # tensors allocated through ``empty``
+
+
+def recording():
+    """``with recording() as rec:`` every ``launch`` and ``empty`` inside is
+    recorded into ``rec`` (nested recordings record into the innermost)."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def cm():
+        rec = Recorder()
+        _RECORDERS.append(rec)
+        try:
+            yield rec
+        finally:
+            _RECORDERS.pop()
+    return cm()
+
+
+def empty(shape, *, dtype, device, memory_format=None):
+    """``torch.empty`` for a launcher's scratch and outputs: while recording,
+    the tensor is registered as scratch (see above)."""
+    import torch
+    if memory_format is None:
+        t = torch.empty(shape, dtype=dtype, device=device)
+    else:
+        t = torch.empty(shape, dtype=dtype, device=device, memory_format=memory_format)
+    if _RECORDERS:
+        _RECORDERS[-1].scratch.append(t)
+    return t
+
+
+def _record(kernel, grid, args, meta, compiled, consts):
+    if _RECORDERS:
+        usable = consts is not None and compiled is not None and all(
+            hasattr(compiled, a) for a in ("run", "function", "packed_metadata"))
+        device = _triton()[1].active.get_current_device() if usable else None
+        _RECORDERS[-1].launches.append((kernel, grid, args, meta, compiled if usable else None,
+                                        consts if usable else None, device))
+
+
+def _storage(t) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+class Program:
+    """The recorded launches of one call, replayable with the tensors of
+    another call of the same signature: ``program(roles)`` returns what the
+    recorded call returned, in the new call's tensors."""
+
+    def __init__(self, rec: Recorder, roles: tuple, result):
+        self.n_roles = len(roles)
+        bases = list(roles)
+        self.scratch = [(tuple(t.shape), t.stride(), t.dtype, t.device) for t in rec.scratch]
+        bases += rec.scratch
+        by_storage = {}
+        for i, t in enumerate(bases):
+            if t is not None:
+                by_storage.setdefault(_storage(t), i)
+        self._bases, self._by_storage = bases, by_storage
+        desc_cls = None
+        self.launches = []
+        for kernel, grid, args, meta, compiled, consts, device in rec.launches:
+            subs, template = [], list(args)
+            for i, a in enumerate(args):
+                if isinstance(a, Tensor):
+                    subs.append((i, self._ref(a), None))
+                elif type(a).__name__ == "TensorDescriptor":
+                    desc_cls = type(a)
+                    # The descriptor's fields but its base: the plan must
+                    # not keep the first call's tensors alive.
+                    fields = dict(a.__dict__, base=None)
+                    subs.append((i, self._ref(a.base), fields))
+                else:
+                    continue
+                template[i] = None
+            self.launches.append((kernel, grid, template, subs, meta, compiled, consts, device))
+        self.result = self._ref(result) if isinstance(result, Tensor) else None
+        self._desc_cls = desc_cls
+        del self._bases, self._by_storage
+
+    def _ref(self, t):
+        for i, b in enumerate(self._bases):
+            if b is t:
+                return (i, None)
+        i = self._by_storage.get(_storage(t)) if t.numel() else None
+        if i is None:
+            raise Unrecordable(f"a launch argument of shape {tuple(t.shape)} is no role, view or scratch")
+        b = self._bases[i]
+        return (i, (tuple(t.shape), t.stride(), t.storage_offset() - b.storage_offset()))
+
+    def __call__(self, roles: tuple):
+        import torch
+        bases = list(roles)
+        for shape, stride, dtype, device in self.scratch:
+            bases.append(torch.empty_strided(shape, stride, dtype=dtype, device=device))
+        knobs, driver, _ = _triton()
+        hooked = _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook)
+        for kernel, grid, args, subs, meta, compiled, consts, device in self.launches:
+            args = args.copy()
+            for i, (b, view), desc in subs:
+                t = bases[b]
+                if view is not None:
+                    t = t.as_strided(view[0], view[1], t.storage_offset() + view[2])
+                if desc is not None:
+                    d = object.__new__(self._desc_cls)
+                    d.__dict__.update(desc)
+                    d.base = t
+                    t = d
+                args[i] = t
+            if compiled is None or hooked:
+                kernel[grid](*args, **meta)
+            else:
+                g1 = grid[1] if len(grid) > 1 else 1
+                g2 = grid[2] if len(grid) > 2 else 1
+                compiled.run(grid[0], g1, g2, driver.active.get_current_stream(device), compiled.function,
+                             compiled.packed_metadata, None, None, None, *args, *consts)
+        if self.result is None:
+            return None
+        b, view = self.result
+        t = bases[b]
+        return t if view is None else t.as_strided(view[0], view[1], t.storage_offset() + view[2])

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from ._common import _idx, epilogue_store
-from ._launch import cdiv, launch, needs_int64, next_pow2
+from ._launch import cdiv, empty, launch, needs_int64, next_pow2
 from .conv2d import launch_conv2d
 
 
@@ -76,7 +76,7 @@ def launch_conv2d_taps(x, w, bias, out, residual, *, stride, padding, dilation, 
     # that way and 0.23 ms with planes, side by side; bench.layers then
     # measured 0.14 ms against cuDNN's 0.335
     # (bench/results/layers-sm90-taps-planar-h200-2026-11-30.json).
-    p = torch.empty((N, taps, H, W), dtype=torch.float32, device=x.device)
+    p = empty((N, taps, H, W), dtype=torch.float32, device=x.device)
     launch_conv2d(x, w1, None, p, None, stride=(1, 1), padding=(0, 0), dilation=(1, 1), beta=1.0,
                   activation=0, out_scale=1.0, config=config, precision=precision, upcast=upcast,
                   force_int64=force_int64)

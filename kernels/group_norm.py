@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from ._common import activate
-from ._launch import cdiv, launch, next_pow2
+from ._launch import cdiv, empty, launch, next_pow2
 
 
 @triton.jit
@@ -245,7 +245,7 @@ def launch_group_norm_stats(x, groups, weight, bias, eps, channels_last, stats_b
         splits = max(1, min(cdiv(HW, 4 * block_p), cdiv(target_programs, N)))
         chunk = cdiv(HW, splits)
         splits = cdiv(HW, chunk)
-        ws = torch.empty(N * C * 2 + N * splits * groups * 3, dtype=torch.float32, device=x.device)
+        ws = empty(N * C * 2 + N * splits * groups * 3, dtype=torch.float32, device=x.device)
         part = ws[N * C * 2:]
         pow2 = Cg & (Cg - 1) == 0
         launch(group_norm_stats_nhwc_kernel, (N, splits), x, x if input_bias is None else input_bias, part,
@@ -259,7 +259,7 @@ def launch_group_norm_stats(x, groups, weight, bias, eps, channels_last, stats_b
         splits = max(1, min(cdiv(per_group, 4 * stats_block), cdiv(target_programs, N * groups)))
         chunk = cdiv(per_group, splits)
         splits = cdiv(per_group, chunk)
-        ws = torch.empty(N * C * 2 + N * groups * splits * 3, dtype=torch.float32, device=x.device)
+        ws = empty(N * C * 2 + N * groups * splits * 3, dtype=torch.float32, device=x.device)
         part = ws[N * C * 2:]
         launch(group_norm_stats_kernel, (N * groups, splits), x, part, per_group, chunk, splits,
                BLOCK=stats_block)

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conv_patch import ops, pack
+from conv_patch import dispatch, ops, pack
 from conv_patch.specs import needs_grad
 from conv_patch.wrappers import PatchedConvMixin, comfy_active, is_comfy_conv_class
 
@@ -66,6 +66,13 @@ class FusedBlock:
     def __reduce_ex__(self, protocol):
         # The dynamic class cannot be found by name when unpickling.
         return (_rebuild, (self._cp_base, self._cp_recipe.name), self.__getstate__())
+
+    def __getstate__(self):
+        state = super().__getstate__()
+        if state.get("_cp_plans") is not None:
+            # Plans hold this process's kernels (conv_patch.dispatch).
+            state = dict(state, _cp_plans=None)
+        return state
 
 
 REGISTRY: Dict[str, Recipe] = {}
@@ -119,6 +126,8 @@ def plain(*modules: Optional[nn.Module]) -> bool:
 
 def inference(x: torch.Tensor, *modules: Optional[nn.Module]) -> bool:
     """Nothing needs autograd: the fused steps compute no backward."""
+    if not torch.is_grad_enabled():
+        return True  # no_grad / inference_mode: nothing is recorded (and no parameter walk per call)
     params = [p for m in modules if m is not None for p in m.parameters(recurse=False)]
     return not needs_grad(x, *params)
 
@@ -174,13 +183,8 @@ def group_norm(norm: nn.GroupNorm, x: torch.Tensor, activation: str = "none",
     ``plain`` first, the GroupNorm recipe runs inside the module's own
     call)."""
     if x.dim() == 4 and not comfy_active(norm):
-        return ops.group_norm(x, norm.num_groups, norm.weight, norm.bias, norm.eps, activation, out=out,
-                              input_bias=input_bias)
-    if input_bias is not None:
-        x = x + input_bias.view(-1, *([1] * (x.dim() - 2)))
-    own = getattr(type(norm), "_cp_base", type(norm)).forward
-    y = ops.eager_epilogue(own(norm, x), None, 1.0, activation, 1.0)
-    return y if out is None else out.copy_(y)
+        return dispatch.group_norm(norm, x, activation, out, input_bias)
+    return dispatch.group_norm_eager(norm, x, activation, out, input_bias)
 
 
 def conv(m: nn.Conv2d, x: torch.Tensor, *, padding=None, residual=None, beta: float = 1.0,
@@ -192,15 +196,11 @@ def conv(m: nn.Conv2d, x: torch.Tensor, *, padding=None, residual=None, beta: fl
     the epilogue reads each residual element before writing it)."""
     if padding is not None and (isinstance(m.padding, str) or any(m.padding)):
         raise ValueError(f"conv(padding=...) folds an F.pad in front of an unpadded conv; {m} pads itself")
-    if _kernels_may_run(m) and not (padding is not None and torch.compiler.is_compiling()):
-        if padding is None:
-            return m(x, residual=residual, beta=beta, activation=activation, out_scale=out_scale, out=out)
-        try:
-            return ops.conv2d(x, pack.packed_weight(m, m.weight, False), m.bias, m.stride, padding,
-                              m.dilation, residual=residual, beta=beta, activation=activation,
-                              out_scale=out_scale, out=out, table=m._cp_table)
-        except ops.UnsupportedConv:
-            pass
+    if _kernels_may_run(m):
+        # The wrapper's own call (hooks were ruled out), through the one
+        # dispatch entry: the folded pad is part of the call's signature.
+        return m._cp_call(x, residual, beta, activation, out_scale, out=out,
+                          padding=None if padding is None else tuple(padding))
     if padding is not None:
         x = F.pad(x, tuple(padding))
     y = ops.eager_epilogue(m(x), residual, beta, activation, out_scale)

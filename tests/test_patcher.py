@@ -319,7 +319,7 @@ def test_kernel_launch_failure_falls_back_with_warning(device, exact_fp32, monke
     must not crash the user's model: that call runs on PyTorch, and says so."""
     from triton.runtime.errors import OutOfResources
     from conv_patch import kernels
-    from conv_patch.wrappers import KernelFailureWarning
+    from conv_patch.dispatch import KernelFailureWarning
 
     def no_room(*a, **k):
         raise OutOfResources(262144, 232448, "shared memory")

@@ -1,0 +1,421 @@
+"""The model zoo: every model family users point conv-patch at, unpatched
+against patched (and patched with ``PatchConfig(cuda_graphs=True)``), each
+call launched eagerly the way diffusers and ComfyUI run it.
+
+    python -m bench.zoo [--only NAME ...] [--runs 7] [--set quick|full] [--tiny]
+
+Per (model, size, batch, dtype) one row: ``baseline_ms`` (the unpatched
+model), ``ours_ms`` (after ``conv_patch.apply``), ``graph_ms`` (with CUDA
+graphs), ``speedup``, ``host_ms`` (how long the patched call takes to
+return, before its GPU work is waited for), and ``noise`` (the spread of the
+unpatched model's own timed calls, (max - min) / median). Variants run
+interleaved, A B C A B C ..., each call timed from a synchronised GPU to
+its finished output (wall clock: host and GPU time as the user waits for
+them), medians after warm-up (the first calls compile the kernels). UNets,
+ControlNet and AutoencoderKL use diffusers' configs with seeded random
+weights (speed does not depend on the values); TAEF2 loads its real weights
+from ``../shared/models``. ``--tiny`` shrinks every model to a few channels
+so the logic runs on the CPU under the Triton interpreter (the tests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import conv_patch
+
+from .common import bench_device, print_table, write_results
+
+SHARED = Path(os.environ.get("CONV_PATCH_SHARED") or Path(__file__).resolve().parents[2] / "shared")
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def _seeded(model: nn.Module) -> nn.Module:
+    from conv_patch.taesd import seeded_
+    seeded_(model)
+    return model
+
+
+# -- models --------------------------------------------------------------------
+# Each builder returns (model, make_inputs(size, batch, generator) -> (args, kwargs), run(model, args, kwargs)).
+
+def _unet_inputs(latent, ctx_dim, seq, extra=None):
+    def make(size, batch, g, device, dtype):
+        s = size // 8
+        args = (torch.randn(batch, latent, s, s, generator=g, device=device, dtype=dtype),
+                torch.full((batch,), 500.0, device=device))
+        kw = {"encoder_hidden_states": torch.randn(batch, seq, ctx_dim, generator=g, device=device, dtype=dtype)}
+        if extra:
+            kw["added_cond_kwargs"] = {k: torch.randn(batch, *shape, generator=g, device=device, dtype=dtype)
+                                       for k, shape in extra.items()}
+        return args, kw
+    return make
+
+
+def sd15_unet(tiny):
+    from diffusers import UNet2DConditionModel
+    if tiny:
+        cfg = dict(block_out_channels=(32, 64), down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+                   up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), layers_per_block=1, cross_attention_dim=32,
+                   attention_head_dim=4, norm_num_groups=8, sample_size=8)
+        return UNet2DConditionModel(**cfg), _unet_inputs(4, 32, 7)
+    return UNet2DConditionModel(cross_attention_dim=768), _unet_inputs(4, 768, 77)
+
+
+def sdxl_unet(tiny):
+    from diffusers import UNet2DConditionModel
+    common = dict(down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+                  up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
+                  addition_embed_type="text_time", use_linear_projection=True)
+    if tiny:
+        cfg = dict(block_out_channels=(16, 32, 32), transformer_layers_per_block=(1, 1, 1), attention_head_dim=(2, 4, 4),
+                   cross_attention_dim=32, addition_time_embed_dim=8, projection_class_embeddings_input_dim=80,
+                   layers_per_block=1, norm_num_groups=8, **common)
+        return UNet2DConditionModel(**cfg), _unet_inputs(4, 32, 7, {"text_embeds": (32,), "time_ids": (6,)})
+    cfg = dict(block_out_channels=(320, 640, 1280), transformer_layers_per_block=(1, 2, 10),
+               attention_head_dim=(5, 10, 20), cross_attention_dim=2048, addition_time_embed_dim=256,
+               projection_class_embeddings_input_dim=2816, sample_size=128, **common)
+    return UNet2DConditionModel(**cfg), _unet_inputs(4, 2048, 77, {"text_embeds": (1280,), "time_ids": (6,)})
+
+
+def controlnet(tiny):
+    from diffusers import ControlNetModel
+    if tiny:
+        cfg = dict(block_out_channels=(32, 64), down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+                   layers_per_block=1, cross_attention_dim=32, attention_head_dim=4, norm_num_groups=8,
+                   conditioning_embedding_out_channels=(8, 16, 32, 32))
+        base = _unet_inputs(4, 32, 7)
+    else:
+        cfg = {"cross_attention_dim": 768}
+        base = _unet_inputs(4, 768, 77)
+
+    def make(size, batch, g, device, dtype):
+        args, kw = base(size, batch, g, device, dtype)
+        kw["controlnet_cond"] = torch.randn(batch, 3, size, size, generator=g, device=device, dtype=dtype)
+        return args, kw
+    return ControlNetModel(**cfg), make
+
+
+class RRDB(nn.Module):
+    """ESRGAN's residual-in-residual dense block (5 convs per dense block,
+    3 dense blocks), LeakyReLU(0.2), residual scale 0.2."""
+
+    def __init__(self, nf, gc):
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.ModuleList(nn.Conv2d(nf + i * gc, gc if i < 4 else nf, 3, padding=1) for i in range(5))
+            for _ in range(3))
+        self.act = nn.LeakyReLU(0.2)
+
+    def forward(self, x):
+        out = x
+        for convs in self.blocks:
+            feats = [out]
+            for i, c in enumerate(convs):
+                y = c(torch.cat(feats, 1))
+                if i < 4:
+                    feats.append(self.act(y))
+            out = out + 0.2 * y
+        return x + 0.2 * out
+
+
+class RRDBNet(nn.Module):
+    """An ESRGAN-style x4 upscaler (RRDBNet: 23 blocks, 64 features, 32
+    growth: 351 convolutions)."""
+
+    def __init__(self, nf=64, nb=23, gc=32):
+        super().__init__()
+        self.conv_first = nn.Conv2d(3, nf, 3, padding=1)
+        self.body = nn.Sequential(*[RRDB(nf, gc) for _ in range(nb)])
+        self.conv_body = nn.Conv2d(nf, nf, 3, padding=1)
+        self.conv_up1 = nn.Conv2d(nf, nf, 3, padding=1)
+        self.conv_up2 = nn.Conv2d(nf, nf, 3, padding=1)
+        self.conv_hr = nn.Conv2d(nf, nf, 3, padding=1)
+        self.conv_last = nn.Conv2d(nf, 3, 3, padding=1)
+        self.act = nn.LeakyReLU(0.2)
+
+    def forward(self, x):
+        f = self.conv_first(x)
+        f = f + self.conv_body(self.body(f))
+        f = self.act(self.conv_up1(nn.functional.interpolate(f, scale_factor=2.0, mode="nearest")))
+        f = self.act(self.conv_up2(nn.functional.interpolate(f, scale_factor=2.0, mode="nearest")))
+        return self.conv_last(self.act(self.conv_hr(f)))
+
+
+def _image_inputs(channels=3, scale=1):
+    def make(size, batch, g, device, dtype):
+        s = size // scale
+        return (torch.randn(batch, channels, s, s, generator=g, device=device, dtype=dtype),), {}
+    return make
+
+
+def rrdb(tiny):
+    return (RRDBNet(16, 2, 8) if tiny else RRDBNet()), _image_inputs()
+
+
+def autoencoder_tiny(tiny):
+    from diffusers import AutoencoderTiny
+    m = AutoencoderTiny(encoder_block_out_channels=(8, 8, 8, 8), decoder_block_out_channels=(8, 8, 8, 8)) if tiny \
+        else AutoencoderTiny()
+    return _Part(m.decoder), _image_inputs(4, 8)
+
+
+def taef2(tiny):
+    from conv_patch import taesd
+    if tiny:
+        return taesd.decoder(32, channels=8), _image_inputs(32, 8)
+    from safetensors.torch import load_file
+    dec = taesd.decoder(32)
+    dec.load_state_dict(load_file(str(SHARED / "models" / "taef2_decoder.safetensors")))
+    return dec, _image_inputs(32, 8)
+
+
+class _Part(nn.Module):
+    """One part (decoder or encoder) of a VAE as the model to time."""
+
+    def __init__(self, part):
+        super().__init__()
+        self.part = part
+
+    def forward(self, x):
+        return self.part(x)
+
+
+def _kl(latent, tiny):
+    from diffusers import AutoencoderKL
+    if tiny:
+        return AutoencoderKL(in_channels=3, out_channels=3, latent_channels=latent, block_out_channels=(8, 16),
+                             down_block_types=["DownEncoderBlock2D"] * 2, up_block_types=["UpDecoderBlock2D"] * 2,
+                             layers_per_block=1, norm_num_groups=4)
+    return AutoencoderKL(in_channels=3, out_channels=3, latent_channels=latent,
+                         down_block_types=["DownEncoderBlock2D"] * 4, up_block_types=["UpDecoderBlock2D"] * 4,
+                         block_out_channels=[128, 256, 512, 512], layers_per_block=2)
+
+
+def sd_vae_decode(tiny):  # SD1.5 and SDXL share the VAE's shapes
+    return _Part(_kl(4, tiny).decoder), _image_inputs(4, 8 if not tiny else 2)
+
+
+def sd_vae_encode(tiny):
+    return _Part(_kl(4, tiny).encoder), _image_inputs(3)
+
+
+def flux_vae_decode(tiny):
+    return _Part(_kl(16, tiny).decoder), _image_inputs(16, 8 if not tiny else 2)
+
+
+def flux_vae_encode(tiny):
+    return _Part(_kl(16, tiny).encoder), _image_inputs(3)
+
+
+# name -> (builder, default dtype)
+MODELS = {
+    "sd15-unet": (sd15_unet, "fp16"), "sdxl-unet": (sdxl_unet, "fp16"), "controlnet": (controlnet, "fp16"),
+    "rrdb-x4": (rrdb, "fp16"), "autoencoder-tiny": (autoencoder_tiny, "fp16"), "taef2": (taef2, "fp16"),
+    "sd-vae-decode": (sd_vae_decode, "fp16"), "sd-vae-encode": (sd_vae_encode, "fp16"),
+    "flux-vae-decode": (flux_vae_decode, "bf16"), "flux-vae-encode": (flux_vae_encode, "bf16"),
+}
+# (model, image size in pixels, batch, dtype or None for the model's own)
+QUICK = [
+    ("sd15-unet", 512, 2, None), ("sdxl-unet", 1024, 1, None), ("controlnet", 512, 2, None),
+    ("rrdb-x4", 256, 1, None), ("autoencoder-tiny", 512, 1, None),
+    ("taef2", 512, 1, None), ("taef2", 2048, 1, None), ("taef2", 2048, 1, "bf16"),
+    ("sd-vae-decode", 1024, 1, None), ("sd-vae-encode", 1024, 1, None),
+    ("flux-vae-decode", 512, 1, None), ("flux-vae-decode", 1024, 1, None), ("flux-vae-decode", 2048, 1, None),
+    ("flux-vae-encode", 1024, 1, None),
+]
+FULL = QUICK + [
+    ("sd15-unet", 512, 1, None), ("sdxl-unet", 1024, 2, None), ("autoencoder-tiny", 1024, 1, None),
+    ("taef2", 256, 1, None), ("taef2", 1024, 1, None),
+    ("sd-vae-decode", 512, 1, None), ("sd-vae-decode", 512, 4, None), ("sd-vae-decode", 2048, 1, None),
+    ("sd-vae-decode", (832, 1216), 1, None), ("sd-vae-decode", 1024, 1, "bf16"),
+    ("sd-vae-encode", 512, 4, None), ("flux-vae-decode", 512, 4, None), ("flux-vae-decode", 1024, 1, "fp16"),
+    ("flux-vae-encode", 512, 1, None), ("flux-vae-encode", 2048, 1, None), ("flux-vae-decode", (832, 1216), 1, None),
+]
+TINY = [("sd15-unet", 16, 1, "fp32"), ("rrdb-x4", 8, 1, "fp32"), ("taef2", 16, 1, "fp32"),
+        ("flux-vae-decode", 16, 1, "fp32")]
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _timed(fn):
+    """(wall ms to the finished output, ms until the call returned)."""
+    _sync()
+    t0 = time.perf_counter()
+    fn()
+    t1 = time.perf_counter()
+    _sync()
+    return (time.perf_counter() - t0) * 1e3, (t1 - t0) * 1e3
+
+
+def interleaved(variants: dict, runs: int, warmup: int) -> dict:
+    """name -> {"ms": median, "host_ms": median, "samples": [...]}: the
+    variants called in turn, A B C A B C ..., ``warmup`` rounds untimed."""
+    out = {k: {"samples": [], "host": []} for k in variants}
+    for i in range(warmup + runs):
+        for k, fn in variants.items():
+            ms, host = _timed(fn)
+            if i >= warmup:
+                out[k]["samples"].append(ms)
+                out[k]["host"].append(host)
+    for v in out.values():
+        v["ms"] = statistics.median(v["samples"])
+        v["host_ms"] = statistics.median(v["host"])
+    return out
+
+
+def _size_name(size):
+    return f"{size[0]}x{size[1]}" if isinstance(size, tuple) else f"{size}x{size}"
+
+
+def _inputs(make, size, batch, device, dtype, n=3):
+    """``n`` different inputs (rotated through, so no call reuses the last
+    one's cache lines); non-square sizes as (height, width)."""
+    out = []
+    for i in range(n):
+        g = torch.Generator(device=device).manual_seed(1000 + i)
+        if isinstance(size, tuple):
+            args, kw = make(max(size), batch, g, device, dtype)
+            h, w = size
+            s = args[0].shape[-1] / max(size)
+            args = (args[0][..., :round(h * s), :round(w * s)].contiguous(),) + tuple(args[1:])
+        else:
+            args, kw = make(size, batch, g, device, dtype)
+        out.append((args, kw))
+    return out
+
+
+def bench_row(name, size, batch, dtype_name, runs, warmup, tiny, device):
+    build, default_dtype = MODELS[name]
+    dtype = DTYPES[dtype_name or default_dtype]
+    with torch.device(device):
+        # Built on the device: a random init of SDXL's 2.6B parameters on the CPU takes minutes.
+        model, make = build(tiny)
+    model = _seeded(model) if name != "taef2" or tiny else model
+    model = model.to(device, dtype).eval()
+    patched = copy.deepcopy(model)
+    report = conv_patch.apply(patched)
+    graphed = copy.deepcopy(model)
+    conv_patch.apply(graphed, config=conv_patch.PatchConfig(cuda_graphs=True))
+    inputs = _inputs(make, size, batch, device, dtype)
+    state = {"i": 0}
+
+    def call(m):
+        def fn():
+            args, kw = inputs[state["i"] % len(inputs)]
+            m(*args, **kw)
+        return fn
+
+    variants = {"unpatched": call(model), "patched": call(patched), "graphed": call(graphed)}
+    with torch.inference_mode():
+        # The first patched call compiles the kernels the model needs.
+        t0 = time.perf_counter()
+        variants["patched"]()
+        _sync()
+        first = time.perf_counter() - t0
+
+        def rotating(fn):
+            def f():
+                fn()
+                state["i"] += 1
+            return f
+        res = interleaved({k: rotating(v) for k, v in variants.items()}, runs, warmup)
+        ref = _out(model, inputs[0])
+        err = {k: _rel_err(_out(m, inputs[0]), ref) for k, m in (("patched", patched), ("graphed", graphed))}
+    base = res["unpatched"]
+    row = {
+        "name": f"{name} {_size_name(size)} b{batch} {dtype_name or default_dtype}",
+        "model": name, "size": _size_name(size), "batch": batch, "dtype": dtype_name or default_dtype,
+        "baseline": "unpatched, launched eagerly", "baseline_ms": base["ms"], "ours_ms": res["patched"]["ms"],
+        "speedup": base["ms"] / res["patched"]["ms"], "graph_ms": res["graphed"]["ms"],
+        "graph_speedup": base["ms"] / res["graphed"]["ms"], "host_ms": res["patched"]["host_ms"],
+        "baseline_host_ms": base["host_ms"],
+        "noise": (max(base["samples"]) - min(base["samples"])) / base["ms"], "runs": runs,
+        "first_call_s": first, "rel_err_vs_unpatched": err["patched"], "graph_rel_err_vs_unpatched": err["graphed"],
+        "patched_convs": len(report.patched), "fused_blocks": len(report.fused),
+        "kernel_convs": _kernel_convs(patched),
+    }
+    del model, patched, graphed
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return row
+
+
+def _out(m, inp):
+    args, kw = inp
+    y = m(*args, **kw)
+    if isinstance(y, tuple):
+        y = y[0]
+    if hasattr(y, "sample"):
+        y = y.sample
+    if hasattr(y, "down_block_res_samples"):
+        y = y.mid_block_res_sample
+    return y.float()
+
+
+def _rel_err(a, b):
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def _kernel_convs(model) -> int:
+    """Patched convs whose last call ran a conv-patch kernel."""
+    return sum(1 for m in model.modules() if conv_patch.is_patched(m)
+               and m.__dict__.get("_cp_last") is not None and m._cp_last.is_kernel)
+
+
+def geomean(xs):
+    xs = [x for x in xs if x and x > 0]
+    return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else None
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--set", choices=("quick", "full"), default="quick")
+    ap.add_argument("--only", nargs="+", choices=sorted(MODELS), default=None)
+    ap.add_argument("--runs", type=int, default=7)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--tiny", action="store_true", help="tiny configs on the CPU (the tests)")
+    ap.add_argument("--out", default=None, help="results folder (default bench/results)")
+    ap.add_argument("--name", default="zoo", help="result file stem")
+    args = ap.parse_args(argv)
+    device = bench_device()
+    cases = TINY if args.tiny else (FULL if args.set == "full" else QUICK)
+    if args.only:
+        cases = [c for c in cases if c[0] in args.only]
+    rows = []
+    for name, size, batch, dt in cases:
+        try:
+            row = bench_row(name, size, batch, dt, args.runs, args.warmup, args.tiny, device)
+        except torch.cuda.OutOfMemoryError:
+            print(f"{name} {_size_name(size)} b{batch}: out of memory, skipped", flush=True)
+            torch.cuda.empty_cache()
+            continue
+        rows.append(row)
+        print(f"{row['name']}: unpatched {row['baseline_ms']:.2f} ms, patched {row['ours_ms']:.2f} "
+              f"(x{row['speedup']:.2f}), graphs {row['graph_ms']:.2f} (x{row['graph_speedup']:.2f}), "
+              f"host {row['host_ms']:.2f}, noise {row['noise']:.2f}", flush=True)
+        write_results(args.name, rows, {"geomean_speedup": geomean(r["speedup"] for r in rows)}, args.out)
+    extra = {"geomean_speedup": geomean(r["speedup"] for r in rows),
+             "geomean_graph_speedup": geomean(r["graph_speedup"] for r in rows),
+             "cudnn_benchmark": torch.backends.cudnn.benchmark}
+    path = write_results(args.name, rows, extra, args.out)
+    print_table(rows, ["name", "baseline_ms", "ours_ms", "speedup", "graph_ms", "graph_speedup", "host_ms", "noise"])
+    print(f"geomean x{extra['geomean_speedup']:.3f} (graphs x{extra['geomean_graph_speedup']:.3f})")
+    print("wrote", path)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

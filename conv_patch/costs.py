@@ -1,0 +1,306 @@
+"""What a call costs on each route, host time included: the model behind
+"never slower".
+
+A route is taken only where it is faster *as called*. Launched eagerly, a
+call costs the larger of its host time (Python, dispatch, the launch) and
+its GPU time, because the GPU runs one call while the host prepares the
+next; replayed from a CUDA graph, only GPU time counts. So for every conv
+plan ``choose`` compares
+
+    kernel:  max(host_kernel, gpu_kernel)
+    PyTorch: max(host_conv, gpu_cudnn) + each eager epilogue op
+
+(GPU time alone on the graph path) and keeps the kernel only where it wins by
+``MARGIN``. GPU times are the table's measurements where it has the exact
+shape (``ours_ms``, ``cudnn_ms``); elsewhere a model fitted to those same
+measurements (``Fit``): each side's time as a fixed cost plus a term in the
+conv's arithmetic and one in its bytes, fitted per kernel class (1x1 or
+larger) and layout. A table without measurements (the
+curated default of an architecture nobody tuned) predicts nothing, so
+nothing leaves PyTorch there. Host times are ``HOST_US``; docs/performance.md
+says where they were measured.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+from dataclasses import dataclass
+from typing import Dict, Optional, Tuple
+
+# Microseconds of host time, measured with bench.overhead on the H200's host
+# (docs/performance.md): "conv" F.conv2d, "op" one PyTorch elementwise op, "base" a planned call's own
+# Python (signature, lookup, bookkeeping), "refresh" a weight pack's
+# refresh (a PyTorch copy), "launch" one replayed Triton launch, "alloc"
+# one output or scratch allocation, "desc" one TMA descriptor rebuilt.
+# "unplanned" is a kernel launched through its launcher (the cuDNN route's epilogue pass).
+HOST_US = {"conv": 36.0, "op": 10.0, "base": 5.5, "refresh": 8.0, "launch": 8.0, "alloc": 2.0, "desc": 4.0,
+           "unplanned": 23.0}
+# The portable kernel reading an NCHW input and weight in place (the lean
+# route) ran at 45-118 TFLOP/s on the H200 on the zoo's 3x3 convs
+# (bench.overhead's lean rows): the low end, so it is never predicted faster
+# than it runs.
+LEAN_TFLOPS = 50.0
+# The GPU's ceilings when the table names none (H200: bf16 dense matmul and
+# device-to-device copy, measured), and a launch's fixed GPU latency.
+PEAK_TFLOPS = 764.0
+COPY_TBPS = 4.18
+LAUNCH_MS = 0.004
+# A kernel must be predicted at least this much faster than PyTorch: model
+# error and run-to-run noise (~5% on one shape) must not flip a call to a
+# slower route.
+MARGIN = 0.92
+
+_KEY = re.compile(r"n(\d+)\.c(\d+)\.h(\d+)\.w(\d+)\.o(\d+)\.k(\d+)x(\d+)\.s(\d+)x(\d+)\.p(\d+)x(\d+)"
+                  r"(?:/b\d+x\d+)?\.d(\d+)x(\d+)(?:\.op\d+x\d+)?\.(\w+)\.(\w+)$")
+
+
+@dataclass(frozen=True)
+class Problem:
+    """The sizes a conv call's cost depends on."""
+
+    flops: float
+    bytes: float
+    out_bytes: float
+    one_by_one: bool
+    layout: str
+
+    @classmethod
+    def of(cls, n, c_in, h, w, c_out, kh, kw, oh, ow, elem_bytes, layout) -> "Problem":
+        m = n * oh * ow
+        return cls(2.0 * m * c_out * c_in * kh * kw,
+                   float(elem_bytes) * (n * c_in * h * w + m * c_out + c_out * c_in * kh * kw),
+                   float(elem_bytes) * m * c_out, kh * kw == 1, layout)
+
+
+def problem_of_key(key: str) -> Optional[Problem]:
+    """The Problem of a table key (``config_tables.shape_key``), or None."""
+    g = _KEY.match(key)
+    if g is None:
+        return None
+    n, c, h, w, o, kh, kw, sh, sw, ph, pw, dh, dw = (int(v) for v in g.groups()[:13])
+    layout, dtype = g.group(14), g.group(15)
+    oh = (h + 2 * ph - dh * (kh - 1) - 1) // sh + 1
+    ow = (w + 2 * pw - dw * (kw - 1) - 1) // sw + 1
+    if oh <= 0 or ow <= 0:
+        return None
+    return Problem.of(n, c, h, w, o, kh, kw, oh, ow, 4 if dtype == "float32" else 2, layout)
+
+
+def roofline_ms(p: Problem, tflops: float) -> float:
+    return LAUNCH_MS + max(p.flops / (tflops * 1e9), p.bytes / (COPY_TBPS * 1e9))
+
+
+@dataclass(frozen=True)
+class Fit:
+    """GPU time models fitted to a table's measured shapes: per side
+    ("cudnn", "ours") and kernel class (1x1 or larger) and layout,
+    ms = c0 + c1 * GFLOP + c2 * MB moved (least squares on relative error,
+    so small and large shapes count alike). c0 is each side's fixed cost,
+    1/c1 its arithmetic rate, 1/c2 its bandwidth."""
+
+    models: Dict[Tuple[str, bool, str], Tuple[float, float, float]]
+    points: int
+
+    def ms(self, side: str, p: Problem) -> Optional[float]:
+        c = self.models.get((side, p.one_by_one, p.layout)) or self.models.get((side, p.one_by_one, "any"))
+        if c is None:
+            return None
+        return max(LAUNCH_MS, c[0] + c[1] * p.flops / 1e9 + c[2] * p.bytes / 1e6)
+
+    def cudnn_ms(self, p: Problem) -> Optional[float]:
+        return self.ms("cudnn", p)
+
+    def ours_ms(self, p: Problem) -> Optional[float]:
+        return self.ms("ours", p)
+
+
+def _solve3(a, b):
+    """Solve the 3x3 system a x = b (Gaussian elimination); None if singular."""
+    m = [row[:] + [v] for row, v in zip(a, b)]
+    for i in range(3):
+        piv = max(range(i, 3), key=lambda r: abs(m[r][i]))
+        if abs(m[piv][i]) < 1e-30:
+            return None
+        m[i], m[piv] = m[piv], m[i]
+        for r in range(3):
+            if r != i:
+                f = m[r][i] / m[i][i]
+                m[r] = [x - f * y for x, y in zip(m[r], m[i])]
+    return [m[i][3] / m[i][i] for i in range(3)]
+
+
+def _least_squares(points) -> Optional[Tuple[float, float, float]]:
+    """(c0, c1, c2) minimising sum(((c0 + c1 f + c2 b) / t - 1)^2) over
+    (f, b, t) points, with every coefficient kept non-negative (a negative
+    one would predict negative times outside the measured range)."""
+    for keep in ((0, 1, 2), (0, 1), (0, 2), (0,)):
+        ata = [[0.0] * 3 for _ in range(3)]
+        atb = [0.0] * 3
+        for f, b, t in points:
+            row = [1.0 / t, f / t, b / t]
+            row = [v if i in keep else 0.0 for i, v in enumerate(row)]
+            for i in range(3):
+                atb[i] += row[i]
+                for j in range(3):
+                    ata[i][j] += row[i] * row[j]
+        for i in range(3):
+            if i not in keep:
+                ata[i][i] = 1.0
+        c = _solve3(ata, atb)
+        if c is not None and all(v >= 0 for v in c):
+            return tuple(c)
+    return None
+
+
+# A class needs this many measured shapes before its fit is used.
+MIN_FIT_POINTS = 4
+
+
+def fit(table_data: dict) -> Optional[Fit]:
+    """The cost fit of a table's measured exact entries (None without any)."""
+    exact = (table_data.get("conv2d") or {}).get("exact") or {}
+    groups: Dict[Tuple[str, bool, str], list] = {}
+    for key, cfg in exact.items():
+        ours, cudnn = cfg.get("ours_ms"), cfg.get("cudnn_ms")
+        p = problem_of_key(key)
+        if p is None or not ours or not cudnn or ours <= 0 or cudnn <= 0:
+            continue
+        for side, t in (("cudnn", cudnn), ("ours", ours)):
+            for layout in (p.layout, "any"):
+                groups.setdefault((side, p.one_by_one, layout), []).append((p.flops / 1e9, p.bytes / 1e6, t))
+    models = {}
+    for k, pts in groups.items():
+        if len(pts) >= MIN_FIT_POINTS:
+            c = _least_squares(pts)
+            if c is not None:
+                models[k] = c
+    if not models:
+        return None
+    return Fit(models, sum(len(v) for k, v in groups.items() if k[2] != "any") // 2)
+
+
+@functools.lru_cache(maxsize=None)
+def _fit_of(table) -> Optional[Fit]:
+    return fit(table.data)
+
+
+def fit_of(table) -> Optional[Fit]:
+    """``fit`` of a ``config_tables.Table``, computed once per table."""
+    return _fit_of(table)
+
+
+@dataclass(frozen=True)
+class Choice:
+    kernel: bool
+    why: str
+    cost: float = 0.0  # ms as called, of the kernel option
+
+
+def epilogue_ops(has_residual: bool, beta: float, activation: str, out_scale: float) -> int:
+    """Eager PyTorch ops the fused epilogue stands for (the bias is part of
+    the module's own call)."""
+    return int(has_residual) + int(activation != "none") + int(out_scale != 1.0)
+
+
+def host_ms(launches: int, packed: bool = False, descriptors: int = 0, host: Optional[dict] = None) -> float:
+    """Host time of a planned kernel call: its Python, the pack refresh
+    where the weight is packed, each launch with its allocation and
+    descriptors."""
+    h = HOST_US if host is None else host
+    return (h["base"] + packed * h["refresh"] + launches * (h["launch"] + h["alloc"])
+            + descriptors * h["desc"]) / 1e3
+
+
+def torch_ms(p: Problem, gpu_cudnn: float, ops: int, graph: bool, host: Optional[dict] = None) -> float:
+    """PyTorch's time for the call as made: the module's call, then each
+    eager epilogue op."""
+    h = HOST_US if host is None else host
+    pass_ms = LAUNCH_MS + 2 * p.out_bytes / (COPY_TBPS * 1e9)
+    if graph:
+        return gpu_cudnn + ops * pass_ms
+    # The wrapper's own Python ("base") is paid on PyTorch's route too.
+    return max((h["base"] + h["conv"]) / 1e3, gpu_cudnn) + ops * max(h["op"] / 1e3, pass_ms)
+
+
+def _gpu_times(p: Problem, fitted: Optional[Fit], exact: Optional[dict]):
+    """(cuDNN ms, our ms): the table's measurement of the shape, else the fit's."""
+    gpu_c = exact.get("cudnn_ms") if exact else None
+    gpu_o = exact.get("ours_ms") if exact else None
+    if gpu_c is None and fitted is not None:
+        gpu_c = fitted.cudnn_ms(p)
+    if gpu_o is None and fitted is not None:
+        gpu_o = fitted.ours_ms(p)
+    return gpu_c, gpu_o
+
+
+def choose(p: Problem, fitted: Optional[Fit], exact: Optional[dict], *, launches: int, ops: int,
+           graph: bool, packed: bool = True, descriptors: int = 0, host: Optional[dict] = None) -> Choice:
+    """Whether the table's kernel route beats PyTorch for this call (see the
+    module docstring). ``exact``: the table's entry for the shape, if any;
+    ``launches``: the route's launches; ``ops``: eager ops its fused
+    epilogue replaces; ``graph``: the call runs inside a CUDA graph;
+    ``packed``: its weight is refreshed into a pack at every call."""
+    gpu_c, gpu_o = _gpu_times(p, fitted, exact)
+    if gpu_c is None or gpu_o is None:
+        return Choice(False, "no measurement or model of this shape on this GPU")
+    gpu_o += (launches - 1) * LAUNCH_MS
+    theirs = torch_ms(p, gpu_c, ops, graph, host)
+    ours = gpu_o if graph else max(host_ms(launches, packed, descriptors, host), gpu_o)
+    how = "graph" if graph else "launched"
+    if ours <= MARGIN * theirs:
+        return Choice(True, f"kernel {ours:.4g} ms vs PyTorch {theirs:.4g} ms {how}", ours)
+    return Choice(False, f"PyTorch faster as called ({theirs:.4g} ms vs kernel {ours:.4g} ms {how})", ours)
+
+
+def lean_ms(p: Problem) -> float:
+    """GPU time of the lean route (the portable kernel, input and weight
+    read in place)."""
+    return roofline_ms(p, LEAN_TFLOPS)
+
+
+def choose_lean(p: Problem, fitted: Optional[Fit], exact: Optional[dict], *, ops: int,
+                host: Optional[dict] = None) -> Choice:
+    """Whether the lean route beats PyTorch for a call launched eagerly: one
+    launch, no pack, no staging copy, so the least host time of any route,
+    where its slower GPU work still hides behind the host's."""
+    gpu_c, _ = _gpu_times(p, fitted, exact)
+    if gpu_c is None:
+        return Choice(False, "no measurement or model of this shape on this GPU")
+    theirs = torch_ms(p, gpu_c, ops, False, host)
+    ours = max(host_ms(1, False, 0, host), lean_ms(p))
+    if ours <= MARGIN * theirs:
+        return Choice(True, f"lean kernel {ours:.4g} ms vs PyTorch {theirs:.4g} ms launched "
+                            "(host-bound: input and weight read in place)", ours)
+    return Choice(False, f"PyTorch faster as called ({theirs:.4g} ms vs lean kernel {ours:.4g} ms)", ours)
+
+
+def fused_epilogue_pays(p: Problem, ops: int, bias_pass: bool, graph: bool, host: Optional[dict] = None) -> bool:
+    """Where PyTorch runs the conv: whether cuDNN without its bias plus one
+    epilogue pass (bias, residual, activation, scale) beats the module's
+    own call followed by ``ops`` eager ops (``bias_pass``: PyTorch adds the
+    bias in a pass of its own, as it does on an NHWC output)."""
+    host = HOST_US if host is None else host
+    passes = ops + int(bias_pass)
+    if passes == 0:
+        return False
+    pass_ms = LAUNCH_MS + 2 * p.out_bytes / (COPY_TBPS * 1e9)
+    if graph:
+        return passes * pass_ms > pass_ms
+    eager = ops * max(host["op"] / 1e3, pass_ms) + int(bias_pass) * pass_ms
+    return eager > max(host["unplanned"] / 1e3, pass_ms) / MARGIN
+
+
+# The GroupNorm kernels (statistics, finalize, apply) beat PyTorch's GroupNorm
+# + SiLU from about this many elements: on the H200 (bf16, GPU time,
+# bench.group_norm) 2.6M elements ran 0.47-0.49x PyTorch's time and 4.2M
+# 1.10-1.58x; PyTorch's one call is also less host time.
+GROUP_NORM_MIN_ELEMENTS = 4 << 20
+
+
+def group_norm_pays(numel: int) -> bool:
+    """Whether the GroupNorm kernels beat PyTorch's GroupNorm on a tensor of
+    ``numel`` elements (eagerly and in a graph alike: below the crossover
+    they are slower on the GPU too)."""
+    return numel >= GROUP_NORM_MIN_ELEMENTS

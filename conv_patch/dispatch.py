@@ -1,0 +1,428 @@
+"""The one dispatch entry: every patched convolution call, from a wrapper's
+forward, a recipe's fused step or ``forward_without_bias``, runs here.
+
+A call's *signature* (``conv_key``: the tensors' shapes, strides, dtypes,
+devices and alignment, the weight's identity, the epilogue, aliasing between
+the arguments, autograd and whether a CUDA graph is being captured) selects a
+cached ``ConvPlan``. Building the plan is the slow, tested part: route the
+call (``routing.select_route``), weigh the route against PyTorch as called
+(``costs.choose``), launch the kernels once while recording the launches
+(``kernels.recording``). Later calls with the same signature are one
+dictionary lookup, the pack refresh and a replay of the recorded launches
+(``kernels.Program``), or the original module's forward where PyTorch is
+the faster route. A kernel that fails to build or launch here falls back in
+this one place, for every caller, and the plan remembers it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Optional
+
+import torch
+
+from . import config_tables, costs, pack
+from .routing import Route, RouteDecision, select_route
+from .specs import CallDesc, ConvSpec
+from .target import target_for
+
+
+class KernelFailureWarning(RuntimeWarning):
+    """A kernel could not be built or launched here (e.g. a tile needing more
+    shared memory than this GPU has); that call ran on PyTorch instead."""
+
+
+def kernel_errors():
+    """Errors that mean "this kernel cannot run on this machine", not "the
+    answer would be wrong": compile failures and resource limits."""
+    try:
+        from triton.compiler.errors import CompilationError
+        from triton.runtime.errors import OutOfResources
+    except ImportError:  # pragma: no cover - Triton always has them today
+        return ()
+    return (CompilationError, OutOfResources)
+
+
+_KERNELS = []
+
+
+def kernels():
+    """``conv_patch.kernels``, imported on first use (it imports Triton)."""
+    if not _KERNELS:
+        from conv_patch import kernels as k
+        _KERNELS.append(k)
+    return _KERNELS[0]
+
+
+# Plans kept per module; a model that sees more signatures than this (a
+# stream of resolutions) starts over rather than growing without bound.
+MAX_PLANS = 64
+
+# Plan kinds.
+KERNEL, CUDNN, MODULE = "kernel", "cudnn", "module"
+# The lean route (a decision's ``tier``): the portable kernel reading the
+# input and the weight in place, one launch and nothing else, for calls whose
+# GPU work is smaller than the host time around it (costs.choose_lean).
+LEAN = "lean"
+LEAN_CONFIG = {"route": "igemm", "BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8, "num_warps": 4,
+               "num_stages": 3}
+
+
+def _tensor_sig(t):
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 15)
+
+
+def conv_key(x, weight, bias, residual, out, beta, activation, out_scale, output_padding, padding, no_bias):
+    """Everything a plan depends on besides the module's attributes (a change
+    of those clears the module's plans)."""
+    grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                        or (bias is not None and bias.requires_grad)
+                                        or (residual is not None and residual.requires_grad))
+    graph = x.is_cuda and pack.on_graph_path(x)
+    alias = None
+    if residual is not None or out is not None:
+        alias = (residual is x, out is x, out is not None and out is residual)
+    # A weight or bias replaced, moved, re-typed or re-laid-out gets a new
+    # storage address; with the shape that identifies it (an in-place edit
+    # keeps both, and the pack is refreshed from it at every call).
+    return (x.shape, x.stride(), x.dtype, x.device, x.data_ptr() & 15, weight.data_ptr(), weight.shape,
+            None if bias is None else bias.data_ptr(), _tensor_sig(residual), _tensor_sig(out), alias, beta,
+            activation, out_scale, output_padding, padding, no_bias, grad, graph)
+
+
+@dataclasses.dataclass(eq=False)
+class ConvPlan:
+    """How calls of one signature run. ``decision`` is what the report and
+    ``repr`` show; ``program`` the recorded launches (None: call the
+    launchers each time)."""
+
+    kind: str
+    decision: RouteDecision
+    spec: ConvSpec
+    program: Optional[object] = None
+    pack_entry: Optional[object] = None
+    graph: bool = False
+    # (stride, padding, dilation, groups) where the module's own forward is
+    # exactly ``F.conv2d`` with them: the MODULE plan calls it directly.
+    direct: Optional[tuple] = None
+
+    def run(self, m, x, weight, bias, residual, out, beta, activation, out_scale, output_padding,
+            fallback_args, no_bias):
+        if self.kind == KERNEL:
+            w = self._weight(m, weight)
+            b = None if no_bias else bias
+            if self.program is not None:
+                y = self.program((x, w, b, residual, out))
+            else:
+                y = _run_kernel(self, x, w, b, residual, out, beta, activation, out_scale, output_padding)
+            return (y, bias) if no_bias else y
+        if self.kind == CUDNN:
+            y = _ops().cudnn_conv2d(self.spec, x, _cudnn_weight(m, x, weight), None if no_bias else bias,
+                                    residual=residual, beta=beta, activation=activation, out_scale=out_scale,
+                                    out=out)
+            return (y, bias) if no_bias else y
+        if self.direct is not None:
+            y = torch.nn.functional.conv2d(x, weight, bias, *self.direct)
+        else:
+            y = module_forward(m, x, fallback_args, self.spec)
+        if no_bias:
+            return y, None
+        if residual is None and activation == "none" and out_scale == 1.0:
+            return y if out is None else out.copy_(y)
+        ops = _ops()
+        ops.check_residual(residual, y.shape)
+        y = ops.eager_epilogue(y, residual, beta, activation, out_scale)
+        return y if out is None else out.copy_(y)
+
+    def _weight(self, m, weight):
+        """The kernels' weight, read from ``weight`` during this call (see
+        conv_patch/pack.py: a pack is rewritten at every call)."""
+        entry = self.pack_entry
+        if entry is None:
+            # In the kernels' layout already, or read in place (the lean route).
+            return pack.kernel_view(weight.detach(), self.spec.transposed)
+        if self.graph or m.__dict__.get("_cp_pack") is not entry:
+            return pack.packed_weight(m, weight, self.spec.transposed)
+        # Kernel plans run without autograd, so the copy records nothing.
+        entry.buf.copy_(weight.transpose(0, 1) if self.spec.transposed else weight)
+        return entry.buf
+
+
+def _ops():
+    from . import ops
+    return ops
+
+
+def module_forward(m, x, fallback_args, spec):
+    """The original module's own computation of this call."""
+    orig = m.__dict__.get("_cp_original")
+    fwd = type(orig).forward if orig is not None else m._cp_torch_class.forward
+    if spec is not m.spec:
+        # A folded F.pad (``conv(..., padding=)``): pad, then the module.
+        (t, left), (b, r) = spec.pad_begin, spec.pad_end
+        x = torch.nn.functional.pad(x, (left, r, t, b))
+    return fwd(m, x, *fallback_args)
+
+
+def _cudnn_weight(m, x, weight):
+    """The weight handed to cuDNN: for an NHWC input its channels_last pack
+    (cuDNN would convert an NCHW weight itself at every call, a strided copy
+    of its own); an NCHW input keeps the weight as it is, since a
+    channels_last weight would make PyTorch return a channels_last output."""
+    if x.dim() == 4 and x.is_cuda and _ops().nhwc(x):
+        return pack.packed_weight(m, weight, False)
+    return weight
+
+
+def _run_kernel(plan, x, w, bias, residual, out, beta, activation, out_scale, output_padding):
+    return _ops().run_kernel(plan.decision, target_for(x.device), plan.spec, x, w, bias, residual=residual,
+                             beta=beta, activation=activation, out_scale=out_scale,
+                             output_padding=output_padding, out=out)
+
+
+def spec_for_call(m, weight, padding) -> tuple:
+    """(spec, problem): the module's spec, with a folded F.pad's padding
+    (F.pad order) where given; problem is why the kernels must not take
+    the module's call at all (its weight no longer matches its attributes:
+    PyTorch computes from the weight, or raises its own error)."""
+    spec = m.spec
+    kernel = tuple(weight.shape[2:])
+    c_out, c_in = (weight.shape[1], weight.shape[0]) if spec.transposed else (weight.shape[0], weight.shape[1])
+    if weight.dim() != 4 or kernel != spec.kernel or (c_in, c_out) != (spec.in_channels, spec.out_channels):
+        return spec, (f"weight {tuple(weight.shape)} does not match the module's "
+                      f"{spec.in_channels}->{spec.out_channels} k{spec.kernel[0]}x{spec.kernel[1]}")
+    if padding is not None:
+        left, right, top, bottom = (int(v) for v in padding)
+        spec = dataclasses.replace(spec, pad_begin=(top, left), pad_end=(bottom, right))
+    return spec, None
+
+
+def _launches(decision, spec, x) -> int:
+    if decision.route is Route.CONV2D_TAPS:
+        return 2
+    if decision.route is Route.CONV2D_TMA and not _ops().nhwc(x):
+        return 2  # the NHWC staging copy, except where NCHW is read in place
+    return 1
+
+
+def weigh(decision: RouteDecision, spec: ConvSpec, x, weight, table, has_bias, residual, beta, activation,
+          out_scale, graph: bool) -> RouteDecision:
+    """``decision`` kept where it beats PyTorch as called (``costs.choose``),
+    else the original module (or the table's cuDNN route with the fused
+    epilogue, where that pays over eager ops)."""
+    target = target_for(x.device)
+    if target.interpreter or not (decision.is_kernel or decision.route is Route.CUDNN):
+        return decision  # under the interpreter the kernels always run: that is how they are tested
+    shape = tuple(x.shape) if x.dim() == 4 else (1,) + tuple(x.shape)
+    oh, ow = spec.output_hw(shape[2], shape[3])
+    layout = "nhwc" if _ops().nhwc(x) else "nchw"
+    p = costs.Problem.of(shape[0], spec.in_channels, shape[2], shape[3], spec.out_channels, spec.kernel[0],
+                         spec.kernel[1], oh, ow, x.element_size(), layout)
+    tbl = table if table is not None else config_tables.packaged_table(target.arch)
+    exact = None
+    if not spec.transposed:
+        key = config_tables.shape_key(spec, shape, layout, x.dtype)
+        exact = tbl.exact(key)
+    ops = costs.epilogue_ops(residual is not None, beta, activation, out_scale)
+    # PyTorch's own route: the original module, or cuDNN without the bias
+    # and the fused epilogue as one pass (the table's cuDNN route), where
+    # that one pass beats the eager ops and PyTorch's bias pass.
+    fused = (x.is_cuda and not spec.transposed
+             and costs.fused_epilogue_pays(p, ops, has_bias and layout == "nhwc", graph))
+    if decision.route is Route.CUDNN:
+        if fused:
+            return decision
+        return RouteDecision(Route.FALLBACK, decision.reason, config=decision.config, tier=decision.tier,
+                             table=decision.table)
+    if table is not None and exact is None:
+        return decision  # a user's table without this shape measured: the user's choice
+    fitted = costs.fit_of(tbl)
+    choice = costs.choose(p, fitted, exact, launches=_launches(decision, spec, x), ops=ops, graph=graph,
+                          packed=not pack.is_kernel_layout(pack.kernel_view(weight, spec.transposed)),
+                          descriptors=3 if decision.route is Route.CONV2D_TMA else 0)
+    if not graph:
+        lean = costs.choose_lean(p, fitted, exact, ops=ops)
+        if lean.kernel and (not choice.kernel or lean.cost < choice.cost):
+            route = Route.CONV_TRANSPOSE2D_IGEMM if spec.transposed else Route.CONV2D_IGEMM
+            return RouteDecision(route, lean.why, config=LEAN_CONFIG, tier=LEAN, table=decision.table)
+    if choice.kernel:
+        return decision
+    route = Route.CUDNN if fused else Route.FALLBACK
+    return RouteDecision(route, choice.why, config=decision.config, tier=decision.tier, table=decision.table)
+
+
+def decide(m, x, weight, bias, residual, beta, activation, out_scale, output_padding, padding, graph):
+    """(decision, spec) for one call of patched conv ``m``: the router's
+    route (``select_route``), weighed against PyTorch as called (``weigh``)."""
+    spec, problem = spec_for_call(m, weight, padding)
+    if problem:
+        return RouteDecision(Route.FALLBACK, problem), spec
+    call = CallDesc.of_call(x, weight, bias, residual, output_padding)
+    table = m.__dict__.get("_cp_table")
+    decision = select_route(spec, call, target_for(x.device), table)
+    if decision.route is Route.CUDNN and spec.transposed:
+        decision = RouteDecision(Route.FALLBACK, decision.reason)
+    return weigh(decision, spec, x, weight, table, bias is not None, residual, beta, activation, out_scale,
+                 graph), spec
+
+
+def build(m, key, x, weight, bias, residual, out, beta, activation, out_scale, output_padding,
+          fallback_args, padding, no_bias):
+    """(plan, result of this call): the plan of ``key``, built and stored,
+    and the call run through it."""
+    decision, spec = decide(m, x, weight, bias, residual, beta, activation, out_scale, output_padding, padding,
+                            key[-1])
+    plan = ConvPlan(MODULE, decision, spec, graph=key[-1], direct=_direct(m, spec, padding, fallback_args))
+    if decision.route is Route.CUDNN:
+        plan.kind = CUDNN
+    elif decision.is_kernel:
+        ops = _ops()
+        if residual is not None:
+            ops.check_residual(residual, ops.output_shape(spec, tuple(x.shape), output_padding))
+        plan.kind = KERNEL
+        if decision.tier == LEAN:
+            w = pack.kernel_view(weight.detach(), spec.transposed)
+        else:
+            w = pack.packed_weight(m, weight, spec.transposed)
+            if not pack.is_kernel_layout(pack.kernel_view(weight.detach(), spec.transposed)):
+                plan.pack_entry = m.__dict__.get("_cp_pack")
+        b = None if no_bias else bias
+        k = kernels()
+        try:
+            with k.recording() as rec:
+                y = _run_kernel(plan, x, w, b, residual, out, beta, activation, out_scale, output_padding)
+        except kernel_errors() as e:
+            # Raised while compiling or launching, before anything ran.
+            reason = f"kernel failed here: {type(e).__name__}: {str(e).strip().splitlines()[0][:160]}"
+            plan = ConvPlan(MODULE, RouteDecision(Route.FALLBACK, reason), spec, graph=key[-1])
+            warnings.warn(f"conv-patch: {reason}; this call ran on PyTorch", KernelFailureWarning, stacklevel=4)
+        else:
+            try:
+                plan.program = k.Program(rec, (x, w, b, residual, out), y)
+            except k.Unrecordable:
+                plan.program = None
+            _store(m, key, plan)
+            return plan, ((y, bias) if no_bias else y)
+    _store(m, key, plan)
+    return plan, plan.run(m, x, weight, bias, residual, out, beta, activation, out_scale, output_padding,
+                          fallback_args, no_bias)
+
+
+def _direct(m, spec, padding, fallback_args):
+    """F.conv2d's arguments where the module's forward is nn.Conv2d's own
+    on zero padding (so calling F.conv2d is that forward, minus its Python)."""
+    orig = m.__dict__.get("_cp_original")
+    cls = type(orig) if orig is not None else m._cp_torch_class
+    if (spec.transposed or padding is not None or fallback_args or cls.forward is not torch.nn.Conv2d.forward
+            or cls._conv_forward is not torch.nn.Conv2d._conv_forward or m.padding_mode != "zeros"):
+        return None
+    return (m.stride, m.padding, m.dilation, m.groups)
+
+
+def _store(m, key, plan):
+    plans = m.__dict__.get("_cp_plans")
+    if plans is None or len(plans) >= MAX_PLANS:
+        plans = m.__dict__["_cp_plans"] = {}
+    plans[key] = plan
+
+
+def conv(m, x, residual=None, beta=1.0, activation="none", out_scale=1.0, output_padding=None,
+         fallback_args=(), out=None, padding=None, no_bias=False):
+    """``out_scale * act(m(x) + beta * residual)`` for a patched conv ``m``
+    (into ``out`` when given); ``padding`` (F.pad order) folds an F.pad in
+    front of an unpadded conv; with ``no_bias`` the pair ``(y, b)`` with
+    ``y + b`` the result (b None where the bias is already in ``y``)."""
+    params = m.__dict__["_parameters"]
+    weight, bias = params["weight"], params["bias"]
+    key = conv_key(x, weight, bias, residual, out, beta, activation, out_scale, output_padding, padding, no_bias)
+    plans = m.__dict__.get("_cp_plans")
+    plan = plans.get(key) if plans is not None else None
+    if plan is None:
+        plan, y = build(m, key, x, weight, bias, residual, out, beta, activation, out_scale, output_padding,
+                        fallback_args, padding, no_bias)
+    else:
+        y = plan.run(m, x, weight, bias, residual, out, beta, activation, out_scale, output_padding,
+                     fallback_args, no_bias)
+    m.__dict__["_cp_last"] = plan.decision
+    return y
+
+
+def clear(m) -> None:
+    """Drop ``m``'s plans (its attributes or parameters changed)."""
+    m.__dict__["_cp_plans"] = None
+
+
+# -- GroupNorm ---------------------------------------------------------------------
+def _gn_key(norm, x, activation, out, input_bias):
+    w, b = norm.weight, norm.bias
+    grad = torch.is_grad_enabled() and (x.requires_grad or (w is not None and w.requires_grad))
+    return (x.shape, x.stride(), x.dtype, x.device, x.data_ptr() & 15, activation, _tensor_sig(out),
+            out is not None and out is x, _tensor_sig(input_bias),
+            None if w is None else (w.data_ptr(), w.dtype, w.device), None if b is None else (b.data_ptr(), b.dtype),
+            norm.num_groups, norm.eps, grad, x.is_cuda and pack.on_graph_path(x))
+
+
+@dataclasses.dataclass(eq=False)
+class NormPlan:
+    """A GroupNorm call's plan: the kernels (``program``: their recorded
+    launches) or PyTorch's own GroupNorm and activation."""
+
+    kernel: bool
+    why: str
+    program: Optional[object] = None
+
+
+def group_norm_decision(x, num_groups, weight, bias, graph) -> tuple:
+    """(kernels?, why) for one GroupNorm call (``costs.group_norm_pays``)."""
+    ops = _ops()
+    if ops.group_norm_target(x, num_groups, weight, bias) is None:
+        return False, "the kernels do not take this call"
+    if target_for(x.device).interpreter:
+        return True, "interpreter"
+    if costs.group_norm_pays(x.numel()):
+        return True, "large enough to pay"
+    return False, f"{x.numel()} elements: PyTorch's GroupNorm is faster at this size"
+
+
+def group_norm(norm, x, activation="none", out=None, input_bias=None):
+    """``act(norm(x + input_bias))`` into ``out`` when given (may be ``x``),
+    for a GroupNorm module whose forward is the torch one's: planned per
+    signature like the convs (kept in the norm's ``_cp_plans``)."""
+    key = _gn_key(norm, x, activation, out, input_bias)
+    plans = norm.__dict__.get("_cp_plans")
+    plan = plans.get(key) if plans is not None else None
+    roles = (x, out, norm.weight, norm.bias, input_bias)
+    if plan is not None:
+        if plan.kernel and plan.program is not None:
+            return plan.program(roles)
+    else:
+        ok, why = group_norm_decision(x, norm.num_groups, norm.weight, norm.bias, key[-1])
+        plan = NormPlan(ok, why)
+        _store(norm, key, plan)
+        if ok:
+            k = kernels()
+            with k.recording() as rec:
+                y = _gn_kernel(norm, x, activation, out, input_bias)
+            try:
+                plan.program = k.Program(rec, roles, y)
+            except k.Unrecordable:
+                plan.program = None
+            return y
+    if plan.kernel:
+        return _gn_kernel(norm, x, activation, out, input_bias)
+    return group_norm_eager(norm, x, activation, out, input_bias)
+
+
+def _gn_kernel(norm, x, activation, out, input_bias):
+    return _ops().group_norm(x, norm.num_groups, norm.weight, norm.bias, norm.eps, activation, out=out,
+                             input_bias=input_bias)
+
+
+def group_norm_eager(norm, x, activation="none", out=None, input_bias=None):
+    """The norm's own forward and the activation as PyTorch ops."""
+    if input_bias is not None:
+        x = x + input_bias.view(-1, *([1] * (x.dim() - 2)))
+    own = getattr(type(norm), "_cp_base", type(norm)).forward
+    y = _ops().eager_epilogue(own(norm, x), None, 1.0, activation, 1.0)
+    return y if out is None else out.copy_(y)

@@ -1,0 +1,318 @@
+"""The dispatch core (conv_patch/dispatch.py): one plan per call signature,
+replayed launches, invalidation, the work a planned call does, and the
+cost model's decisions (conv_patch/costs.py)."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import conv_patch
+from conv_patch import config_tables, costs, dispatch, kernels
+from conv_patch.kernels import _launch
+from conv_patch.routing import Route, RouteDecision
+from conv_patch.specs import ConvSpec
+from conv_patch.target import Target
+from _util import TOL, rel_err
+
+
+def _net(device, k=3):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(6, 10, k, padding=k // 2)).to(device)
+    twin = copy.deepcopy(net)
+    conv_patch.apply(net, recipes=False)
+    return net, twin
+
+
+def _plans(m):
+    return m.__dict__.get("_cp_plans") or {}
+
+
+def test_one_plan_per_signature_and_replayed_launches(device, exact_fp32, monkeypatch):
+    net, twin = _net(device)
+    conv = net[0]
+    builds = []
+    real_build = dispatch.build
+    monkeypatch.setattr(dispatch, "build", lambda *a, **k: builds.append(1) or real_build(*a, **k))
+    launches = []
+    real_launch = _launch.launch
+    monkeypatch.setattr(_launch, "launch", lambda *a, **k: launches.append(1) or real_launch(*a, **k))
+    with torch.no_grad():
+        for i in range(4):
+            x = torch.randn(2, 6, 7, 9, device=device)
+            assert rel_err(net(x), twin(x)) <= TOL[torch.float32]
+    assert len(builds) == 1 and len(_plans(conv)) == 1
+    plan = next(iter(_plans(conv).values()))
+    assert plan.kind == dispatch.KERNEL and plan.program is not None
+    # The launchers ran once, while the plan was built; later calls replay.
+    assert len(plan.program.launches) == 1
+    assert len(launches) <= 1
+
+
+@pytest.mark.parametrize("change", ["shape", "dtype", "layout", "epilogue", "grad"])
+def test_plan_cache_follows_the_signature(change, device, exact_fp32):
+    net, twin = _net(device)
+    conv = net[0]
+    x = torch.randn(1, 6, 8, 8, device=device)
+    with torch.no_grad():
+        conv(x)
+    kw = {}
+    if change == "shape":
+        x = torch.randn(1, 6, 5, 11, device=device)
+    elif change == "dtype":
+        net.double()
+        twin.double()
+        x = x.double()
+    elif change == "layout":
+        x = x.contiguous(memory_format=torch.channels_last)
+    elif change == "epilogue":
+        kw = {"activation": "silu"}
+    if change == "grad":
+        y = conv(x)
+        assert y.requires_grad and "autograd" in conv._cp_last.reason
+        ref = twin(x)
+    else:
+        with torch.no_grad():
+            y = conv(x, **kw)
+            ref = twin(x)
+            if kw:
+                ref = F.silu(ref)
+    # .double() drops the plans (a moved or re-typed weight); then one new one.
+    assert len(_plans(conv)) == (1 if change == "dtype" else 2)
+    assert rel_err(y, ref) <= TOL[y.dtype if y.dtype != torch.float64 else torch.float32]
+
+
+def test_to_and_attribute_changes_drop_plans(device, exact_fp32):
+    net, twin = _net(device)
+    conv = net[0]
+    x = torch.randn(1, 6, 8, 8, device=device)
+    with torch.no_grad():
+        conv(x)
+        assert _plans(conv)
+        net.to(device)
+        assert not _plans(conv)
+        conv(x)
+        conv.padding = (0, 2)
+        twin[0].padding = (0, 2)
+        assert not _plans(conv)
+        assert rel_err(conv(x), twin(x)) <= TOL[torch.float32]
+
+
+@pytest.mark.parametrize("k", [5, 1])
+def test_weight_replaced_by_another_shape_computes_like_pytorch(k, device, exact_fp32):
+    """PyTorch computes from the weight it finds; the wrapper must not take
+    channels or kernel size from the module's attributes and read past the
+    end of a smaller weight."""
+    net, twin = _net(device)
+    x = torch.randn(1, 6, 9, 9, device=device)
+    with torch.no_grad():
+        net(x)  # a plan exists for the old weight
+        w = torch.randn(10, 6, k, k, device=device)
+        net[0].weight = nn.Parameter(w.clone())
+        twin[0].weight = nn.Parameter(w.clone())
+        out, ref = net(x), twin(x)
+    assert out.shape == ref.shape and rel_err(out, ref) <= TOL[torch.float32]
+    assert "does not match" in net[0]._cp_last.reason
+    # Fewer input channels than the input has: PyTorch's own error.
+    net[0].weight = nn.Parameter(torch.randn(10, 4, 3, 3, device=device))
+    twin[0].weight = nn.Parameter(net[0].weight.detach().clone())
+    with torch.no_grad(), pytest.raises(RuntimeError) as ours:
+        net(x)
+    with torch.no_grad(), pytest.raises(RuntimeError) as theirs:
+        twin(x)
+    assert type(ours.value) is type(theirs.value)
+
+
+def test_in_place_edit_seen_by_replayed_plan(device, exact_fp32):
+    net, twin = _net(device)
+    x = torch.randn(1, 6, 8, 8, device=device)
+    with torch.no_grad():
+        for edit in (lambda p: p.data.mul_(-2.0), lambda p: p.data.copy_(torch.randn_like(p))):
+            net(x)
+            edit(net[0].weight)
+            twin[0].weight.data.copy_(net[0].weight.data)
+            assert rel_err(net(x), twin(x)) <= TOL[torch.float32]
+    assert len(_plans(net[0])) == 1
+
+
+def test_residual_aliasing_is_part_of_the_signature(device, exact_fp32):
+    """A plan recorded with ``out is residual`` must not be replayed for a
+    call whose out is another tensor (its result would land in the residual)."""
+    torch.manual_seed(1)
+    conv = nn.Conv2d(6, 6, 3, padding=1).to(device)
+    twin = copy.deepcopy(conv)
+    net = nn.Sequential(conv)
+    conv_patch.apply(net, recipes=False)
+    w = net[0]
+    x = torch.randn(1, 6, 8, 8, device=device)
+    with torch.no_grad():
+        r = torch.randn(1, 6, 8, 8, device=device)
+        r0 = r.clone()
+        w(x, residual=r, out=r)
+        assert rel_err(r, twin(x) + r0) <= TOL[torch.float32]
+        r2, out = torch.randn(1, 6, 8, 8, device=device), torch.empty(1, 6, 8, 8, device=device)
+        r2c = r2.clone()
+        w(x, residual=r2, out=out)
+        assert torch.equal(r2, r2c) and rel_err(out, twin(x) + r2) <= TOL[torch.float32]
+
+
+def test_kernel_failure_falls_back_once_for_every_caller(device, exact_fp32, monkeypatch):
+    """The recipes' fused steps reach the kernels through the same entry:
+    a launch failure falls back there too."""
+    from triton.runtime.errors import OutOfResources
+
+    def no_room(*a, **k):
+        raise OutOfResources(262144, 232448, "shared memory")
+
+    monkeypatch.setattr(kernels, "launch_conv2d", no_room)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(),
+                        nn.Conv2d(8, 4, 3, padding=1)).to(device)
+    twin = copy.deepcopy(net)
+    conv_patch.apply(net)  # the Sequential chain recipe calls the convs with fused ReLUs
+    x = torch.randn(1, 3, 8, 8, device=device)
+    with torch.no_grad(), pytest.warns(dispatch.KernelFailureWarning):
+        out = net(x)
+    assert rel_err(out, twin(x)) <= TOL[torch.float32]
+    assert "kernel failed here" in net[0]._cp_last.reason
+
+
+def test_group_norm_plan_replays(device):
+    torch.manual_seed(0)
+    # On a GPU the kernels take a GroupNorm only from costs.GROUP_NORM_MIN_ELEMENTS on.
+    shape = (2, 12, 5, 7) if device.type == "cpu" else (1, 64, 256, 257)
+    norm = nn.GroupNorm(4, shape[1]).to(device)
+    net = nn.Sequential(norm)
+    conv_patch.apply(net)
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(*shape, device=device)
+            assert rel_err(net(x), F.group_norm(x.double(), 4, norm.weight.double(), norm.bias.double())) <= 1e-5
+    plans = list(_plans(net[0]).values())
+    assert len(plans) == 1 and plans[0].kernel and plans[0].program is not None
+
+
+class _FakeKernel:
+    """Records the arguments it is launched with (``kernel[grid](*args)``)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **meta: self.calls.append(args)
+
+
+def test_program_substitutes_roles_views_and_scratch():
+    k = _FakeKernel()
+    rec = _launch.Recorder()
+    x = torch.zeros(2, 4)
+    scratch = torch.empty(3)
+    rec.scratch.append(scratch)
+    rec.launches.append((k, (1,), (x, x[1:], scratch, 7), {}, None, None, None))
+    prog = _launch.Program(rec, (x, None), x[1, 1:])
+    y = torch.arange(8.0).view(2, 4)
+    out = prog((y, None))
+    (a, v, s, n), = k.calls
+    assert a is y and torch.equal(v, y[1:]) and s.shape == (3,) and s.data_ptr() != scratch.data_ptr() and n == 7
+    assert torch.equal(out, y[1, 1:])
+
+
+def test_program_rejects_foreign_tensors():
+    """A launch argument that is no role, view of one, or scratch makes the
+    call unrecordable (the plan then calls the launchers each time)."""
+    rec = _launch.Recorder()
+    x, foreign = torch.zeros(4), torch.zeros(4)
+    rec.launches.append((_FakeKernel(), (1,), (x, foreign, 3), {}, None, None, None))
+    with pytest.raises(_launch.Unrecordable):
+        _launch.Program(rec, (x,), x)
+
+
+# -- the cost model -----------------------------------------------------------------
+def _problem(n=1, c_in=64, c_out=64, size=64, k=3, layout="nchw"):
+    return costs.Problem.of(n, c_in, size, size, c_out, k, k, size, size, 2, layout)
+
+
+def _fit(cudnn_tflops=500.0, ours_tflops=650.0, c0=0.01, ours_c0=None):
+    models = {}
+    for side, tf, c in (("cudnn", cudnn_tflops, c0), ("ours", ours_tflops, c0 if ours_c0 is None else ours_c0)):
+        for one in (False, True):
+            models[(side, one, "any")] = (c, 1.0 / tf, 0.0)
+    return costs.Fit(models, 10)
+
+
+CASES = [
+    # (problem, fit, exact, launches, graph, expected kernel?)
+    ("large, ours faster", _problem(size=512, c_in=256, c_out=256), _fit(), None, 1, False, True),
+    ("large, ours slower", _problem(size=512, c_in=256, c_out=256), _fit(ours_tflops=300), None, 1, False, False),
+    ("tiny, host-bound, 2 launches", _problem(size=8, c_in=16, c_out=16), _fit(c0=0.002), None, 2, False, False),
+    ("tiny, in a graph: GPU time only", _problem(size=8, c_in=16, c_out=16), _fit(c0=0.006, ours_c0=0.002), None,
+     1, True, True),
+    ("measured: cuDNN faster", _problem(), None, {"ours_ms": 0.5, "cudnn_ms": 0.4}, 1, False, False),
+    ("measured: ours faster", _problem(), None, {"ours_ms": 0.3, "cudnn_ms": 0.4}, 1, False, True),
+    ("within the margin", _problem(), None, {"ours_ms": 0.38, "cudnn_ms": 0.4}, 1, False, False),
+    ("nothing measured", _problem(), None, None, 1, False, False),
+]
+
+
+@pytest.mark.parametrize("name,p,fitted,exact,launches,graph,want", CASES, ids=[c[0] for c in CASES])
+def test_cost_model_decisions(name, p, fitted, exact, launches, graph, want):
+    assert costs.choose(p, fitted, exact, launches=launches, ops=0, graph=graph).kernel is want
+
+
+def test_lean_route_only_where_the_host_hides_its_gpu_time():
+    fitted = _fit(c0=0.002)
+    assert costs.choose_lean(_problem(size=16, c_in=16, c_out=16), fitted, None, ops=0).kernel
+    assert not costs.choose_lean(_problem(size=256, c_in=256, c_out=256), fitted, None, ops=0).kernel
+
+
+def test_fused_epilogue_and_group_norm_thresholds():
+    small, big = _problem(size=8), _problem(size=1024, c_out=256)
+    assert not costs.fused_epilogue_pays(small, 1, False, False)  # one eager op is cheaper than a launch
+    assert costs.fused_epilogue_pays(big, 2, True, False)
+    assert not costs.fused_epilogue_pays(big, 0, False, False)
+    assert not costs.group_norm_pays(costs.GROUP_NORM_MIN_ELEMENTS - 1)
+    assert costs.group_norm_pays(costs.GROUP_NORM_MIN_ELEMENTS)
+
+
+def test_fit_recovers_the_model_it_was_measured_with():
+    """Synthetic exact entries made from a known cost model: the fit must
+    give their times back."""
+    spec = ConvSpec(False, 64, 64, (3, 3), (1, 1), (1, 1), (1, 1), (1, 1), (0, 0), 1, "zeros", True)
+    exact = {}
+    for c, s in [(64, 32), (128, 64), (256, 128), (512, 256), (64, 512), (128, 128)]:
+        sp = ConvSpec(False, c, c, (3, 3), (1, 1), (1, 1), (1, 1), (1, 1), (0, 0), 1, "zeros", True)
+        p = _problem(c_in=c, c_out=c, size=s)
+        key = config_tables.shape_key(sp, (1, c, s, s), "nchw", torch.bfloat16)
+        exact[key] = {"route": "igemm", "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64,
+                      "cudnn_ms": 0.01 + p.flops / 400e9, "ours_ms": 0.02 + p.flops / 600e9}
+    f = costs.fit({"conv2d": {"exact": exact}})
+    assert f is not None and spec is not None
+    p = _problem(c_in=320, c_out=320, size=96)
+    assert f.cudnn_ms(p) == pytest.approx(0.01 + p.flops / 400e9, rel=1e-3)
+    assert f.ours_ms(p) == pytest.approx(0.02 + p.flops / 600e9, rel=1e-3)
+    assert costs.fit({"conv2d": {"exact": {}}}) is None
+
+
+def test_weigh_keeps_pytorch_where_nothing_was_measured(monkeypatch):
+    """An architecture without a table of its own (the curated default has
+    no measurements): every call stays on PyTorch, never a guess."""
+    monkeypatch.setattr(dispatch, "target_for", lambda device: Target("sm80", True))
+    spec = ConvSpec(False, 64, 64, (3, 3), (1, 1), (1, 1), (1, 1), (1, 1), (0, 0), 1, "zeros", True)
+    x, w = torch.zeros(1, 64, 32, 32), torch.zeros(64, 64, 3, 3)
+    decision = RouteDecision(Route.CONV2D_IGEMM, config={"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64})
+    out = dispatch.weigh(decision, spec, x, w, None, True, None, 1.0, "none", 1.0, False)
+    assert not out.is_kernel and "no measurement" in out.reason
+
+
+def test_weigh_takes_the_lean_route_for_host_bound_calls(monkeypatch):
+    monkeypatch.setattr(dispatch, "target_for", lambda device: Target("sm90", True))
+    spec = ConvSpec(False, 16, 16, (3, 3), (1, 1), (1, 1), (1, 1), (1, 1), (0, 0), 1, "zeros", True)
+    x, w = torch.zeros(1, 16, 8, 8, dtype=torch.bfloat16), torch.zeros(16, 16, 3, 3, dtype=torch.bfloat16)
+    decision = RouteDecision(Route.CONV2D_TMA, config={"route": "tma", "BLOCK_M": 64, "BLOCK_N": 64,
+                                                       "BLOCK_K": 64})
+    out = dispatch.weigh(decision, spec, x, w, None, True, None, 1.0, "none", 1.0, False)
+    assert out.route is Route.CONV2D_IGEMM and out.tier == dispatch.LEAN
+    # Inside a CUDA graph host time is free: the table's route stays.
+    assert dispatch.weigh(decision, spec, x, w, None, True, None, 1.0, "none", 1.0, True).tier != dispatch.LEAN

@@ -345,7 +345,7 @@ def bench_row(name, size, batch, dtype_name, runs, warmup, tiny, device):
         "noise": (max(base["samples"]) - min(base["samples"])) / base["ms"], "runs": runs,
         "first_call_s": first, "rel_err_vs_unpatched": err["patched"], "graph_rel_err_vs_unpatched": err["graphed"],
         "patched_convs": len(report.patched), "fused_blocks": len(report.fused),
-        "kernel_convs": _kernel_convs(patched),
+        "kernel_convs": _kernel_convs(patched), "routes": _routes(patched),
     }
     del model, patched, graphed
     if torch.cuda.is_available():
@@ -373,6 +373,17 @@ def _kernel_convs(model) -> int:
     """Patched convs whose last call ran a conv-patch kernel."""
     return sum(1 for m in model.modules() if conv_patch.is_patched(m)
                and m.__dict__.get("_cp_last") is not None and m._cp_last.is_kernel)
+
+
+def _routes(model) -> dict:
+    """How many patched convs last ran each route ("lean" for the lean one)."""
+    out = {}
+    for m in model.modules():
+        last = m.__dict__.get("_cp_last") if conv_patch.is_patched(m) else None
+        if last is not None:
+            name = "lean" if last.tier == "lean" else last.route.value
+            out[name] = out.get(name, 0) + 1
+    return out
 
 
 def geomean(xs):

@@ -49,8 +49,10 @@ COPY_TBPS = 4.18
 LAUNCH_MS = 0.004
 # A kernel must be predicted at least this much faster than PyTorch: model
 # error and run-to-run noise (~5% on one shape) must not flip a call to a
-# slower route.
+# slower route. Where neither time was measured for the shape (both from the
+# fit, whose error on the H200's table is tens of percent) the bar is higher.
 MARGIN = 0.92
+MODEL_MARGIN = 0.8
 
 _KEY = re.compile(r"n(\d+)\.c(\d+)\.h(\d+)\.w(\d+)\.o(\d+)\.k(\d+)x(\d+)\.s(\d+)x(\d+)\.p(\d+)x(\d+)"
                   r"(?:/b\d+x\d+)?\.d(\d+)x(\d+)(?:\.op\d+x\d+)?\.(\w+)\.(\w+)$")
@@ -249,7 +251,8 @@ def choose(p: Problem, fitted: Optional[Fit], exact: Optional[dict], *, launches
     theirs = torch_ms(p, gpu_c, ops, graph, host)
     ours = gpu_o if graph else max(host_ms(launches, packed, descriptors, host), gpu_o)
     how = "graph" if graph else "launched"
-    if ours <= MARGIN * theirs:
+    margin = MARGIN if exact and exact.get("cudnn_ms") and exact.get("ours_ms") else MODEL_MARGIN
+    if ours <= margin * theirs:
         return Choice(True, f"kernel {ours:.4g} ms vs PyTorch {theirs:.4g} ms {how}", ours)
     return Choice(False, f"PyTorch faster as called ({theirs:.4g} ms vs kernel {ours:.4g} ms {how})", ours)
 
@@ -270,7 +273,7 @@ def choose_lean(p: Problem, fitted: Optional[Fit], exact: Optional[dict], *, ops
         return Choice(False, "no measurement or model of this shape on this GPU")
     theirs = torch_ms(p, gpu_c, ops, False, host)
     ours = max(host_ms(1, False, 0, host), lean_ms(p))
-    if ours <= MARGIN * theirs:
+    if ours <= (MARGIN if exact and exact.get("cudnn_ms") else MODEL_MARGIN) * theirs:
         return Choice(True, f"lean kernel {ours:.4g} ms vs PyTorch {theirs:.4g} ms launched "
                             "(host-bound: input and weight read in place)", ours)
     return Choice(False, f"PyTorch faster as called ({theirs:.4g} ms vs lean kernel {ours:.4g} ms)", ours)

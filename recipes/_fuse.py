@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from conv_patch import dispatch, ops, pack
+from conv_patch.costs import GROUP_NORM_MIN_ELEMENTS
 from conv_patch.specs import needs_grad
 from conv_patch.wrappers import PatchedConvMixin, comfy_active, is_comfy_conv_class
 
@@ -170,7 +171,8 @@ def is_group_norm(m) -> bool:
 
 # -- fused steps ---------------------------------------------------------------
 def _kernels_may_run(m: nn.Module) -> bool:
-    return isinstance(m, PatchedConvMixin) and not comfy_active(m) and not (m._forward_hooks or m._forward_pre_hooks)
+    return (isinstance(m, PatchedConvMixin) and not (m._cp_comfy_class and comfy_active(m))
+            and not (m._forward_hooks or m._forward_pre_hooks))
 
 
 def group_norm(norm: nn.GroupNorm, x: torch.Tensor, activation: str = "none",
@@ -182,6 +184,10 @@ def group_norm(norm: nn.GroupNorm, x: torch.Tensor, activation: str = "none",
     the result. Hooks are the caller's business (fused blocks check
     ``plain`` first, the GroupNorm recipe runs inside the module's own
     call)."""
+    if x.is_cuda and x.numel() < GROUP_NORM_MIN_ELEMENTS:
+        # PyTorch's GroupNorm is faster at this size (costs.group_norm_pays):
+        # decided here, before any signature is built.
+        return dispatch.group_norm_eager(norm, x, activation, out, input_bias)
     if x.dim() == 4 and not comfy_active(norm):
         return dispatch.group_norm(norm, x, activation, out, input_bias)
     return dispatch.group_norm_eager(norm, x, activation, out, input_bias)

@@ -195,9 +195,12 @@ def test_cuda_graph_capture_and_replay_of_a_patched_decode(monkeypatch):
     dec = taesd.seeded_(taesd.decoder(16, 32)).to("cuda", torch.float16).eval()
     plain = copy.deepcopy(dec)
     conv_patch.apply(dec)
-    # A capture always takes the folded upsample (ops.subpixel_pays); eager
-    # calls take it too here, so that replay and eager are bitwise comparable.
+    # A capture always takes the folded upsample (ops.subpixel_pays) and
+    # routes by GPU time alone (dispatch.weigh); eager calls do too here, so
+    # that replay and eager are bitwise comparable.
+    from conv_patch import pack
     monkeypatch.setattr(ops, "SUBPIXEL_MIN_MACS", 0)
+    monkeypatch.setattr(pack, "_GRAPH_PATH", True)
     static_in = torch.randn(1, 16, 16, 16, device="cuda", dtype=torch.float16)
     with torch.no_grad():
         for _ in range(2):  # compile and warm up outside the capture

@@ -172,10 +172,12 @@ def test_unhashable_arguments_and_cpu_tensors_are_not_graphed(device, exact_fp32
 @pytest.fixture
 def same_upsample_form(monkeypatch):
     """A capture always folds the upsample into four 2x2 convs
-    (ops.subpixel_pays); the eager twin folds it too here, so that both
-    round the same way."""
-    from conv_patch import ops
+    (ops.subpixel_pays) and routes by GPU time alone (dispatch.weigh); the
+    eager twin runs as on the graph path here, so that both take the same
+    routes and round the same way."""
+    from conv_patch import ops, pack
     monkeypatch.setattr(ops, "SUBPIXEL_MIN_MACS", 0)
+    monkeypatch.setattr(pack, "_GRAPH_PATH", True)
 
 
 @pytest.mark.gpu

@@ -16,7 +16,8 @@ from typing import List, Optional
 import torch
 import torch.nn.functional as F
 
-from . import ops
+from . import conv as conv_op
+from .epilogue import eager_epilogue
 from .routing import select_route
 from .specs import CallDesc, ConvSpec
 from .target import target_for
@@ -47,24 +48,24 @@ def conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], re
     target = target_for(x.device)
     decision = select_route(spec, CallDesc.of_call(x, weight, bias, residual), target)
     if decision.is_kernel:
-        from .dispatch import kernel_errors
+        from .conv import kernel_errors
         w = weight.transpose(0, 1) if transposed else weight
         try:
-            return ops.run_kernel(decision, target, spec, x, w.contiguous(memory_format=torch.channels_last),
+            return conv_op.run_kernel(decision, target, spec, x, w.contiguous(memory_format=torch.channels_last),
                                   bias, residual=residual, beta=beta, activation=activation,
                                   out_scale=out_scale)
         except kernel_errors():
             pass
     y = _torch_conv(spec, x, weight, bias)
-    return ops.eager_epilogue(y, residual, beta, activation, out_scale).clone()
+    return eager_epilogue(y, residual, beta, activation, out_scale).clone()
 
 
 @conv.register_fake
 def _(x, weight, bias, residual, transposed, stride, pad_begin, pad_end, dilation, output_padding,
       beta, activation, out_scale):
     spec = _spec(x, weight, bias, transposed, stride, pad_begin, pad_end, dilation, output_padding)
-    shape = ops.output_shape(spec, tuple(x.shape), output_padding)
-    if x.dim() == 4 and ops.nhwc(x):
+    shape = conv_op.output_shape(spec, tuple(x.shape), output_padding)
+    if x.dim() == 4 and conv_op.nhwc(x):
         return x.new_empty(shape).contiguous(memory_format=torch.channels_last)
     return x.new_empty(shape)
 

@@ -23,6 +23,9 @@ from typing import Optional
 import torch
 
 from . import config_tables, costs, pack
+from . import conv as conv_op
+from .conv import kernel_errors, kernels
+from .epilogue import eager_epilogue
 from .routing import Route, RouteDecision, select_route
 from .specs import CallDesc, ConvSpec
 from .target import target_for
@@ -31,28 +34,6 @@ from .target import target_for
 class KernelFailureWarning(RuntimeWarning):
     """A kernel could not be built or launched here (e.g. a tile needing more
     shared memory than this GPU has); that call ran on PyTorch instead."""
-
-
-def kernel_errors():
-    """Errors that mean "this kernel cannot run on this machine", not "the
-    answer would be wrong": compile failures and resource limits."""
-    try:
-        from triton.compiler.errors import CompilationError
-        from triton.runtime.errors import OutOfResources
-    except ImportError:  # pragma: no cover - Triton always has them today
-        return ()
-    return (CompilationError, OutOfResources)
-
-
-_KERNELS = []
-
-
-def kernels():
-    """``conv_patch.kernels``, imported on first use (it imports Triton)."""
-    if not _KERNELS:
-        from conv_patch import kernels as k
-        _KERNELS.append(k)
-    return _KERNELS[0]
 
 
 # Plans kept per module; a model that sees more signatures than this (a
@@ -118,7 +99,7 @@ class ConvPlan:
                 y = _run_kernel(self, x, w, b, residual, out, beta, activation, out_scale, output_padding)
             return (y, bias) if no_bias else y
         if self.kind == CUDNN:
-            y = _ops().cudnn_conv2d(self.spec, x, _cudnn_weight(m, x, weight), None if no_bias else bias,
+            y = conv_op.cudnn_conv2d(self.spec, x, _cudnn_weight(m, x, weight), None if no_bias else bias,
                                     residual=residual, beta=beta, activation=activation, out_scale=out_scale,
                                     out=out)
             return (y, bias) if no_bias else y
@@ -130,9 +111,8 @@ class ConvPlan:
             return y, None
         if residual is None and activation == "none" and out_scale == 1.0:
             return y if out is None else out.copy_(y)
-        ops = _ops()
-        ops.check_residual(residual, y.shape)
-        y = ops.eager_epilogue(y, residual, beta, activation, out_scale)
+        conv_op.check_residual(residual, y.shape)
+        y = eager_epilogue(y, residual, beta, activation, out_scale)
         return y if out is None else out.copy_(y)
 
     def _weight(self, m, weight):
@@ -150,7 +130,7 @@ class ConvPlan:
 
 
 def _ops():
-    from . import ops
+    from . import ops  # GroupNorm's op; imported late, ops imports the compiled op
     return ops
 
 
@@ -170,13 +150,13 @@ def _cudnn_weight(m, x, weight):
     (cuDNN would convert an NCHW weight itself at every call, a strided copy
     of its own); an NCHW input keeps the weight as it is, since a
     channels_last weight would make PyTorch return a channels_last output."""
-    if x.dim() == 4 and x.is_cuda and _ops().nhwc(x):
+    if x.dim() == 4 and x.is_cuda and conv_op.nhwc(x):
         return pack.packed_weight(m, weight, False)
     return weight
 
 
 def _run_kernel(plan, x, w, bias, residual, out, beta, activation, out_scale, output_padding):
-    return _ops().run_kernel(plan.decision, target_for(x.device), plan.spec, x, w, bias, residual=residual,
+    return conv_op.run_kernel(plan.decision, target_for(x.device), plan.spec, x, w, bias, residual=residual,
                              beta=beta, activation=activation, out_scale=out_scale,
                              output_padding=output_padding, out=out)
 
@@ -201,7 +181,7 @@ def spec_for_call(m, weight, padding) -> tuple:
 def _launches(decision, spec, x) -> int:
     if decision.route is Route.CONV2D_TAPS:
         return 2
-    if decision.route is Route.CONV2D_TMA and not _ops().nhwc(x):
+    if decision.route is Route.CONV2D_TMA and not conv_op.nhwc(x):
         return 2  # the NHWC staging copy, except where NCHW is read in place
     return 1
 
@@ -216,7 +196,7 @@ def weigh(decision: RouteDecision, spec: ConvSpec, x, weight, table, has_bias, r
         return decision  # under the interpreter the kernels always run: that is how they are tested
     shape = tuple(x.shape) if x.dim() == 4 else (1,) + tuple(x.shape)
     oh, ow = spec.output_hw(shape[2], shape[3])
-    layout = "nhwc" if _ops().nhwc(x) else "nchw"
+    layout = "nhwc" if conv_op.nhwc(x) else "nchw"
     p = costs.Problem.of(shape[0], spec.in_channels, shape[2], shape[3], spec.out_channels, spec.kernel[0],
                          spec.kernel[1], oh, ow, x.element_size(), layout)
     tbl = table if table is not None else config_tables.packaged_table(target.arch)
@@ -277,9 +257,8 @@ def build(m, key, x, weight, bias, residual, out, beta, activation, out_scale, o
     if decision.route is Route.CUDNN:
         plan.kind = CUDNN
     elif decision.is_kernel:
-        ops = _ops()
         if residual is not None:
-            ops.check_residual(residual, ops.output_shape(spec, tuple(x.shape), output_padding))
+            conv_op.check_residual(residual, conv_op.output_shape(spec, tuple(x.shape), output_padding))
         plan.kind = KERNEL
         if decision.tier == LEAN:
             w = pack.kernel_view(weight.detach(), spec.transposed)
@@ -424,5 +403,5 @@ def group_norm_eager(norm, x, activation="none", out=None, input_bias=None):
     if input_bias is not None:
         x = x + input_bias.view(-1, *([1] * (x.dim() - 2)))
     own = getattr(type(norm), "_cp_base", type(norm)).forward
-    y = _ops().eager_epilogue(own(norm, x), None, 1.0, activation, 1.0)
+    y = eager_epilogue(own(norm, x), None, 1.0, activation, 1.0)
     return y if out is None else out.copy_(y)

@@ -1,11 +1,12 @@
-"""Torch-facing layer of the kernels: shapes, output allocation, dtype and
-precision policy, the epilogue arguments; plus the eager epilogue the
-fallback path uses.
+"""Torch-facing ops besides the convolution's launch (conv_patch/conv.py):
+the functional convolution API, GroupNorm (and GroupNorm+conv in bands),
+attention for wide heads, and the upsample folded into a conv.
 
-``conv2d`` / ``conv_transpose2d`` are the functional entry points (recipes,
-tests, benchmarks). They route through ``select_route`` like the wrappers and
-raise ``UnsupportedConv`` (with the router's reason) where the wrappers would
-fall back.
+``conv2d`` / ``conv_transpose2d`` are the functional entry points (tests,
+the tuner, benchmarks; a given ``config`` picks the tile). They route
+through ``select_route`` and raise ``UnsupportedConv`` (with the router's
+reason) where the wrappers would fall back. The conv names of
+conv_patch/conv.py are re-exported here.
 """
 
 from __future__ import annotations
@@ -20,161 +21,13 @@ from . import pack
 from .epilogue import ACTIVATIONS, activation_code, eager_epilogue  # noqa: F401  (re-exported)
 from .routing import Route, RouteDecision, select_route, tma_arch
 from .specs import CallDesc, ConvSpec, _pair, needs_grad, resolve_padding
-from .target import Target, dot_precision, target_for
-
-
-
-_KERNELS = []
-
-
-def _kernels():
-    """``conv_patch.kernels``, imported on the first launch only (it imports
-    Triton); then held here, since an import statement on every launch is
-    host time on the hot path."""
-    if not _KERNELS:
-        from conv_patch import kernels
-        _KERNELS.append(kernels)
-    return _KERNELS[0]
+from .target import Target, target_for
+from .conv import (EPILOGUE_BLOCK, check_residual, cudnn_conv2d, epilogue, kernels, nhwc,  # noqa: F401
+                   output_shape, run_kernel, to_nhwc)
 
 
 class UnsupportedConv(RuntimeError):
     """The kernels cannot run this call; the message is the router's reason."""
-
-
-def check_residual(residual: Optional[torch.Tensor], out_shape: tuple) -> None:
-    if residual is not None and tuple(residual.shape) != tuple(out_shape):
-        raise ValueError(
-            f"residual has shape {tuple(residual.shape)}, the convolution's output is {tuple(out_shape)}")
-
-
-def output_shape(spec: ConvSpec, shape: tuple, output_padding=None) -> tuple:
-    oh, ow = spec.output_hw(shape[-2], shape[-1], output_padding)
-    return tuple(shape[:-3]) + (spec.out_channels, oh, ow)
-
-
-def run_kernel(decision: RouteDecision, target: Target, spec: ConvSpec, x: torch.Tensor,
-               w: torch.Tensor, bias: Optional[torch.Tensor], *, residual=None, beta=1.0,
-               activation: str = "none", out_scale=1.0, output_padding=None,
-               out: Optional[torch.Tensor] = None, force_int64: bool = False) -> torch.Tensor:
-    """Launch the routed kernel. ``w`` is the [C_out, C_in, KH, KW] view the
-    kernels read (see conv_patch.pack); ``decision`` must be a kernel route."""
-    kernels = _kernels()
-
-    unbatched = x.dim() == 3
-    if unbatched:
-        x = x.unsqueeze(0)
-        residual = residual.unsqueeze(0) if residual is not None else None
-    shape = output_shape(spec, tuple(x.shape), output_padding)
-    if out is None:
-        fmt = torch.channels_last if nhwc(x) else torch.contiguous_format
-        out = kernels.empty(shape, dtype=x.dtype, device=x.device, memory_format=fmt)
-    elif unbatched:
-        out = out.unsqueeze(0)
-    if decision.route is Route.CONV2D_TMA:
-        launch = kernels.launch_conv2d_tma
-        if not w.is_contiguous(memory_format=torch.channels_last):
-            # The functional API reads weights in place; the TMA descriptor
-            # needs the co,kh,kw,ci pack the wrappers keep.
-            w = w.contiguous(memory_format=torch.channels_last)
-        if not nhwc(x) and not kernels.reads_nchw_in_place(x, w.shape, spec.pad_begin, spec.stride,
-                                                             decision.config):
-            # The NHWC staging copy (see kernels/conv2d_tma.py); ``out`` was
-            # allocated above in the caller's layout and stays in it.
-            x = to_nhwc(x)
-    elif decision.route is Route.CONV2D_TAPS:
-        launch = kernels.launch_conv2d_taps
-    elif decision.route is Route.CONV2D_FLAT:
-        launch = kernels.launch_conv2d_flat
-    else:
-        launch = kernels.launch_conv_transpose2d if spec.transposed else kernels.launch_conv2d
-    launch(x, w, bias, out, residual,
-           stride=spec.stride, padding=spec.pad_begin, dilation=spec.dilation,
-           beta=beta, activation=activation_code(activation), out_scale=out_scale,
-           config=decision.config, precision=dot_precision(x.dtype, target),
-           upcast=target.interpreter, force_int64=force_int64)
-    return out.squeeze(0) if unbatched else out
-
-
-def cudnn_conv2d(spec: ConvSpec, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], *,
-                 residual=None, beta=1.0, activation: str = "none", out_scale=1.0,
-                 out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The CUDNN route: ``F.conv2d`` computes the convolution without its
-    bias, and ``epilogue`` adds bias, residual, activation and scale in one
-    pass (PyTorch's own bias add is a pass of its own, unvectorised on a
-    channels_last output)."""
-    if spec.pad_begin != spec.pad_end:
-        (t, l), (b, r) = spec.pad_begin, spec.pad_end
-        x, padding = F.pad(x, (l, r, t, b)), 0
-    else:
-        padding = spec.pad_begin
-    y = F.conv2d(x, weight, None, spec.stride, padding, spec.dilation)
-    check_residual(residual, y.shape)
-    if bias is None and residual is None and activation == "none" and out_scale == 1.0:
-        return y if out is None else out.copy_(y)
-    return epilogue(y, bias, residual, beta, activation, out_scale, out=y if out is None else out)
-
-
-# Elements per program of the epilogue pass: memory-bound, like the
-# GroupNorm apply pass, so the same size; under the interpreter one program.
-EPILOGUE_BLOCK = {"gpu": 4096, "interpreter": 1 << 16}
-
-
-def _epilogue_target(y: torch.Tensor, bias=None, residual=None, out=None) -> Optional[Target]:
-    """The target whose epilogue kernel takes a conv output shaped and laid
-    out like ``y`` (dense NHWC, 4-D, on a device with kernels; inference),
-    or None."""
-    if torch.compiler.is_compiling() or y.dim() != 4 or needs_grad(y, bias, residual):
-        return None
-    target = target_for(y.device)
-    if not (target.kernels and y.dtype in (torch.float16, torch.bfloat16, torch.float32)
-            and (y.is_contiguous(memory_format=torch.channels_last) or y.shape[1] == 1)):
-        return None
-    ok = all(t is None or (t.device == y.device and t.dtype == y.dtype) for t in (bias, residual, out)) and (
-        bias is None or (bias.dim() == 1 and bias.is_contiguous()))
-    return target if ok else None
-
-
-def epilogue(y: torch.Tensor, bias: Optional[torch.Tensor] = None, residual: Optional[torch.Tensor] = None,
-             beta=1.0, activation: str = "none", out_scale=1.0, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``out_scale * act(y + bias + beta * residual)`` with ``bias`` per
-    channel of [N, C, H, W] ``y``: one pass of the conv kernels' epilogue
-    on dense NHWC outputs on a device with kernels, PyTorch ops otherwise.
-    Into ``out`` when given (which may be ``y`` or ``residual``)."""
-    code = activation_code(activation)
-    check_residual(residual, y.shape)
-    if out is not None and tuple(out.shape) != tuple(y.shape):
-        raise ValueError(f"epilogue: out has shape {tuple(out.shape)}, expected {tuple(y.shape)}")
-    target = _epilogue_target(y, bias, residual, out)
-    if target is None:
-        z = y
-        if bias is not None:
-            # [C, 1, 1]: the channel is dim -3 of a batched and of an unbatched output.
-            b = bias.view(-1, 1, 1)
-            z = y.add_(b) if out is y else y + b
-        z = eager_epilogue(z, residual, beta, activation, out_scale)
-        return z if out is None or z is out else out.copy_(z)
-    kernels = _kernels()
-    if out is None:
-        fmt = torch.channels_last if y.is_contiguous(memory_format=torch.channels_last) else torch.contiguous_format
-        out = kernels.empty(y.shape, dtype=y.dtype, device=y.device, memory_format=fmt)
-    block = EPILOGUE_BLOCK["interpreter" if target.interpreter else "gpu"]
-    return kernels.launch_epilogue(y, bias, residual, out, beta=beta, activation=code, out_scale=out_scale,
-                                   block=block)
-
-
-def to_nhwc(x: torch.Tensor) -> torch.Tensor:
-    """A dense channels_last copy of a contiguous NCHW ``x`` (Triton kernel;
-    see kernels/layout.py for why not PyTorch's own)."""
-    kernels = _kernels()
-    if x.is_contiguous(memory_format=torch.channels_last):
-        return x
-    out = kernels.empty(x.shape, dtype=x.dtype, device=x.device, memory_format=torch.channels_last)
-    return kernels.launch_nchw_to_nhwc(x.contiguous(), out)
-
-
-def nhwc(x: torch.Tensor) -> bool:
-    """Dense channels_last and not also contiguous (an NHWC activation)."""
-    return not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last)
 
 
 def _functional(spec: ConvSpec, x, weight, bias, residual, beta, activation, out_scale,
@@ -318,11 +171,11 @@ def group_norm(x: torch.Tensor, num_groups: int, weight: Optional[torch.Tensor] 
     if target is None:
         y = eager_epilogue(F.group_norm(x, num_groups, weight, bias, eps), None, 1.0, activation, 1.0)
         return y if out is None else out.copy_(y)
-    kernels = _kernels()
+    k = kernels()
     if out is None:
-        out = kernels.empty(x.shape, dtype=x.dtype, device=x.device, memory_format=fmt)
+        out = k.empty(x.shape, dtype=x.dtype, device=x.device, memory_format=fmt)
     block, stats_block, programs = _gn_launch(target)
-    kernels.launch_group_norm(x, out, num_groups, weight, bias, float(eps), code, is_nhwc, block,
+    k.launch_group_norm(x, out, num_groups, weight, bias, float(eps), code, is_nhwc, block,
                               stats_block, programs, input_bias=input_bias)
     return out
 
@@ -343,9 +196,9 @@ def group_norm_conv2d(x: torch.Tensor, num_groups: int, norm_weight, norm_bias, 
             or target is None):
         return conv2d(group_norm(x, num_groups, norm_weight, norm_bias, eps, activation), weight, bias,
                       padding=1, table=table)
-    kernels = _kernels()
+    k = kernels()
     block, stats_block, programs = _gn_launch(target)
-    scale_shift = kernels.launch_group_norm_stats(x, num_groups, norm_weight, norm_bias, float(eps),
+    scale_shift = k.launch_group_norm_stats(x, num_groups, norm_weight, norm_bias, float(eps),
                                                   True, stats_block, programs)
     out = torch.empty((n, weight.shape[0], h, w), dtype=x.dtype, device=x.device,
                       memory_format=torch.channels_last)
@@ -375,7 +228,7 @@ def group_norm_conv2d(x: torch.Tensor, num_groups: int, norm_weight, norm_bias, 
                 src[:, :, :1].zero_()
             if b < r1 + 1:
                 src[:, :, -1:].zero_()
-            kernels.launch_group_norm_apply(x[i:i + 1, :, a:b], src[:, :, top:top + b - a], scale_shift[i:i + 1],
+            k.launch_group_norm_apply(x[i:i + 1, :, a:b], src[:, :, top:top + b - a], scale_shift[i:i + 1],
                                             code, True, block)
             dst = out[i:i + 1, :, r0:r1]
             try:
@@ -506,7 +359,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional
     if route == "sdpa":
         return F.scaled_dot_product_attention(q, k, v, scale=scale)
     interp = target_for(q.device).interpreter
-    kernels = _kernels()
+    kern = kernels()
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     n, d, m, dv = q.shape[-2], q.shape[-1], k.shape[-2], v.shape[-1]
     lead = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
@@ -519,7 +372,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional
         align = 16 // q.element_size()
         m_pad = -(-m // align) * align
         rows = max(1, min(n, FUSED_ATTENTION_BLOCK_BYTES // (m_pad * q.element_size())))
-        t = kernels.attention_partial_columns(m, config)
+        t = kern.attention_partial_columns(m, config)
         e = torch.empty((rows, m_pad), dtype=q.dtype, device=q.device)
         mx = torch.empty((t, rows), dtype=torch.float32, device=q.device)
         sm = torch.empty_like(mx)
@@ -527,8 +380,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional
             qb, kb, vb = _tma_rows(q3[b]), _tma_rows(k3[b]), _tma_rows(v3[b])
             for i in range(0, n, rows):
                 r = min(rows, n - i)
-                kernels.launch_attention_block(qb[i:i + r], kb, vb, out[b, i:i + r], e, mx, sm, scale, config,
-                                               interp)
+                kern.launch_attention_block(qb[i:i + r], kb, vb, out[b, i:i + r], e, mx, sm, scale, config,
+                                            interp)
         return out.view(*lead, n, dv)
     rows = max(1, min(n, ATTENTION_BLOCK_BYTES // (4 * max(m, 1))))
     scores = torch.empty((rows, m), dtype=torch.float32, device=q.device)
@@ -544,7 +397,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional
                 torch.mm(q3[b, i:i + r].float(), kt, out=scores[:r])
             else:
                 torch.mm(q3[b, i:i + r], kt, out_dtype=torch.float32, out=scores[:r])
-            kernels.launch_softmax_rows(scores[:r], probs[:r], scale, block, warps)
+            kern.launch_softmax_rows(scores[:r], probs[:r], scale, block, warps)
             torch.mm(probs[:r], v3[b], out=out[b, i:i + r])
     return out.view(*lead, n, dv)
 
@@ -606,7 +459,7 @@ def subpixel_weights(weight: torch.Tensor) -> torch.Tensor:
             and target.kernels and not target.interpreter):
         c_out, c_in = w.shape[:2]
         out = torch.empty((2, 2, c_out, 2, 2, c_in), dtype=w.dtype, device=w.device)
-        return _kernels().launch_subpixel_fold(w, out)
+        return kernels().launch_subpixel_fold(w, out)
     return _subpixel_weights_torch(weight)
 
 

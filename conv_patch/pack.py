@@ -105,8 +105,8 @@ def packed_weight(holder, weight: torch.Tensor, transposed: bool) -> torch.Tenso
         # pack kernel moves a 512x512x3x3 weight in a fraction of the 7.4 us
         # PyTorch's strided copy took on the H200 (kernels/weight_prep.py).
         # Eagerly the copy stays: there the launch's host time is the cost.
-        from . import ops
-        ops._kernels().launch_weight_pack(view, entry.buf)
+        from conv_patch import kernels
+        kernels.launch_weight_pack(view, entry.buf)
     else:
         entry.buf.copy_(view)
     _STATS["refreshes"] += 1

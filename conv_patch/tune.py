@@ -33,7 +33,7 @@ from .model_shapes import ConvCall, distinct_calls
 from .routing import flat_problem, route_problem, taps_problem, tma_arch, tma_problem
 from .specs import CallDesc
 from .target import Target, conv_tf32
-from .dispatch import kernel_errors
+from .conv import kernel_errors
 
 # cuDNN must beat the best candidate by this much to take a shape: run-to-run
 # noise on one shape is up to ~8% on the H200, and a fused epilogue (which the

@@ -157,3 +157,28 @@ def test_bench_tma_tiles_rows(tmp_path):
     assert [r["name"] for r in rows] == [f"conv 16->24 3x3 @2x130 {v}" for v in tma_tiles.VARIANTS]
     assert all(ROW_KEYS | {"tflops", "config", "deterministic"} <= set(r) and r["deterministic"] for r in rows)
     assert [r.get("bit_equal_one_tile") for r in rows] == [None] * 4 + [True]
+
+
+def test_bench_zoo_rows(tmp_path):
+    """The zoo's logic on tiny configs: one row per (model, size, batch,
+    dtype) with the result fields, the patched and graphed models computing
+    what the unpatched one does."""
+    from bench import zoo
+    rows = zoo.main(["--tiny", "--only", "rrdb-x4", "taef2", "--runs", "1", "--warmup", "0", "--out", str(tmp_path)])
+    doc = _result(tmp_path, "zoo")
+    assert [r["model"] for r in doc["rows"]] == ["rrdb-x4", "taef2"] and len(rows) == 2
+    for r in doc["rows"]:
+        assert ROW_KEYS | {"graph_ms", "graph_speedup", "host_ms", "noise", "routes"} <= set(r)
+        assert r["speedup"] == pytest.approx(r["baseline_ms"] / r["ours_ms"])
+        assert r["rel_err_vs_unpatched"] < 1e-5 and r["graph_rel_err_vs_unpatched"] < 1e-5
+        # (convs a recipe runs as the folded upsample are not counted: ops.upsample_conv2d)
+        assert r["kernel_convs"] > 0 and 0 < sum(r["routes"].values()) <= r["patched_convs"]
+    assert doc["geomean_speedup"] > 0
+
+
+def test_bench_overhead_rows(tmp_path, monkeypatch):
+    from bench import overhead
+    monkeypatch.setenv("BENCH_OUT", str(tmp_path))
+    overhead.main(n=1, rounds=1, warmup=0)
+    names = {r["name"] for r in _result(tmp_path, "overhead")["rows"]}
+    assert {"F.conv2d", "patched, lean route (planned call)", "plan: replayed launch"} <= names

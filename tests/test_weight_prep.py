@@ -100,11 +100,14 @@ def test_conv_without_bias_leaves_the_bias_to_the_norm(device, exact_fp32, monke
         assert b is m.bias and rel_err(y + b.view(-1, 1, 1), ref) <= 1e-5
         assert rel_err(y, ref - conv.bias.double().view(-1, 1, 1)) <= 1e-5
         # The table's cuDNN route: F.conv2d without its bias, no epilogue pass.
-        monkeypatch.setattr(type(m), "_cp_route", lambda *a: RouteDecision(Route.CUDNN, "test"))
+        from conv_patch import dispatch
+        monkeypatch.setattr(dispatch, "decide", lambda mod, *a: (RouteDecision(Route.CUDNN, "test"), mod.spec))
+        dispatch.clear(m)
         y, b = m.forward_without_bias(x)
         assert b is m.bias and rel_err(y + b.view(-1, 1, 1), ref) <= 1e-5
         # A call the original module takes keeps its bias.
-        monkeypatch.setattr(type(m), "_cp_route", lambda *a: RouteDecision(Route.FALLBACK, "test"))
+        monkeypatch.setattr(dispatch, "decide", lambda mod, *a: (RouteDecision(Route.FALLBACK, "test"), mod.spec))
+        dispatch.clear(m)
         y, b = m.forward_without_bias(x)
         assert b is None and rel_err(y, ref) <= 1e-5
 

@@ -367,7 +367,10 @@ def group_norm_decision(x, num_groups, weight, bias, graph) -> tuple:
 def group_norm(norm, x, activation="none", out=None, input_bias=None):
     """``act(norm(x + input_bias))`` into ``out`` when given (may be ``x``),
     for a GroupNorm module whose forward is the torch one's: planned per
-    signature like the convs (kept in the norm's ``_cp_plans``)."""
+    signature like the convs (kept in the norm's ``_cp_plans``). Under
+    torch.compile tracing, the op's own expression (Inductor fuses it)."""
+    if torch.compiler.is_compiling():
+        return _gn_kernel(norm, x, activation, out, input_bias)
     key = _gn_key(norm, x, activation, out, input_bias)
     plans = norm.__dict__.get("_cp_plans")
     plan = plans.get(key) if plans is not None else None

@@ -250,7 +250,7 @@ def cmd_info(args) -> int:
     import torch
 
     from . import __version__, config_tables
-    from .routing import ROUTE_INFO
+    from .routes import ROUTE_INFO
     from .target import default_target, interpreter_enabled, triton_available
 
     t = default_target()

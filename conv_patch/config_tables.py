@@ -16,15 +16,17 @@ from typing import Optional, Tuple
 
 import torch
 
+from .routes import TABLE_NAMES, exact_only_routes
 from .specs import ConvSpec
 
 TILE_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K")
 KINDS = ("conv2d", "conv_transpose2d")
-# "route" of a config: the portable implicit GEMM (the default), the Hopper
-# TMA kernel, the few-output-channel taps route (its tiles are those of its
-# first stage, a portable 1x1 GEMM), the few-input-channel flat route, or
-# cuDNN (exact entries only, where the tuner measured it faster).
-ROUTES = ("igemm", "tma", "taps", "flat", "cudnn")
+# "route" of a config (conv_patch/routes.py's registry): the portable implicit
+# GEMM (the default), the Hopper TMA kernel, the few-output-channel taps route
+# (its tiles are those of its first stage, a portable 1x1 GEMM), the
+# few-input-channel flat route, or cuDNN (exact entries only, where the tuner
+# measured it faster).
+ROUTES = TABLE_NAMES
 ALL_ROUTES = frozenset(ROUTES)
 # Exact keys of one 16-bit dtype serve the other: same element size, same
 # tensor-core rate, so the same tile wins (the tuner runs bf16).
@@ -60,9 +62,9 @@ def _check_config(cfg, where: str, exact: bool = False) -> dict:
     route = cfg.get("route", "igemm")
     if route not in ROUTES:
         raise TableError(f"{where}: route must be one of {', '.join(ROUTES)}, got {route!r}")
-    if route == "cudnn":
+    if route in exact_only_routes():
         if not exact:
-            raise TableError(f"{where}: route 'cudnn' is only allowed for an exact shape (where it was measured)")
+            raise TableError(f"{where}: route {route!r} is only allowed for an exact shape (where it was measured)")
         return cfg
     for k in TILE_KEYS:
         v = cfg.get(k)

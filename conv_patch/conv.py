@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from .epilogue import activation_code, eager_epilogue
-from .routing import Route, RouteDecision
+from .routes import Route, launcher
+from .routing import RouteDecision
 from .specs import ConvSpec, needs_grad
 from .target import Target, dot_precision, target_for
 
@@ -69,8 +70,8 @@ def run_kernel(decision: RouteDecision, target: Target, spec: ConvSpec, x: torch
         out = k.empty(shape, dtype=x.dtype, device=x.device, memory_format=fmt)
     elif unbatched:
         out = out.unsqueeze(0)
+    launch = launcher(k, decision.route)
     if decision.route is Route.CONV2D_TMA:
-        launch = k.launch_conv2d_tma
         if not w.is_contiguous(memory_format=torch.channels_last):
             # The functional API reads weights in place; the TMA descriptor
             # needs the co,kh,kw,ci pack the wrappers keep.
@@ -80,12 +81,6 @@ def run_kernel(decision: RouteDecision, target: Target, spec: ConvSpec, x: torch
             # The NHWC staging copy (see kernels/conv2d_tma.py); ``out`` was
             # allocated above in the caller's layout and stays in it.
             x = to_nhwc(x)
-    elif decision.route is Route.CONV2D_TAPS:
-        launch = k.launch_conv2d_taps
-    elif decision.route is Route.CONV2D_FLAT:
-        launch = k.launch_conv2d_flat
-    else:
-        launch = k.launch_conv_transpose2d if spec.transposed else k.launch_conv2d
     launch(x, w, bias, out, residual,
            stride=spec.stride, padding=spec.pad_begin, dilation=spec.dilation,
            beta=beta, activation=activation_code(activation), out_scale=out_scale,

@@ -30,7 +30,8 @@ import torch
 
 from . import config_tables, ops
 from .model_shapes import ConvCall, distinct_calls
-from .routing import flat_problem, route_problem, taps_problem, tma_arch, tma_problem
+from . import routes
+from .routes import _cfg, flat_problem, route_problem, taps_problem, tma_problem
 from .specs import CallDesc
 from .target import Target, conv_tf32
 from .conv import kernel_errors
@@ -50,63 +51,9 @@ CUDNN_ERR_SLACK = 1e-3
 M_BUCKETS = (4096, 16384, 65536, 262144, 1048576, None)
 
 
-def _cfg(route, bm, bn, bk, warps, stages, bw=None, group=8, persistent=0):
-    c = {"route": route, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group,
-         "num_warps": warps, "num_stages": stages}
-    if bw is not None:
-        c["BLOCK_W"] = bw
-    if persistent:
-        c["persistent"] = persistent
-    return c
-
-
-# The portable kernel: the three best configs of bench.portable_sweep on an H200.
-IGEMM_CANDIDATES = [
-    _cfg("igemm", 128, 128, 32, 4, 3), _cfg("igemm", 128, 256, 64, 8, 3),
-    _cfg("igemm", 128, 64, 64, 4, 3),
-]
-# The TMA kernel: 128-row tiles (one or two wgmma warpgroups), the tile's
-# width a 16-pixel square-ish patch (8x16), a 64-pixel row segment (2x64) or
-# one 128-pixel row. A one-row tile's input box reaches wgmma straight from
-# shared memory (taller boxes go through registers): on the H200 one-row
-# 128x128 tiles took 0.84-0.91x the time of 8x16 ones on the FLUX decoder's
-# 3x3 convs, and one-row 128x256 tiles walked by a persistent grid (one
-# program per SM) 0.83-0.95x cuDNN's time on its 256- and 512-channel ones
-# (bench/results/tma-tiles-h200-2026-12-01.json).
-TMA_CANDIDATES = [
-    _cfg("tma", 128, 128, 64, 4, 4, bw=16), _cfg("tma", 128, 128, 64, 4, 4, bw=64),
-    _cfg("tma", 128, 256, 64, 8, 3, bw=16), _cfg("tma", 128, 256, 64, 8, 3, bw=64),
-    _cfg("tma", 128, 64, 64, 4, 4, bw=32), _cfg("tma", 64, 128, 64, 4, 4, bw=64),
-    _cfg("tma", 128, 256, 64, 8, 4, bw=64),
-    _cfg("tma", 128, 128, 64, 4, 3, bw=128), _cfg("tma", 128, 128, 64, 4, 4, bw=128),
-    _cfg("tma", 128, 256, 64, 8, 3, bw=128, persistent=1),
-]
-# The few-output-channel route: tiles of its first stage, a 1x1 GEMM with
-# N = C_out*KH*KW <= 64 and K = C_in (memory-bound: wide row tiles).
-TAPS_CANDIDATES = [
-    _cfg("taps", 128, 32, 64, 4, 3), _cfg("taps", 256, 32, 64, 8, 3), _cfg("taps", 128, 64, 128, 4, 3),
-]
-# The few-input-channel route: its reduction (C_in*KH*KW <= 64) is one or two
-# K blocks, so the tile's rows and columns decide; memory-bound on the output.
-FLAT_CANDIDATES = [
-    _cfg("flat", 128, 128, 32, 4, 2), _cfg("flat", 128, 64, 32, 4, 2), _cfg("flat", 256, 64, 32, 8, 2),
-    _cfg("flat", 64, 128, 64, 4, 2),
-]
-# Under the interpreter (the tuner's own tests): two of each, tiles sized for it.
-INTERPRETER_CANDIDATES = [
-    _cfg("igemm", 1024, 128, 128, 4, 1), _cfg("igemm", 64, 64, 32, 4, 1),
-    _cfg("tma", 256, 64, 64, 4, 1, bw=16), _cfg("tma", 64, 32, 32, 4, 1, bw=64, persistent=1),
-    _cfg("taps", 256, 32, 64, 4, 1), _cfg("flat", 256, 32, 32, 4, 1),
-]
-
-
 def candidates(target: Target) -> List[dict]:
-    if target.interpreter:
-        return [dict(c) for c in INTERPRETER_CANDIDATES]
-    out = [dict(c) for c in IGEMM_CANDIDATES + TAPS_CANDIDATES + FLAT_CANDIDATES]
-    if tma_arch(target.arch):
-        out += [dict(c) for c in TMA_CANDIDATES]
-    return out
+    """The configs measured on ``target`` (the route registry's)."""
+    return routes.tuner_candidates(target)
 
 
 def config_label(c: dict) -> str:

@@ -32,7 +32,9 @@ def test_verify_detects_wrong_kernels(monkeypatch, capsys, device):
     def off_by_a_bit(*args, **kwargs):
         return real(*args, **kwargs) * 1.05
 
-    monkeypatch.setattr(ops, "run_kernel", off_by_a_bit)
+    from conv_patch import conv
+    monkeypatch.setattr(ops, "run_kernel", off_by_a_bit)  # the functional API's (per-layer checks)
+    monkeypatch.setattr(conv, "run_kernel", off_by_a_bit)  # the dispatch core's (the patched model)
     assert cli.main(["verify", "--device", str(device), "--size", "16"]) == 1
     out = capsys.readouterr().out
     assert "FAIL" in out

@@ -159,3 +159,21 @@ def test_user_table_file_errors(tmp_path):
     good.write_text(json.dumps({"conv2d": {"any": {"BLOCK_M": 32, "BLOCK_N": 16, "BLOCK_K": 16}}}))
     table = config_tables.load_user_table(good)
     assert table.name == str(good) and table.data["conv2d"]["any"]["BLOCK_M"] == 32
+
+
+def test_one_registry_names_every_route():
+    """Routing, the tables, the launch layer, the tuner and `convpatch info`
+    read one registry (conv_patch/routes.py): every route is in it once,
+    every table name validates, every kernel route has a launcher."""
+    from conv_patch import config_tables, kernels, routes
+    assert {e.route for e in routes.REGISTRY} == set(Route)
+    assert config_tables.ROUTES == routes.TABLE_NAMES and set(routes.ROUTE_INFO) == set(Route)
+    for e in routes.REGISTRY:
+        if e.launcher:
+            assert callable(routes.launcher(kernels, e.route))
+    for name in routes.TABLE_NAMES:
+        cfg = {"route": name, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64}
+        config_tables.validate_table({"conv2d": {"exact": {"k": cfg}}}, "t")
+    labels = {c["route"] for c in routes.tuner_candidates(Target("sm90", True))}
+    assert labels == {"igemm", "tma", "taps", "flat"}
+    assert "tma" not in {c["route"] for c in routes.tuner_candidates(Target("sm80", True))}

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from conv_patch import cli, config_tables, tune
+from conv_patch import cli, config_tables, routes, tune
 from conv_patch.model_shapes import ConvCall, distinct_calls, family_convs
 from conv_patch.routing import Route, select_route
 from conv_patch.specs import CallDesc, ConvSpec
@@ -185,7 +185,7 @@ def test_config_labels_read_back_to_their_configs():
     """--from-report rebuilds configs from the labels a report holds: every
     candidate of every route must come back exactly, anything else not."""
     sm90 = dataclasses.replace(target_for(torch.device("cpu")), arch="sm90", interpreter=False)
-    cands = tune.candidates(sm90) + tune.INTERPRETER_CANDIDATES
+    cands = tune.candidates(sm90) + routes.INTERPRETER_CANDIDATES
     assert any(c.get("persistent") for c in cands) and any("BLOCK_W" in c for c in cands)
     for c in cands:
         assert tune.config_of_label(tune.config_label(c)) == c

@@ -166,8 +166,10 @@ def test_unknown_architecture_per_layer_only(tmp_path, capsys):
 
 def test_mismatch_exits_1(tmp_path, capsys, monkeypatch):
     path = _good_file(tmp_path)
+    from conv_patch import conv
     real = ops.run_kernel
-    monkeypatch.setattr(ops, "run_kernel", lambda *a, **k: real(*a, **k) + 0.5)
+    monkeypatch.setattr(ops, "run_kernel", lambda *a, **k: real(*a, **k) + 0.5)  # the functional API's
+    monkeypatch.setattr(conv, "run_kernel", lambda *a, **k: real(*a, **k) + 0.5)  # the dispatch core's
     code, out, err = run_cli(["verify", str(path)], capsys)
     assert code == 1 and "FAIL" in out
 

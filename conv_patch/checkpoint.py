@@ -34,6 +34,12 @@ DTYPES = {
 }
 
 
+# The safetensors library's own limit on the header (MAX_HEADER_SIZE): a
+# larger length field is refused before anything is read, however large the
+# (possibly sparse) file claims to be.
+MAX_HEADER_BYTES = 100_000_000
+
+
 class CheckpointError(ValueError):
     """Bad input: the message is one line naming the file and the problem."""
 
@@ -45,6 +51,12 @@ class TensorEntry:
     shape: tuple
     begin: int
     end: int
+
+
+def _short(v, limit: int = 60) -> str:
+    """A header value as an error message shows it: one line, bounded."""
+    text = repr(v).replace("\n", " ")
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def _fail(path, msg):
@@ -74,6 +86,9 @@ def read_header(path: str) -> Dict[str, TensorEntry]:
             if len(head) < 8:
                 _fail(path, f"not a safetensors file ({size} bytes, too short for a header)")
             (n,) = struct.unpack("<Q", head)
+            if n > MAX_HEADER_BYTES:
+                _fail(path, f"not a safetensors file: header length {n} bytes is over the format's "
+                            f"{MAX_HEADER_BYTES}-byte limit")
             if n > size - 8:
                 _fail(path, f"not a safetensors file or truncated: header length {n} bytes is larger than "
                             f"the file ({size} bytes)")
@@ -84,6 +99,8 @@ def read_header(path: str) -> Dict[str, TensorEntry]:
         header = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         _fail(path, f"not a safetensors file (the header is not JSON: {str(e).splitlines()[0][:80]})")
+    except RecursionError:
+        _fail(path, "not a safetensors file (the header's JSON is nested too deeply)")
     if not isinstance(header, dict):
         _fail(path, f"not a safetensors file (the header is a JSON {type(header).__name__}, not an object)")
 
@@ -95,15 +112,15 @@ def read_header(path: str) -> Dict[str, TensorEntry]:
         if not isinstance(e, dict) or not {"dtype", "shape", "data_offsets"} <= set(e):
             _fail(path, f"tensor {name!r}: header entry lacks dtype, shape or data_offsets")
         dtype, shape, offs = e["dtype"], e["shape"], e["data_offsets"]
-        if dtype not in DTYPES:
-            _fail(path, f"tensor {name!r} has unknown dtype {dtype!r}")
+        if not isinstance(dtype, str) or dtype not in DTYPES:
+            _fail(path, f"tensor {name!r} has unknown dtype {_short(dtype)}")
         if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
                                                   for d in shape):
-            _fail(path, f"tensor {name!r} has an invalid shape {shape!r}")
+            _fail(path, f"tensor {name!r} has an invalid shape {_short(shape)}")
         if (not isinstance(offs, list) or len(offs) != 2
                 or not all(isinstance(o, int) and not isinstance(o, bool) for o in offs)
                 or offs[0] < 0 or offs[0] > offs[1]):
-            _fail(path, f"tensor {name!r} has invalid data_offsets {offs!r}")
+            _fail(path, f"tensor {name!r} has invalid data_offsets {_short(offs)}")
         begin, end = offs
         if end > data_size:
             _fail(path, f"tensor {name!r} data [{begin}, {end}) runs past the end of the file's "

@@ -206,6 +206,10 @@ def cmd_verify(args) -> int:
         raise UsageError(f"{args.image}: no such image file")
     if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
         raise UsageError(f"{args.json}: cannot write the JSON report (no such folder)")
+    if args.json:
+        for p in list(args.paths or []) + ([args.image] if args.image else []):
+            if os.path.exists(p) and os.path.exists(args.json) and os.path.samefile(p, args.json):
+                raise UsageError(f"{args.json}: --json names an input file; the report would overwrite it")
     # None: each checkpoint's own half type on a GPU, fp32 on the CPU.
     dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype else None
     tty = sys.stdout.isatty()

@@ -63,6 +63,15 @@ def _truncated(d):
     return _write(p, p.read_bytes()[:-100])
 
 
+def _sparse_with_header_length(path, n):
+    """A sparse file as large as its header length field claims (1 GiB of
+    holes): the reader must refuse the length, not read and decode it."""
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", n) + b"{")
+        f.truncate(8 + n + 16)
+    return path
+
+
 def _good_file(tmp_path):
     p = tmp_path / "good.safetensors"
     save_file({"conv.weight": torch.randn(4, 3, 3, 3)}, str(p))
@@ -102,6 +111,16 @@ BAD_INPUTS = {
                         "no convolution weights"),
     "no_tensors": (lambda d: raw_safetensors(d / "none.safetensors", {"__metadata__": {"a": "b"}}),
                    "holds no tensors"),
+    "dtype_is_a_list": (lambda d: raw_safetensors(
+        d / "dl.safetensors", {"c.weight": {"dtype": ["F32"], "shape": [1], "data_offsets": [0, 4]}}, bytes(4)),
+        "unknown dtype"),
+    "dtype_is_an_object": (lambda d: raw_safetensors(
+        d / "do.safetensors", {"c.weight": {"dtype": {"x": 1}, "shape": [1], "data_offsets": [0, 4]}}, bytes(4)),
+        "unknown dtype"),
+    "deeply_nested_json": (lambda d: raw_safetensors(d / "deep.safetensors", b"[" * 100000 + b"]" * 100000),
+                           "nested too deeply"),
+    "header_length_over_the_format_limit": (lambda d: _sparse_with_header_length(d / "sparse.safetensors", 1 << 30),
+                                            "limit"),
     "pickle_refused": (lambda d: torch.save({"conv.weight": torch.randn(2, 2, 3, 3)}, d / "vae.ckpt")
                        or d / "vae.ckpt", "pickle"),
 }
@@ -305,3 +324,11 @@ def test_image_without_encoder_is_explained(tmp_path, capsys):
     assert code == 0 and "--image needs an encoder and a decoder" in out
     code, out, err = run_cli(["verify", str(path), "--image", str(tmp_path / "none.png")], capsys)
     assert code == 2 and "none.png: no such image file" in err
+
+
+def test_json_report_never_overwrites_an_input(tmp_path, capsys):
+    path = _good_file(tmp_path)
+    before = _fingerprint(path)
+    code, out, err = run_cli(["verify", str(path), "--json", str(path)], capsys)
+    assert code == 2 and "overwrite" in err and len(err.strip().splitlines()) == 1
+    assert _fingerprint(path) == before

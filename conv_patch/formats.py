@@ -163,7 +163,13 @@ def taesd_plan(shapes: Shapes, prefix: str = "", decoder: Optional[bool] = None)
     if not keys or not all(re.match(r"\d+\.", k) for k in keys):
         return None
     s = {k: shapes[prefix + k] for k in keys}
-    last = max(int(k.split(".")[0]) for k in keys)
+    used = {int(k.split(".")[0]) for k in keys}
+    last = max(used)
+    # A TAESD stack's parameter-free layers (clamp, ReLU, upsample) are a
+    # few between its parameterised ones; an index far past the tensors a
+    # file has is no TAESD layout, and must not cost a loop that long.
+    if last > 2 * len(used) + 8:
+        return None
     if decoder is None:
         decoder = "0.weight" not in s
     plan, first_conv = [], None
@@ -179,7 +185,7 @@ def taesd_plan(shapes: Shapes, prefix: str = "", decoder: Optional[bool] = None)
         elif f"{i}.conv.0.weight" in s and f"{i}.conv.4.weight" in s:
             plan.append(("block", s[f"{i}.conv.0.weight"][1], s[f"{i}.conv.4.weight"][0],
                          f"{i}.pool.0.weight" in s))
-        elif any(k.startswith(f"{i}.") for k in s):
+        elif i in used:
             return None
         elif decoder and i == 0 and "0.weight" not in s:
             plan.append(("clamp",))

@@ -332,3 +332,27 @@ def test_json_report_never_overwrites_an_input(tmp_path, capsys):
     code, out, err = run_cli(["verify", str(path), "--json", str(path)], capsys)
     assert code == 2 and "overwrite" in err and len(err.strip().splitlines()) == 1
     assert _fingerprint(path) == before
+
+
+def test_format_detection_is_linear_in_the_tensors(tmp_path, capsys):
+    """A tiny file naming tensor 1000000000000.bias: recognising its format
+    must not walk a trillion layer indices (it did, for minutes)."""
+    import signal
+
+    from conv_patch import formats
+    shapes = {"0.weight": (4, 3, 3, 3), "1000000000000.bias": (4,)}
+
+    def too_slow(*a):
+        raise TimeoutError("format detection did not finish in 20 s")
+
+    old = signal.signal(signal.SIGALRM, too_slow)
+    signal.alarm(20)
+    try:
+        assert formats.taesd_plan(shapes) is None
+        path = tmp_path / "far.safetensors"
+        save_file({"0.weight": torch.randn(4, 3, 3, 3), "1000000000000.bias": torch.randn(4)}, str(path))
+        code, out, err = run_cli(["verify", str(path), "--size", "8"], capsys)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    assert code == 0 and "not recognised" in out, (out, err)

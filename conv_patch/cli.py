@@ -179,19 +179,24 @@ def render_plain(report) -> str:
 
 
 def render_rich(report, console) -> None:
+    """The report as a rich table. Everything taken from the file (tensor
+    and file names, notes) is escaped: a name like ``[/x].weight`` is text,
+    not markup."""
+    from rich.markup import escape
     from rich.table import Table
     for n in report.notes:
-        console.print(f"note: {n}")
-    t = Table(title=f"{report.model} - {report.device}, {report.dtype}")
+        console.print(f"note: {escape(n)}")
+    t = Table(title=escape(f"{report.model} - {report.device}, {report.dtype}"))
     for col in ("layer", "shape", "route", "rel err", "torch err", "tol", "result"):
         t.add_column(col, justify="right" if col in ("rel err", "torch err", "tol") else "left")
     for r in report.layers:
-        t.add_row(r.name, r.shape, r.route, _fmt(r.rel_err), _fmt(r.torch_rel_err), f"{r.tolerance:.0e}",
-                  ("[green]pass" if r.passed else "[red]FAIL") + (f" ({r.note})" if r.note else ""))
+        t.add_row(escape(r.name), escape(r.shape), escape(r.route), _fmt(r.rel_err), _fmt(r.torch_rel_err),
+                  f"{r.tolerance:.0e}",
+                  ("[green]pass[/]" if r.passed else "[red]FAIL[/]") + (f" ({escape(r.note)})" if r.note else ""))
     console.print(t)
     for line in summary_lines(report):
         style = "bold green" if line == "PASS" else "bold red" if line.startswith("FAIL") else None
-        console.print(line, style=style, highlight=False)
+        console.print(escape(line), style=style, highlight=False)
 
 
 def cmd_verify(args) -> int:

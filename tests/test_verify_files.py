@@ -356,3 +356,22 @@ def test_format_detection_is_linear_in_the_tensors(tmp_path, capsys):
         signal.alarm(0)
         signal.signal(signal.SIGALRM, old)
     assert code == 0 and "not recognised" in out, (out, err)
+
+
+def test_names_from_the_file_are_text_not_markup(tmp_path):
+    """A tensor named like rich markup, in a file named like it: the table
+    shows both as they are (it crashed, or dropped the bracket)."""
+    pytest.importorskip("rich")
+    from rich.console import Console
+
+    from conv_patch import verify
+    path = tmp_path / "vae [fp16].safetensors"
+    save_file({"[/x].weight": torch.randn(4, 3, 3, 3), "[bold]b.weight": torch.randn(4, 4, 1, 1)}, str(path))
+    reports = verify.verify_files([str(path)], torch.device("cpu"), None, 8)
+    console = Console(record=True, width=200, force_terminal=True)
+    for r in reports:
+        r.model = str(path)  # as a file's report is titled
+        cli.render_rich(r, console)
+    text = console.export_text()
+    # Layers are shown by module path (the ".weight" dropped).
+    assert "│ [/x] " in text and "│ [bold]b " in text and "vae [fp16].safetensors" in text

@@ -13,6 +13,8 @@ Two checks, both against references computed independently of the kernels:
 
 from __future__ import annotations
 
+import re
+
 import copy
 import math
 import statistics
@@ -113,7 +115,10 @@ def check_layer(name: str, conv: nn.Module, size: int, seed: int) -> LayerResult
                            "weights contain NaN/Inf: not compared")
     g = torch.Generator().manual_seed(seed)
     h = max(size // spec.stride[0] if spec.transposed else size, 1)
-    x = torch.randn(1, spec.in_channels, h, h, generator=g).to(device=device, dtype=dtype)
+    # The probe is at least as large as the kernel's reach on each axis (a
+    # 1x31 weight on an 8x8 probe would be a conv PyTorch rejects).
+    hw = [h if spec.transposed else max(h, spec.dilation[i] * (spec.kernel[i] - 1) + 1) for i in range(2)]
+    x = torch.randn(1, spec.in_channels, *hw, generator=g).to(device=device, dtype=dtype)
     with torch.no_grad():
         ours = conv(x)
         route = conv._cp_last.label() if isinstance(conv, PatchedConvMixin) else "not patched"
@@ -221,10 +226,17 @@ def embedded_default(device: torch.device, dtype: torch.dtype, size: Optional[in
 
 # -- checkpoint files -------------------------------------------------------------
 
+def _natural(name: str) -> list:
+    """Sort key that orders ``2.conv`` before ``10.conv``."""
+    return [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in re.split(r"(\d+)", name)]
+
+
 def conv_weight_names(state: dict) -> List[str]:
-    """Every 4-D floating-point ``*weight`` tensor: the file's convolutions."""
-    return [k for k, v in state.items()
-            if k.endswith("weight") and v.dim() == 4 and v.is_floating_point() and min(v.shape) > 0]
+    """Every 4-D floating-point ``*weight`` tensor: the file's convolutions,
+    in natural order (layer 2 before layer 10)."""
+    return sorted((k for k, v in state.items()
+                   if k.endswith("weight") and v.dim() == 4 and v.is_floating_point() and min(v.shape) > 0),
+                  key=_natural)
 
 
 def _file_dtype(state: dict, names: List[str]) -> torch.dtype:

@@ -375,3 +375,16 @@ def test_names_from_the_file_are_text_not_markup(tmp_path):
     text = console.export_text()
     # Layers are shown by module path (the ".weight" dropped).
     assert "│ [/x] " in text and "│ [bold]b " in text and "vae [fp16].safetensors" in text
+
+
+def test_narrow_kernels_and_layer_order(tmp_path, capsys):
+    """A 1x31 weight is probed with an input wide enough for it (it was a
+    RuntimeError traceback), and layers are listed in natural order."""
+    path = tmp_path / "odd.safetensors"
+    save_file({"10.weight": torch.randn(4, 4, 3, 3), "2.weight": torch.randn(4, 4, 1, 31),
+               "1.weight": torch.randn(4, 3, 3, 3)}, str(path))
+    code, out, err = run_cli(["verify", str(path), "--size", "8"], capsys)
+    assert code == 0 and "Traceback" not in err, (out, err)
+    assert "4->4 k1x31" in out
+    layers = [line.split()[0] for line in out.splitlines() if "->" in line]
+    assert layers == ["1", "2", "10"]

@@ -209,6 +209,11 @@ def cmd_verify(args) -> int:
         raise UsageError(f"--size {args.size}: must be positive")
     if args.image and not os.path.isfile(args.image):
         raise UsageError(f"{args.image}: no such image file")
+    if args.image:
+        try:
+            verify.read_image(args.image)  # a bad image is reported now, not after every layer's check
+        except ValueError as e:
+            raise UsageError(str(e)) from None
     if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
         raise UsageError(f"{args.json}: cannot write the JSON report (no such folder)")
     if args.json:

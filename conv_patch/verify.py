@@ -271,18 +271,25 @@ def check_file_layers(state: dict, fmt, device, dtype, size: int,
     return results
 
 
-def load_image(path: str, size: int, value_range: tuple) -> torch.Tensor:
-    """[1, 3, size, size] in ``value_range``: centre square, resized."""
+def read_image(path: str):
+    """The image at ``path`` as RGB (PIL), or a one-line ValueError naming
+    the file; ``convpatch verify`` calls it before any layer is checked."""
     try:
         from PIL import Image
     except ImportError:
         raise ValueError("--image needs Pillow (pip install pillow)") from None
     try:
-        img = Image.open(path).convert("RGB")
+        return Image.open(path).convert("RGB")
     except FileNotFoundError:
         raise ValueError(f"{path}: no such image file") from None
     except Exception as e:
         raise ValueError(f"{path}: cannot read as an image ({type(e).__name__})") from None
+
+
+def load_image(path: str, size: int, value_range: tuple) -> torch.Tensor:
+    """[1, 3, size, size] in ``value_range``: centre square, resized."""
+    from PIL import Image
+    img = read_image(path)
     side = min(img.size)
     left, top = (img.size[0] - side) // 2, (img.size[1] - side) // 2
     img = img.crop((left, top, left + side, top + side)).resize((size, size), Image.LANCZOS)

@@ -388,3 +388,14 @@ def test_narrow_kernels_and_layer_order(tmp_path, capsys):
     assert "4->4 k1x31" in out
     layers = [line.split()[0] for line in out.splitlines() if "->" in line]
     assert layers == ["1", "2", "10"]
+
+
+def test_unreadable_image_is_refused_before_any_check(tmp_path, capsys, monkeypatch):
+    path = _good_file(tmp_path)
+    img = _write(tmp_path / "photo.png", "this is not a png\n")
+    from conv_patch import verify
+    checked = []
+    monkeypatch.setattr(verify, "check_file_layers", lambda *a, **k: checked.append(1) or [])
+    code, out, err = run_cli(["verify", str(path), "--image", str(img)], capsys)
+    assert code == 2 and "photo.png: cannot read as an image" in err and len(err.strip().splitlines()) == 1
+    assert not checked

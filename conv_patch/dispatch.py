@@ -87,6 +87,8 @@ class ConvPlan:
     # (stride, padding, dilation, groups) where the module's own forward is
     # exactly ``F.conv2d`` with them: the MODULE plan calls it directly.
     direct: Optional[tuple] = None
+    # A folded F.pad (F.pad order) the MODULE plan applies before the module.
+    padding: Optional[tuple] = None
 
     def run(self, m, x, weight, bias, residual, out, beta, activation, out_scale, output_padding,
             fallback_args, no_bias):
@@ -103,17 +105,8 @@ class ConvPlan:
                                     residual=residual, beta=beta, activation=activation, out_scale=out_scale,
                                     out=out)
             return (y, bias) if no_bias else y
-        if self.direct is not None:
-            y = torch.nn.functional.conv2d(x, weight, bias, *self.direct)
-        else:
-            y = module_forward(m, x, fallback_args, self.spec)
-        if no_bias:
-            return y, None
-        if residual is None and activation == "none" and out_scale == 1.0:
-            return y if out is None else out.copy_(y)
-        conv_op.check_residual(residual, y.shape)
-        y = eager_epilogue(y, residual, beta, activation, out_scale)
-        return y if out is None else out.copy_(y)
+        y = None if self.direct is None else torch.nn.functional.conv2d(x, weight, bias, *self.direct)
+        return eager(m, x, residual, beta, activation, out_scale, fallback_args, out, self.padding, no_bias, y)
 
     def _weight(self, m, weight):
         """The kernels' weight, read from ``weight`` during this call (see
@@ -135,15 +128,23 @@ def _ops():
     return ops
 
 
-def module_forward(m, x, fallback_args, spec):
-    """The original module's own computation of this call."""
-    orig = m.__dict__.get("_cp_original")
-    fwd = type(orig).forward if orig is not None else m._cp_torch_class.forward
-    if spec is not m.spec:
-        # A folded F.pad (``conv(..., padding=)``): pad, then the module.
-        (t, left), (b, r) = spec.pad_begin, spec.pad_end
-        x = torch.nn.functional.pad(x, (left, r, t, b))
-    return fwd(m, x, *fallback_args)
+def eager(m, x, residual, beta, activation, out_scale, fallback_args, out, padding, no_bias, y=None):
+    """The call as PyTorch computes it: the original module's forward (after
+    the folded ``F.pad`` where ``padding`` is given; ``y`` when the caller
+    already has the module's output), then the epilogue as eager ops, into
+    ``out`` when given. With ``no_bias`` the pair ``(y, None)``: the bias is
+    in ``y``."""
+    if y is None:
+        if padding is not None:
+            x = torch.nn.functional.pad(x, tuple(padding))
+        y = m._cp_fallback_forward(m, x, *fallback_args)
+    if no_bias:
+        return y, None
+    if residual is None and activation == "none" and out_scale == 1.0:
+        return y if out is None else out.copy_(y)
+    conv_op.check_residual(residual, y.shape)
+    y = eager_epilogue(y, residual, beta, activation, out_scale)
+    return y if out is None else out.copy_(y)
 
 
 def _cudnn_weight(m, x, weight):
@@ -254,7 +255,8 @@ def build(m, key, x, weight, bias, residual, out, beta, activation, out_scale, o
     and the call run through it."""
     decision, spec = decide(m, x, weight, bias, residual, beta, activation, out_scale, output_padding, padding,
                             key[-1])
-    plan = ConvPlan(MODULE, decision, spec, graph=key[-1], direct=_direct(m, spec, padding, fallback_args))
+    plan = ConvPlan(MODULE, decision, spec, graph=key[-1], direct=_direct(m, spec, padding, fallback_args),
+                    padding=padding)
     if decision.route is Route.CUDNN:
         plan.kind = CUDNN
     elif decision.is_kernel:
@@ -275,7 +277,7 @@ def build(m, key, x, weight, bias, residual, out, beta, activation, out_scale, o
         except kernel_errors() as e:
             # Raised while compiling or launching, before anything ran.
             reason = f"kernel failed here: {type(e).__name__}: {str(e).strip().splitlines()[0][:160]}"
-            plan = ConvPlan(MODULE, RouteDecision(Route.FALLBACK, reason), spec, graph=key[-1])
+            plan = ConvPlan(MODULE, RouteDecision(Route.FALLBACK, reason), spec, graph=key[-1], padding=padding)
             warnings.warn(f"conv-patch: {reason}; this call ran on PyTorch", KernelFailureWarning, stacklevel=4)
         else:
             try:

@@ -12,18 +12,15 @@ state_dict keys) and its class's ``forward`` is the fallback.
 
 from __future__ import annotations
 
-import warnings
 from typing import Optional
 
 import torch
 from torch import nn
 
 from . import dispatch, pack
-
 from .epilogue import activation_code
 from .routing import Route, RouteDecision, select_route
-from .specs import CallDesc, ConvSpec, needs_grad
-from .target import target_for
+from .specs import ConvSpec, needs_grad
 
 # Wrapper-private state lives under this prefix and is never copied back.
 PRIVATE = "_cp_"
@@ -120,16 +117,7 @@ class PatchedConvMixin:
 
     def _cp_eager(self, x, residual, beta, activation, out_scale, fallback_args, out, padding, no_bias):
         """The original forward plus the epilogue as PyTorch ops."""
-        from .ops import check_residual, eager_epilogue
-        if padding is not None:
-            x = torch.nn.functional.pad(x, tuple(padding))
-        y = self._cp_fallback_forward(self, x, *fallback_args)
-        if no_bias:
-            return y, None
-        if residual is None and activation == "none" and out_scale == 1.0:
-            return _into(out, y)
-        check_residual(residual, y.shape)
-        return _into(out, eager_epilogue(y, residual, beta, activation, out_scale))
+        return dispatch.eager(self, x, residual, beta, activation, out_scale, fallback_args, out, padding, no_bias)
 
     def forward_without_bias(self, x):
         """``(y, b)`` with ``y + b`` (``b`` [C_out], per channel) equal to

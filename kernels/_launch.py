@@ -5,6 +5,8 @@ Plain integer arithmetic on purpose: ``triton.cdiv`` and
 microseconds per host-side call, which adds up on every launch.
 """
 
+import contextlib
+
 from torch import Tensor
 
 INT32_LIMIT = 2**31 - 1
@@ -234,20 +236,16 @@ class Recorder:
         self.scratch = []   # tensors allocated through ``empty``
 
 
+@contextlib.contextmanager
 def recording():
     """``with recording() as rec:`` every ``launch`` and ``empty`` inside is
     recorded into ``rec`` (nested recordings record into the innermost)."""
-    import contextlib
-
-    @contextlib.contextmanager
-    def cm():
-        rec = Recorder()
-        _RECORDERS.append(rec)
-        try:
-            yield rec
-        finally:
-            _RECORDERS.pop()
-    return cm()
+    rec = Recorder()
+    _RECORDERS.append(rec)
+    try:
+        yield rec
+    finally:
+        _RECORDERS.pop()
 
 
 def empty(shape, *, dtype, device, memory_format=None):

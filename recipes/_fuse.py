@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from conv_patch import dispatch, ops, pack
-from conv_patch.costs import GROUP_NORM_MIN_ELEMENTS
+from conv_patch.costs import group_norm_pays
 from conv_patch.specs import needs_grad
 from conv_patch.wrappers import PatchedConvMixin, comfy_active, is_comfy_conv_class
 
@@ -184,8 +184,8 @@ def group_norm(norm: nn.GroupNorm, x: torch.Tensor, activation: str = "none",
     the result. Hooks are the caller's business (fused blocks check
     ``plain`` first, the GroupNorm recipe runs inside the module's own
     call)."""
-    if x.is_cuda and x.numel() < GROUP_NORM_MIN_ELEMENTS:
-        # PyTorch's GroupNorm is faster at this size (costs.group_norm_pays):
+    if x.is_cuda and not group_norm_pays(x.numel()):
+        # PyTorch's GroupNorm is faster at this size:
         # decided here, before any signature is built.
         return dispatch.group_norm_eager(norm, x, activation, out, input_bias)
     if x.dim() == 4 and not comfy_active(norm):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from conv_patch.costs import GROUP_NORM_MIN_ELEMENTS
+from conv_patch.costs import group_norm_pays
 
 from ._fuse import (Recipe, base, channels_last, conv, group_norm, inference, is_conv,
                     is_group_norm, is_relu, is_silu, like_input, register, upsample_conv)
@@ -25,8 +25,8 @@ class GroupNormRecipe(Recipe):
         return is_group_norm(m)
 
     def forward(self, m, x):
-        if (x.is_cuda and x.numel() < GROUP_NORM_MIN_ELEMENTS) or x.dim() != 4 or not inference(x, m):
-            # Small on a GPU: PyTorch's own GroupNorm is faster (costs.group_norm_pays).
+        if (x.is_cuda and not group_norm_pays(x.numel())) or x.dim() != 4 or not inference(x, m):
+            # Small on a GPU: PyTorch's own GroupNorm is faster.
             return base(m, x)
         return group_norm(m, x)
 

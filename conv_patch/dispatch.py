@@ -60,16 +60,22 @@ def conv_key(x, weight, bias, residual, out, beta, activation, out_scale, output
     grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                         or (bias is not None and bias.requires_grad)
                                         or (residual is not None and residual.requires_grad))
-    graph = x.is_cuda and pack.on_graph_path(x)
+    device = x.device
+    graph = device.type == "cuda" and pack.on_graph_path(x)
+    # The dtype torch.autocast casts the convolution to (None: autocast is
+    # off for this device type), read here once so that the plan, not every
+    # call, decides what that cast means (AutocastPlan).
+    cast = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
     alias = None
     if residual is not None or out is not None:
         alias = (residual is x, out is x, out is not None and out is residual)
     # A weight or bias replaced, moved, re-typed or re-laid-out gets a new
     # storage address; with the shape that identifies it (an in-place edit
     # keeps both, and the pack is refreshed from it at every call).
-    return (x.shape, x.stride(), x.dtype, x.device, x.data_ptr() & 15, weight.data_ptr(), weight.shape,
+    # build() reads the last two entries: the autocast dtype and the graph flag.
+    return (x.shape, x.stride(), x.dtype, device, x.data_ptr() & 15, weight.data_ptr(), weight.shape,
             None if bias is None else bias.data_ptr(), _tensor_sig(residual), _tensor_sig(out), alias, beta,
-            activation, out_scale, output_padding, padding, no_bias, grad, graph)
+            activation, out_scale, output_padding, padding, no_bias, grad, cast, graph)
 
 
 @dataclasses.dataclass(eq=False)
@@ -253,9 +259,29 @@ def build(m, key, x, weight, bias, residual, out, beta, activation, out_scale, o
           fallback_args, padding, no_bias):
     """(plan, result of this call): the plan of ``key``, built and stored,
     and the call run through it."""
+    cast, graph = key[-2], key[-1]
+    if cast is None:
+        plan, y = _build(m, graph, x, weight, bias, residual, out, beta, activation, out_scale, output_padding,
+                         fallback_args, padding, no_bias)
+    else:
+        plan = AutocastPlan(cast, x.device.type, padding)
+        if _autocast_in_kernels(plan, x, weight, bias, residual, out, key[-3]):
+            a = plan.cast_args(x, weight, bias)
+            plan.inner, y = _build(m, graph, *a, residual, out, beta, activation, out_scale, output_padding,
+                                   fallback_args, padding, no_bias)
+        else:
+            y = plan.run(m, x, weight, bias, residual, out, beta, activation, out_scale, output_padding,
+                         fallback_args, no_bias)
+    _store(m, key, plan)
+    return plan, y
+
+
+def _build(m, graph, x, weight, bias, residual, out, beta, activation, out_scale, output_padding,
+           fallback_args, padding, no_bias):
+    """(plan, result of this call) for a call without autocast."""
     decision, spec = decide(m, x, weight, bias, residual, beta, activation, out_scale, output_padding, padding,
-                            key[-1])
-    plan = ConvPlan(MODULE, decision, spec, graph=key[-1], direct=_direct(m, spec, padding, fallback_args),
+                            graph)
+    plan = ConvPlan(MODULE, decision, spec, graph=graph, direct=_direct(m, spec, padding, fallback_args),
                     padding=padding)
     if decision.route is Route.CUDNN:
         plan.kind = CUDNN
@@ -277,18 +303,66 @@ def build(m, key, x, weight, bias, residual, out, beta, activation, out_scale, o
         except kernel_errors() as e:
             # Raised while compiling or launching, before anything ran.
             reason = f"kernel failed here: {type(e).__name__}: {str(e).strip().splitlines()[0][:160]}"
-            plan = ConvPlan(MODULE, RouteDecision(Route.FALLBACK, reason), spec, graph=key[-1], padding=padding)
-            warnings.warn(f"conv-patch: {reason}; this call ran on PyTorch", KernelFailureWarning, stacklevel=4)
+            plan = ConvPlan(MODULE, RouteDecision(Route.FALLBACK, reason), spec, graph=graph, padding=padding)
+            warnings.warn(f"conv-patch: {reason}; this call ran on PyTorch", KernelFailureWarning, stacklevel=5)
         else:
             try:
                 plan.program = k.Program(rec, (x, w, b, residual, out), y)
             except k.Unrecordable:
                 plan.program = None
-            _store(m, key, plan)
             return plan, ((y, bias) if no_bias else y)
-    _store(m, key, plan)
     return plan, plan.run(m, x, weight, bias, residual, out, beta, activation, out_scale, output_padding,
                           fallback_args, no_bias)
+
+
+@dataclasses.dataclass(eq=False)
+class AutocastPlan:
+    """Calls under ``torch.autocast``. Autocast's lower-precision list holds
+    conv2d and conv_transpose2d (CUDA and CPU): each floating input
+    (input, weight, bias) of its device type, float64 excepted, is cast to
+    the autocast dtype and the op computes in it. ``inner`` is the plan of
+    that cast call, built like any other; where the kernels cannot give
+    autocast's answer (see ``_autocast_in_kernels``) it is None and the call
+    is the module's own forward, under autocast."""
+
+    dtype: torch.dtype
+    device_type: str
+    padding: Optional[tuple] = None
+    inner: Optional[ConvPlan] = None
+
+    @property
+    def decision(self) -> RouteDecision:
+        if self.inner is None:
+            return RouteDecision(Route.FALLBACK, "autocast: the epilogue's dtypes follow PyTorch's promotion")
+        return self.inner.decision
+
+    def cast_args(self, x, weight, bias) -> tuple:
+        dtype, kind = self.dtype, self.device_type
+
+        def cast(t):
+            if (t is None or t.dtype == dtype or t.dtype == torch.float64 or not t.is_floating_point()
+                    or t.device.type != kind):
+                return t
+            return t.to(dtype)
+
+        return cast(x), cast(weight), cast(bias)
+
+    def run(self, m, x, weight, bias, residual, out, beta, activation, out_scale, output_padding,
+            fallback_args, no_bias):
+        if self.inner is None:
+            return eager(m, x, residual, beta, activation, out_scale, fallback_args, out, self.padding, no_bias)
+        return self.inner.run(m, *self.cast_args(x, weight, bias), residual, out, beta, activation, out_scale,
+                              output_padding, fallback_args, no_bias)
+
+
+def _autocast_in_kernels(plan, x, weight, bias, residual, out, grad) -> bool:
+    """Whether the cast call's plan gives autocast's answer: the fused
+    epilogue computes in the conv's dtype, while PyTorch adds a residual of
+    another dtype (or writes into an ``out`` of another) with type
+    promotion; and autograd must see autocast's own casts."""
+    if grad:
+        return False
+    return all(t is None or t.dtype == plan.dtype for t in (residual, out))
 
 
 def _direct(m, spec, padding, fallback_args):
@@ -339,10 +413,14 @@ def clear(m) -> None:
 def _gn_key(norm, x, activation, out, input_bias):
     w, b = norm.weight, norm.bias
     grad = torch.is_grad_enabled() and (x.requires_grad or (w is not None and w.requires_grad))
-    return (x.shape, x.stride(), x.dtype, x.device, x.data_ptr() & 15, activation, _tensor_sig(out),
+    device = x.device
+    # CUDA autocast runs group_norm in float32 (its fp32 list): the plan of a
+    # half-precision input under it is PyTorch's own (see group_norm).
+    cast = device.type == "cuda" and torch.is_autocast_enabled("cuda")
+    return (x.shape, x.stride(), x.dtype, device, x.data_ptr() & 15, activation, _tensor_sig(out),
             out is not None and out is x, _tensor_sig(input_bias),
             None if w is None else (w.data_ptr(), w.dtype, w.device), None if b is None else (b.data_ptr(), b.dtype),
-            norm.num_groups, norm.eps, grad, x.is_cuda and pack.on_graph_path(x))
+            norm.num_groups, norm.eps, grad, cast, device.type == "cuda" and pack.on_graph_path(x))
 
 
 @dataclasses.dataclass(eq=False)
@@ -382,7 +460,10 @@ def group_norm(norm, x, activation="none", out=None, input_bias=None):
         if plan.kernel and plan.program is not None:
             return plan.program(roles)
     else:
-        ok, why = group_norm_decision(x, norm.num_groups, norm.weight, norm.bias, key[-1])
+        if key[-2] and x.dtype in (torch.float16, torch.bfloat16):
+            ok, why = False, "CUDA autocast computes GroupNorm in float32"
+        else:
+            ok, why = group_norm_decision(x, norm.num_groups, norm.weight, norm.bias, key[-1])
         plan = NormPlan(ok, why)
         _store(norm, key, plan)
         if ok:

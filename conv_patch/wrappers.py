@@ -100,8 +100,10 @@ class PatchedConvMixin:
         if activation != "none":
             activation_code(activation)
         if torch.compiler.is_compiling():
+            # Under autocast the original forward is traced too: the opaque op
+            # would compute in the input's dtype, not autocast's.
             if padding is None and not no_bias and not self._cp_comfy_active() and not needs_grad(
-                    x, self.weight, self.bias, residual):
+                    x, self.weight, self.bias, residual) and not torch.is_autocast_enabled(x.device.type):
                 # One opaque custom op in the graph; it routes when it runs.
                 from . import compiled
                 return _into(out, compiled.call(self, x, residual, beta, activation, out_scale, output_padding))

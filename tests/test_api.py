@@ -1,0 +1,125 @@
+"""A patched model gives PyTorch's answer where PyTorch's API has rules of
+its own: autocast's cast policy, parametrizations registered after
+``apply``, the conv output's memory format, and calls from several
+threads."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import conv_patch
+from conv_patch import dispatch
+from _util import TOL, rel_err
+
+
+def _pair(*convs, recipes=False):
+    torch.manual_seed(0)
+    net = nn.Sequential(*convs)
+    twin = copy.deepcopy(net)
+    conv_patch.apply(net, recipes=recipes)
+    return net, twin
+
+
+def _ref64(module, x, dtype):
+    """The module's convolution in float64 from the inputs cast to ``dtype``."""
+    w = module.weight.detach().to(dtype).double()
+    b = module.bias.detach().to(dtype).double()
+    xd = x.to(dtype).double()
+    if isinstance(module, nn.ConvTranspose2d):
+        return F.conv_transpose2d(xd, w, b, module.stride, module.padding, module.output_padding)
+    return F.conv2d(xd, w, b, module.stride, module.padding)
+
+
+# -- autocast --------------------------------------------------------------------------
+def _check_autocast(device_type, dtype):
+    device = torch.device(device_type)
+    net, twin = _pair(nn.Conv2d(4, 6, 3, padding=1), nn.ConvTranspose2d(6, 5, 3, stride=2, padding=1))
+    net, twin = net.to(device), twin.to(device)
+    x = torch.randn(2, 4, 6, 7, device=device)
+    with torch.no_grad(), torch.autocast(device_type, dtype=dtype):
+        for _ in range(2):  # the plan's build, then its replay
+            for layer, ref_layer in ((net[0], twin[0]), (net[1], twin[1])):
+                y, ref = layer(x if layer is net[0] else h), ref_layer(x if layer is net[0] else h)
+                assert y.dtype == ref.dtype == dtype
+                assert layer._cp_last.is_kernel, layer._cp_last
+                assert rel_err(y, _ref64(layer, x if layer is net[0] else h, dtype)) <= TOL[dtype]
+                h = y
+    # Outside autocast the same module computes in its own dtype again.
+    with torch.no_grad():
+        assert net(x).dtype == torch.float32
+        assert rel_err(net(x), twin(x)) <= TOL[torch.float32]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_cpu_autocast_follows_pytorch(dtype, exact_fp32):
+    _check_autocast("cpu", dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_cuda_autocast_follows_pytorch(dtype, exact_fp32):
+    _check_autocast("cuda", dtype)
+
+
+def test_autocast_epilogue_promotes_like_pytorch(device, exact_fp32):
+    """A residual of another dtype is added with PyTorch's type promotion
+    (the result is float32, as ``conv(x) + residual`` is), a double input
+    stays double, and autograd sees autocast's own casts."""
+    net, twin = _pair(nn.Conv2d(4, 6, 3, padding=1))
+    net, twin = net.to(device), twin.to(device)
+    conv, ref = net[0], twin[0]
+    kind = device.type
+    x = torch.randn(1, 4, 5, 6, device=device)
+    r = torch.randn(1, 6, 5, 6, device=device)
+    with torch.autocast(kind, dtype=torch.bfloat16):
+        with torch.no_grad():
+            y = conv(x, residual=r, activation="silu")
+            want = F.silu(ref(x) + r)
+            assert y.dtype == want.dtype == torch.float32
+            assert rel_err(y, want) <= 1e-6
+            rb = r.bfloat16()
+            y = conv(x, residual=rb)
+            assert y.dtype == torch.bfloat16 and conv._cp_last.is_kernel
+            assert rel_err(y, (_ref64(conv, x, torch.bfloat16) + rb.double())) <= TOL[torch.bfloat16]
+            # A double input is not cast: PyTorch then refuses the mixed
+            # dtypes, and so does the patched module (its own error).
+            with pytest.raises(RuntimeError) as theirs:
+                ref(x.double())
+            with pytest.raises(RuntimeError) as ours:
+                conv(x.double())
+            assert str(ours.value) == str(theirs.value)
+        xg = x.clone().requires_grad_()
+        y = conv(xg)
+        assert y.dtype == torch.bfloat16
+        y.float().sum().backward()
+        assert xg.grad is not None and xg.grad.dtype == torch.float32
+
+
+def test_autocast_off_keeps_the_plans_key_apart(device, exact_fp32):
+    net, _ = _pair(nn.Conv2d(4, 6, 3, padding=1))
+    net = net.to(device)
+    x = torch.randn(1, 4, 5, 6, device=device)
+    with torch.no_grad():
+        net(x)
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            net(x)
+        net(x)
+    plans = net[0].__dict__["_cp_plans"]
+    assert len(plans) == 2
+    assert sorted(type(p).__name__ for p in plans.values()) == ["AutocastPlan", "ConvPlan"]
+
+
+@pytest.mark.gpu
+def test_cuda_autocast_group_norm_is_float32():
+    norm = nn.GroupNorm(4, 16).cuda()
+    patched = nn.GroupNorm(4, 16).cuda()
+    patched.load_state_dict(norm.state_dict())
+    x = torch.randn(2, 16, 32, 32, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        want = F.silu(norm(x))
+        y = dispatch.group_norm(patched, x, "silu")
+    assert y.dtype == want.dtype == torch.float32
+    assert rel_err(y, want) <= 1e-5

@@ -390,7 +390,14 @@ def conv(m, x, residual=None, beta=1.0, activation="none", out_scale=1.0, output
     front of an unpadded conv; with ``no_bias`` the pair ``(y, b)`` with
     ``y + b`` the result (b None where the bias is already in ``y``)."""
     params = m.__dict__["_parameters"]
-    weight, bias = params["weight"], params["bias"]
+    try:
+        weight, bias = params["weight"], params["bias"]
+    except KeyError:
+        # Not registered Parameters any more (a parametrization such as
+        # weight_norm, or a buffer): the module's own forward computes from
+        # whatever ``m.weight`` is now, as apply() leaves such convs alone.
+        m.__dict__["_cp_last"] = UNREGISTERED
+        return eager(m, x, residual, beta, activation, out_scale, fallback_args, out, padding, no_bias)
     key = conv_key(x, weight, bias, residual, out, beta, activation, out_scale, output_padding, padding, no_bias)
     plans = m.__dict__.get("_cp_plans")
     plan = plans.get(key) if plans is not None else None
@@ -402,6 +409,10 @@ def conv(m, x, residual=None, beta=1.0, activation="none", out_scale=1.0, output
                      fallback_args, no_bias)
     m.__dict__["_cp_last"] = plan.decision
     return y
+
+
+UNREGISTERED = RouteDecision(Route.FALLBACK, "weight or bias is not a registered Parameter (parametrized, or a "
+                                             "buffer)")
 
 
 def clear(m) -> None:

@@ -16,6 +16,7 @@ from typing import Optional
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from . import dispatch, pack
 from .epilogue import activation_code
@@ -59,6 +60,8 @@ class PatchedConvMixin:
         for k, v in self.__dict__.items():
             if not k.startswith(PRIVATE):
                 orig.__dict__[k] = v
+        if parametrize.is_parametrized(self):
+            orig.__class__ = parametrized_class(type(orig), type(self))
         pack.release(self)
         return orig
 
@@ -169,6 +172,20 @@ class PatchedConv2d(PatchedConvMixin, nn.Conv2d):
 
     def forward(self, input, *, residual=None, beta=1.0, activation="none", out_scale=1.0, out=None):
         return self._cp_call(input, residual, beta, activation, out_scale, out=out)
+
+
+def parametrized_class(cls: type, parametrized: type) -> type:
+    """``cls`` as torch's parametrize makes it for a module it parametrizes,
+    with the parametrized tensors of class ``parametrized`` (a wrapper's
+    class after ``register_parametrization``): a subclass holding the same
+    class dictionary, i.e. each tensor's property and parametrize's
+    ``__getstate__`` / ``__deepcopy__``. The parametrizations themselves are
+    in ``_modules``, which the original shares with its wrapper; and
+    ``remove_parametrizations`` restores ``__bases__[0]``, here ``cls``."""
+    own = {k: v for k, v in vars(parametrized).items()
+           if not k.startswith("__") or k in ("__getstate__", "__deepcopy__")}
+    name = parametrized.__name__.replace(parametrized.__bases__[0].__name__, cls.__name__, 1)
+    return type(name, (cls,), dict(own, __module__=parametrized.__module__, __qualname__=name))
 
 
 def _into(out: Optional[torch.Tensor], y: torch.Tensor) -> torch.Tensor:

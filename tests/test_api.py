@@ -123,3 +123,76 @@ def test_cuda_autocast_group_norm_is_float32():
         y = dispatch.group_norm(patched, x, "silu")
     assert y.dtype == want.dtype == torch.float32
     assert rel_err(y, want) <= 1e-5
+
+
+# -- parametrizations registered after apply -------------------------------------------
+def _same(net, twin, x):
+    with torch.no_grad():
+        assert rel_err(net(x), twin(x)) <= TOL[torch.float32]
+    assert sorted(net.state_dict()) == sorted(twin.state_dict())
+
+
+def _new_weight_norm(m):
+    torch.nn.utils.parametrizations.weight_norm(m)
+
+
+def _new_remove(m):
+    torch.nn.utils.parametrize.remove_parametrizations(m, "weight")
+
+
+def _old_weight_norm(m):
+    with pytest.warns(FutureWarning):
+        torch.nn.utils.weight_norm(m)
+
+
+def _old_remove(m):
+    torch.nn.utils.remove_weight_norm(m)
+
+
+@pytest.mark.parametrize("kind", ["parametrizations", "legacy"])
+def test_weight_norm_after_apply_then_removed(kind, device, exact_fp32):
+    add, drop = (_new_weight_norm, _new_remove) if kind == "parametrizations" else (_old_weight_norm, _old_remove)
+    net, twin = _pair(nn.Conv2d(4, 6, 3, padding=1))
+    net, twin = net.to(device), twin.to(device)
+    x = torch.randn(2, 4, 6, 7, device=device)
+    _same(net, twin, x)
+    add(net[0]), add(twin[0])
+    _same(net, twin, x)
+    assert not net[0]._cp_last.is_kernel  # the module's own forward, through the parametrization
+    # Training through the parametrization sees PyTorch's gradients.
+    net(x).square().sum().backward()
+    twin(x).square().sum().backward()
+    for (name, p), q in zip(net.named_parameters(), twin.parameters()):
+        assert rel_err(p.grad, q.grad) <= 1e-5, name
+    drop(net[0]), drop(twin[0])
+    assert isinstance(net[0].weight, nn.Parameter) and conv_patch.is_patched(net[0])
+    _same(net, twin, x)
+    assert net[0]._cp_last.is_kernel  # a Parameter again: the kernels take it back
+    # Parametrized again, then conv-patch removed: the original module keeps
+    # the parametrization (its weight), and loses it like any module.
+    add(net[0]), add(twin[0])
+    _same(net, twin, x)
+    conv_patch.remove(net)
+    assert not conv_patch.is_patched(net[0]) and isinstance(net[0], nn.Conv2d)
+    assert type(net[0]).__name__ == type(twin[0]).__name__
+    _same(net, twin, x)
+    drop(net[0]), drop(twin[0])
+    assert type(net[0]) is type(twin[0])
+    assert isinstance(net[0].weight, nn.Parameter)
+    _same(net, twin, x)
+
+
+def test_parametrization_removed_without_grad_leaves_a_buffer_weight(device, exact_fp32):
+    """Under no_grad ``remove_parametrizations`` leaves the weight as a buffer:
+    PyTorch computes with it, and so does the patched module."""
+    net, twin = _pair(nn.Conv2d(4, 6, 3, padding=1))
+    net, twin = net.to(device), twin.to(device)
+    x = torch.randn(1, 4, 5, 5, device=device)
+    for m in (net[0], twin[0]):
+        _new_weight_norm(m)
+        with torch.no_grad():
+            _new_remove(m)
+        assert "weight" in m._buffers
+    _same(net, twin, x)
+    conv_patch.remove(net)
+    _same(net, twin, x)

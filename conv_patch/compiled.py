@@ -53,7 +53,7 @@ def conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], re
         try:
             return conv_op.run_kernel(decision, target, spec, x, w.contiguous(memory_format=torch.channels_last),
                                   bias, residual=residual, beta=beta, activation=activation,
-                                  out_scale=out_scale)
+                                  out_scale=out_scale, memory_format=conv_op.output_memory_format(x, weight))
         except kernel_errors():
             pass
     y = _torch_conv(spec, x, weight, bias)
@@ -65,9 +65,11 @@ def _(x, weight, bias, residual, transposed, stride, pad_begin, pad_end, dilatio
       beta, activation, out_scale):
     spec = _spec(x, weight, bias, transposed, stride, pad_begin, pad_end, dilation, output_padding)
     shape = conv_op.output_shape(spec, tuple(x.shape), output_padding)
-    if x.dim() == 4 and conv_op.nhwc(x):
-        return x.new_empty(shape).contiguous(memory_format=torch.channels_last)
-    return x.new_empty(shape)
+    # The real op's strides: PyTorch's format (run_kernel allocates a 3-D
+    # call's output batched, then squeezes it, as PyTorch does).
+    fmt = conv_op.output_memory_format(x, weight)
+    y = torch.empty((1,) + shape if len(shape) == 3 else shape, dtype=x.dtype, device=x.device, memory_format=fmt)
+    return y.squeeze(0) if len(shape) == 3 else y
 
 
 def call(module, x, residual, beta, activation, out_scale, output_padding=None) -> torch.Tensor:

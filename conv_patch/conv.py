@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from .epilogue import activation_code, eager_epilogue
 from .routes import Route, launcher
 from .routing import RouteDecision
-from .specs import ConvSpec, needs_grad
+from .specs import ConvSpec, needs_grad, suggests_channels_last
 from .target import Target, dot_precision, target_for
 
 def kernel_errors():
@@ -52,22 +52,42 @@ def output_shape(spec: ConvSpec, shape: tuple, output_padding=None) -> tuple:
     return tuple(shape[:-3]) + (spec.out_channels, oh, ow)
 
 
+def output_memory_format(x: torch.Tensor, weight: torch.Tensor) -> torch.memory_format:
+    """The memory format of PyTorch's conv2d / conv_transpose2d output for
+    ``x`` and ``weight`` (as the caller holds it: a transposed conv's
+    [C_in, C_out, KH, KW]): channels_last where the input or the weight
+    suggests it (cuDNN's ``cudnn_conv_suggest_memory_format``, mkldnn's and
+    the CPU's own rule alike; float64, which the kernels never take, aside).
+    A 3-D input is batched as PyTorch batches it, by ``unsqueeze(0)``."""
+    shape, stride = tuple(x.shape), x.stride()
+    if len(shape) == 3:
+        shape, stride = (1,) + shape, (shape[0] * stride[0],) + stride
+    if suggests_channels_last(shape, stride) or suggests_channels_last(tuple(weight.shape), weight.stride()):
+        return torch.channels_last
+    return torch.contiguous_format
+
+
 def run_kernel(decision: RouteDecision, target: Target, spec: ConvSpec, x: torch.Tensor,
                w: torch.Tensor, bias: Optional[torch.Tensor], *, residual=None, beta=1.0,
                activation: str = "none", out_scale=1.0, output_padding=None,
-               out: Optional[torch.Tensor] = None, force_int64: bool = False) -> torch.Tensor:
+               out: Optional[torch.Tensor] = None, force_int64: bool = False,
+               memory_format: Optional[torch.memory_format] = None) -> torch.Tensor:
     """Launch the routed kernel. ``w`` is the [C_out, C_in, KH, KW] view the
-    kernels read (see conv_patch.pack); ``decision`` must be a kernel route."""
+    kernels read (see conv_patch.pack); ``decision`` must be a kernel route.
+    ``memory_format``: the output's where ``out`` is not given (PyTorch's,
+    ``output_memory_format`` of the input and the caller's own weight; by
+    default of ``w``)."""
     k = kernels()
 
+    if out is None and memory_format is None:
+        memory_format = output_memory_format(x, w)
     unbatched = x.dim() == 3
     if unbatched:
         x = x.unsqueeze(0)
         residual = residual.unsqueeze(0) if residual is not None else None
     shape = output_shape(spec, tuple(x.shape), output_padding)
     if out is None:
-        fmt = torch.channels_last if nhwc(x) else torch.contiguous_format
-        out = k.empty(shape, dtype=x.dtype, device=x.device, memory_format=fmt)
+        out = k.empty(shape, dtype=x.dtype, device=x.device, memory_format=memory_format)
     elif unbatched:
         out = out.unsqueeze(0)
     launch = launcher(k, decision.route)

@@ -95,6 +95,9 @@ class ConvPlan:
     direct: Optional[tuple] = None
     # A folded F.pad (F.pad order) the MODULE plan applies before the module.
     padding: Optional[tuple] = None
+    # The KERNEL plan's output format: PyTorch's for the input and the
+    # caller's weight (the kernels read a pack whose layout must not count).
+    memory_format: Optional[torch.memory_format] = None
 
     def run(self, m, x, weight, bias, residual, out, beta, activation, out_scale, output_padding,
             fallback_args, no_bias):
@@ -166,7 +169,7 @@ def _cudnn_weight(m, x, weight):
 def _run_kernel(plan, x, w, bias, residual, out, beta, activation, out_scale, output_padding):
     return conv_op.run_kernel(plan.decision, target_for(x.device), plan.spec, x, w, bias, residual=residual,
                              beta=beta, activation=activation, out_scale=out_scale,
-                             output_padding=output_padding, out=out)
+                             output_padding=output_padding, out=out, memory_format=plan.memory_format)
 
 
 def spec_for_call(m, weight, padding) -> tuple:
@@ -289,6 +292,7 @@ def _build(m, graph, x, weight, bias, residual, out, beta, activation, out_scale
         if residual is not None:
             conv_op.check_residual(residual, conv_op.output_shape(spec, tuple(x.shape), output_padding))
         plan.kind = KERNEL
+        plan.memory_format = conv_op.output_memory_format(x, weight)
         if decision.tier == LEAN:
             w = pack.kernel_view(weight.detach(), spec.transposed)
         else:

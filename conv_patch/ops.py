@@ -23,7 +23,7 @@ from .routing import Route, RouteDecision, select_route, tma_arch
 from .specs import CallDesc, ConvSpec, _pair, needs_grad, resolve_padding
 from .target import Target, target_for
 from .conv import (EPILOGUE_BLOCK, check_residual, cudnn_conv2d, epilogue, kernels, nhwc,  # noqa: F401
-                   output_shape, run_kernel, to_nhwc)
+                   output_memory_format, output_shape, run_kernel, to_nhwc)
 
 
 class UnsupportedConv(RuntimeError):
@@ -58,7 +58,7 @@ def _functional(spec: ConvSpec, x, weight, bias, residual, beta, activation, out
     w = weight.transpose(0, 1) if spec.transposed else weight
     return run_kernel(decision, target, spec, x, w, bias, residual=residual, beta=beta,
                       activation=activation, out_scale=out_scale, out=out,
-                      force_int64=force_int64)
+                      force_int64=force_int64, memory_format=output_memory_format(x, weight))
 
 
 def _given(spec, call, target, config):

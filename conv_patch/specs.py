@@ -135,6 +135,26 @@ def layout_of(x: torch.Tensor) -> str:
     return "strided"
 
 
+def suggests_channels_last(shape, stride) -> bool:
+    """Whether PyTorch's ``suggest_memory_format`` names channels_last for
+    a 4-D tensor of these sizes and strides (c10's
+    ``is_channels_last_strides_2d``). A size-1 dimension makes the strides
+    ambiguous (a one-channel NHWC tensor is also contiguous); PyTorch
+    decides those by the order of the strides, a size-1 dimension's
+    included, defaulting to contiguous where they tie."""
+    if len(shape) != 4 or stride[1] == 0:
+        return False
+    lower = 0
+    for d in (1, 3, 2, 0):
+        if shape[d] == 0 or stride[d] < lower:
+            return False
+        # N111 with equal strides, or a W-sliced N11W: contiguous.
+        if d == 0 and lower == stride[1]:
+            return False
+        lower = stride[d] * shape[d] if shape[d] > 1 else stride[d]
+    return True
+
+
 def needs_grad(*tensors) -> bool:
     """Autograd would record this call: grad mode on and a tensor (``None``
     allowed) requires grad."""

@@ -196,3 +196,72 @@ def test_parametrization_removed_without_grad_leaves_a_buffer_weight(device, exa
     _same(net, twin, x)
     conv_patch.remove(net)
     _same(net, twin, x)
+
+
+# -- the output's memory format ------------------------------------------------------
+def _layout(t, kind, rng):
+    """``t`` contiguous, channels_last, or in a random dimension order (a
+    stride order PyTorch may call either, where sizes are 1)."""
+    if kind == "nchw":
+        return t.contiguous()
+    if kind == "nhwc":
+        return t.contiguous(memory_format=torch.channels_last)
+    perm = rng.permutation(4).tolist()
+    return t.permute(perm).contiguous().permute([perm.index(i) for i in range(4)])
+
+
+def _fuzz_strides(device, n, seed):
+    import numpy as np
+    rng = np.random.default_rng(seed)
+    seen = set()
+    for i in range(n):
+        transposed = bool(rng.random() < 0.3)
+        c_in, c_out = int(rng.choice([1, 2, 3])), int(rng.choice([1, 2, 4]))
+        k = int(rng.choice([1, 3]))
+        h, w = int(rng.choice([1, 2, 5])), int(rng.choice([1, 3, 6]))
+        n_batch = int(rng.choice([1, 2]))
+        cls = nn.ConvTranspose2d if transposed else nn.Conv2d
+        conv = cls(c_in, c_out, k, padding=k // 2).to(device)
+        with torch.no_grad():
+            conv.weight.data = _layout(conv.weight.data, rng.choice(["nchw", "nhwc", "perm"]), rng)
+        ref = copy.deepcopy(conv)
+        net = nn.Sequential(conv)
+        conv_patch.apply(net, recipes=False)
+        x = _layout(torch.randn(n_batch, c_in, h, w, device=device), rng.choice(["nchw", "nhwc", "perm"]), rng)
+        if rng.random() < 0.2:
+            x = x[0]  # unbatched
+        with torch.no_grad():
+            y, want = net(x), ref(x)
+        assert net[0]._cp_last.is_kernel, net[0]._cp_last
+        case = (transposed, tuple(x.shape), x.stride(), tuple(conv.weight.shape), conv.weight.stride())
+        assert y.stride() == want.stride(), (case, y.stride(), want.stride())
+        assert rel_err(y, want) <= TOL[torch.float32], case
+        seen.add((c_in, y.is_contiguous(), y.is_contiguous(memory_format=torch.channels_last)))
+    return seen
+
+
+def test_suggests_channels_last_is_pytorch_rule():
+    """The rule against PyTorch's own (CPU conv2d outputs of every stride
+    order of small tensors with dimensions of size 1)."""
+    import itertools
+    from conv_patch.specs import suggests_channels_last
+    w = torch.randn(2, 1, 1, 1).contiguous(memory_format=torch.channels_last)  # suggests neither
+    for shape in itertools.product([1, 2], [1, 3], [1, 2], [1, 4]):
+        for perm in itertools.permutations(range(4)):
+            x = torch.randn([shape[p] for p in perm]).permute([perm.index(i) for i in range(4)])
+            y = F.conv2d(x, w[:, :1].expand(2, shape[1], 1, 1).contiguous())
+            want = y.is_contiguous(memory_format=torch.channels_last) and not y.is_contiguous()
+            if y.is_contiguous() and y.is_contiguous(memory_format=torch.channels_last):
+                continue  # the output's own strides cannot tell
+            assert suggests_channels_last(tuple(x.shape), x.stride()) == want, (shape, perm, x.stride())
+
+
+def test_output_strides_match_pytorch_fuzzed(device, exact_fp32):
+    seen = _fuzz_strides(device, 120 if device.type == "cpu" else 400, seed=3)
+    # The fuzz reached one-channel inputs whose output PyTorch makes channels_last.
+    assert any(c_in == 1 and not contiguous for c_in, contiguous, _ in seen)
+
+
+@pytest.mark.gpu
+def test_output_strides_match_pytorch_fuzzed_cuda(exact_fp32):
+    _fuzz_strides(torch.device("cuda"), 400, seed=4)

@@ -19,8 +19,10 @@ for a caller that normalises a tensor piece by piece).
 
 Numerics: fp32 throughout, never a raw sum of squares (a large mean would
 cancel the variance away): the NCHW programs accumulate (count, mean, M2)
-block by block with Chan's parallel update, the NHWC programs sums shifted by
-a sample of their chunk, and the finalize kernel Chan-merges the partials.
+block by block with Chan's parallel update, the NHWC programs a Welford
+(mean, M2) per register slot, merged per channel and group with Chan's
+formula, and the finalize kernel Chan-merges the partials; one pair of
+helpers (``merge_moments``, ``combine_moments``) for all of them.
 """
 
 import triton
@@ -31,9 +33,33 @@ from ._launch import cdiv, empty, launch, next_pow2
 
 
 @triton.jit
+def merge_moments(n, mean, m2, axis: tl.constexpr):
+    # (count, mean, M2) of the union of partials laid along ``axis`` (counts
+    # n, means, M2s): Chan's merge in closed form, M2 = sum of M2_i +
+    # sum of n_i * (mean_i - mean)^2. Only deviations from means are
+    # squared, so it is exact for any data (a raw sum of squares cancels the
+    # variance away where mean >> std). A partial of count 0 adds nothing.
+    tot = tl.sum(n, axis=axis)
+    mu = tl.sum(n * mean, axis=axis) / tl.maximum(tot, 1.0)
+    d = mean - tl.expand_dims(mu, axis)
+    return tot, mu, tl.sum(m2 + n * d * d, axis=axis)
+
+
+@triton.jit
+def combine_moments(count, mean, m2, bn, bmean, bm2):
+    # Chan's pairwise update: the moments of a union from its two parts'.
+    tot = count + bn
+    delta = bmean - mean
+    frac = bn / tl.maximum(tot, 1.0)
+    return tot, mean + delta * frac, m2 + bm2 + delta * delta * (count * frac)
+
+
+@triton.jit
 def group_norm_stats_kernel(x_ptr, part_ptr, GROUP_SIZE, CHUNK, SPLITS, BLOCK: tl.constexpr):
     # Dense NCHW: group (n, g) is one contiguous run of Cg*H*W elements
-    # starting at ng * GROUP_SIZE; split into SPLITS chunks.
+    # starting at ng * GROUP_SIZE; split into SPLITS chunks. Each block's
+    # moments (its elements as partials of count 1) are merged into the
+    # program's running (count, mean, M2).
     ng = tl.program_id(0)
     s = tl.program_id(1)
     base = x_ptr + ng.to(tl.int64) * GROUP_SIZE
@@ -46,15 +72,8 @@ def group_norm_stats_kernel(x_ptr, part_ptr, GROUP_SIZE, CHUNK, SPLITS, BLOCK: t
         idx = b0 + tl.arange(0, BLOCK)
         ok = idx < stop
         x = tl.load(base + idx, mask=ok, other=0.0).to(tl.float32)
-        bn = tl.sum(ok.to(tl.float32), axis=0)
-        bmean = tl.sum(x, axis=0) / bn
-        d = tl.where(ok, x - bmean, 0.0)
-        bm2 = tl.sum(d * d, axis=0)
-        tot = count + bn
-        delta = bmean - mean
-        mean = mean + delta * (bn / tot)
-        m2 = m2 + bm2 + delta * delta * (count * bn / tot)
-        count = tot
+        bn, bmean, bm2 = merge_moments(ok.to(tl.float32), x, 0.0, 0)
+        count, mean, m2 = combine_moments(count, mean, m2, bn, bmean, bm2)
     out = part_ptr + (ng * SPLITS + s) * 3
     tl.store(out, count)
     tl.store(out + 1, mean)
@@ -64,16 +83,18 @@ def group_norm_stats_kernel(x_ptr, part_ptr, GROUP_SIZE, CHUNK, SPLITS, BLOCK: t
 @triton.jit
 def group_norm_stats_nhwc_kernel(x_ptr, ib_ptr, part_ptr, C, HW, CHUNK, SPLITS, G, Cg,
                                  BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_G: tl.constexpr,
-                                 CG_POW2: tl.constexpr, HAS_IB: tl.constexpr):
+                                 BLOCK_R: tl.constexpr, CG_POW2: tl.constexpr, HAS_IB: tl.constexpr):
     # NHWC: a pixel's channels are contiguous, so a program reads whole rows
     # of C channels (coalesced) and keeps per-*channel* moments; walking one
     # group's Cg-channel slivers instead read 8-byte pieces of every 32-byte
-    # sector and ran at ~0.2 TB/s on the H200. The loop only adds into
-    # [BLOCK_P, BLOCK_C] registers (no cross-thread reduction per step):
-    # sums of x - K and (x - K)^2 with K the chunk's first pixel, per
-    # channel. With K a sample of the data, K - mean is a few standard
-    # deviations at most, so the shifted second moment does not cancel the
-    # variance away the way the raw sum of squares does for mean >> std.
+    # sector and ran at ~0.2 TB/s on the H200. The loop keeps a Welford
+    # (mean, M2) per register slot of [BLOCK_P, BLOCK_C], element-wise (no
+    # cross-thread reduction per step): slot (r, c) sees pixel r of each
+    # row block, channel c, so after k blocks every slot still reading has
+    # count k. Exact for any data, unlike sums shifted by a sample of the
+    # chunk (an outlier as that sample cancelled the variance away). The
+    # slots then merge per channel, and the channels per group, with Chan's
+    # formula.
     n = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     offs_c = tl.arange(0, BLOCK_C)
@@ -81,49 +102,53 @@ def group_norm_stats_nhwc_kernel(x_ptr, ib_ptr, part_ptr, C, HW, CHUNK, SPLITS, 
     start = s * CHUNK
     stop = tl.minimum(start + CHUNK, HW)
     row = x_ptr + n * HW * C
-    shift = tl.load(row + start * C + offs_c, mask=c_ok, other=0.0).to(tl.float32)
-    s1 = tl.zeros((BLOCK_P, BLOCK_C), dtype=tl.float32)
-    s2 = tl.zeros((BLOCK_P, BLOCK_C), dtype=tl.float32)
+    mean = tl.zeros((BLOCK_P, BLOCK_C), dtype=tl.float32)
+    m2 = tl.zeros((BLOCK_P, BLOCK_C), dtype=tl.float32)
+    rows = tl.arange(0, BLOCK_P)
     for p0 in range(start, stop, BLOCK_P):
-        p = p0 + tl.arange(0, BLOCK_P)
+        p = p0 + rows
         ok = (p < stop)[:, None] & c_ok[None, :]
         x = tl.load(row + p[:, None] * C + offs_c[None, :], mask=ok, other=0.0).to(tl.float32)
-        d = tl.where(ok, x - shift[None, :], 0.0)
-        s1 += d
-        s2 += d * d
-    count = (stop - start).to(tl.float32)
-    t1 = tl.sum(s1, axis=0)
-    mean = shift + t1 / count
-    m2 = tl.maximum(tl.sum(s2, axis=0) - t1 * t1 / count, 0.0)
+        inv = 1.0 / ((p0 - start) // BLOCK_P + 1).to(tl.float32)
+        d = tl.where(ok, x - mean, 0.0)
+        mean += d * inv
+        m2 += d * (x - mean)  # zero where masked: d is
+    # Slot r read ceil((stop - start - r) / BLOCK_P) pixels. The slots
+    # merge in two levels, BLOCK_R at a time, then those: an outlier's M2 is
+    # not the running sum every other slot is added to one by one (the
+    # interpreter reduces in order, where small terms fell below its ulp).
+    per_row = ((tl.maximum(stop - start - rows, 0) + BLOCK_P - 1) // BLOCK_P).to(tl.float32)
+    slots = tl.zeros((BLOCK_P, BLOCK_C), dtype=tl.float32) + per_row[:, None]
+    shape3: tl.constexpr = (BLOCK_P // BLOCK_R, BLOCK_R, BLOCK_C)
+    n_r, mean_r, m2_r = merge_moments(tl.reshape(slots, shape3), tl.reshape(mean, shape3),
+                                      tl.reshape(m2, shape3), 1)
+    count, mean_c, m2_c = merge_moments(n_r, mean_r, m2_r, 0)
     if HAS_IB:
         # x is a conv output whose bias was left for this norm to add (see
         # ops.group_norm's input_bias): it moves each channel's mean, not its
         # spread, so it enters here, before channels merge into groups.
-        mean += tl.load(ib_ptr + offs_c, mask=c_ok, other=0.0).to(tl.float32)
-    # The group's moments from its channels' (equal counts): the mean of the
-    # means, and M2 = sum of M2 + count * sum of (mean_c - mean_g)^2. One
-    # triple per group instead of per channel: the finalize pass then merges
-    # SPLITS partials per group, not SPLITS * Cg (at Cg = 16 and ~1000
-    # splits that merge was a latency-bound 15 us per GroupNorm).
+        mean_c += tl.load(ib_ptr + offs_c, mask=c_ok, other=0.0).to(tl.float32)
+    # The group's moments from its channels' (equal counts). One triple per
+    # group instead of per channel: the finalize pass then merges SPLITS
+    # partials per group, not SPLITS * Cg (at Cg = 16 and ~1000 splits that
+    # merge was a latency-bound 15 us per GroupNorm).
+    offs_g = tl.arange(0, BLOCK_G)
     if CG_POW2 > 0:
         # Cg a power of two: channel c is row c // Cg of a [BLOCK_G, Cg]
         # view (rows past G are padding channels, never stored).
-        mean_g = tl.reshape(mean, (BLOCK_G, CG_POW2))
-        g_mean = tl.sum(mean_g, axis=1) / CG_POW2
-        dev = mean_g - g_mean[:, None]
-        g_m2 = tl.sum(tl.reshape(m2, (BLOCK_G, CG_POW2)), axis=1) + count * tl.sum(dev * dev, axis=1)
-        offs_g = tl.arange(0, BLOCK_G)
+        g_n, g_mean, g_m2 = merge_moments(tl.reshape(count, (BLOCK_G, CG_POW2)),
+                                          tl.reshape(mean_c, (BLOCK_G, CG_POW2)),
+                                          tl.reshape(m2_c, (BLOCK_G, CG_POW2)), 1)
     else:
         # Any other Cg: a [BLOCK_G, BLOCK_C] membership mask (register-
         # hungry at 32 x 512, which is why the view above exists).
-        offs_g = tl.arange(0, BLOCK_G)
         member = ((offs_c[None, :] // Cg) == offs_g[:, None]) & c_ok[None, :]
-        g_mean = tl.sum(tl.where(member, mean[None, :], 0.0), axis=1) / Cg
-        dev = tl.where(member, mean[None, :] - g_mean[:, None], 0.0)
-        g_m2 = tl.sum(tl.where(member, m2[None, :], 0.0), axis=1) + count * tl.sum(dev * dev, axis=1)
+        g_n, g_mean, g_m2 = merge_moments(tl.where(member, count[None, :], 0.0),
+                                          tl.where(member, mean_c[None, :], 0.0),
+                                          tl.where(member, m2_c[None, :], 0.0), 1)
     g_ok = offs_g < G
     out = part_ptr + ((n * SPLITS + s) * G + offs_g) * 3
-    tl.store(out, tl.zeros((BLOCK_G,), dtype=tl.float32) + count * Cg, mask=g_ok)
+    tl.store(out, g_n, mask=g_ok)
     tl.store(out + 1, g_mean, mask=g_ok)
     tl.store(out + 2, g_m2, mask=g_ok)
 
@@ -150,14 +175,8 @@ def group_norm_finalize_kernel(part_ptr, w_ptr, b_ptr, ib_ptr, ss_ptr, G, Cg, S,
         c = tl.load(ptr, mask=ok, other=0.0)
         m = tl.load(ptr + 1, mask=ok, other=0.0)
         q = tl.load(ptr + 2, mask=ok, other=0.0)
-        bn = tl.sum(c, axis=0)
-        bmean = tl.sum(c * m, axis=0) / tl.maximum(bn, 1.0)
-        bm2 = tl.sum(q + c * (m - bmean) * (m - bmean), axis=0)
-        tot = count + bn
-        delta = bmean - mean
-        mean = mean + delta * (bn / tl.maximum(tot, 1.0))
-        m2 = m2 + bm2 + delta * delta * (count * bn / tl.maximum(tot, 1.0))
-        count = tot
+        bn, bmean, bm2 = merge_moments(c, m, q, 0)
+        count, mean, m2 = combine_moments(count, mean, m2, bn, bmean, bm2)
     rstd = 1.0 / tl.sqrt(m2 / count + eps)
     # The apply pass's per-(sample, channel) affine: y = x * scale + shift.
     c = g * Cg + tl.arange(0, BLOCK_CG)
@@ -224,6 +243,16 @@ def launch_group_norm(x, out, groups, weight, bias, eps, activation, channels_la
     return launch_group_norm_apply(x, out, scale_shift, activation, channels_last, block)
 
 
+def nhwc_stats_split(N, C, HW, stats_block, target_programs):
+    """(BLOCK_P, splits, chunk) of the NHWC statistics pass: programs per
+    sample and the pixels each reads (chunk ``s`` starts at ``s * chunk``)."""
+    block_p = max(1, stats_block // next_pow2(C))
+    # Chunks of at least 4 row blocks; enough programs to fill the GPU.
+    splits = max(1, min(cdiv(HW, 4 * block_p), cdiv(target_programs, N)))
+    chunk = cdiv(HW, splits)
+    return block_p, cdiv(HW, chunk), chunk
+
+
 def launch_group_norm_stats(x, groups, weight, bias, eps, channels_last, stats_block, target_programs,
                             input_bias=None):
     """Statistics of dense [N, C, H, W] ``x`` (plus ``input_bias`` [C] per
@@ -240,18 +269,14 @@ def launch_group_norm_stats(x, groups, weight, bias, eps, channels_last, stats_b
     # microseconds of host time, and a decode runs ~30 GroupNorms.
     if channels_last:
         block_c = next_pow2(C)
-        block_p = max(1, stats_block // block_c)
-        # Chunks of at least 4 row blocks; enough programs to fill the GPU.
-        splits = max(1, min(cdiv(HW, 4 * block_p), cdiv(target_programs, N)))
-        chunk = cdiv(HW, splits)
-        splits = cdiv(HW, chunk)
+        block_p, splits, chunk = nhwc_stats_split(N, C, HW, stats_block, target_programs)
         ws = empty(N * C * 2 + N * splits * groups * 3, dtype=torch.float32, device=x.device)
         part = ws[N * C * 2:]
         pow2 = Cg & (Cg - 1) == 0
         launch(group_norm_stats_nhwc_kernel, (N, splits), x, x if input_bias is None else input_bias, part,
                C, HW, chunk, splits, groups, Cg,
                BLOCK_P=block_p, BLOCK_C=block_c, BLOCK_G=block_c // Cg if pow2 else next_pow2(groups),
-               CG_POW2=Cg if pow2 else 0, HAS_IB=input_bias is not None)
+               BLOCK_R=min(block_p, 32), CG_POW2=Cg if pow2 else 0, HAS_IB=input_bias is not None)
         psn, pss, psc = splits * groups * 3, groups * 3, 3
     else:
         # Enough programs to fill the GPU, each reading at least a few blocks.

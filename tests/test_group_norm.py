@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from conv_patch import ops
 from conv_patch.target import target_for
-from _util import TOL, act64, randn, rel_err
+from _util import TOL, act64, poisoned, randn, rel_err
 
 # (N, C, H, W, groups, nhwc, affine, activation, mean offset)
 CASES = [
@@ -53,3 +53,53 @@ def test_group_norm_falls_back_where_kernels_cannot(device):
     assert rel_err(y, F.silu(F.group_norm(x.double(), 4))) <= 1e-5
     with pytest.raises(ValueError, match="divisible"):
         ops.group_norm(torch.randn(1, 6, 2, 2, device=device), 4)
+
+
+# (N, C, H, W, groups, nhwc, mean offset, launch sizes): odd sizes, Cg not a
+# power of two, a large mean; several chunks per sample (small launch
+# sizes), and the interpreter's own (one chunk of 128^2 pixels).
+OUTLIER_CASES = [
+    (2, 12, 13, 11, 3, True, 0.0, (64, 16, 64)),
+    (1, 30, 9, 7, 5, True, 0.0, (64, 64, 64)),
+    (2, 16, 10, 10, 4, True, 1e3, (64, 32, 64)),
+    (1, 8, 128, 128, 2, True, 0.0, None),
+    (2, 12, 13, 11, 3, False, 0.0, (64, 16, 64)),
+    (1, 8, 9, 7, 2, False, 1e3, (64, 16, 64)),
+]
+
+
+@pytest.mark.parametrize("case", OUTLIER_CASES, ids=str)
+def test_group_norm_outliers_at_chunk_starts(case, device, monkeypatch):
+    """An outlier at the first pixel of every statistics chunk (each
+    program's first element): statistics shifted by that pixel cancelled
+    the variance away (a 3e4 corner at 128^2 gave an error of 5e4)."""
+    from conv_patch.kernels.group_norm import nhwc_stats_split
+    N, C, H, W, G, nhwc, offset, launch = case
+    if not target_for(device).kernels:
+        pytest.skip("no kernels here")
+    if launch is not None:
+        monkeypatch.setitem(ops.GN_LAUNCH, "interpreter" if device.type == "cpu" else "gpu", launch)
+    _, stats_block, programs = ops.GN_LAUNCH["interpreter" if device.type == "cpu" else "gpu"]
+    g = torch.Generator().manual_seed(5)
+    x = randn(g, N, C, H, W) + offset
+    flat = x.permute(0, 2, 3, 1).reshape(N, H * W, C)  # a view: writes reach x
+    if nhwc:
+        _, splits, chunk = nhwc_stats_split(N, C, H * W, stats_block, programs)
+        assert splits > 1 or launch is None
+        for s in range(splits):
+            flat[:, s * chunk] = 3e4
+    else:
+        # NCHW chunks are runs of a group's Cg*H*W elements: put one at
+        # every pixel's start of a few strides, chunk starts among them.
+        x.view(N, -1)[:, ::7] = 3e4
+    x = x.to(device)
+    if nhwc:
+        x = x.contiguous(memory_format=torch.channels_last)
+    w = randn(g, C, scale=0.5).add(1).to(device)
+    b = randn(g, C, scale=0.5).to(device)
+    ref = F.group_norm(x.double().cpu(), G, w.double().cpu(), b.double().cpu(), 1e-5)
+    out = poisoned(x.shape, x.dtype, device, channels_last=nhwc)
+    with torch.no_grad():
+        y = ops.group_norm(x, G, w, b, 1e-5, "none", out=out)
+    assert y is out
+    assert rel_err(y, ref) <= 1e-5

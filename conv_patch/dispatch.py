@@ -17,6 +17,7 @@ this one place, for every caller, and the plan remembers it.
 from __future__ import annotations
 
 import dataclasses
+import threading
 import warnings
 from typing import Optional
 
@@ -258,25 +259,40 @@ def decide(m, x, weight, bias, residual, beta, activation, out_scale, output_pad
                  graph), spec
 
 
+# Plans are built one at a time, every module's, in every thread: two
+# threads building one module's plans at once compiled its kernels twice and
+# swapped its weight pack (``_cp_pack``) under each other, and a full plan
+# dict could be replaced under a concurrent store. Only a miss takes the
+# lock: a lookup is a plain dict read (a plan is stored complete, and a
+# replay only reads it). Reentrant: a build runs the module's forward.
+BUILD_LOCK = threading.RLock()
+
+
 def build(m, key, x, weight, bias, residual, out, beta, activation, out_scale, output_padding,
           fallback_args, padding, no_bias):
     """(plan, result of this call): the plan of ``key``, built and stored,
     and the call run through it."""
-    cast, graph = key[-2], key[-1]
-    if cast is None:
-        plan, y = _build(m, graph, x, weight, bias, residual, out, beta, activation, out_scale, output_padding,
-                         fallback_args, padding, no_bias)
-    else:
-        plan = AutocastPlan(cast, x.device.type, padding)
-        if _autocast_in_kernels(plan, x, weight, bias, residual, out, key[-3]):
-            a = plan.cast_args(x, weight, bias)
-            plan.inner, y = _build(m, graph, *a, residual, out, beta, activation, out_scale, output_padding,
-                                   fallback_args, padding, no_bias)
+    with BUILD_LOCK:
+        plans = m.__dict__.get("_cp_plans")
+        plan = plans.get(key) if plans is not None else None
+        if plan is not None:  # built by another thread while this one waited
+            return plan, plan.run(m, x, weight, bias, residual, out, beta, activation, out_scale,
+                                  output_padding, fallback_args, no_bias)
+        cast, graph = key[-2], key[-1]
+        if cast is None:
+            plan, y = _build(m, graph, x, weight, bias, residual, out, beta, activation, out_scale,
+                             output_padding, fallback_args, padding, no_bias)
         else:
-            y = plan.run(m, x, weight, bias, residual, out, beta, activation, out_scale, output_padding,
-                         fallback_args, no_bias)
-    _store(m, key, plan)
-    return plan, y
+            plan = AutocastPlan(cast, x.device.type, padding)
+            if _autocast_in_kernels(plan, x, weight, bias, residual, out, key[-3]):
+                a = plan.cast_args(x, weight, bias)
+                plan.inner, y = _build(m, graph, *a, residual, out, beta, activation, out_scale, output_padding,
+                                       fallback_args, padding, no_bias)
+            else:
+                y = plan.run(m, x, weight, bias, residual, out, beta, activation, out_scale, output_padding,
+                             fallback_args, no_bias)
+        _store(m, key, plan)
+        return plan, y
 
 
 def _build(m, graph, x, weight, bias, residual, out, beta, activation, out_scale, output_padding,
@@ -475,24 +491,36 @@ def group_norm(norm, x, activation="none", out=None, input_bias=None):
         if plan.kernel and plan.program is not None:
             return plan.program(roles)
     else:
-        if key[-2] and x.dtype in (torch.float16, torch.bfloat16):
-            ok, why = False, "CUDA autocast computes GroupNorm in float32"
-        else:
-            ok, why = group_norm_decision(x, norm.num_groups, norm.weight, norm.bias, key[-1])
-        plan = NormPlan(ok, why)
-        _store(norm, key, plan)
-        if ok:
-            k = kernels()
-            with k.recording() as rec:
-                y = _gn_kernel(norm, x, activation, out, input_bias)
-            try:
-                plan.program = k.Program(rec, roles, y)
-            except k.Unrecordable:
-                plan.program = None
-            return y
+        with BUILD_LOCK:
+            plans = norm.__dict__.get("_cp_plans")
+            plan = plans.get(key) if plans is not None else None
+            if plan is None:
+                return _gn_build(norm, key, x, activation, out, input_bias, roles)
     if plan.kernel:
         return _gn_kernel(norm, x, activation, out, input_bias)
     return group_norm_eager(norm, x, activation, out, input_bias)
+
+
+def _gn_build(norm, key, x, activation, out, input_bias, roles):
+    """This call's result, its plan built and stored (under BUILD_LOCK)."""
+    if key[-2] and x.dtype in (torch.float16, torch.bfloat16):
+        ok, why = False, "CUDA autocast computes GroupNorm in float32"
+    else:
+        ok, why = group_norm_decision(x, norm.num_groups, norm.weight, norm.bias, key[-1])
+    plan = NormPlan(ok, why)
+    if not ok:
+        _store(norm, key, plan)
+        return group_norm_eager(norm, x, activation, out, input_bias)
+    k = kernels()
+    with k.recording() as rec:
+        y = _gn_kernel(norm, x, activation, out, input_bias)
+    try:
+        plan.program = k.Program(rec, roles, y)
+    except k.Unrecordable:
+        plan.program = None
+    # Stored complete: another thread may replay it as soon as it is seen.
+    _store(norm, key, plan)
+    return y
 
 
 def _gn_kernel(norm, x, activation, out, input_bias):

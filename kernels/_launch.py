@@ -6,6 +6,7 @@ microseconds per host-side call, which adds up on every launch.
 """
 
 import contextlib
+import threading
 
 from torch import Tensor
 
@@ -222,7 +223,19 @@ def launch(kernel, grid, *args, **meta):
 # launchers allocated through ``empty`` while recording (scratch, allocated
 # afresh at every replay). Anything else makes the call unrecordable, and
 # that plan calls the launchers every time.
-_RECORDERS: list = []
+# Per thread: a plan built in one thread must record its own launches only.
+# One list shared by all threads (as it was) recorded another thread's
+# launches and scratch into the plan being built, and pushes and pops of
+# two threads' recordings interleaved, so a plan could be missing its own
+# launch and replay into an unwritten output.
+_LOCAL = threading.local()
+
+
+def _recorders() -> list:
+    stack = getattr(_LOCAL, "recorders", None)
+    if stack is None:
+        stack = _LOCAL.recorders = []
+    return stack
 
 
 class Unrecordable(Exception):
@@ -241,11 +254,12 @@ def recording():
     """``with recording() as rec:`` every ``launch`` and ``empty`` inside is
     recorded into ``rec`` (nested recordings record into the innermost)."""
     rec = Recorder()
-    _RECORDERS.append(rec)
+    stack = _recorders()
+    stack.append(rec)
     try:
         yield rec
     finally:
-        _RECORDERS.pop()
+        stack.pop()
 
 
 def empty(shape, *, dtype, device, memory_format=None):
@@ -256,17 +270,19 @@ def empty(shape, *, dtype, device, memory_format=None):
         t = torch.empty(shape, dtype=dtype, device=device)
     else:
         t = torch.empty(shape, dtype=dtype, device=device, memory_format=memory_format)
-    if _RECORDERS:
-        _RECORDERS[-1].scratch.append(t)
+    stack = getattr(_LOCAL, "recorders", None)
+    if stack:
+        stack[-1].scratch.append(t)
     return t
 
 
 def _record(kernel, grid, args, meta, compiled, consts):
-    if _RECORDERS:
+    stack = getattr(_LOCAL, "recorders", None)
+    if stack:
         usable = consts is not None and compiled is not None and all(
             hasattr(compiled, a) for a in ("run", "function", "packed_metadata"))
         device = _triton()[1].active.get_current_device() if usable else None
-        _RECORDERS[-1].launches.append((kernel, grid, args, meta, compiled if usable else None,
+        stack[-1].launches.append((kernel, grid, args, meta, compiled if usable else None,
                                         consts if usable else None, device))
 
 

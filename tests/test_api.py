@@ -265,3 +265,114 @@ def test_output_strides_match_pytorch_fuzzed(device, exact_fp32):
 @pytest.mark.gpu
 def test_output_strides_match_pytorch_fuzzed_cuda(exact_fp32):
     _fuzz_strides(torch.device("cuda"), 400, seed=4)
+
+
+# -- calls from several threads ----------------------------------------------------------
+def test_recording_is_per_thread():
+    """A plan built in one thread records its own launches and scratch only,
+    while another thread launches (or records) at the same time."""
+    import threading
+    from conv_patch.kernels import _launch
+    recording = threading.Event()
+    other_done = threading.Event()
+    seen = {}
+
+    def other():
+        recording.wait()
+        seen["loose"] = _launch.empty((3,), dtype=torch.float32, device="cpu")
+        with _launch.recording() as rb:
+            seen["mine_b"] = _launch.empty((4,), dtype=torch.float32, device="cpu")
+        seen["rb"] = rb
+        other_done.set()
+
+    t = threading.Thread(target=other)
+    t.start()
+    with _launch.recording() as ra:
+        recording.set()
+        assert other_done.wait(10)
+        mine_a = _launch.empty((5,), dtype=torch.float32, device="cpu")
+    t.join()
+    assert [x is mine_a for x in ra.scratch] == [True]
+    assert [x is seen["mine_b"] for x in seen["rb"].scratch] == [True]
+    # Both recordings closed: nothing records now, in either thread.
+    _launch.empty((1,), dtype=torch.float32, device="cpu")
+    assert len(ra.scratch) == 1 and len(seen["rb"].scratch) == 1
+
+
+def test_concurrent_misses_build_one_plan(monkeypatch):
+    """Threads missing one signature at once build it once (dispatch's build
+    lock), each getting PyTorch's answer."""
+    import threading
+    import time
+    net, twin = _pair(nn.Conv2d(4, 6, 3, padding=1))
+    builds = []
+    real = dispatch._build
+
+    def slow_build(*a, **k):
+        builds.append(threading.get_ident())
+        time.sleep(0.05)  # a compile: long enough for the others to miss too
+        return real(*a, **k)
+
+    monkeypatch.setattr(dispatch, "_build", slow_build)
+    # Autograd on: the plan is PyTorch's own, so no kernel runs concurrently
+    # (the Triton interpreter is not thread-safe; the GPU test runs kernels).
+    x = torch.randn(1, 4, 6, 6)
+    want = twin(x).detach()
+    start = threading.Barrier(4)
+    results = [None] * 4
+
+    def call(i):
+        start.wait()
+        results[i] = net(x).detach()
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(builds) == 1
+    assert all(rel_err(y, want) <= TOL[torch.float32] for y in results)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("streams", [True, False], ids=["own-streams", "default-stream"])
+def test_threads_share_one_patched_vae_on_the_gpu(streams, exact_fp32):
+    """8 threads run one patched VAE (recipes, kernels, GroupNorm, packs) on
+    inputs of their own, many times, each on its own CUDA stream or all on
+    the default one; every result is the unpatched VAE's."""
+    import threading
+    diffusers = pytest.importorskip("diffusers")
+    torch.manual_seed(0)
+    vae = diffusers.AutoencoderKL(
+        block_out_channels=(32, 64), down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2, latent_channels=4, layers_per_block=1,
+        norm_num_groups=8, sample_size=64).cuda().eval()
+    twin = copy.deepcopy(vae)
+    conv_patch.apply(vae)
+    n_threads, iters = 8, 20
+    inputs = [torch.randn(1, 3, 64 + 8 * (i % 2), 64, device="cuda") for i in range(n_threads)]
+    with torch.no_grad():
+        want = [twin(x).sample for x in inputs]
+    torch.cuda.synchronize()
+    errors, start = [], threading.Barrier(n_threads)
+
+    def worker(i):
+        try:
+            stream = torch.cuda.Stream() if streams else torch.cuda.default_stream()
+            start.wait()
+            with torch.no_grad(), torch.cuda.stream(stream):
+                for it in range(iters):
+                    y = vae(inputs[i]).sample
+                    stream.synchronize()
+                    err = rel_err(y, want[i])
+                    if err > 1e-4:
+                        errors.append((i, it, err))
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append((i, repr(e)))
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(n_threads)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:5]

@@ -265,7 +265,7 @@ def cmd_info(args) -> int:
 
     from . import __version__, config_tables
     from .routes import ROUTE_INFO
-    from .target import default_target, interpreter_enabled, triton_available
+    from .target import default_target, interpreter_enabled, triton_available, what_runs
 
     t = default_target()
     try:
@@ -276,14 +276,19 @@ def cmd_info(args) -> int:
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
     table = config_tables.packaged_table(t.arch).name if t.kernels else "-"
     print(f"conv-patch {__version__}; torch {torch.__version__}; triton {triton_v}")
-    print(f"GPU: {gpu}; architecture key: {t.arch}; kernels: {'yes' if t.kernels else 'no (' + t.reason + ')'}")
+    print(f"GPU: {gpu}; architecture key: {t.arch}")
+    print(f"here: {what_runs()}")
     if t.kernels:
         own = config_tables.has_table(t.arch)
         print(f"config table: configs/{table}.json" + (" (a table of its own)" if own else
                                                        f" (no table for {t.arch}: the curated default)"))
     else:
         print("config table: - (no kernels run here)")
-    print(f"Triton interpreter: {'on' if interpreter_enabled() else 'off'}; triton available: {triton_available()}")
+    # verify turns the interpreter on by itself on the CPU; "off" here is
+    # this process's setting, not what verify will use.
+    interp = "on" if interpreter_enabled() else \
+        "off" + ("" if torch.cuda.is_available() else " (convpatch verify turns it on for its CPU run)")
+    print(f"Triton interpreter: {interp}; triton available: {triton_available()}")
     print("routes:")
     for route, what in ROUTE_INFO.items():
         print(f"  {route.value}: {what}")

@@ -66,3 +66,18 @@ def test_info(capsys, device):
     if device.type == "cpu":  # the tests run the kernels through the interpreter
         assert "Triton interpreter: on" in out and "architecture key: interpreter" in out
         assert "configs/interpreter.json" in out
+
+
+def test_info_says_what_runs_without_a_gpu(monkeypatch, capsys):
+    """On a CPU machine info says plainly that patched models run PyTorch's
+    code and that verify checks the kernels under the interpreter."""
+    import torch
+
+    from conv_patch import target
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(target, "interpreter_enabled", lambda: False)
+    assert cli.main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "no CUDA GPU: a patched model runs its original PyTorch code" in out
+    assert "convpatch verify runs the kernels" in out.replace("`", "")
+    assert "Triton interpreter: off (convpatch verify turns it on" in out

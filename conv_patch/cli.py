@@ -37,7 +37,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="load .ckpt/.pt/.pth/.bin pickles (with torch.load(weights_only=True) only)")
     v.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when present)")
     v.add_argument("--dtype", choices=sorted(DTYPES), default=None,
-                   help="compute dtype (default: bf16 on a GPU, fp32 on the CPU)")
+                   help="compute dtype (default: on a GPU the checkpoint's own half type, bf16 for an fp32 "
+                        "file and for the embedded default; fp32 on the CPU)")
     v.add_argument("--size", type=int, default=None,
                    help="image size in pixels (default: 512 on a GPU; small on the CPU, chosen per model)")
     v.add_argument("--json", metavar="PATH", default=None, help="also write the report as JSON")
@@ -157,8 +158,12 @@ def summary_lines(report) -> list:
                      f"unpatched {e.rel_err_unpatched:.3g}; max |patched-unpatched| {e.max_abs_diff:.3g}, "
                      f"PSNR {e.psnr_patched_vs_unpatched_db:.1f} dB  {'pass' if e.passed else 'FAIL'}")
         if e.image_psnr_patched_db is not None:
+            # The pass above compares outputs; this is the autoencoder's own
+            # loss, which the kernels' rounding should not move (the GPU
+            # tests hold a real photo within 0.1 dB).
             lines.append(f"  reconstruction PSNR vs the image: unpatched {e.image_psnr_unpatched_db:.2f} dB, "
-                         f"patched {e.image_psnr_patched_db:.2f} dB")
+                         f"patched {e.image_psnr_patched_db:.2f} dB (round trip: a trained autoencoder reaches "
+                         f"~25-35 dB, below ~20 it does not reconstruct; patched within ~0.1 dB of unpatched)")
         if e.ms_patched is not None:
             lines.append(f"  time (median): unpatched {e.ms_unpatched:.3f} ms, patched {e.ms_patched:.3f} ms, "
                          f"speedup {e.speedup:.2f}x")

@@ -81,3 +81,22 @@ def test_info_says_what_runs_without_a_gpu(monkeypatch, capsys):
     assert "no CUDA GPU: a patched model runs its original PyTorch code" in out
     assert "convpatch verify runs the kernels" in out.replace("`", "")
     assert "Triton interpreter: off (convpatch verify turns it on" in out
+
+
+def test_reconstruction_psnr_says_what_is_good():
+    from conv_patch.verify import EndToEnd, VerifyReport
+    e = EndToEnd("encode->decode photo.png", [1, 3, 64, 64], 1e-3, 1e-3, 1e-3, 70.0, True,
+                 image_psnr_unpatched_db=31.18, image_psnr_patched_db=31.19)
+    line = next(ln for ln in cli.summary_lines(VerifyReport("m", "cpu", "float32", True, end_to_end=[e]))
+                if "reconstruction PSNR" in ln)
+    assert "31.19 dB" in line and "~25-35 dB" in line and "within ~0.1 dB of unpatched" in line
+
+
+def test_dtype_help_names_the_real_default(capsys):
+    """A checkpoint verifies in its own half type on a GPU (verify._file_dtype),
+    the embedded default in bf16, everything in fp32 on the CPU."""
+    with pytest.raises(SystemExit):
+        cli.main(["verify", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "the checkpoint's own half type, bf16 for an fp32 file and for the embedded default; fp32 on the CPU" \
+        in text

@@ -100,3 +100,14 @@ def test_dtype_help_names_the_real_default(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert "the checkpoint's own half type, bf16 for an fp32 file and for the embedded default; fp32 on the CPU" \
         in text
+
+
+def test_verify_without_triton_says_no_kernel_ran(monkeypatch, capsys, device):
+    """Where Triton is missing (Windows, macOS) verify must not claim the
+    kernels ran under the interpreter: its checks compared PyTorch with itself."""
+    from conv_patch import target
+    monkeypatch.setattr(target, "triton_available", lambda: False)
+    assert cli.main(["verify", "--device", str(device), "--size", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "no kernel ran: Triton is not installed" in out and "compared PyTorch with itself" in out
+    assert "ran under the Triton interpreter" not in out

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import struct
 from dataclasses import dataclass
 from typing import Dict
@@ -59,6 +60,20 @@ def _short(v, limit: int = 60) -> str:
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _detail(e: BaseException, limit: int = 160) -> str:
+    """An exception as an error message quotes it: ``Type: first line``,
+    terminal colour codes removed, and where it is long, cut at a word
+    boundary with "..." rather than mid-word."""
+    lines = [ln.strip() for ln in _ANSI.sub("", str(e)).splitlines() if ln.strip()]
+    text = lines[0] if lines else "no detail"
+    if len(text) > limit:
+        text = text[:limit].rsplit(" ", 1)[0].rstrip(",;:") + " ..."
+    return f"{type(e).__name__}: {text}"
+
+
 def _fail(path, msg):
     raise CheckpointError(f"{path}: {msg}")
 
@@ -98,7 +113,7 @@ def read_header(path: str) -> Dict[str, TensorEntry]:
     try:
         header = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        _fail(path, f"not a safetensors file (the header is not JSON: {str(e).splitlines()[0][:80]})")
+        _fail(path, f"not a safetensors file (the header is not JSON: {_detail(e)})")
     except RecursionError:
         _fail(path, "not a safetensors file (the header's JSON is nested too deeply)")
     if not isinstance(header, dict):
@@ -156,7 +171,7 @@ def load_safetensors(path: str) -> Dict[str, torch.Tensor]:
             for name in entries:
                 out[name] = f.get_tensor(name)
     except (SafetensorError, OSError, RuntimeError) as e:
-        _fail(path, f"cannot read its tensors ({str(e).splitlines()[0][:120]})")
+        _fail(path, f"cannot read its tensors ({_detail(e)})")
     return out
 
 
@@ -168,8 +183,14 @@ def load_pickle(path: str) -> Dict[str, torch.Tensor]:
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # anything weights_only refuses or cannot parse
-        _fail(path, f"cannot load as a weights-only pickle ({type(e).__name__}: "
-                    f"{str(e).strip().splitlines()[0][:120] if str(e).strip() else 'no detail'})")
+        # torch's refusal is many lines of advice for torch.load's own
+        # caller; the one fact that matters here is the class it refused.
+        refused = re.search(r"Unsupported global: GLOBAL (\S+)", _ANSI.sub("", str(e)))
+        if refused:
+            _fail(path, f"cannot load as a weights-only pickle: it refers to {refused.group(1)}, which "
+                        "torch.load(weights_only=True) refuses (only tensors and plain containers load); "
+                        "convert it to safetensors where you trust its code")
+        _fail(path, f"cannot load as a weights-only pickle ({_detail(e)})")
     for key in ("state_dict", "model"):
         if isinstance(obj, dict) and isinstance(obj.get(key), dict):
             obj = obj[key]

@@ -78,6 +78,29 @@ def default_target() -> Target:
     return target_for(torch.device("cpu"))
 
 
+def what_runs(device=None) -> str:
+    """One plain sentence on what a patched model runs on ``device`` (default:
+    the current GPU, else the CPU): the examples and ``convpatch info`` print
+    it, because a patch report lists routes even where no kernel can run."""
+    t = default_target() if device is None else target_for(torch.device(device))
+    if t.kernels and t.interpreter:
+        return ("the kernels run on the CPU under the Triton interpreter (TRITON_INTERPRET=1): "
+                "to check them, far slower than PyTorch")
+    if t.kernels:
+        return (f"the Triton kernels run on this GPU ({t.arch}) wherever its config table says they beat "
+                "PyTorch as called; everything else runs PyTorch's code")
+    if t.arch == "cpu":
+        why = "no CUDA GPU"
+    elif t.arch == "none":
+        why = "Triton is not installed (a dependency on Linux only)"
+    else:
+        why = t.reason
+    verify = ("; `convpatch verify` runs the kernels themselves under the Triton interpreter to check them"
+              if t.arch == "cpu" else "")
+    return (f"{why}: a patched model runs its original PyTorch code (no speed-up)"
+            + verify)
+
+
 def conv_tf32_enabled() -> bool:
     """PyTorch's own switch for TF32 in fp32 convolutions (on by default).
     Reads the new per-op flag first: mixing it with the legacy allow_tf32

@@ -199,12 +199,26 @@ def check_end_to_end(what: str, model: nn.Module, run: Callable[[nn.Module, torc
     )
 
 
+def _interpreted(device) -> bool:
+    """Whether the kernels really run under the interpreter here (not merely
+    TRITON_INTERPRET=1: without Triton nothing but PyTorch runs)."""
+    from .target import target_for
+    t = target_for(device)
+    return device.type == "cpu" and t.kernels and t.interpreter
+
+
+def _no_kernels_note(device) -> Optional[str]:
+    from .target import target_for, what_runs
+    if target_for(device).kernels:
+        return None
+    return f"no kernel ran: {what_runs(device)}; every check compared PyTorch with itself"
+
+
 def embedded_default(device: torch.device, dtype: torch.dtype, size: Optional[int],
                      progress: Optional[Callable] = None) -> VerifyReport:
     """The main job: the package's own TAEF2-architecture decoder (seeded
     weights, nothing downloaded), per layer and end to end."""
     from . import taesd
-    from .target import interpreter_enabled
 
     image = size or (512 if device.type == "cuda" else 32)
     if image % 8:
@@ -212,7 +226,7 @@ def embedded_default(device: torch.device, dtype: torch.dtype, size: Optional[in
     model = taesd.seeded_(taesd.decoder()).to(device).eval()
     report = VerifyReport(model="embedded default: TAEF2-architecture decoder, seeded weights",
                           device=str(device), dtype=str(dtype).replace("torch.", ""),
-                          interpreter=device.type == "cpu" and interpreter_enabled())
+                          interpreter=_interpreted(device))
     g = torch.Generator().manual_seed(0)
     z = torch.randn(1, 32, image // 8, image // 8, generator=g).to(device)
     report.end_to_end.append(check_end_to_end(f"decode {image}x{image}", model, lambda m, t: m(t), z, dtype,
@@ -221,6 +235,8 @@ def embedded_default(device: torch.device, dtype: torch.dtype, size: Optional[in
     if report.interpreter:
         report.notes.append("no GPU: the kernels ran under the Triton interpreter on the CPU, "
                             f"at a small size ({image}x{image}); no timings")
+    elif _no_kernels_note(device):
+        report.notes.append(_no_kernels_note(device))
     return report
 
 
@@ -321,7 +337,6 @@ def verify_files(paths, device, dtype=None, size=None, image=None, allow_pickle=
     given together with ``image`` are also checked as one reconstruction.
     Raises checkpoint.CheckpointError / ValueError for bad input."""
     from . import checkpoint, formats
-    from .target import interpreter_enabled
 
     timing = 20 if device.type == "cuda" else 0
     loaded = []
@@ -342,7 +357,7 @@ def verify_files(paths, device, dtype=None, size=None, image=None, allow_pickle=
             raise ValueError(f"--size {s}: must be a multiple of {fmt.factor} for {path}")
         rep = VerifyReport(model=f"{path}: {fmt.description}", device=str(device),
                            dtype=str(dt).replace("torch.", ""),
-                           interpreter=device.type == "cpu" and interpreter_enabled())
+                           interpreter=_interpreted(device))
         rep.layers = check_file_layers(state, fmt, device, dt, 64 if device.type == "cuda" else 12,
                                        progress)
         bad = [r.name for r in rep.layers if r.note]
@@ -367,6 +382,8 @@ def verify_files(paths, device, dtype=None, size=None, image=None, allow_pickle=
         if rep.interpreter:
             rep.notes.append("no GPU: the kernels ran under the Triton interpreter on the CPU, at a small "
                              f"size ({s}x{s}); no timings")
+        elif _no_kernels_note(device):
+            rep.notes.append(_no_kernels_note(device))
         reports.append(rep)
 
     encs = [(i, r) for i, r in enumerate(runnable) if r[1].encode and not r[1].decode]

@@ -5,8 +5,9 @@
 
 ``conv_patch.apply(pipe)`` patches every nn.Module component (UNet or
 transformer, VAE, text encoders where they have convolutions). Prints the
-patch report, the time of a plain and of a patched run (same seed), how far
-the two outputs are apart, and saves the patched image.
+patch report, what runs here (without a CUDA GPU a patched model runs its
+original PyTorch code), the time of a plain and of a patched run (same seed),
+how far the two outputs are apart, and saves the patched image.
 """
 
 import argparse
@@ -16,6 +17,7 @@ import time
 import torch
 
 import conv_patch
+from conv_patch.target import target_for, what_runs
 
 
 def _run(pipe, args, device):
@@ -68,9 +70,12 @@ def main(argv=None):
     report = conv_patch.apply(pipe)  # the one line
     patched, t_patched = _run(pipe, args, device)
     print(report)
+    # The report lists each layer's route even where no kernel can run.
+    print("here:", what_runs(device))
     err = ((patched - plain).norm() / plain.norm().clamp_min(1e-12)).item()
-    print(f"plain {t_plain:.2f} s, patched {t_patched:.2f} s (first patched run compiles the kernels); "
-          f"relative difference {err:.2e}")
+    t = target_for(torch.device(device))
+    compiles = " (the first patched run compiles the kernels)" if t.kernels and not t.interpreter else ""
+    print(f"plain {t_plain:.2f} s, patched {t_patched:.2f} s{compiles}; relative difference {err:.2e}")
     if args.out:
         from PIL import Image
         img = (patched[0].clamp(0, 1).numpy() * 255).round().astype("uint8")

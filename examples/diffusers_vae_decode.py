@@ -3,7 +3,9 @@
     python examples/diffusers_vae_decode.py                      # small built-in config, no download
     python examples/diffusers_vae_decode.py --model-dir PATH     # a local diffusers VAE folder
 
-Prints the patch report and how far the patched decode is from the plain one.
+Prints the patch report, what runs here (without a CUDA GPU a patched model
+runs its original PyTorch code), and how far the patched decode is from the
+plain one.
 """
 
 import argparse
@@ -11,6 +13,7 @@ import argparse
 import torch
 
 import conv_patch
+from conv_patch.target import what_runs
 
 
 def main(argv=None):
@@ -41,6 +44,8 @@ def main(argv=None):
         report = conv_patch.apply(vae)  # the one line
         patched = vae.decode(z).sample
     print(report)
+    # The report lists each layer's route even where no kernel can run.
+    print("here:", what_runs(device))
     err = ((patched.float() - plain.float()).norm() / plain.float().norm()).item()
     print(f"decoded {tuple(patched.shape)}; relative difference patched vs plain: {err:.2e}")
     return err

@@ -66,3 +66,48 @@ def test_info(capsys, device):
     if device.type == "cpu":  # the tests run the kernels through the interpreter
         assert "Triton interpreter: on" in out and "architecture key: interpreter" in out
         assert "configs/interpreter.json" in out
+
+
+def test_info_says_what_runs_without_a_gpu(monkeypatch, capsys):
+    """On a CPU machine info says plainly that patched models run PyTorch's
+    code and that verify checks the kernels under the interpreter."""
+    import torch
+
+    from conv_patch import target
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(target, "interpreter_enabled", lambda: False)
+    assert cli.main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "no CUDA GPU: a patched model runs its original PyTorch code" in out
+    assert "convpatch verify runs the kernels" in out.replace("`", "")
+    assert "Triton interpreter: off (convpatch verify turns it on" in out
+
+
+def test_reconstruction_psnr_says_what_is_good():
+    from conv_patch.verify import EndToEnd, VerifyReport
+    e = EndToEnd("encode->decode photo.png", [1, 3, 64, 64], 1e-3, 1e-3, 1e-3, 70.0, True,
+                 image_psnr_unpatched_db=31.18, image_psnr_patched_db=31.19)
+    line = next(ln for ln in cli.summary_lines(VerifyReport("m", "cpu", "float32", True, end_to_end=[e]))
+                if "reconstruction PSNR" in ln)
+    assert "31.19 dB" in line and "~25-35 dB" in line and "within ~0.1 dB of unpatched" in line
+
+
+def test_dtype_help_names_the_real_default(capsys):
+    """A checkpoint verifies in its own half type on a GPU (verify._file_dtype),
+    the embedded default in bf16, everything in fp32 on the CPU."""
+    with pytest.raises(SystemExit):
+        cli.main(["verify", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "the checkpoint's own half type, bf16 for an fp32 file and for the embedded default; fp32 on the CPU" \
+        in text
+
+
+def test_verify_without_triton_says_no_kernel_ran(monkeypatch, capsys, device):
+    """Where Triton is missing (Windows, macOS) verify must not claim the
+    kernels ran under the interpreter: its checks compared PyTorch with itself."""
+    from conv_patch import target
+    monkeypatch.setattr(target, "triton_available", lambda: False)
+    assert cli.main(["verify", "--device", str(device), "--size", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "no kernel ran: Triton is not installed" in out and "compared PyTorch with itself" in out
+    assert "ran under the Triton interpreter" not in out

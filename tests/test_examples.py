@@ -33,3 +33,27 @@ def test_examples_have_help(name, capsys):
     with pytest.raises(SystemExit) as e:
         _load(name).main(["--help"])
     assert e.value.code == 0 and "--model-dir" in capsys.readouterr().out
+
+
+def _plain_cpu(monkeypatch):
+    """A user's CPU machine: no CUDA, no Triton interpreter."""
+    import torch
+
+    from conv_patch import target
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(target, "interpreter_enabled", lambda: False)
+
+
+@pytest.mark.parametrize("name,argv", [
+    ("diffusers_vae_decode", ["--size", "16", "--dtype", "fp32"]),
+    ("diffusers_pipeline", ["--steps", "1", "--dtype", "fp32"]),
+])
+def test_examples_say_plainly_what_runs_without_a_gpu(name, argv, monkeypatch, capsys, exact_fp32):
+    """Without a GPU the report still lists routes: the example says once that
+    the original PyTorch code ran, and claims no kernel compilation."""
+    _plain_cpu(monkeypatch)
+    err = _load(name).main(argv)
+    out = capsys.readouterr().out
+    assert err == 0  # the same PyTorch code ran both times
+    assert out.count("runs its original PyTorch code") == 1 and "convpatch verify" in out
+    assert "compiles the kernels" not in out

@@ -161,6 +161,25 @@ def test_malicious_pickle_never_runs(tmp_path, capsys, monkeypatch):
     assert not (tmp_path / "pwned-by-pickle").exists()
 
 
+def test_refused_pickle_is_one_whole_line(tmp_path, capsys):
+    """torch's weights-only refusal is many lines with terminal colour codes;
+    the error names the refused class in one whole line, cut nowhere."""
+    path = tmp_path / "model.pt"
+    torch.save({"model": torch.nn.Conv2d(3, 4, 3)}, path)
+    code, out, err = run_cli(["verify", str(path), "--allow-pickle"], capsys)
+    line = err.strip()
+    assert code == 2 and len(line.splitlines()) == 1 and "\x1b" not in line
+    assert "torch.nn.modules.conv.Conv2d" in line
+    assert line.endswith("convert it to safetensors where you trust its code")
+
+
+def test_long_error_detail_is_cut_at_a_word():
+    from conv_patch.checkpoint import _detail
+    text = _detail(RuntimeError("\x1b[1mbold\x1b[0m " + "word " * 60 + "\nsecond line"))
+    assert text.startswith("RuntimeError: bold word") and text.endswith("word ...")
+    assert "\x1b" not in text and "second" not in text and len(text) < 200
+
+
 def test_nan_weights_are_a_finding_not_a_crash(tmp_path, capsys):
     w = torch.randn(4, 3, 3, 3)
     w[0, 0, 0, 0] = float("nan")

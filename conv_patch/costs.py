@@ -36,14 +36,26 @@ from typing import Dict, Optional, Tuple
 # Python (signature, lookup, bookkeeping), "refresh" a weight pack's
 # refresh (a PyTorch copy), "launch" one replayed Triton launch, "alloc"
 # one output or scratch allocation, "desc" one TMA descriptor rebuilt.
-# "unplanned" is a kernel launched through its launcher (the cuDNN route's epilogue pass).
+# "unplanned" is the cuDNN route's epilogue pass, launched through its
+# launcher with its output allocated (measured as that route's host time
+# over the module's call, docs/performance.md).
 HOST_US = {"conv": 36.0, "op": 10.0, "base": 5.5, "refresh": 8.0, "launch": 8.0, "alloc": 2.0, "desc": 4.0,
-           "unplanned": 23.0}
-# The portable kernel reading an NCHW input and weight in place (the lean
-# route) ran at 45-118 TFLOP/s on the H200 on the zoo's 3x3 convs
-# (bench.overhead's lean rows): the low end, so it is never predicted faster
-# than it runs.
-LEAN_TFLOPS = 50.0
+           "unplanned": 40.0}
+# The lean route's GPU time (the portable kernel reading an NCHW input and
+# the weight in place, dispatch.LEAN_CONFIG: 128x64 tiles, 32-deep K steps)
+# is modelled from its tiles: each wave of up to LEAN_CTAS_PER_SM tiles per
+# SM takes LEAN_STEP_US per K step (a 1x1 conv's steps gather nothing and
+# are shorter; fp16/bf16, fp32 LEAN_FP32_FACTOR times that). Fitted on the
+# H200 (bench.overhead's lean rows and the zoo's convs, docs/performance.md)
+# from the slow side: a 1280-channel 3x3 conv at 16x16 runs 40 tiles of 360
+# steps, 0.35 ms, where its arithmetic alone at the kernel's full-GPU rate
+# would say 0.1 ms.
+LEAN_TILE = (128, 64, 32)
+LEAN_CTAS_PER_SM = 2
+LEAN_STEP_US = {False: 1.3, True: 0.65}  # by Problem.one_by_one
+LEAN_FP32_FACTOR = 4.0
+# SMs assumed where the caller does not say (an H200 has 132).
+DEFAULT_SMS = 132
 # Device-to-device copy bandwidth (H200, measured) and a launch's fixed GPU
 # latency: the memory-bound terms of the lean route and the epilogue passes.
 COPY_TBPS = 4.18
@@ -66,13 +78,23 @@ class Problem:
     out_bytes: float
     one_by_one: bool
     layout: str
+    # The implicit GEMM's sizes: output pixels, output channels, reduction
+    # depth (input channels x taps), and the element size in bytes.
+    m: int = 0
+    n: int = 0
+    k: int = 0
+    elem_bytes: int = 2
 
     @classmethod
     def of(cls, n, c_in, h, w, c_out, kh, kw, oh, ow, elem_bytes, layout) -> "Problem":
         m = n * oh * ow
         return cls(2.0 * m * c_out * c_in * kh * kw,
                    float(elem_bytes) * (n * c_in * h * w + m * c_out + c_out * c_in * kh * kw),
-                   float(elem_bytes) * m * c_out, kh * kw == 1, layout)
+                   float(elem_bytes) * m * c_out, kh * kw == 1, layout, m, c_out, c_in * kh * kw, elem_bytes)
+
+    def tiles(self, block_m: int, block_n: int) -> int:
+        """Output tiles of ``block_m`` x ``block_n`` (one program each)."""
+        return -(-self.m // block_m) * -(-self.n // block_n)
 
 
 def problem_of_key(key: str) -> Optional[Problem]:
@@ -87,10 +109,6 @@ def problem_of_key(key: str) -> Optional[Problem]:
     if oh <= 0 or ow <= 0:
         return None
     return Problem.of(n, c, h, w, o, kh, kw, oh, ow, 4 if dtype == "float32" else 2, layout)
-
-
-def roofline_ms(p: Problem, tflops: float) -> float:
-    return LAUNCH_MS + max(p.flops / (tflops * 1e9), p.bytes / (COPY_TBPS * 1e9))
 
 
 @dataclass(frozen=True)
@@ -235,7 +253,7 @@ def torch_ms(p: Problem, gpu_cudnn: float, ops: int, graph: bool, host: Optional
     return max((h["base"] + h["conv"]) / 1e3, gpu_cudnn) + ops * max(h["op"] / 1e3, pass_ms)
 
 
-def _gpu_times(p: Problem, fitted: Optional[Fit], exact: Optional[dict]):
+def gpu_times(p: Problem, fitted: Optional[Fit], exact: Optional[dict]):
     """(cuDNN ms, our ms): the table's measurement of the shape, else the fit's."""
     gpu_c = exact.get("cudnn_ms") if exact else None
     gpu_o = exact.get("ours_ms") if exact else None
@@ -247,15 +265,20 @@ def _gpu_times(p: Problem, fitted: Optional[Fit], exact: Optional[dict]):
 
 
 def choose(p: Problem, fitted: Optional[Fit], exact: Optional[dict], *, launches: int, ops: int,
-           graph: bool, packed: bool = True, descriptors: int = 0, host: Optional[dict] = None) -> Choice:
+           graph: bool, packed: bool = True, descriptors: int = 0, host: Optional[dict] = None,
+           config: Optional[dict] = None, sms: int = DEFAULT_SMS) -> Choice:
     """Whether the table's kernel route beats PyTorch for this call (see the
     module docstring). ``exact``: the table's entry for the shape, if any;
     ``launches``: the route's launches; ``ops``: eager ops its fused
     epilogue replaces; ``graph``: the call runs inside a CUDA graph;
-    ``packed``: its weight is refreshed into a pack at every call."""
-    gpu_c, gpu_o = _gpu_times(p, fitted, exact)
+    ``packed``: its weight is refreshed into a pack at every call;
+    ``config``: the route's kernel config (a shape never measured is slowed
+    by ``fill_factor`` where its tiles leave SMs idle)."""
+    gpu_c, gpu_o = gpu_times(p, fitted, exact)
     if gpu_c is None or gpu_o is None:
         return Choice(False, "no measurement or model of this shape on this GPU")
+    if not (exact and exact.get("ours_ms")):
+        gpu_o *= fill_factor(p, config, sms)
     gpu_o += (launches - 1) * LAUNCH_MS
     theirs = torch_ms(p, gpu_c, ops, graph, host)
     ours = gpu_o if graph else max(host_ms(launches, packed, descriptors, host), gpu_o)
@@ -265,33 +288,52 @@ def choose(p: Problem, fitted: Optional[Fit], exact: Optional[dict], *, launches
     return Choice(False, f"PyTorch faster as called ({theirs:.4g} ms vs kernel {ours:.4g} ms {how})", ours)
 
 
-def lean_ms(p: Problem) -> float:
+def lean_ms(p: Problem, sms: int = DEFAULT_SMS) -> float:
     """GPU time of the lean route (the portable kernel, input and weight
-    read in place)."""
-    return roofline_ms(p, LEAN_TFLOPS)
+    read in place): its waves of tiles times their K steps, or its bytes at
+    copy bandwidth where that is longer."""
+    bm, bn, bk = LEAN_TILE
+    waves = -(-p.tiles(bm, bn) // (LEAN_CTAS_PER_SM * sms))
+    step = LEAN_STEP_US[p.one_by_one] * (LEAN_FP32_FACTOR if p.elem_bytes >= 4 else 1.0)
+    steps_ms = waves * -(-p.k // bk) * step / 1e3
+    return LAUNCH_MS + max(steps_ms, p.bytes / (COPY_TBPS * 1e9))
+
+
+def fill_factor(p: Problem, config: Optional[dict], sms: int = DEFAULT_SMS) -> float:
+    """How much slower than its fitted rate a kernel config runs on a shape
+    whose tiles cannot fill the GPU: SMs / tiles where there are fewer
+    tiles than SMs (each tile runs on one SM however few there are), else 1.
+    The fit's shapes fill the GPU; a UNet's 16x16 levels do not."""
+    if not config or p.m <= 0 or "BLOCK_M" not in config or "BLOCK_N" not in config:
+        return 1.0
+    tiles = p.tiles(int(config["BLOCK_M"]), int(config["BLOCK_N"])) * int(config.get("SPLIT_K", 1))
+    return max(1.0, sms / max(1, tiles))
 
 
 def choose_lean(p: Problem, fitted: Optional[Fit], exact: Optional[dict], *, ops: int,
-                host: Optional[dict] = None) -> Choice:
+                host: Optional[dict] = None, sms: int = DEFAULT_SMS) -> Choice:
     """Whether the lean route beats PyTorch for a call launched eagerly: one
     launch, no pack, no staging copy, so the least host time of any route,
     where its slower GPU work still hides behind the host's."""
-    gpu_c, _ = _gpu_times(p, fitted, exact)
+    gpu_c, _ = gpu_times(p, fitted, exact)
     if gpu_c is None:
         return Choice(False, "no measurement or model of this shape on this GPU")
     theirs = torch_ms(p, gpu_c, ops, False, host)
-    ours = max(host_ms(1, False, 0, host), lean_ms(p))
+    ours = max(host_ms(1, False, 0, host), lean_ms(p, sms))
     if ours <= MARGIN * theirs:
         return Choice(True, f"lean kernel {ours:.4g} ms vs PyTorch {theirs:.4g} ms launched "
                             "(host-bound: input and weight read in place)", ours)
     return Choice(False, f"PyTorch faster as called ({theirs:.4g} ms vs lean kernel {ours:.4g} ms)", ours)
 
 
-def fused_epilogue_pays(p: Problem, ops: int, bias_pass: bool, graph: bool, host: Optional[dict] = None) -> bool:
+def fused_epilogue_pays(p: Problem, ops: int, bias_pass: bool, graph: bool, host: Optional[dict] = None,
+                        gpu_conv: float = 0.0) -> bool:
     """Where PyTorch runs the conv: whether cuDNN without its bias plus one
     epilogue pass (bias, residual, activation, scale) beats the module's
     own call followed by ``ops`` eager ops (``bias_pass``: PyTorch adds the
-    bias in a pass of its own, as it does on an NHWC output)."""
+    bias in a pass of its own, as it does on an NHWC output). Launched, each
+    side costs the larger of its host time and its GPU time (``gpu_conv``:
+    the convolution's own, the same on both sides)."""
     host = HOST_US if host is None else host
     passes = ops + int(bias_pass)
     if passes == 0:
@@ -299,8 +341,10 @@ def fused_epilogue_pays(p: Problem, ops: int, bias_pass: bool, graph: bool, host
     pass_ms = LAUNCH_MS + 2 * p.out_bytes / (COPY_TBPS * 1e9)
     if graph:
         return passes * pass_ms > pass_ms
-    eager = ops * max(host["op"] / 1e3, pass_ms) + int(bias_pass) * pass_ms
-    return eager > max(host["unplanned"] / 1e3, pass_ms) / MARGIN
+    conv_host = (host["base"] + host["conv"]) / 1e3
+    eager = max(conv_host + ops * host["op"] / 1e3, gpu_conv + passes * pass_ms)
+    fused = max(conv_host + host["unplanned"] / 1e3, gpu_conv + pass_ms)
+    return fused <= MARGIN * eager
 
 
 # The GroupNorm kernels (statistics, finalize, apply) beat PyTorch's GroupNorm

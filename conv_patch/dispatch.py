@@ -29,7 +29,7 @@ from .conv import kernel_errors, kernels
 from .epilogue import eager_epilogue
 from .routing import Route, RouteDecision, select_route
 from .specs import CallDesc, ConvSpec
-from .target import target_for
+from .target import gpu_sms, target_for
 
 
 class KernelFailureWarning(RuntimeWarning):
@@ -47,8 +47,8 @@ KERNEL, CUDNN, MODULE = "kernel", "cudnn", "module"
 # input and the weight in place, one launch and nothing else, for calls whose
 # GPU work is smaller than the host time around it (costs.choose_lean).
 LEAN = "lean"
-LEAN_CONFIG = {"route": "igemm", "BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8, "num_warps": 4,
-               "num_stages": 3}
+LEAN_CONFIG = {"route": "igemm", "BLOCK_M": costs.LEAN_TILE[0], "BLOCK_N": costs.LEAN_TILE[1],
+               "BLOCK_K": costs.LEAN_TILE[2], "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
 
 
 def _tensor_sig(t):
@@ -62,11 +62,13 @@ def conv_key(x, weight, bias, residual, out, beta, activation, out_scale, output
                                         or (bias is not None and bias.requires_grad)
                                         or (residual is not None and residual.requires_grad))
     device = x.device
-    graph = device.type == "cuda" and pack.on_graph_path(x)
+    cuda = x.is_cuda  # (device.type costs more than the whole flag)
+    graph = cuda and pack.on_graph_path(x)
     # The dtype torch.autocast casts the convolution to (None: autocast is
     # off for this device type), read here once so that the plan, not every
     # call, decides what that cast means (AutocastPlan).
-    cast = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
+    kind = "cuda" if cuda else device.type
+    cast = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
     alias = None
     if residual is not None or out is not None:
         alias = (residual is x, out is x, out is not None and out is residual)
@@ -99,9 +101,14 @@ class ConvPlan:
     # The KERNEL plan's output format: PyTorch's for the input and the
     # caller's weight (the kernels read a pack whose layout must not count).
     memory_format: Optional[torch.memory_format] = None
+    # A MODULE plan whose whole call is ``F.conv2d(x, weight, bias, *direct)``
+    # (no epilogue, no ``out``): the cheapest PyTorch route, taken first.
+    bare: bool = False
 
     def run(self, m, x, weight, bias, residual, out, beta, activation, out_scale, output_padding,
             fallback_args, no_bias):
+        if self.bare:
+            return torch.nn.functional.conv2d(x, weight, bias, *self.direct)
         if self.kind == KERNEL:
             w = self._weight(m, weight)
             b = None if no_bias else bias
@@ -220,8 +227,10 @@ def weigh(decision: RouteDecision, spec: ConvSpec, x, weight, table, has_bias, r
     # PyTorch's own route: the original module, or cuDNN without the bias
     # and the fused epilogue as one pass (the table's cuDNN route), where
     # that one pass beats the eager ops and PyTorch's bias pass.
+    fitted = costs.fit_of(tbl)
     fused = (x.is_cuda and not spec.transposed
-             and costs.fused_epilogue_pays(p, ops, has_bias and layout == "nhwc", graph))
+             and costs.fused_epilogue_pays(p, ops, has_bias and layout == "nhwc", graph,
+                                           gpu_conv=costs.gpu_times(p, fitted, exact)[0] or 0.0))
     if decision.route is Route.CUDNN:
         if fused:
             return decision
@@ -229,12 +238,14 @@ def weigh(decision: RouteDecision, spec: ConvSpec, x, weight, table, has_bias, r
                              table=decision.table)
     if table is not None and exact is None:
         return decision  # a user's table without this shape measured: the user's choice
-    fitted = costs.fit_of(tbl)
+    sms = (gpu_sms(x.device.index if x.device.index is not None else torch.cuda.current_device()) if x.is_cuda
+           else costs.DEFAULT_SMS)
     choice = costs.choose(p, fitted, exact, launches=_launches(decision, spec, x), ops=ops, graph=graph,
                           packed=not pack.is_kernel_layout(pack.kernel_view(weight, spec.transposed)),
-                          descriptors=3 if decision.route is Route.CONV2D_TMA else 0)
+                          descriptors=3 if decision.route is Route.CONV2D_TMA else 0, config=decision.config,
+                          sms=sms)
     if not graph:
-        lean = costs.choose_lean(p, fitted, exact, ops=ops)
+        lean = costs.choose_lean(p, fitted, exact, ops=ops, sms=sms)
         if lean.kernel and (not choice.kernel or lean.cost < choice.cost):
             route = Route.CONV_TRANSPOSE2D_IGEMM if spec.transposed else Route.CONV2D_IGEMM
             return RouteDecision(route, lean.why, config=LEAN_CONFIG, tier=LEAN, table=decision.table)
@@ -331,6 +342,8 @@ def _build(m, graph, x, weight, bias, residual, out, beta, activation, out_scale
             except k.Unrecordable:
                 plan.program = None
             return plan, ((y, bias) if no_bias else y)
+    plan.bare = (plan.kind == MODULE and plan.direct is not None and residual is None and out is None
+                 and activation == "none" and out_scale == 1.0 and not no_bias)
     return plan, plan.run(m, x, weight, bias, residual, out, beta, activation, out_scale, output_padding,
                           fallback_args, no_bias)
 

@@ -53,6 +53,13 @@ def _gpu_arch(index: int) -> tuple:
     return f"sm{major}{minor}", (major, minor) >= MIN_CUDA_CAPABILITY
 
 
+@functools.lru_cache(maxsize=None)
+def gpu_sms(index: int) -> int:
+    """Streaming multiprocessors of CUDA device ``index`` (the cost model's
+    waves of tiles)."""
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def target_for(device: torch.device) -> Target:
     interp = interpreter_enabled()
     if not triton_available():

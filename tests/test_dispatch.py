@@ -267,11 +267,50 @@ def test_lean_route_only_where_the_host_hides_its_gpu_time():
     assert not costs.choose_lean(_problem(size=256, c_in=256, c_out=256), fitted, None, ops=0).kernel
 
 
+def test_lean_gpu_time_counts_waves_of_tiles():
+    """The lean kernel's time is its waves of 128x64 tiles times their K
+    steps: a deep conv on a small image (a UNet's 16x16 level: 40 tiles of
+    360 steps on 132 SMs) is far slower than its arithmetic at the kernel's
+    full rate, and so is a 2560-deep 8x8 one; a wide shallow one is not."""
+    deep_small = _problem(c_in=1280, c_out=1280, size=16)
+    assert costs.lean_ms(deep_small) > 0.3  # measured 0.35 ms on the H200 (cuDNN 0.10)
+    assert costs.lean_ms(_problem(c_in=2560, c_out=1280, size=8)) > 0.8  # measured 0.95
+    assert costs.lean_ms(_problem(c_in=16, c_out=16, size=64)) < 0.02  # measured 0.010
+    # Twice the SMs, half the waves once the tiles fill them.
+    wide = _problem(c_in=64, c_out=64, size=512)
+    assert costs.lean_ms(wide, sms=264) < 0.6 * costs.lean_ms(wide, sms=132)
+    # Host-bound but slow on the GPU: PyTorch keeps it.
+    fitted = _fit(c0=0.002, cudnn_tflops=150)
+    assert not costs.choose_lean(deep_small, fitted, {"cudnn_ms": 0.104}, ops=0).kernel
+
+
+def test_a_config_whose_tiles_leave_sms_idle_is_slowed_by_the_fill_factor():
+    """A shape never measured, run with 128x256 tiles on a 16x16 image
+    (2 x 5 tiles on 132 SMs), is not as fast as the fit of shapes that fill
+    the GPU says: the fill factor keeps PyTorch there; a measured shape is
+    judged by its measurement alone."""
+    p = _problem(c_in=2560, c_out=1280, size=16)
+    cfg = {"route": "tma", "BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64}
+    assert costs.fill_factor(p, cfg) == pytest.approx(132 / 10)
+    assert costs.fill_factor(_problem(size=512), cfg) == 1.0
+    fitted = _fit(cudnn_tflops=300, ours_tflops=600, c0=0.002)
+    assert costs.choose(p, fitted, None, launches=1, ops=0, graph=True).kernel
+    assert not costs.choose(p, fitted, None, launches=1, ops=0, graph=True, config=cfg).kernel
+    assert costs.choose(p, None, {"ours_ms": 0.1, "cudnn_ms": 0.2}, launches=1, ops=0, graph=True,
+                        config=cfg).kernel
+
+
 def test_fused_epilogue_and_group_norm_thresholds():
     small, big = _problem(size=8), _problem(size=1024, c_out=256)
     assert not costs.fused_epilogue_pays(small, 1, False, False)  # one eager op is cheaper than a launch
     assert costs.fused_epilogue_pays(big, 2, True, False)
     assert not costs.fused_epilogue_pays(big, 0, False, False)
+    # Host-bound (its conv's GPU time hides behind the host's): the pass
+    # launched through its launcher costs more host time than two eager ops.
+    mid = _problem(size=512, c_out=64)
+    assert not costs.fused_epilogue_pays(mid, 2, True, False, gpu_conv=0.01)
+    # GPU-bound: the two passes over its 32 MB output it saves are what counts.
+    assert costs.fused_epilogue_pays(mid, 2, True, False, gpu_conv=0.12)
     assert not costs.group_norm_pays(costs.GROUP_NORM_MIN_ELEMENTS - 1)
     assert costs.group_norm_pays(costs.GROUP_NORM_MIN_ELEMENTS)
 

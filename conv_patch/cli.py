@@ -5,6 +5,7 @@
     convpatch info
     convpatch tune [--family F ...] [--res R ...] [--batch N ...] [--layout L ...] [--part P ...]
                    [--dtype bf16|fp16] [--out TABLE.json] [--report PATH] [--device D]
+    convpatch comfyui-install DIR [--force]
 
 Exit codes: 0 all checks pass, 1 a mismatch beyond tolerance, 2 bad input or
 usage (one line naming the problem, never a traceback).
@@ -89,6 +90,11 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--time-limit", type=float, default=None, metavar="S",
                    help="stop starting new shapes after S seconds and write the table from what was measured")
     t.add_argument("--device", default=None, help="cuda or cuda:N (cpu only under TRITON_INTERPRET=1)")
+    c = sub.add_parser("comfyui-install", help="put the Conv Patch VAE node into ComfyUI (a shim package in "
+                                               "custom_nodes that imports it from this installation)")
+    c.add_argument("dir", metavar="DIR", help="ComfyUI's custom_nodes folder (or ComfyUI's root, which holds it)")
+    c.add_argument("--force", action="store_true",
+                   help="replace a custom_nodes/conv_patch_node that convpatch did not write")
     return ap
 
 
@@ -451,10 +457,23 @@ def _wrote(table, out):
     config_tables.load_user_table(out)  # what we wrote must load
 
 
+def cmd_comfyui_install(args) -> int:
+    from . import comfyui_install
+
+    try:
+        init = comfyui_install.install(args.dir, force=args.force)
+    except comfyui_install.InstallError as e:
+        raise UsageError(str(e)) from None
+    for line in comfyui_install.notes(init):
+        print(line)
+    return 0
+
+
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     try:
-        return {"verify": cmd_verify, "info": cmd_info, "tune": cmd_tune}[args.cmd](args)
+        return {"verify": cmd_verify, "info": cmd_info, "tune": cmd_tune,
+                "comfyui-install": cmd_comfyui_install}[args.cmd](args)
     except UsageError as e:
         print(f"convpatch: error: {e}", file=sys.stderr)
         return 2

@@ -8,7 +8,11 @@ any is set, else runs the torch forward)."""
 import copy
 import importlib.util
 import io
+import os
 import pickle
+import subprocess
+import sys
+import uuid
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -17,6 +21,8 @@ import torch
 from torch import nn
 
 import conv_patch
+import conv_patch.comfyui
+import conv_patch.comfyui_install
 from conv_patch import pack
 from conv_patch.target import target_for
 from conv_patch.wrappers import PatchedConvMixin
@@ -162,17 +168,168 @@ def test_packs_released_on_every_move(device):
     assert pack.stats()["live"] <= live
 
 
-def _load_node_package():
-    path = Path(__file__).resolve().parents[1] / "examples" / "comfyui" / "__init__.py"
-    spec = importlib.util.spec_from_file_location("conv_patch_comfyui_node", path)
+# -- the node ---------------------------------------------------------------
+# Stand-ins for what the node meets in ComfyUI, modelled on comfy/sd.py's VAE
+# and comfy/model_patcher.py's ModelPatcher (what the node and ComfyUI's memory
+# manager, comfy.model_management.load_models_gpu, use of them): the patcher
+# keeps its load bookkeeping on the model, clones share the model and the
+# backup dictionaries, object patches go into the model on every load, and a
+# load with another patch id unpatches and reloads first.
+
+
+def _set_attr(obj, path, value):
+    *parents, last = path.split(".")
+    for name in parents:
+        obj = getattr(obj, name)
+    prev = getattr(obj, last)
+    setattr(obj, last, value)
+    return prev
+
+
+class StandInPatcher:
+    def __init__(self, model, load_device, offload_device):
+        self.model, self.load_device, self.offload_device = model, load_device, offload_device
+        if getattr(model, "device", None) is None:
+            model.device = offload_device
+        self.patches, self.backup, self.object_patches, self.object_patches_backup = {}, {}, {}, {}
+        self.patches_uuid, self.parent = uuid.uuid4(), None
+        for k, v in (("model_loaded_weight_memory", 0), ("model_lowvram", False),
+                     ("current_weight_patches_uuid", None)):
+            if not hasattr(model, k):
+                setattr(model, k, v)
+
+    def clone(self):
+        n = type(self)(self.model, self.load_device, self.offload_device)
+        n.patches = {k: v[:] for k, v in self.patches.items()}
+        n.patches_uuid, n.object_patches = self.patches_uuid, self.object_patches.copy()
+        n.backup, n.object_patches_backup, n.parent = self.backup, self.object_patches_backup, self
+        return n
+
+    def is_clone(self, other):
+        return hasattr(other, "model") and self.model is other.model
+
+    def add_object_patch(self, name, obj):
+        self.object_patches[name] = obj
+
+    def patch_model(self):
+        for k, obj in self.object_patches.items():
+            old = _set_attr(self.model, k, obj)
+            self.object_patches_backup.setdefault(k, old)
+
+    def load(self, device):
+        for m in self.model.modules():
+            if m._parameters:
+                m.comfy_patched_weights = True
+        self.model.to(device)
+        self.model.device, self.model.current_weight_patches_uuid = device, self.patches_uuid
+        self.model.model_loaded_weight_memory = sum(p.numel() for p in self.model.parameters())
+
+    def unpatch_model(self, device_to=None, unpatch_weights=True):
+        if unpatch_weights:
+            self.model.current_weight_patches_uuid = None
+            self.model.to(device_to)
+            self.model.device, self.model.model_loaded_weight_memory = device_to, 0
+            for m in self.model.modules():
+                m.__dict__.pop("comfy_patched_weights", None)
+        for k, old in self.object_patches_backup.items():
+            _set_attr(self.model, k, old)
+        self.object_patches_backup.clear()
+
+    def partially_load(self, device):
+        cur = self.model.current_weight_patches_uuid
+        self.unpatch_model(self.offload_device, unpatch_weights=cur is not None and cur != self.patches_uuid)
+        self.patch_model()
+        self.model.reloads = getattr(self.model, "reloads", 0)
+        if not (self.model.model_lowvram is False and self.model.model_loaded_weight_memory > 0):
+            self.model.reloads += 1
+            self.load(device)
+
+    def detach(self, unpatch_all=True):
+        if unpatch_all:
+            self.unpatch_model(self.offload_device, unpatch_weights=True)
+
+
+LOADED = []  # comfy.model_management.current_loaded_models
+
+
+def load_models_gpu(models):
+    for m in models:
+        for other in [o for o in LOADED if o is not m and m.is_clone(o)]:
+            LOADED.remove(other)
+            other.detach(unpatch_all=False)
+        if m not in LOADED:
+            LOADED.append(m)
+        m.partially_load(m.load_device)
+
+
+class StandInVAE:
+    """comfy.sd.VAE as its __init__ builds it, decode/encode as it runs them."""
+
+    def __init__(self, model, dtype=torch.float32, device="cpu"):
+        self.first_stage_model = model.eval()
+        self.device, self.vae_dtype = torch.device(device), dtype
+        self.first_stage_model.to(self.vae_dtype)
+        self.patcher = StandInPatcher(self.first_stage_model, load_device=self.device,
+                                      offload_device=torch.device("cpu"))
+
+    def decode(self, z):
+        load_models_gpu([self.patcher])
+        return self.first_stage_model.decode(z.to(self.vae_dtype).to(self.device)).float()
+
+    def encode(self, x):
+        load_models_gpu([self.patcher])
+        return self.first_stage_model.encode(x.to(self.vae_dtype).to(self.device)).float()
+
+
+class TinyAutoencoder(nn.Module):
+    """The shape of ComfyUI's first_stage_model: top-level convs and blocks."""
+
+    def __init__(self, device, decoder=None, encoder=None):
+        super().__init__()
+        self.decoder = decoder if decoder is not None else _net(device)
+        self.encoder = encoder if encoder is not None else _net(device, seed=1)
+        self.post_quant_conv = ComfyStyleConv2d(8, 8, 1).to(device)
+        self.quant_conv = ComfyStyleConv2d(8, 8, 1).to(device)
+        self.head = nn.Identity()  # a child with nothing to patch
+        with torch.no_grad():  # ComfyUI's convs skip initialisation (weights are loaded next)
+            for conv in (self.post_quant_conv, self.quant_conv):
+                conv.weight.copy_(torch.eye(8).view(8, 8, 1, 1) + 0.1)
+                conv.bias.fill_(0.1)
+
+    def decode(self, z):
+        return self.decoder(self.post_quant_conv(z))
+
+    def encode(self, x):
+        return self.quant_conv(self.encoder(x))
+
+
+def _snapshot(model):
+    """Everything the node must leave alone: each module's class and
+    attributes, each parameter/buffer object."""
+    return [(fqn, type(m), sorted(m.__dict__), dict(m._parameters), dict(m._buffers), dict(m._modules))
+            for fqn, m in model.named_modules()]
+
+
+def _install_node(tmp_path):
+    from conv_patch import comfyui_install
+    init = comfyui_install.install(str(tmp_path))
+    spec = importlib.util.spec_from_file_location("conv_patch_node", init)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
 
 
-def test_node_package_follows_comfyui_conventions():
-    mod = _load_node_package()
+@pytest.fixture
+def node(tmp_path):
+    LOADED.clear()
+    yield _install_node(tmp_path).NODE_CLASS_MAPPINGS["ConvPatchVAE"]()
+    LOADED.clear()
+
+
+def test_node_package_follows_comfyui_conventions(tmp_path):
+    mod = _install_node(tmp_path)
     cls = mod.NODE_CLASS_MAPPINGS["ConvPatchVAE"]
+    assert cls is conv_patch.comfyui.ConvPatchVAE
     assert mod.NODE_DISPLAY_NAME_MAPPINGS["ConvPatchVAE"] == "Conv Patch VAE"
     inputs = cls.INPUT_TYPES()
     assert inputs["required"]["vae"] == ("VAE",)
@@ -180,26 +337,221 @@ def test_node_package_follows_comfyui_conventions():
     assert cls.RETURN_TYPES == ("VAE",) and callable(getattr(cls, cls.FUNCTION)) and cls.CATEGORY
 
 
-def test_node_patches_first_stage_model_idempotently(device, exact_fp32):
-    node = _load_node_package().NODE_CLASS_MAPPINGS["ConvPatchVAE"]()
+def _has_cp_state(model):
+    return any(k.startswith("_cp_") for m in model.modules() for k in m.__dict__)
+
+
+def test_node_leaves_the_input_vae_as_it_was(node, device, exact_fp32):
+    vae = StandInVAE(TinyAutoencoder(device), device=device)
+    model, patcher = vae.first_stage_model, vae.patcher
+    z = torch.randn(1, 8, 6, 6, device=device)
+    with torch.no_grad():
+        ref = vae.decode(z)
+        before = _snapshot(model)
+        (out,) = node.patch(vae)
+        assert _snapshot(model) == before and vae.patcher is patcher and not patcher.object_patches
+        # The output: a clone of the input's patcher (ComfyUI's memory manager
+        # sees one model) carrying patched copies of the changed children.
+        assert out is not vae and out.patcher is not patcher and out.patcher.is_clone(patcher)
+        assert out.first_stage_model is model and out.patcher.patches_uuid != patcher.patches_uuid
+        dec = out.patcher.object_patches["decoder"]
+        assert sorted(out.patcher.object_patches) == ["decoder", "encoder", "post_quant_conv", "quant_conv"]
+        assert conv_patch.is_patched(dec[0]) and conv_patch.recipes.is_fused(dec)
+        # The same Parameter objects: no weight memory added.
+        assert dec[0].weight is model.decoder[0].weight
+        assert dec[0].weight.data_ptr() == model.decoder[0].weight.data_ptr()
+        assert rel_err(out.decode(z), ref) <= 1e-5
+        assert model.decoder is dec and model.post_quant_conv is out.patcher.object_patches["post_quant_conv"]
+        # Loading the input again (another branch of the workflow) puts its
+        # own modules back, after a full unpatch (its per-load state reset).
+        reloads = model.reloads
+        assert rel_err(vae.decode(z), ref) <= 1e-5 and model.reloads == reloads + 1
+        assert _snapshot(model) == before and not _has_cp_state(model)
+        assert all(not conv_patch.is_patched(m) for m in model.modules())
+        assert rel_err(model.decode(z), ref) <= 1e-5  # its forward as it was
+        assert rel_err(out.decode(z), ref) <= 1e-5 and model.decoder is dec
+
+
+def test_node_runs_are_idempotent_and_independent(node, device, exact_fp32):
+    vae = StandInVAE(TinyAutoencoder(device), device=device)
+    model = vae.first_stage_model
+    z = torch.randn(1, 8, 5, 7, device=device)
+    with torch.no_grad():
+        ref = vae.decode(z)
+        before = _snapshot(model)
+        (a,) = node.patch(vae)
+        (b,) = node.patch(vae)
+        pa, pb = a.patcher.object_patches, b.patcher.object_patches
+        assert a.patcher is not b.patcher and all(pa[k] is not pb[k] for k in pa)
+        assert rel_err(a.decode(z), ref) <= 1e-5
+        # The node run while a's modules are in the model starts from the input's own.
+        (c,) = node.patch(vae)
+        assert model.decoder is pa["decoder"] and c.patcher.object_patches["decoder"] is not pa["decoder"]
+        assert rel_err(b.decode(z), ref) <= 1e-5 and rel_err(c.decode(z), ref) <= 1e-5
+        # A second node on an output: patched the same way, not wrapped twice.
+        (aa,) = node.patch(a)
+        dec = aa.patcher.object_patches["decoder"]
+        assert dec is not pa["decoder"] and conv_patch.is_patched(dec[0])
+        assert not conv_patch.is_patched(dec[0]._cp_original) and dec[0].weight is pa["decoder"][0].weight
+        assert rel_err(aa.decode(z), ref) <= 1e-5
+        # recipes off on the output: convolutions only; a stays fused.
+        (plain,) = node.patch(a, recipes=False)
+        dec = plain.patcher.object_patches["decoder"]
+        assert conv_patch.is_patched(dec[0]) and not conv_patch.recipes.is_fused(dec)
+        assert conv_patch.recipes.is_fused(pa["decoder"])
+        assert rel_err(plain.decode(z), ref) <= 1e-5
+        assert rel_err(vae.decode(z), ref) <= 1e-5 and _snapshot(model) == before and not _has_cp_state(model)
+
+
+def test_node_cast_copies_only_the_output(node, device):
+    vae = StandInVAE(TinyAutoencoder(device), device=device)
+    model = vae.first_stage_model
+    params = {k: (p, p.dtype) for k, p in model.named_parameters()}
+    z = torch.randn(1, 8, 6, 6, device=device)
+    with torch.no_grad():
+        ref = vae.decode(z)
+        before = _snapshot(model)
+        (cast,) = node.patch(vae, dtype="bf16")
+        assert cast.vae_dtype is torch.bfloat16 and vae.vae_dtype is torch.float32
+        assert _snapshot(model) == before and all(p.dtype is d for p, d in params.values())
+        assert {p.dtype for p in cast.first_stage_model.parameters()} == {torch.bfloat16}
+        # A model of its own under a patcher of its own: no weights shared.
+        assert cast.first_stage_model is not model and cast.patcher.model is cast.first_stage_model
+        assert not cast.patcher.is_clone(vae.patcher) and conv_patch.is_patched(cast.first_stage_model.decoder[0])
+        assert rel_err(cast.decode(z), ref) <= 2e-2
+        (same,) = node.patch(vae, dtype="fp32")  # already fp32: no copy
+        assert same.patcher.is_clone(vae.patcher)
+
+
+def test_node_without_a_comfyui_patcher_copies_the_module_tree(node, device, exact_fp32):
     vae = SimpleNamespace(first_stage_model=_net(device), vae_dtype=torch.float32)
+    model = vae.first_stage_model
     x = torch.randn(1, 8, 6, 6, device=device)
     with torch.no_grad():
-        ref = vae.first_stage_model(x)
-        (out_vae,) = node.patch(vae)
-        assert out_vae is vae and conv_patch.is_patched(vae.first_stage_model[0])
-        first = vae.first_stage_model[0]
-        node.patch(vae)
-        assert vae.first_stage_model[0] is first  # not wrapped twice
-        assert rel_err(vae.first_stage_model(x), ref) <= 1e-5
-        assert conv_patch.recipes.is_fused(vae.first_stage_model)
-        node.patch(vae, recipes=False)  # turns the recipes off again, convs stay patched
-        assert not conv_patch.recipes.is_fused(vae.first_stage_model) and vae.first_stage_model[0] is first
-        assert rel_err(vae.first_stage_model(x), ref) <= 1e-5
-    (cast,) = node.patch(SimpleNamespace(first_stage_model=_net(device), vae_dtype=torch.float32), dtype="bf16")
-    assert cast.vae_dtype is torch.bfloat16 and cast.first_stage_model[0].weight.dtype is torch.bfloat16
+        ref = model(x)
+        before = _snapshot(model)
+        (out,) = node.patch(vae)
+        assert _snapshot(model) == before and out.first_stage_model is not model
+        assert conv_patch.is_patched(out.first_stage_model[0]) and conv_patch.recipes.is_fused(out.first_stage_model)
+        assert out.first_stage_model[0].weight is model[0].weight
+        assert rel_err(out.first_stage_model(x), ref) <= 1e-5
+        (again,) = node.patch(out, recipes=False)
+        assert not conv_patch.recipes.is_fused(again.first_stage_model) and conv_patch.recipes.is_fused(out.first_stage_model)
+        assert rel_err(again.first_stage_model(x), ref) <= 1e-5
     with pytest.raises(ValueError, match="first_stage_model"):
         node.patch(SimpleNamespace())
+    with pytest.raises(ValueError, match="dtype"):
+        node.patch(vae, dtype="int8")
+
+
+def test_shared_copy_leaves_comfyui_load_state_behind(device):
+    net = _net(device)
+    conv = net[0]
+    conv.comfy_patched_weights = True
+    conv.prev_comfy_cast_weights, conv.comfy_cast_weights = False, True
+    conv.weight_function = [lambda w: w]
+    dup = conv_patch.comfyui.shared_copy(net)
+    c = dup[0]
+    assert c is not conv and c._parameters is conv._parameters and c._buffers is conv._buffers
+    assert "comfy_patched_weights" not in c.__dict__ and c.comfy_cast_weights is False and c.weight_function == []
+    assert conv.comfy_cast_weights is True and conv.weight_function  # the original keeps its own
+    shared = nn.Sequential(conv, conv)
+    dup = conv_patch.comfyui.shared_copy(shared)
+    assert dup[0] is dup[1] and dup[0] is not conv
+
+
+def test_node_on_a_small_ldm_vae_matches_unpatched(node, device, exact_fp32):
+    ldm = pytest.importorskip("ldm.modules.diffusionmodules.model")
+    torch.manual_seed(0)
+    cfg = dict(ch=32, out_ch=3, ch_mult=(1, 2), num_res_blocks=1, attn_resolutions=[8], in_channels=3,
+               resolution=16, z_channels=4)
+    enc, dec = ldm.Encoder(double_z=True, **cfg), ldm.Decoder(**cfg)
+    model = TinyAutoencoder(device, decoder=dec, encoder=enc)
+    model.post_quant_conv, model.quant_conv = nn.Conv2d(4, 4, 1), nn.Conv2d(8, 8, 1)
+    vae = StandInVAE(model.to(device), device=device)
+    x, z = torch.randn(1, 3, 16, 16, device=device), torch.randn(1, 4, 8, 8, device=device)
+    with torch.no_grad():
+        ref_dec, ref_enc = vae.decode(z), vae.encode(x)
+        (out,) = node.patch(vae)
+        assert conv_patch.recipes.is_fused(out.patcher.object_patches["decoder"])
+        assert rel_err(out.decode(z), ref_dec) <= 2e-6 and rel_err(out.encode(x), ref_enc) <= 2e-6
+        assert rel_err(vae.decode(z), ref_dec) <= 1e-7  # the input's own modules again
+        assert not _has_cp_state(vae.first_stage_model)
+
+
+# -- convpatch comfyui-install ----------------------------------------------
+
+def _cli(capsys, *argv):
+    from conv_patch.cli import main
+    rc = main(["comfyui-install", *argv])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_comfyui_install_writes_a_shim_and_refreshes_it(tmp_path, capsys):
+    nodes = tmp_path / "ComfyUI" / "custom_nodes"
+    nodes.mkdir(parents=True)
+    rc, out, err = _cli(capsys, str(tmp_path / "ComfyUI"))  # ComfyUI's root: its custom_nodes
+    init = nodes / "conv_patch_node" / "__init__.py"
+    assert rc == 0 and not err and init.is_file() and str(init) in out and "restart ComfyUI" in out
+    spec = importlib.util.spec_from_file_location("conv_patch_node", init)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.NODE_CLASS_MAPPINGS == conv_patch.comfyui.NODE_CLASS_MAPPINGS
+    (init.parent / "__pycache__").mkdir()
+    init.write_text(init.read_text() + "# an older shim\n")
+    rc, out, err = _cli(capsys, str(nodes))  # ours: refreshed
+    assert rc == 0 and init.read_text() == conv_patch.comfyui_install.SHIM
+
+
+def test_comfyui_install_refuses_bad_folders(tmp_path, capsys):
+    for path, what in ((tmp_path / "missing", "no such folder"), (tmp_path / "file", "not a folder")):
+        if what == "not a folder":
+            path.write_text("x")
+        rc, out, err = _cli(capsys, str(path))
+        assert rc == 2 and not out and err.count("\n") == 1 and str(path) in err and what in err
+    foreign = tmp_path / "conv_patch_node"
+    foreign.mkdir()
+    (foreign / "__init__.py").write_text("print('mine')\n")
+    (foreign / "notes.txt").write_text("keep me\n")
+    rc, out, err = _cli(capsys, str(tmp_path))
+    assert rc == 2 and err.count("\n") == 1 and str(foreign) in err and "--force" in err
+    assert (foreign / "notes.txt").is_file()
+    link = tmp_path / "links" / "conv_patch_node"
+    link.parent.mkdir()
+    link.symlink_to(foreign)
+    rc, out, err = _cli(capsys, str(link.parent))
+    assert rc == 2 and "symlink" in err and (foreign / "notes.txt").is_file()
+    rc, out, err = _cli(capsys, str(tmp_path), "--force")
+    assert rc == 0 and sorted(p.name for p in foreign.iterdir()) == ["__init__.py"]
+    rc, out, err = _cli(capsys, str(link.parent), "--force")
+    assert rc == 0 and not link.is_symlink() and (link / "__init__.py").is_file() and foreign.is_dir()
+
+
+def test_comfyui_install_refuses_an_unwritable_folder(tmp_path, capsys, monkeypatch):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:
+        if os.access(ro, os.W_OK):  # root: permissions are not enforced, so ask as if they were
+            monkeypatch.setattr(conv_patch.comfyui_install.os, "access", lambda p, mode: False)
+        rc, out, err = _cli(capsys, str(ro))
+        assert rc == 2 and err.count("\n") == 1 and str(ro) in err and "permission denied" in err
+    finally:
+        ro.chmod(0o700)
+
+
+def test_shim_says_which_pip_when_conv_patch_is_missing(tmp_path):
+    init = conv_patch.comfyui_install.install(str(tmp_path))
+    # -S: without site-packages, as a ComfyUI Python conv-patch was not
+    # installed into; the shim must load, log one line and export no nodes.
+    code = ("import runpy, sys; g = runpy.run_path(sys.argv[1]); "
+            "assert g['NODE_CLASS_MAPPINGS'] == {}, g['NODE_CLASS_MAPPINGS']")
+    r = subprocess.run([sys.executable, "-I", "-S", "-c", code, str(init)], capture_output=True, text=True,
+                       cwd=tmp_path, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "not installed in the Python running ComfyUI" in r.stderr and "-m pip install" in r.stderr
+    assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
 
 
 def test_comfy_group_norm_keeps_its_contract(device, exact_fp32):

@@ -27,7 +27,7 @@ from torch import nn
 
 from . import patcher
 from .specs import ConvSpec
-from .target import conv_tf32, conv_tf32_enabled
+from .target import conv_tf32, conv_tf32_enabled, target_for
 from .wrappers import PatchedConvMixin
 
 # ||out - ref|| / ||ref|| a layer may reach against float64, whatever PyTorch
@@ -96,6 +96,18 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 def psnr(a: torch.Tensor, b: torch.Tensor, data_range: float) -> float:
     mse = ((a.double() - b.double()) ** 2).mean().item()
     return math.inf if mse == 0 else 10 * math.log10(data_range ** 2 / mse)
+
+
+def _where_kernels_run(device) -> tuple:
+    """(interpreter, note): whether the kernels ran under the Triton
+    interpreter, and a note when no kernel can run on ``device`` at all
+    (triton not installed, an old GPU, ...): every layer then ran the original
+    PyTorch module, which the report must say rather than pass silently."""
+    t = target_for(device)
+    if not t.kernels:
+        return False, (f"no kernel can run here ({t.reason}): every layer ran the original PyTorch module, "
+                       "so only that fallback was checked")
+    return t.interpreter, None
 
 
 def _layer_tolerance(dtype, device) -> float:
@@ -204,20 +216,21 @@ def embedded_default(device: torch.device, dtype: torch.dtype, size: Optional[in
     """The main job: the package's own TAEF2-architecture decoder (seeded
     weights, nothing downloaded), per layer and end to end."""
     from . import taesd
-    from .target import interpreter_enabled
 
     image = size or (512 if device.type == "cuda" else 32)
     if image % 8:
         raise ValueError(f"--size {image}: must be a multiple of 8 (the decoder upsamples 8x)")
     model = taesd.seeded_(taesd.decoder()).to(device).eval()
+    interpreter, no_kernels = _where_kernels_run(device)
     report = VerifyReport(model="embedded default: TAEF2-architecture decoder, seeded weights",
-                          device=str(device), dtype=str(dtype).replace("torch.", ""),
-                          interpreter=device.type == "cpu" and interpreter_enabled())
+                          device=str(device), dtype=str(dtype).replace("torch.", ""), interpreter=interpreter)
     g = torch.Generator().manual_seed(0)
     z = torch.randn(1, 32, image // 8, image // 8, generator=g).to(device)
     report.end_to_end.append(check_end_to_end(f"decode {image}x{image}", model, lambda m, t: m(t), z, dtype,
                                               timing_runs=20))
     report.layers = check_layers(model, size=64 if device.type == "cuda" else 12, progress=progress)
+    if no_kernels:
+        report.notes.append(no_kernels)
     if report.interpreter:
         report.notes.append("no GPU: the kernels ran under the Triton interpreter on the CPU, "
                             f"at a small size ({image}x{image}); no timings")
@@ -321,8 +334,8 @@ def verify_files(paths, device, dtype=None, size=None, image=None, allow_pickle=
     given together with ``image`` are also checked as one reconstruction.
     Raises checkpoint.CheckpointError / ValueError for bad input."""
     from . import checkpoint, formats
-    from .target import interpreter_enabled
 
+    interpreter, no_kernels = _where_kernels_run(device)
     timing = 20 if device.type == "cuda" else 0
     loaded = []
     for path in paths:
@@ -341,8 +354,9 @@ def verify_files(paths, device, dtype=None, size=None, image=None, allow_pickle=
         if s % max(fmt.factor, 1):
             raise ValueError(f"--size {s}: must be a multiple of {fmt.factor} for {path}")
         rep = VerifyReport(model=f"{path}: {fmt.description}", device=str(device),
-                           dtype=str(dt).replace("torch.", ""),
-                           interpreter=device.type == "cpu" and interpreter_enabled())
+                           dtype=str(dt).replace("torch.", ""), interpreter=interpreter)
+        if no_kernels:
+            rep.notes.append(no_kernels)
         rep.layers = check_file_layers(state, fmt, device, dt, 64 if device.type == "cuda" else 12,
                                        progress)
         bad = [r.name for r in rep.layers if r.note]

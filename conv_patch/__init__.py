@@ -8,13 +8,31 @@ Importing this package does not import Triton; the kernels load on the first
 call that runs them.
 """
 
-from . import ops, pack, recipes
-from .patcher import PatchConfig, PatchReport, apply, is_patched, patched, remove
-from .routing import ROUTE_INFO, Route, RouteDecision, select_route, static_route
-from .specs import CallDesc, ConvSpec
-from .wrappers import PatchedConv2d, PatchedConvTranspose2d
-
 __version__ = "0.1.0"
+
+try:
+    import torch as _torch  # noqa: F401  (every module below needs it)
+except ModuleNotFoundError as _e:
+    if _e.name != "torch":
+        raise
+    # torch is a declared dependency, so only a broken install (--no-deps, an
+    # uninstalled torch) lands here. The package still imports, so that the
+    # convpatch command can say so in one line (exit 2) instead of a traceback
+    # from deep inside; any use of it raises the same message.
+    TORCH_MISSING = "PyTorch is not installed here: pip install torch (a CUDA build on a GPU machine)"
+
+    def __getattr__(name):
+        if name not in __all__:  # a submodule (conv_patch.cli imports), a dunder probed by inspect/pickle
+            raise AttributeError(name)
+        raise ModuleNotFoundError(f"conv_patch.{name}: {TORCH_MISSING}", name="torch")
+else:
+    TORCH_MISSING = None
+    from . import ops, pack, recipes
+    from .patcher import PatchConfig, PatchReport, apply, is_patched, patched, remove
+    from .routing import ROUTE_INFO, Route, RouteDecision, select_route, static_route
+    from .specs import CallDesc, ConvSpec
+    from .wrappers import PatchedConv2d, PatchedConvTranspose2d
+    del _torch
 
 __all__ = [
     "apply", "remove", "patched", "is_patched", "PatchConfig", "PatchReport",

@@ -470,6 +470,10 @@ def cmd_comfyui_install(args) -> int:
 
 
 def main(argv=None) -> int:
+    from . import TORCH_MISSING
+    if TORCH_MISSING:  # every subcommand (and the parser's choices) needs torch
+        print(f"convpatch: error: {TORCH_MISSING}", file=sys.stderr)
+        return 2
     args = _parser().parse_args(argv)
     try:
         return {"verify": cmd_verify, "info": cmd_info, "tune": cmd_tune,

@@ -27,7 +27,7 @@ from torch import nn
 
 from . import patcher
 from .specs import ConvSpec
-from .target import conv_tf32, conv_tf32_enabled
+from .target import conv_tf32, conv_tf32_enabled, target_for
 from .wrappers import PatchedConvMixin
 
 # ||out - ref|| / ||ref|| a layer may reach against float64, whatever PyTorch

@@ -51,23 +51,6 @@ LEAN_CONFIG = {"route": "igemm", "BLOCK_M": costs.LEAN_TILE[0], "BLOCK_N": costs
                "BLOCK_K": costs.LEAN_TILE[2], "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
 
 
-# Calls that ran conv-patch's kernels (a conv plan on a kernel or the cuDNN
-# route with its epilogue pass, a GroupNorm kernel plan, a recipe's subpixel
-# or banded step): a fused block compares the count before and after the
-# first call of a signature to learn whether its fused path ran any kernel
-# (recipes/_fuse.py FusedBlock). Not locked: it steers a choice of path
-# between two correct ones, never a result.
-_kernel_steps = [0]
-
-
-def note_kernel_step() -> None:
-    _kernel_steps[0] += 1
-
-
-def kernel_steps() -> int:
-    return _kernel_steps[0]
-
-
 def _tensor_sig(t):
     return None if t is None else (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 15)
 
@@ -457,8 +440,6 @@ def conv(m, x, residual=None, beta=1.0, activation="none", out_scale=1.0, output
     else:
         y = plan.run(m, x, weight, bias, residual, out, beta, activation, out_scale, output_padding,
                      fallback_args, no_bias)
-    if plan.kind != MODULE:
-        _kernel_steps[0] += 1
     m.__dict__["_cp_last"] = plan.decision
     return y
 
@@ -521,7 +502,6 @@ def group_norm(norm, x, activation="none", out=None, input_bias=None):
     roles = (x, out, norm.weight, norm.bias, input_bias)
     if plan is not None:
         if plan.kernel and plan.program is not None:
-            _kernel_steps[0] += 1
             return plan.program(roles)
     else:
         with BUILD_LOCK:
@@ -530,7 +510,6 @@ def group_norm(norm, x, activation="none", out=None, input_bias=None):
             if plan is None:
                 return _gn_build(norm, key, x, activation, out, input_bias, roles)
     if plan.kernel:
-        _kernel_steps[0] += 1
         return _gn_kernel(norm, x, activation, out, input_bias)
     return group_norm_eager(norm, x, activation, out, input_bias)
 
@@ -546,7 +525,6 @@ def _gn_build(norm, key, x, activation, out, input_bias, roles):
         _store(norm, key, plan)
         return group_norm_eager(norm, x, activation, out, input_bias)
     k = kernels()
-    _kernel_steps[0] += 1
     with k.recording() as rec:
         y = _gn_kernel(norm, x, activation, out, input_bias)
     try:

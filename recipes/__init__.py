@@ -60,7 +60,6 @@ def unfuse(module: nn.Module) -> None:
         module.__class__ = module._cp_base
         module.__dict__.pop("_cp_graphs", None)
         module.__dict__.pop("_cp_plans", None)
-        module.__dict__.pop("_cp_block_plans", None)
 
 
 __all__ = ["ORDER", "REGISTRY", "FusedBlock", "Recipe", "recipe_for", "plan", "fuse", "unfuse", "is_fused"]

@@ -62,9 +62,6 @@ class FusedBlock:
         if graphs is not None:
             # PatchConfig(cuda_graphs=True) on an outermost fused block.
             return graphs(self, functools.partial(self._cp_recipe.forward, self), args, kwargs)
-        x = args[0] if args else None
-        if type(x) is torch.Tensor and x.is_cuda and not pack.on_graph_path(x):
-            return _planned(self, x, args, kwargs)
         return self._cp_recipe.forward(self, *args, **kwargs)
 
     def __reduce_ex__(self, protocol):
@@ -77,32 +74,6 @@ class FusedBlock:
             # Plans hold this process's kernels (conv_patch.dispatch).
             state = dict(state, _cp_plans=None)
         return state
-
-
-# Block signatures remembered per fused block (a stream of resolutions starts over).
-MAX_BLOCK_PLANS = 64
-
-
-def _planned(block, x, args, kwargs):
-    """A launched (not graph-captured) call of a fused block on the GPU. The
-    fused path pays only through the kernels its steps run; where none ran
-    on the first call of a signature (every conv and GroupNorm weighed
-    slower than PyTorch at these shapes) the fused path is the block's own
-    computation plus its Python, so later calls of that signature run the
-    block's own forward, whose convs are still weighed call by call."""
-    key = (x.shape, x.stride(), x.dtype, x.device, torch.is_grad_enabled(), len(args), tuple(kwargs))
-    plans = block.__dict__.get("_cp_block_plans")
-    fused = plans.get(key) if plans is not None else None
-    if fused is False:
-        return base(block, *args, **kwargs)
-    if fused is None:
-        before = dispatch.kernel_steps()
-        y = block._cp_recipe.forward(block, *args, **kwargs)
-        if plans is None or len(plans) >= MAX_BLOCK_PLANS:
-            plans = block.__dict__["_cp_block_plans"] = {}
-        plans[key] = dispatch.kernel_steps() != before
-        return y
-    return block._cp_recipe.forward(block, *args, **kwargs)
 
 
 REGISTRY: Dict[str, Recipe] = {}
@@ -270,7 +241,6 @@ def norm_conv(norm: nn.GroupNorm, m: nn.Conv2d, x: torch.Tensor, activation: str
             and not comfy_active(norm) and is_conv(m, 3, 1, 1) and not torch.compiler.is_compiling()
             and inference(x, norm, m)):
         try:
-            dispatch.note_kernel_step()
             y = ops.group_norm_conv2d(x, norm.num_groups, norm.weight, norm.bias, norm.eps, activation,
                                       pack.packed_weight(m, m.weight, False), m.bias, band_bytes=BAND_BYTES,
                                       table=m._cp_table)
@@ -307,7 +277,6 @@ def upsample_conv(m: nn.Conv2d, x: torch.Tensor, *, residual=None, activation: s
     ``ops.upsample_conv2d``) where ``m`` is patched and the problem is large
     enough for that to pay (``ops.subpixel_pays``)."""
     if _kernels_may_run(m) and ops.subpixel_pays(x, m.weight):
-        dispatch.note_kernel_step()
         return ops.upsample_conv2d(x, m.weight, m.bias, residual=residual, activation=activation,
                                    table=m._cp_table)
     if _kernels_may_run(m):
@@ -321,8 +290,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor
     """``softmax(q k^T / sqrt(D)) v`` over [B, N, D] tokens (the VAE
     mid-block's one head): ``ops.attention``, which materialises the scores
     in blocks where PyTorch has no fused kernel for the head width."""
-    if ops.attention_pays(q, k, v):
-        dispatch.note_kernel_step()
     return ops.attention(q, k, v)
 
 

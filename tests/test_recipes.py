@@ -424,39 +424,3 @@ def test_subpixel_only_where_it_pays(monkeypatch):
     x = torch.empty(1, 64, 512, 512)
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
     assert ops.subpixel_pays(x, w)
-
-
-def test_a_fused_block_whose_steps_run_no_kernel_runs_its_own_forward(exact_fp32, monkeypatch):
-    """recipes._fuse._planned: the first call of a signature runs the fused
-    path and counts the kernel steps it made; where there were none (every
-    conv left to PyTorch, here by filter_fn), later calls of that signature
-    run the block's own forward. Where a step ran a kernel the fused path
-    stays. Both answers are PyTorch's."""
-    from recipes import _fuse
-
-    def run(block, x):
-        # What FusedBlock.forward does for a launched GPU call.
-        return _fuse._planned(block, x, (x,), {})
-
-    torch.manual_seed(0)
-    block = _seeded(nn.Sequential(nn.Conv2d(5, 6, 3, padding=1), nn.ReLU(), nn.Conv2d(6, 6, 3, padding=1),
-                                  nn.SiLU(), nn.Conv2d(6, 3, 1))).eval()
-    x = torch.randn(1, 5, 6, 7)
-    with torch.no_grad():
-        ref = block(x)
-        idle = copy.deepcopy(block)
-        conv_patch.apply(idle, filter_fn=lambda m, fqn: False)  # the recipe fuses, no conv is patched
-        assert recipes.is_fused(idle)
-        assert rel_err(run(idle, x), ref) < 1e-6
-        assert list(idle._cp_block_plans.values()) == [False]
-        calls = []
-        monkeypatch.setattr(type(idle)._cp_recipe, "forward", lambda *a, **k: calls.append(1))
-        assert rel_err(run(idle, x), ref) < 1e-6 and not calls  # the block's own forward ran
-        monkeypatch.undo()
-
-        busy = copy.deepcopy(block)
-        conv_patch.apply(busy)  # under the interpreter every patched conv runs its kernel
-        assert rel_err(run(busy, x), ref) < 1e-4
-        assert list(busy._cp_block_plans.values()) == [True]
-        recipes.unfuse(busy)
-        assert "_cp_block_plans" not in busy.__dict__

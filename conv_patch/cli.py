@@ -481,6 +481,12 @@ def main(argv=None) -> int:
     except UsageError as e:
         print(f"convpatch: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # The reader went away (``convpatch info | head``): nothing is left to
+        # say. Point stdout at nothing so the interpreter's final flush does
+        # not raise again on the closed pipe.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

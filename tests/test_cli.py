@@ -111,3 +111,15 @@ def test_verify_without_triton_says_no_kernel_ran(monkeypatch, capsys, device):
     out = capsys.readouterr().out
     assert "no kernel ran: Triton is not installed" in out and "compared PyTorch with itself" in out
     assert "ran under the Triton interpreter" not in out
+
+
+def test_info_into_a_closed_pipe_is_quiet():
+    """``convpatch info | head -1``: the reader goes away; no traceback."""
+    import subprocess
+    import sys
+    p = subprocess.Popen([sys.executable, "-m", "conv_patch.cli", "info"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE)
+    p.stdout.close()  # before anything is read
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=120) == 0, err
+    assert "Traceback" not in err and "BrokenPipe" not in err, err

@@ -102,13 +102,11 @@ class ConvPlan:
     # caller's weight (the kernels read a pack whose layout must not count).
     memory_format: Optional[torch.memory_format] = None
     # A MODULE plan whose whole call is ``F.conv2d(x, weight, bias, *direct)``
-    # (no epilogue, no ``out``): the cheapest PyTorch route, taken first.
+    # (no epilogue, no ``out``): ``conv`` calls that itself.
     bare: bool = False
 
     def run(self, m, x, weight, bias, residual, out, beta, activation, out_scale, output_padding,
             fallback_args, no_bias):
-        if self.bare:
-            return torch.nn.functional.conv2d(x, weight, bias, *self.direct)
         if self.kind == KERNEL:
             w = self._weight(m, weight)
             b = None if no_bias else bias
@@ -437,11 +435,17 @@ def conv(m, x, residual=None, beta=1.0, activation="none", out_scale=1.0, output
     if plan is None:
         plan, y = build(m, key, x, weight, bias, residual, out, beta, activation, out_scale, output_padding,
                         fallback_args, padding, no_bias)
+    elif plan.bare:
+        # The cheapest PyTorch route, without even run()'s argument list.
+        y = _conv2d(x, weight, bias, *plan.direct)
     else:
         y = plan.run(m, x, weight, bias, residual, out, beta, activation, out_scale, output_padding,
                      fallback_args, no_bias)
     m.__dict__["_cp_last"] = plan.decision
     return y
+
+
+_conv2d = torch.nn.functional.conv2d
 
 
 UNREGISTERED = RouteDecision(Route.FALLBACK, "weight or bias is not a registered Parameter (parametrized, or a "

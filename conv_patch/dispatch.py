@@ -356,6 +356,8 @@ class AutocastPlan:
     autocast's answer (see ``_autocast_in_kernels``) it is None and the call
     is the module's own forward, under autocast."""
 
+    bare = False  # (never the one-F.conv2d PyTorch route: the cast comes first)
+
     dtype: torch.dtype
     device_type: str
     padding: Optional[tuple] = None

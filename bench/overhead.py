@@ -117,7 +117,7 @@ LEAN_SHAPES = [(1, 64, 32, 256), (1, 192, 64, 256), (2, 320, 320, 64), (2, 640, 
 def lean_rows(dev, dt):
     """GPU time (graph replays) of the lean route, the portable kernel with
     the NCHW input and weight read in place, against cuDNN: what
-    ``costs.LEAN_TFLOPS`` is set from."""
+    ``costs.lean_ms``'s step times are checked against."""
     import triton.testing
 
     from conv_patch import tune

@@ -1,8 +1,9 @@
 """The convolution as a PyTorch custom op, for ``torch.compile``.
 
 ``torch.ops.conv_patch.conv`` takes the whole call (input, weight, bias,
-residual, geometry, epilogue) and routes it at run time exactly like the
-wrapper's eager path: a kernel when the router says so, else PyTorch. Its
+residual, geometry, epilogue) and runs it through the one dispatch entry
+(``dispatch.conv_with`` with a ``dispatch.CallSite``): planned per signature,
+a kernel only where it beats PyTorch as called, like a wrapper's call. Its
 fake implementation only computes the output's shape, dtype and memory
 format, so Dynamo traces a patched model without graph breaks and Inductor
 treats the call as one opaque kernel. Under tracing the wrappers call this op
@@ -14,13 +15,10 @@ from __future__ import annotations
 from typing import List, Optional
 
 import torch
-import torch.nn.functional as F
 
 from . import conv as conv_op
-from .epilogue import eager_epilogue
-from .routing import select_route
-from .specs import CallDesc, ConvSpec
-from .target import target_for
+from . import dispatch
+from .specs import ConvSpec
 
 
 def _spec(x, weight, bias, transposed, stride, pad_begin, pad_end, dilation, output_padding) -> ConvSpec:
@@ -30,34 +28,18 @@ def _spec(x, weight, bias, transposed, stride, pad_begin, pad_end, dilation, out
                     bias is not None)
 
 
-def _torch_conv(spec: ConvSpec, x, weight, bias):
-    if spec.transposed:
-        return F.conv_transpose2d(x, weight, bias, spec.stride, spec.pad_begin, spec.output_padding, 1,
-                                  spec.dilation)
-    if spec.pad_begin != spec.pad_end:
-        x = F.pad(x, (spec.pad_begin[1], spec.pad_end[1], spec.pad_begin[0], spec.pad_end[0]))
-        return F.conv2d(x, weight, bias, spec.stride, 0, spec.dilation)
-    return F.conv2d(x, weight, bias, spec.stride, spec.pad_begin, spec.dilation)
-
-
 @torch.library.custom_op("conv_patch::conv", mutates_args=())
 def conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], residual: Optional[torch.Tensor],
          transposed: bool, stride: List[int], pad_begin: List[int], pad_end: List[int], dilation: List[int],
          output_padding: List[int], beta: float, activation: str, out_scale: float) -> torch.Tensor:
     spec = _spec(x, weight, bias, transposed, stride, pad_begin, pad_end, dilation, output_padding)
-    target = target_for(x.device)
-    decision = select_route(spec, CallDesc.of_call(x, weight, bias, residual), target)
-    if decision.is_kernel:
-        from .conv import kernel_errors
-        w = weight.transpose(0, 1) if transposed else weight
-        try:
-            return conv_op.run_kernel(decision, target, spec, x, w.contiguous(memory_format=torch.channels_last),
-                                  bias, residual=residual, beta=beta, activation=activation,
-                                  out_scale=out_scale, memory_format=conv_op.output_memory_format(x, weight))
-        except kernel_errors():
-            pass
-    y = _torch_conv(spec, x, weight, bias)
-    return eager_epilogue(y, residual, beta, activation, out_scale).clone()
+    # The one dispatch entry, with a call site for the plans and the pack:
+    # planned, weighed against PyTorch and replayed like a wrapper's call.
+    site = dispatch.call_site(spec, weight, bias)
+    y = dispatch.conv_with(site, weight, bias, x, residual, beta, activation, out_scale,
+                           tuple(output_padding) if transposed else None, (weight, bias))
+    # A custom op's output must not alias its inputs.
+    return y.clone() if y is x or y is residual else y
 
 
 @conv.register_fake

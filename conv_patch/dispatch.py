@@ -431,6 +431,14 @@ def conv(m, x, residual=None, beta=1.0, activation="none", out_scale=1.0, output
         # whatever ``m.weight`` is now, as apply() leaves such convs alone.
         m.__dict__["_cp_last"] = UNREGISTERED
         return eager(m, x, residual, beta, activation, out_scale, fallback_args, out, padding, no_bias)
+    return conv_with(m, weight, bias, x, residual, beta, activation, out_scale, output_padding, fallback_args,
+                     out, padding, no_bias)
+
+
+def conv_with(m, weight, bias, x, residual=None, beta=1.0, activation="none", out_scale=1.0,
+              output_padding=None, fallback_args=(), out=None, padding=None, no_bias=False):
+    """``conv`` with the weight and bias given: ``m`` holds the plans and the
+    pack (a patched conv, or a ``CallSite``)."""
     key = conv_key(x, weight, bias, residual, out, beta, activation, out_scale, output_padding, padding, no_bias)
     plans = m.__dict__.get("_cp_plans")
     plan = plans.get(key) if plans is not None else None
@@ -448,6 +456,55 @@ def conv(m, x, residual=None, beta=1.0, activation="none", out_scale=1.0, output
 
 
 _conv2d = torch.nn.functional.conv2d
+
+
+class CallSite:
+    """The plans and the weight pack of a conv call made without a patched
+    module (the torch.compile custom op, ``conv_patch.compiled``): one per
+    geometry and weight, found by ``call_site``, so those calls are planned,
+    weighed against PyTorch and replayed like a wrapper's. Its PyTorch route
+    is ``torch_conv`` with the call's weight and bias (passed to ``eager`` as
+    the fallback arguments)."""
+
+    _cp_original = None
+
+    def __init__(self, spec: ConvSpec):
+        self.spec = spec
+        self._cp_torch_class = torch.nn.ConvTranspose2d if spec.transposed else torch.nn.Conv2d
+
+    @staticmethod
+    def _cp_fallback_forward(site, x, weight, bias):
+        return torch_conv(site.spec, x, weight, bias)
+
+
+def torch_conv(spec: ConvSpec, x, weight, bias):
+    """PyTorch's own convolution of ``spec`` (an asymmetric padding as F.pad)."""
+    F = torch.nn.functional
+    if spec.transposed:
+        return F.conv_transpose2d(x, weight, bias, spec.stride, spec.pad_begin, spec.output_padding, 1,
+                                  spec.dilation)
+    if spec.pad_begin != spec.pad_end:
+        x = F.pad(x, (spec.pad_begin[1], spec.pad_end[1], spec.pad_begin[0], spec.pad_end[0]))
+        return F.conv2d(x, weight, bias, spec.stride, 0, spec.dilation)
+    return F.conv2d(x, weight, bias, spec.stride, spec.pad_begin, spec.dilation)
+
+
+# Call sites kept (a process compiling many models starts over past this).
+MAX_SITES = 1024
+_SITES: dict = {}
+
+
+def call_site(spec: ConvSpec, weight, bias) -> CallSite:
+    """The ``CallSite`` of ``spec`` with this weight and bias (by storage: a
+    weight edited in place keeps its site, and its pack is refreshed from it
+    at every call as a wrapper's is)."""
+    key = (spec, weight.data_ptr(), weight.device, weight.dtype, None if bias is None else bias.data_ptr())
+    site = _SITES.get(key)
+    if site is None:
+        if len(_SITES) >= MAX_SITES:
+            _SITES.clear()
+        site = _SITES[key] = CallSite(spec)
+    return site
 
 
 UNREGISTERED = RouteDecision(Route.FALLBACK, "weight or bias is not a registered Parameter (parametrized, or a "

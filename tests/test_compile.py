@@ -99,3 +99,32 @@ def test_fused_vae_blocks_compile_fullgraph(device, exact_fp32):
         out = torch.compile(run, backend=backend, fullgraph=True)(x)
         assert seen.count("conv_patch.conv.default") >= 3
         assert rel_err(out, ref) <= 1e-5
+
+
+def test_the_compiled_op_runs_through_the_dispatch_core(device, exact_fp32, monkeypatch):
+    """The custom op's calls are planned per signature on a call site (one
+    per geometry and weight), replayed, and weighed like a wrapper's: where
+    dispatch says PyTorch, the op runs PyTorch."""
+    from conv_patch import compiled, dispatch
+    from conv_patch.routing import Route, RouteDecision
+    torch.manual_seed(0)
+    x = torch.randn(1, 5, 7, 6, device=device)
+    w, b = torch.randn(6, 5, 3, 3, device=device), torch.randn(6, device=device)
+    ref = torch.nn.functional.conv2d(x, w, b, padding=1)
+
+    def op(w):
+        return torch.ops.conv_patch.conv(x, w, b, None, False, [1, 1], [1, 1], [1, 1], [1, 1], [0, 0], 1.0,
+                                         "none", 1.0)
+    with torch.no_grad():
+        for _ in range(2):
+            assert rel_err(op(w), ref) <= 1e-5
+        spec = compiled._spec(x, w, b, False, [1, 1], [1, 1], [1, 1], [1, 1], [0, 0])
+        site = dispatch.call_site(spec, w, b)
+        assert len(site._cp_plans) == 1 and site._cp_last.is_kernel
+        assert next(iter(site._cp_plans.values())).program is not None  # recorded, then replayed
+
+        monkeypatch.setattr(dispatch, "weigh", lambda decision, *a, **k: RouteDecision(Route.FALLBACK, "test"))
+        w2 = w.clone()
+        assert rel_err(op(w2), ref) <= 1e-6
+        last = dispatch.call_site(spec, w2, b)._cp_last
+        assert not last.is_kernel and last.reason == "test"

@@ -25,6 +25,7 @@ import torch
 
 from . import config_tables, costs, pack
 from . import conv as conv_op
+from . import norm as norm_op
 from .conv import kernel_errors, kernels
 from .epilogue import eager_epilogue
 from .routing import Route, RouteDecision, select_route
@@ -135,12 +136,6 @@ class ConvPlan:
         # Kernel plans run without autograd, so the copy records nothing.
         entry.buf.copy_(weight.transpose(0, 1) if self.spec.transposed else weight)
         return entry.buf
-
-
-def _ops():
-    # The GroupNorm op's module; the conv path never needs it.
-    from . import ops
-    return ops
 
 
 def eager(m, x, residual, beta, activation, out_scale, fallback_args, out, padding, no_bias, y=None):
@@ -542,8 +537,7 @@ class NormPlan:
 
 def group_norm_decision(x, num_groups, weight, bias, graph) -> tuple:
     """(kernels?, why) for one GroupNorm call (``costs.group_norm_pays``)."""
-    ops = _ops()
-    if ops.group_norm_target(x, num_groups, weight, bias) is None:
+    if norm_op.group_norm_target(x, num_groups, weight, bias) is None:
         return False, "the kernels do not take this call"
     if target_for(x.device).interpreter:
         return True, "interpreter"
@@ -600,7 +594,7 @@ def _gn_build(norm, key, x, activation, out, input_bias, roles):
 
 
 def _gn_kernel(norm, x, activation, out, input_bias):
-    return _ops().group_norm(x, norm.num_groups, norm.weight, norm.bias, norm.eps, activation, out=out,
+    return norm_op.group_norm(x, norm.num_groups, norm.weight, norm.bias, norm.eps, activation, out=out,
                              input_bias=input_bias)
 
 

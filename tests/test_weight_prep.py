@@ -127,8 +127,9 @@ def test_resnet_recipe_defers_conv1_bias_into_norm2(device, exact_fp32, monkeypa
         ref = block(x, None).double()
     conv_patch.apply(block)
     seen = []
-    real = ops.group_norm
-    monkeypatch.setattr(ops, "group_norm", lambda *a, **k: seen.append(k.get("input_bias")) or real(*a, **k))
+    from conv_patch import norm
+    real = norm.group_norm
+    monkeypatch.setattr(norm, "group_norm", lambda *a, **k: seen.append(k.get("input_bias")) or real(*a, **k))
     with torch.no_grad():
         y = block(x, None)
     assert len(seen) == 2 and seen[0] is None and seen[1] is block.conv1.bias

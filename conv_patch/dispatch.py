@@ -38,6 +38,15 @@ class KernelFailureWarning(RuntimeWarning):
     shared memory than this GPU has); that call ran on PyTorch instead."""
 
 
+def kernel_failure(e: Exception, stacklevel: int = 3) -> str:
+    """The reason a call whose kernel failed to build or launch (one of
+    ``kernel_errors()``) gives for running on PyTorch, warned as a
+    ``KernelFailureWarning``: callers remember it and do not try again."""
+    reason = f"kernel failed here: {type(e).__name__}: {str(e).strip().splitlines()[0][:160]}"
+    warnings.warn(f"conv-patch: {reason}; this call ran on PyTorch", KernelFailureWarning, stacklevel=stacklevel)
+    return reason
+
+
 # Plans kept per module; a model that sees more signatures than this (a
 # stream of resolutions) starts over rather than growing without bound.
 MAX_PLANS = 64
@@ -326,9 +335,8 @@ def _build(m, graph, x, weight, bias, residual, out, beta, activation, out_scale
                 y = _run_kernel(plan, x, w, b, residual, out, beta, activation, out_scale, output_padding)
         except kernel_errors() as e:
             # Raised while compiling or launching, before anything ran.
-            reason = f"kernel failed here: {type(e).__name__}: {str(e).strip().splitlines()[0][:160]}"
+            reason = kernel_failure(e, stacklevel=6)
             plan = ConvPlan(MODULE, RouteDecision(Route.FALLBACK, reason), spec, graph=graph, padding=padding)
-            warnings.warn(f"conv-patch: {reason}; this call ran on PyTorch", KernelFailureWarning, stacklevel=5)
         else:
             try:
                 plan.program = k.Program(rec, (x, w, b, residual, out), y)

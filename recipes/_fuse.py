@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from conv_patch import dispatch, ops, pack
+from conv_patch.conv import kernel_errors
 from conv_patch.costs import group_norm_pays
 from conv_patch.specs import needs_grad
 from conv_patch.wrappers import PatchedConvMixin, comfy_active, is_comfy_conv_class
@@ -170,6 +171,21 @@ def is_group_norm(m) -> bool:
 
 
 # -- fused steps ---------------------------------------------------------------
+def kernel_step(m: nn.Module, fn):
+    """``fn()``, a step of conv ``m`` run on the kernels outside its conv
+    plans (the subpixel upsample, GroupNorm+conv in bands); None where a
+    kernel cannot be built or launched here: warned once
+    (``dispatch.kernel_failure``) and remembered on ``m``, whose later calls
+    take its planned path, which has its own fallback."""
+    if m.__dict__.get("_cp_step_failed"):
+        return None
+    try:
+        return fn()
+    except kernel_errors() as e:
+        m.__dict__["_cp_step_failed"] = dispatch.kernel_failure(e)
+        return None
+
+
 def _kernels_may_run(m: nn.Module) -> bool:
     return (isinstance(m, PatchedConvMixin) and not (m._cp_comfy_class and comfy_active(m))
             and not (m._forward_hooks or m._forward_pre_hooks))
@@ -241,10 +257,11 @@ def norm_conv(norm: nn.GroupNorm, m: nn.Conv2d, x: torch.Tensor, activation: str
             and not comfy_active(norm) and is_conv(m, 3, 1, 1) and not torch.compiler.is_compiling()
             and inference(x, norm, m)):
         try:
-            y = ops.group_norm_conv2d(x, norm.num_groups, norm.weight, norm.bias, norm.eps, activation,
-                                      pack.packed_weight(m, m.weight, False), m.bias, band_bytes=BAND_BYTES,
-                                      table=m._cp_table)
-            return (y, None) if keep_bias else y
+            y = kernel_step(m, lambda: ops.group_norm_conv2d(
+                x, norm.num_groups, norm.weight, norm.bias, norm.eps, activation,
+                pack.packed_weight(m, m.weight, False), m.bias, band_bytes=BAND_BYTES, table=m._cp_table))
+            if y is not None:
+                return (y, None) if keep_bias else y
         except ops.UnsupportedConv:
             pass
     if keep_bias:
@@ -277,8 +294,10 @@ def upsample_conv(m: nn.Conv2d, x: torch.Tensor, *, residual=None, activation: s
     ``ops.upsample_conv2d``) where ``m`` is patched and the problem is large
     enough for that to pay (``ops.subpixel_pays``)."""
     if _kernels_may_run(m) and ops.subpixel_pays(x, m.weight):
-        return ops.upsample_conv2d(x, m.weight, m.bias, residual=residual, activation=activation,
-                                   table=m._cp_table)
+        y = kernel_step(m, lambda: ops.upsample_conv2d(x, m.weight, m.bias, residual=residual,
+                                                       activation=activation, table=m._cp_table))
+        if y is not None:
+            return y
     if _kernels_may_run(m):
         # Small: upsample, then one launch with the epilogue fused.
         return m(F.interpolate(x, scale_factor=2.0, mode="nearest"), residual=residual, activation=activation)

@@ -424,3 +424,25 @@ def test_subpixel_only_where_it_pays(monkeypatch):
     x = torch.empty(1, 64, 512, 512)
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
     assert ops.subpixel_pays(x, w)
+
+
+def test_a_recipe_step_whose_kernel_cannot_run_falls_back_once(device, exact_fp32, monkeypatch):
+    """The subpixel upsample runs on the kernels outside the conv plans: a
+    kernel that cannot be built here (OutOfResources) gives PyTorch's answer
+    with one KernelFailureWarning, and later calls do not try it again."""
+    from triton.runtime.errors import OutOfResources
+    up = _seeded(Upsample2D(6, use_conv=True, out_channels=10)).to(device).eval()
+    x = torch.randn(2, 6, 5, 7, device=device)
+    tries = []
+
+    def fails(*a, **k):
+        tries.append(1)
+        raise OutOfResources(262144, 232448, "shared memory")
+    with torch.no_grad():
+        ref = up(x)
+        conv_patch.apply(up)
+        monkeypatch.setattr(ops, "upsample_conv2d", fails)
+        with pytest.warns(conv_patch.dispatch.KernelFailureWarning, match="OutOfResources"):
+            assert rel_err(up(x), ref) <= 1e-5
+        assert rel_err(up(x), ref) <= 1e-5
+    assert len(tries) == 1

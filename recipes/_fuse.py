@@ -283,9 +283,9 @@ def resnet(x: torch.Tensor, norm1, conv1, norm2, conv2, shortcut=None, out_scale
         h = norm_conv(norm1, conv1, x)
         h = group_norm(norm2, h, "silu")
     if shortcut is None:
-        return conv(conv2, h, residual=x, out_scale=out_scale)
+        return like_input(conv(conv2, h, residual=x, out_scale=out_scale), x)
     sc = conv(shortcut, x)
-    return conv(conv2, h, residual=sc, out_scale=out_scale, out=sc if plain(shortcut) else None)
+    return like_input(conv(conv2, h, residual=sc, out_scale=out_scale, out=sc if plain(shortcut) else None), x)
 
 
 def upsample_conv(m: nn.Conv2d, x: torch.Tensor, *, residual=None, activation: str = "none") -> torch.Tensor:
@@ -335,8 +335,14 @@ def channels_last(x: torch.Tensor) -> torch.Tensor:
 
 
 def like_input(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """``y`` in the memory format ``x`` came in: recipes may work in NHWC
-    inside, the model's outputs keep the caller's layout."""
-    if y.dim() == 4 and x.dim() == 4 and x.is_contiguous() and not y.is_contiguous():
-        return y.contiguous()
+    """``y`` in the memory format ``x`` came in, where ``x``'s strides say
+    which: recipes may work in NHWC inside (and PyTorch's own GroupNorm may
+    hand back NCHW from an NHWC input on the GPU), the block's output keeps
+    the caller's layout, as ``x + h`` does in the unpatched block."""
+    if y.dim() != 4 or x.dim() != 4:
+        return y
+    if x.is_contiguous():
+        return y if y.is_contiguous() else y.contiguous()
+    if x.is_contiguous(memory_format=torch.channels_last) and not y.is_contiguous(memory_format=torch.channels_last):
+        return y.contiguous(memory_format=torch.channels_last)
     return y

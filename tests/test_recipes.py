@@ -446,3 +446,20 @@ def test_a_recipe_step_whose_kernel_cannot_run_falls_back_once(device, exact_fp3
             assert rel_err(up(x), ref) <= 1e-5
         assert rel_err(up(x), ref) <= 1e-5
     assert len(tries) == 1
+
+
+def test_fused_resnet_keeps_an_nhwc_input_nhwc_whatever_its_norm_returns(device, exact_fp32, monkeypatch):
+    """On the GPU PyTorch's own GroupNorm (taken below the kernels'
+    crossover) returns NCHW for an NHWC input; the fused block's output
+    must still take the input's layout, as the unpatched ``x + h`` does."""
+    from conv_patch.recipes import _fuse
+    block = _resnet(10, 10, 2.0).to(device)
+    x = (torch.randn(2, 10, 7, 5, device=device) * 2 + 0.5).contiguous(memory_format=torch.channels_last)
+    real = _fuse.group_norm
+    monkeypatch.setattr(_fuse, "group_norm", lambda *a, **k: real(*a, **k).contiguous())
+    with torch.no_grad():
+        ref = block(x, None)
+        conv_patch.apply(block)
+        out = block(x, None)
+    assert rel_err(out, ref) <= 1e-5
+    assert out.is_contiguous(memory_format=torch.channels_last)

@@ -17,7 +17,10 @@ plan ``choose`` compares
 shape (``ours_ms``, ``cudnn_ms``); elsewhere a model fitted to those same
 measurements (``Fit``): each side's time as a fixed cost plus a term in the
 conv's arithmetic and one in its bytes, fitted per kernel class (1x1 or
-larger) and layout. A table without measurements (the
+larger) and layout, slowed by ``fill_factor`` where the route's tiles
+cannot fill the GPU (the fit's shapes do). The lean route's GPU time is
+modelled from its tiles and K steps (``lean_ms``). A table without
+measurements (the
 curated default of an architecture nobody tuned) predicts nothing, so
 nothing leaves PyTorch there. Host times are ``HOST_US``; docs/performance.md
 says where they were measured.
@@ -306,7 +309,7 @@ def fill_factor(p: Problem, config: Optional[dict], sms: int = DEFAULT_SMS) -> f
     The fit's shapes fill the GPU; a UNet's 16x16 levels do not."""
     if not config or p.m <= 0 or "BLOCK_M" not in config or "BLOCK_N" not in config:
         return 1.0
-    tiles = p.tiles(int(config["BLOCK_M"]), int(config["BLOCK_N"])) * int(config.get("SPLIT_K", 1))
+    tiles = p.tiles(int(config["BLOCK_M"]), int(config["BLOCK_N"]))
     return max(1.0, sms / max(1, tiles))
 
 

@@ -469,8 +469,6 @@ class CallSite:
     is ``torch_conv`` with the call's weight and bias (passed to ``eager`` as
     the fallback arguments)."""
 
-    _cp_original = None
-
     def __init__(self, spec: ConvSpec):
         self.spec = spec
         self._cp_torch_class = torch.nn.ConvTranspose2d if spec.transposed else torch.nn.Conv2d

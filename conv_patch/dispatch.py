@@ -466,8 +466,8 @@ class CallSite:
     module (the torch.compile custom op, ``conv_patch.compiled``): one per
     geometry and weight, found by ``call_site``, so those calls are planned,
     weighed against PyTorch and replayed like a wrapper's. Its PyTorch route
-    is ``torch_conv`` with the call's weight and bias (passed to ``eager`` as
-    the fallback arguments)."""
+    is ``ConvSpec.torch_forward`` with the call's weight and bias (passed to
+    ``eager`` as the fallback arguments)."""
 
     def __init__(self, spec: ConvSpec):
         self.spec = spec
@@ -475,19 +475,7 @@ class CallSite:
 
     @staticmethod
     def _cp_fallback_forward(site, x, weight, bias):
-        return torch_conv(site.spec, x, weight, bias)
-
-
-def torch_conv(spec: ConvSpec, x, weight, bias):
-    """PyTorch's own convolution of ``spec`` (an asymmetric padding as F.pad)."""
-    F = torch.nn.functional
-    if spec.transposed:
-        return F.conv_transpose2d(x, weight, bias, spec.stride, spec.pad_begin, spec.output_padding, 1,
-                                  spec.dilation)
-    if spec.pad_begin != spec.pad_end:
-        x = F.pad(x, (spec.pad_begin[1], spec.pad_end[1], spec.pad_begin[0], spec.pad_end[0]))
-        return F.conv2d(x, weight, bias, spec.stride, 0, spec.dilation)
-    return F.conv2d(x, weight, bias, spec.stride, spec.pad_begin, spec.dilation)
+        return site.spec.torch_forward(x, weight, bias)
 
 
 # Call sites kept (a process compiling many models starts over past this).
@@ -521,14 +509,14 @@ def clear(m) -> None:
 def _gn_key(norm, x, activation, out, input_bias):
     w, b = norm.weight, norm.bias
     grad = torch.is_grad_enabled() and (x.requires_grad or (w is not None and w.requires_grad))
-    device = x.device
+    cuda = x.is_cuda  # (device.type costs more than the whole flag)
     # CUDA autocast runs group_norm in float32 (its fp32 list): the plan of a
     # half-precision input under it is PyTorch's own (see group_norm).
-    cast = device.type == "cuda" and torch.is_autocast_enabled("cuda")
-    return (x.shape, x.stride(), x.dtype, device, x.data_ptr() & 15, activation, _tensor_sig(out),
+    cast = cuda and torch.is_autocast_enabled("cuda")
+    return (x.shape, x.stride(), x.dtype, x.device, x.data_ptr() & 15, activation, _tensor_sig(out),
             out is not None and out is x, _tensor_sig(input_bias),
             None if w is None else (w.data_ptr(), w.dtype, w.device), None if b is None else (b.data_ptr(), b.dtype),
-            norm.num_groups, norm.eps, grad, cast, device.type == "cuda" and pack.on_graph_path(x))
+            norm.num_groups, norm.eps, grad, cast, cuda and pack.on_graph_path(x))
 
 
 @dataclasses.dataclass(eq=False)

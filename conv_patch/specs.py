@@ -83,6 +83,14 @@ class ConvSpec:
             x, pad = F.pad(x, pad), 0
         return F.conv2d(x, w, b, self.stride, pad, self.dilation)
 
+    def torch_forward(self, x, w, b=None):
+        """PyTorch's computation of this conv, transposed ones included (``w``
+        as the module holds it): what the torch.compile op falls back to."""
+        if self.transposed:
+            return F.conv_transpose2d(x, w, b, self.stride, self.pad_begin, self.output_padding, 1,
+                                      self.dilation)
+        return self.torch_conv2d(x, w, b)
+
     @classmethod
     def from_module(cls, m: nn.Module) -> "ConvSpec":
         k, s, d = _pair(m.kernel_size), _pair(m.stride), _pair(m.dilation)

@@ -380,7 +380,7 @@ def _fold_taps(w: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.stack((torch.stack((t0, t1 + t2), dim), torch.stack((t0 + t1, t2), dim)))
 
 
-def subpixel_weights(weight: torch.Tensor) -> torch.Tensor:
+def subpixel_weights(weight: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """[2, 2, C_out, 2, 2, C_in] (parity a, parity b, co, kh, kw, ci), dense:
     ``[a, b].permute(0, 3, 1, 2)`` is the 2x2 weight of output parity (a, b)
     in the kernels' co,kh,kw,ci layout. Taps are summed in (at least) fp32 and
@@ -388,15 +388,18 @@ def subpixel_weights(weight: torch.Tensor) -> torch.Tensor:
     packs (conv_patch/pack.py says why a cached copy could be stale): one
     kernel on a GPU (kernels/weight_prep.py), else PyTorch ops. Under the
     interpreter too: there the kernel took 6 s for a 64x64x3x3 weight on a
-    2-core CPU against 21 ms (tests/test_weight_prep.py runs it directly)."""
+    2-core CPU against 21 ms (tests/test_weight_prep.py runs it directly).
+    Into ``out`` (dense, the weight's dtype) when given."""
     w = weight.detach()
     target = target_for(w.device)
     if (not torch.compiler.is_compiling() and w.dtype in (torch.float16, torch.bfloat16, torch.float32)
             and target.kernels and not target.interpreter):
         c_out, c_in = w.shape[:2]
-        out = torch.empty((2, 2, c_out, 2, 2, c_in), dtype=w.dtype, device=w.device)
+        if out is None:
+            out = torch.empty((2, 2, c_out, 2, 2, c_in), dtype=w.dtype, device=w.device)
         return kernels().launch_subpixel_fold(w, out)
-    return _subpixel_weights_torch(weight)
+    y = _subpixel_weights_torch(weight)
+    return y if out is None else out.copy_(y)
 
 
 def _subpixel_weights_torch(weight: torch.Tensor) -> torch.Tensor:

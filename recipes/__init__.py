@@ -60,6 +60,7 @@ def unfuse(module: nn.Module) -> None:
         module.__class__ = module._cp_base
         module.__dict__.pop("_cp_graphs", None)
         module.__dict__.pop("_cp_plans", None)
+        module.__dict__.pop("_cp_chain", None)
 
 
 __all__ = ["ORDER", "REGISTRY", "FusedBlock", "Recipe", "recipe_for", "plan", "fuse", "unfuse", "is_fused"]

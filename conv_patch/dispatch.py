@@ -28,7 +28,7 @@ from . import conv as conv_op
 from . import norm as norm_op
 from .conv import kernel_errors, kernels
 from .epilogue import ACTIVATIONS, eager_epilogue
-from .ops import UnsupportedConv, subpixel_weights
+from .ops import subpixel_weights
 from .routing import Route, RouteDecision, select_route
 from .specs import CallDesc, ConvSpec
 from .target import gpu_sms, target_for
@@ -564,13 +564,16 @@ def upsample_conv(m, x, residual=None, activation="none"):
     call site of its own (planned, weighed against PyTorch, replayed), into
     the parity-strided views of one output. The folded weights live in a
     buffer kept on ``m`` and are folded again from ``m``'s weight at every
-    call (one launch), as packs are refreshed (pack.py says why)."""
+    call (one launch), as packs are refreshed (pack.py says why). None
+    where the call is not this one (a weight that is no registered
+    Parameter any more, or no 3x3 over the input's channels): the caller
+    runs the upsample and the conv."""
     params = m.__dict__["_parameters"]
-    weight, bias = params["weight"], params["bias"]
+    weight, bias = params.get("weight"), params.get("bias")
     n, c_in, h, w = x.shape
+    if weight is None or "bias" not in params or tuple(weight.shape) != (weight.shape[0], c_in, 3, 3):
+        return None
     c_out = weight.shape[0]
-    if tuple(weight.shape) != (c_out, c_in, 3, 3):
-        raise UnsupportedConv(f"upsample_conv: a 3x3 weight over {c_in} channels, got {tuple(weight.shape)}")
     shape = (n, c_out, 2 * h, 2 * w)
     conv_op.check_residual(residual, shape)
     key = (weight.shape, weight.dtype, weight.device)

@@ -495,3 +495,17 @@ def test_fused_resnet_keeps_an_nhwc_input_nhwc_whatever_its_norm_returns(device,
         out = block(x, None)
     assert rel_err(out, ref) <= 1e-5
     assert out.is_contiguous(memory_format=torch.channels_last)
+
+
+def test_folded_upsample_of_a_weight_normed_conv_runs_its_own_computation(device, exact_fp32):
+    """A parametrization registered after apply(): the conv's weight is no
+    registered Parameter any more; the folded upsample is not taken and the
+    block computes from the parametrized weight."""
+    up = _seeded(Upsample2D(6, use_conv=True, out_channels=10)).to(device).eval()
+    twin = copy.deepcopy(up)
+    conv_patch.apply(up)
+    torch.nn.utils.parametrizations.weight_norm(up.conv)
+    torch.nn.utils.parametrizations.weight_norm(twin.conv)
+    x = torch.randn(2, 6, 5, 7, device=device)
+    with torch.no_grad():
+        assert rel_err(up(x), twin(x)) <= 1e-5

@@ -28,9 +28,9 @@ from . import conv as conv_op
 from . import norm as norm_op
 from .conv import kernel_errors, kernels
 from .epilogue import ACTIVATIONS, eager_epilogue
-from .ops import subpixel_weights
 from .routing import Route, RouteDecision, select_route
 from .specs import CallDesc, ConvSpec
+from .subpixel import subpixel_weights
 from .target import gpu_sms, target_for
 
 

@@ -576,22 +576,26 @@ def upsample_conv(m, x, residual=None, activation="none"):
     c_out = weight.shape[0]
     shape = (n, c_out, 2 * h, 2 * w)
     conv_op.check_residual(residual, shape)
-    key = (weight.shape, weight.dtype, weight.device)
+    key = (weight.shape, weight.dtype, weight.device, bias is not None)
     held = m.__dict__.get("_cp_subpixel")
     if held is None or held[0] != key:
-        held = m.__dict__["_cp_subpixel"] = (key, torch.empty((2, 2, c_out, 2, 2, c_in), dtype=weight.dtype,
-                                                              device=weight.device))
-    subs = subpixel_weights(weight, out=held[1])
+        # The buffer, and per parity its 2x2 weight (a view of the buffer)
+        # and call site: the same from call to call while the buffer is.
+        subs = torch.empty((2, 2, c_out, 2, 2, c_in), dtype=weight.dtype, device=weight.device)
+        spec = ConvSpec(False, c_in, c_out, (2, 2), (1, 1), (1, 1), (0, 0), (0, 0), (0, 0), 1, "zeros",
+                        bias is not None)
+        parities = []
+        for a in (0, 1):
+            for b in (0, 1):
+                w_ab = subs[a, b].permute(0, 3, 1, 2)
+                parities.append((a, b, w_ab, call_site(spec, w_ab, bias)))
+        held = m.__dict__["_cp_subpixel"] = (key, subs, parities)
+    subpixel_weights(weight, out=held[1])
     out = torch.empty(shape, dtype=x.dtype, device=x.device,
                       memory_format=torch.channels_last if conv_op.nhwc(x) else torch.contiguous_format)
-    spec = ConvSpec(False, c_in, c_out, (2, 2), (1, 1), (1, 1), (0, 0), (0, 0), (0, 0), 1, "zeros",
-                    bias is not None)
-    for a in (0, 1):
-        for b in (0, 1):
-            w_ab = subs[a, b].permute(0, 3, 1, 2)
-            site = call_site(spec, w_ab, bias)
-            conv_with(site, w_ab, bias, x, None if residual is None else residual[:, :, a::2, b::2], 1.0,
-                      activation, 1.0, None, (w_ab, bias), out[:, :, a::2, b::2], (1 - b, b, 1 - a, a))
+    for a, b, w_ab, site in held[2]:
+        conv_with(site, w_ab, bias, x, None if residual is None else residual[:, :, a::2, b::2], 1.0,
+                  activation, 1.0, None, (w_ab, bias), out[:, :, a::2, b::2], (1 - b, b, 1 - a, a))
     return out
 
 

@@ -204,6 +204,12 @@ def _kernels_may_run(m: nn.Module) -> bool:
             and not (m._forward_hooks or m._forward_pre_hooks))
 
 
+def _norm_is_eager(x: torch.Tensor, numel: Optional[int] = None) -> bool:
+    """Whether ``group_norm`` runs PyTorch's GroupNorm (below the kernels'
+    crossover) on ``x``, or on a tensor of ``numel`` elements on its device."""
+    return x.is_cuda and not group_norm_pays(x.numel() if numel is None else numel)
+
+
 def group_norm(norm: nn.GroupNorm, x: torch.Tensor, activation: str = "none",
                out: Optional[torch.Tensor] = None, input_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``act(norm(x + input_bias))`` (``input_bias`` per channel, the bias
@@ -213,7 +219,7 @@ def group_norm(norm: nn.GroupNorm, x: torch.Tensor, activation: str = "none",
     the result. Hooks are the caller's business (fused blocks check
     ``plain`` first, the GroupNorm recipe runs inside the module's own
     call)."""
-    if x.is_cuda and not group_norm_pays(x.numel()):
+    if _norm_is_eager(x):
         # PyTorch's GroupNorm is faster at this size:
         # decided here, before any signature is built.
         return dispatch.group_norm_eager(norm, x, activation, out, input_bias)
@@ -286,12 +292,6 @@ def norm_conv(norm: nn.GroupNorm, m: nn.Conv2d, x: torch.Tensor, activation: str
     return conv(m, group_norm(norm, x, activation))
 
 
-def _norm_is_eager(x: torch.Tensor, channels: int) -> bool:
-    """Whether ``group_norm`` on a tensor like ``x`` with ``channels``
-    channels runs PyTorch's GroupNorm (below the kernels' crossover)."""
-    return x.is_cuda and not group_norm_pays(x.numel() // max(x.shape[1], 1) * channels)
-
-
 def resnet(x: torch.Tensor, norm1, conv1, norm2, conv2, shortcut=None, out_scale: float = 1.0,
            shift: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The resnet block, ``(sc(x) + conv2(silu(norm2(conv1(silu(norm1(x))) + shift)))) * out_scale``
@@ -307,8 +307,8 @@ def resnet(x: torch.Tensor, norm1, conv1, norm2, conv2, shortcut=None, out_scale
     if shift is not None:
         h = conv(conv1, group_norm(norm1, x, "silu"),
                  residual=shift.expand(x.shape[0], conv1.out_channels, x.shape[2], x.shape[3]))
-        h = group_norm(norm2, h, "silu", out=None if _norm_is_eager(h, h.shape[1]) or not plain(conv1) else h)
-    elif plain(conv1) and not _norm_is_eager(x, conv1.out_channels):
+        h = group_norm(norm2, h, "silu", out=None if _norm_is_eager(h) or not plain(conv1) else h)
+    elif plain(conv1) and not _norm_is_eager(x, x.numel() // max(x.shape[1], 1) * conv1.out_channels):
         h, b = norm_conv(norm1, conv1, x, keep_bias=True)
         h = group_norm(norm2, h, "silu", out=h, input_bias=b)
     else:

@@ -30,7 +30,7 @@ from .conv import kernel_errors, kernels
 from .epilogue import ACTIVATIONS, eager_epilogue
 from .routing import Route, RouteDecision, select_route
 from .specs import CallDesc, ConvSpec
-from .subpixel import subpixel_weights
+from .subpixel import PARITIES, parity_padding, parity_view, parity_weight, subpixel_weights
 from .target import gpu_sms, target_for
 
 
@@ -584,18 +584,15 @@ def upsample_conv(m, x, residual=None, activation="none"):
         subs = torch.empty((2, 2, c_out, 2, 2, c_in), dtype=weight.dtype, device=weight.device)
         spec = ConvSpec(False, c_in, c_out, (2, 2), (1, 1), (1, 1), (0, 0), (0, 0), (0, 0), 1, "zeros",
                         bias is not None)
-        parities = []
-        for a in (0, 1):
-            for b in (0, 1):
-                w_ab = subs[a, b].permute(0, 3, 1, 2)
-                parities.append((a, b, w_ab, call_site(spec, w_ab, bias)))
+        parities = [(a, b, parity_weight(subs, a, b)) for a, b in PARITIES]
+        parities = [(a, b, w_ab, call_site(spec, w_ab, bias)) for a, b, w_ab in parities]
         held = m.__dict__["_cp_subpixel"] = (key, subs, parities)
     subpixel_weights(weight, out=held[1])
     out = torch.empty(shape, dtype=x.dtype, device=x.device,
                       memory_format=torch.channels_last if conv_op.nhwc(x) else torch.contiguous_format)
     for a, b, w_ab, site in held[2]:
-        conv_with(site, w_ab, bias, x, None if residual is None else residual[:, :, a::2, b::2], 1.0,
-                  activation, 1.0, None, (w_ab, bias), out[:, :, a::2, b::2], (1 - b, b, 1 - a, a))
+        conv_with(site, w_ab, bias, x, None if residual is None else parity_view(residual, a, b), 1.0,
+                  activation, 1.0, None, (w_ab, bias), parity_view(out, a, b), parity_padding(a, b))
     return out
 
 

@@ -26,6 +26,7 @@ from .target import Target, target_for
 from .conv import (EPILOGUE_BLOCK, check_residual, cudnn_conv2d, epilogue, kernels, nhwc,  # noqa: F401
                    output_memory_format, output_shape, run_kernel, to_nhwc)
 from .norm import GN_LAUNCH, group_norm, group_norm_target, launch_sizes  # noqa: F401  (re-exported)
+from .subpixel import PARITIES, parity_padding, parity_view, parity_weight
 from .subpixel import subpixel_weights  # noqa: F401  (re-exported)
 
 
@@ -391,11 +392,10 @@ def upsample_conv2d(x, weight, bias=None, *, residual=None, beta=1.0, activation
                 out = torch.empty(shape, dtype=x.dtype, device=x.device,
                                   memory_format=torch.channels_last if nhwc(x) else torch.contiguous_format)
             subs = subpixel_weights(weight)
-            for a in (0, 1):
-                for b in (0, 1):
-                    conv2d(x, subs[a, b].permute(0, 3, 1, 2), bias, padding=(1 - b, b, 1 - a, a),
-                           residual=None if residual is None else residual[:, :, a::2, b::2], beta=beta,
-                           activation=activation, out_scale=out_scale, out=out[:, :, a::2, b::2], table=table)
+            for a, b in PARITIES:
+                conv2d(x, parity_weight(subs, a, b), bias, padding=parity_padding(a, b),
+                       residual=None if residual is None else parity_view(residual, a, b), beta=beta,
+                       activation=activation, out_scale=out_scale, out=parity_view(out, a, b), table=table)
             return out
     y = F.conv2d(F.interpolate(x, scale_factor=2.0, mode="nearest"), weight, bias, 1, 1)
     y = eager_epilogue(y, residual, beta, activation, out_scale)

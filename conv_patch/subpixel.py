@@ -55,3 +55,22 @@ def _subpixel_weights_torch(weight: torch.Tensor) -> torch.Tensor:
     rows = _fold_taps(weight.detach().to(acc), 2)  # [a, co, ci, kh, 3]
     w = _fold_taps(rows, 4)  # [b, a, co, ci, kh, kw]
     return w.permute(1, 0, 2, 4, 5, 3).to(weight.dtype).contiguous()
+
+
+# Output parity (a, b) of the folded upsample: its 2x2 weight in the
+# kernels' layout, the F.pad-order padding of the source it reads, and the
+# output (or residual) elements it covers. One place for this geometry,
+# read by ops.upsample_conv2d and dispatch.upsample_conv alike.
+PARITIES = ((0, 0), (0, 1), (1, 0), (1, 1))
+
+
+def parity_weight(subs: torch.Tensor, a: int, b: int) -> torch.Tensor:
+    return subs[a, b].permute(0, 3, 1, 2)
+
+
+def parity_padding(a: int, b: int) -> tuple:
+    return (1 - b, b, 1 - a, a)
+
+
+def parity_view(t: torch.Tensor, a: int, b: int) -> torch.Tensor:
+    return t[:, :, a::2, b::2]

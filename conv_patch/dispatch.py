@@ -79,7 +79,10 @@ def conv_key(x, weight, bias, residual, out, beta, activation, out_scale, output
     # off for this device type), read here once so that the plan, not every
     # call, decides what that cast means (AutocastPlan).
     kind = "cuda" if cuda else device.type
-    cast = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
+    # (A meta tensor, shapes only, has no autocast to ask about.)
+    cast = None
+    if (cuda or torch.amp.is_autocast_available(kind)) and torch.is_autocast_enabled(kind):
+        cast = torch.get_autocast_dtype(kind)
     alias = None
     if residual is not None or out is not None:
         alias = (residual is x, out is x, out is not None and out is residual)

@@ -384,3 +384,16 @@ def test_threads_share_one_patched_vae_on_the_gpu(streams, exact_fp32):
     for t in threads:
         t.join()
     assert not errors, errors[:5]
+
+
+def test_meta_tensors_give_the_modules_shapes():
+    """A patched model traced with meta tensors (shape inference, as
+    accelerate's empty-weight loading does) gives the original's shapes
+    instead of asking a meta device about autocast."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 5, 3, padding=1), nn.SiLU(), nn.Conv2d(5, 7, 3, stride=2)).to("meta")
+    ref = net(torch.empty(2, 3, 11, 13, device="meta"))
+    conv_patch.apply(net)
+    for _ in range(2):  # planned, then replayed
+        y = net(torch.empty(2, 3, 11, 13, device="meta"))
+        assert y.is_meta and y.shape == ref.shape and y.stride() == ref.stride()

@@ -48,14 +48,16 @@ class BandReport:
 
 
 def _walk(program: Program, shape, elsize: int):
-    """(step, input bytes, output bytes) of every step, for an input of
-    ``shape`` [N, C, H, W]."""
+    """(step, input bytes, output bytes, attention scratch bytes) of every
+    step, for an input of ``shape`` [N, C, H, W]."""
     n, c, h, w = shape
     out = []
     for s in program.steps:
         oh, ow = s.out_hw(h, w)
         oc = _channels(s, c)
-        out.append((s, n * c * h * w * elsize, n * oc * oh * ow * elsize))
+        # A Whole step's fp32 scores, in blocks of at most ATTENTION_SCRATCH.
+        scratch = min(ATTENTION_SCRATCH, n * (h * w) ** 2 * 4) if isinstance(s, Whole) else 0
+        out.append((s, n * c * h * w * elsize, n * oc * oh * ow * elsize, scratch))
         c, h, w = oc, oh, ow
     return out
 
@@ -67,11 +69,11 @@ def _channels(step, c: int) -> int:
 
 def plain_peak(program: Program, shape, elsize: int) -> float:
     peak = 0
-    for s, i, o in _walk(program, shape, elsize):
+    for s, i, o, scratch in _walk(program, shape, elsize):
         if isinstance(s, Resnet):
             need = i + 3 * o
         elif isinstance(s, Whole):
-            need = 3 * i + ATTENTION_SCRATCH
+            need = 3 * i + scratch
         else:
             need = 2 * i + o
         peak = max(peak, need)
@@ -83,9 +85,9 @@ def banded_peak(program: Program, shape, elsize: int, bands: int, staged: bool) 
     # The tallest band with its halo rows, as a fraction of the height.
     frac = min(1.0, (-(-h // bands) + 2) / h)
     peak = 0
-    for s, i, o in _walk(program, shape, elsize):
+    for s, i, o, scratch in _walk(program, shape, elsize):
         if isinstance(s, Whole):
-            need = 3 * i + ATTENTION_SCRATCH
+            need = 3 * i + scratch
         elif staged:
             need = frac * (2 * i + 2 * o) * (2 if isinstance(s, Resnet) else 1)
         else:

@@ -178,8 +178,14 @@ class LocalComm(Comm):
     def whole(self, act):
         if act.whole is not None:
             return act.whole
-        return torch.cat([p.to(self.device, non_blocking=True) for p in act.parts], dim=2).contiguous(
-            memory_format=memory_format(act.parts[0]))
+        # Written band by band into one tensor: never the bands twice on the device.
+        ref = act.parts[0]
+        out = torch.empty((ref.shape[0], ref.shape[1], act.level.height, ref.shape[3]), dtype=ref.dtype,
+                          device=self.device, memory_format=memory_format(ref))
+        for i, p in enumerate(act.parts):
+            a, b = act.level.rows(i)
+            out[:, :, a:b].copy_(p, non_blocking=True)
+        return out
 
     def output(self, act, gather):
         return self.whole(act)

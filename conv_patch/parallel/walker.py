@@ -60,14 +60,11 @@ class Resnet:
     conv2: nn.Conv2d
     shortcut: Optional[nn.Conv2d]
     out_scale: float
-    dropout: Optional[nn.Module]
 
     def out_hw(self, h, w):
         return h, w
 
     def run(self, ctx, x):
-        if not steps.dropout_is_identity(self.dropout):
-            raise UnsupportedModel("a resnet's dropout is active (training mode): bands compute inference only")
         h = conv_layer(ctx, self.conv1, own_pad(self.conv1), x, pre=self.norm1)
         sc = x if self.shortcut is None else conv_layer(ctx, self.shortcut, own_pad(self.shortcut), x)
         return conv_layer(ctx, self.conv2, own_pad(self.conv2), h, pre=self.norm2, residual=sc,
@@ -256,10 +253,10 @@ def _need(ok: bool, what: str) -> None:
 def _resnet(r, family: str) -> Resnet:
     if family == "diffusers":
         _need(_match("diffusers.ResnetBlock2D", r), f"{type(r).__name__} is not a VAE ResnetBlock2D")
-        return Resnet(r.norm1, r.conv1, r.norm2, r.conv2, r.conv_shortcut, 1.0 / r.output_scale_factor, r.dropout)
+        return Resnet(r.norm1, r.conv1, r.norm2, r.conv2, r.conv_shortcut, 1.0 / r.output_scale_factor)
     _need(_match("ldm.ResnetBlock", r), f"{type(r).__name__} is not an ldm ResnetBlock")
     sc = None if r.in_channels == r.out_channels else (r.conv_shortcut if r.use_conv_shortcut else r.nin_shortcut)
-    return Resnet(r.norm1, r.conv1, r.norm2, r.conv2, sc, 1.0, r.dropout)
+    return Resnet(r.norm1, r.conv1, r.norm2, r.conv2, sc, 1.0)
 
 
 def _tail(m, norm, act_ok: bool):
@@ -353,12 +350,15 @@ def _plus(a, b):
 def blocked_reason(m: nn.Module, x: torch.Tensor) -> Optional[str]:
     """Why this call must run the plain forward instead of bands: hooks on
     any module below (a hook expects to see its module run on the whole
-    tensor), or autograd (the band steps compute no backward)."""
+    tensor), a dropout in training mode, or autograd (the band steps compute
+    no backward)."""
     if not steps.plain():
         return "global forward hooks are installed"
     for name, sub in m.named_modules():
         if sub._forward_hooks or sub._forward_pre_hooks:
             return f"forward hooks on {name or type(m).__name__}"
+        if isinstance(sub, nn.Dropout) and not steps.dropout_is_identity(sub):
+            return f"{name} is an active dropout (training mode): bands compute inference"
     if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in m.parameters())):
         return "autograd is needed (run under torch.no_grad() or torch.inference_mode() for bands)"
     return None

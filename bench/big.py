@@ -184,6 +184,7 @@ def bench_size(vae, size: int, args, device, dtype, out_dir: Path) -> list:
             ("patched", whole, whole_ms, whole_peak, {}),
             (f"bands-{gib:.3g}gib", bands, bands_ms, bands_peak,
              {} if report is None else {"bands": report.bands, "staged": report.staged,
+                                        "staged_layers": report.staged_layers,
                                         "peak_estimate_gib": report.peak_estimate_gib}),
             ("diffusers-tiling", tiled, tiled_ms, tiled_peak, {})):
         err = None

@@ -56,6 +56,7 @@ def test_staged_bands_and_encode_match_unbanded(vae):
         ref = vae.decode(z).sample
         y, report = parallel.decode_in_bands(vae, z, bands=3, staged=True, return_report=True)
         assert report.staged and rel_err(y, ref) <= 1e-5
+        assert report.staged_layers > 0 and report.device_layers == 0  # no budget: every layer staged
         post = vae.encode(x).latent_dist
         for bands in (2, 3):  # 15 rows: the last band ends on half a row pair
             d = parallel.encode_in_bands(vae, x, bands=bands)
@@ -173,7 +174,7 @@ def test_patched_decode_through_the_budget_hook_runs_the_kernels():
         try:
             y = vae.decode(z).sample
             report = parallel.last_report(vae)
-            assert report.mode == "bands" and report.bands == 2 and report.staged
+            assert report.mode == "bands" and report.bands == 2 and report.staged and report.staged_layers
             assert rel_err(y, ref) <= 1e-5
             assert vae.decoder.up_blocks[1].resnets[0].conv2.__dict__["_cp_last"].is_kernel
         finally:
@@ -250,17 +251,20 @@ def test_flux_decoder_bands_at_1024_bf16():
 
 @pytest.mark.gpu
 def test_flux_decoder_budget_stages_to_host():
+    """2048^2: the plain decode's estimate is ~5 GiB; within 3 GiB the large
+    layers are staged to host and the small ones stay on the device."""
     vae = _flux_vae().to(torch.bfloat16)
     conv_patch.apply(vae)
-    z = torch.randn(1, 16, 128, 128, device="cuda", dtype=torch.bfloat16)
+    z = torch.randn(1, 16, 256, 256, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
         whole = vae.decode(z).sample
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        banded, report = parallel.decode_in_bands(vae, z, max_activation_gib=0.4, return_report=True)
+        banded, report = parallel.decode_in_bands(vae, z, max_activation_gib=3, return_report=True)
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - base
-    assert report.staged and report.bands > 1, report
+    assert report.staged and report.bands > 1 and report.staged_layers and report.device_layers, report
+    assert not report.over_budget
     assert rel_err(banded, whole) <= 1e-2
-    assert peak < 1.5 * (1 << 30), peak / (1 << 30)
+    assert peak < 4.5 * (1 << 30), peak / (1 << 30)

@@ -75,9 +75,10 @@ def _banded(core: nn.Module, x: torch.Tensor, *, bands, max_activation_gib, stag
             return core(x), report
     first = first_level(program, x.shape[2], report.bands)
     report.rows = _latent_rows(program, x.shape[2], report.bands)
-    comm = LocalComm(report.bands, x.device, staged=report.staged)
+    comm = LocalComm(report.bands, x.device, staged=report.staged, keep_bytes=bd.keep_bytes(budget))
     with torch.no_grad():
         y = comm.output(run(program, x, comm, first), "all")
+    report.device_layers, report.staged_layers = comm.device_layers, comm.staged_layers
     return _like_input(y, x), report
 
 
@@ -227,9 +228,11 @@ class BandHook:
             return None
         first = first_level(program, x.shape[2], report.bands)
         report.rows = _latent_rows(program, x.shape[2], report.bands)
-        comm = LocalComm(report.bands, x.device, staged=report.staged)
+        comm = LocalComm(report.bands, x.device, staged=report.staged, keep_bytes=bd.keep_bytes(budget))
         with torch.no_grad():
-            return _like_input(comm.output(run(program, x, comm, first), "all"), x)
+            y = _like_input(comm.output(run(program, x, comm, first), "all"), x)
+        report.device_layers, report.staged_layers = comm.device_layers, comm.staged_layers
+        return y
 
 
 def last_report(module: nn.Module) -> Optional[bd.BandReport]:

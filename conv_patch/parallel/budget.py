@@ -32,7 +32,9 @@ class BandReport:
     """What a decode or encode in bands did. ``mode``: ``"plain"`` (one
     band: the ordinary forward), ``"bands"`` (sequential bands in this
     process), ``"distributed"`` (one band per rank); ``rows``: latent rows
-    per band; ``staged``: finished bands kept in host memory;
+    per band; ``staged``: finished bands of the large layers kept in host
+    memory (``staged_layers`` of them; ``device_layers`` stayed on the
+    device);
     ``peak_estimate_gib``: the activation memory the plan assumed;
     ``fallback``: why the plain forward ran instead of bands, if it did."""
 
@@ -45,6 +47,9 @@ class BandReport:
     world_size: int = 1
     over_budget: bool = False
     fallback: Optional[str] = None
+    # Staged runs: layers whose output stayed on the device / went to host.
+    device_layers: int = 0
+    staged_layers: int = 0
 
 
 def _walk(program: Program, shape, elsize: int):
@@ -80,22 +85,41 @@ def plain_peak(program: Program, shape, elsize: int) -> float:
     return peak
 
 
-def banded_peak(program: Program, shape, elsize: int, bands: int, staged: bool) -> float:
+def whole_peak(program: Program, shape, elsize: int) -> float:
+    """The peak of the steps that run on the whole tensor whatever the band
+    count (the attention): a floor no number of bands lowers."""
+    return max([3 * i + scratch for s, i, o, scratch in _walk(program, shape, elsize) if isinstance(s, Whole)],
+               default=0)
+
+
+def banded_peak(program: Program, shape, elsize: int, bands: int, staged: bool, with_whole: bool = True) -> float:
+    """The activation estimate of ``bands`` bands (``with_whole``: the whole-tensor steps counted)."""
     h = shape[2]
     # The tallest band with its halo rows, as a fraction of the height.
     frac = min(1.0, (-(-h // bands) + 2) / h)
     peak = 0
     for s, i, o, scratch in _walk(program, shape, elsize):
         if isinstance(s, Whole):
-            need = 3 * i + scratch
-        elif staged:
+            continue
+        if staged:
             need = frac * (2 * i + 2 * o) * (2 if isinstance(s, Resnet) else 1)
         else:
             whole = i + (3 * o if isinstance(s, Resnet) else o)
             need = whole + frac * 2 * max(i, o)
         peak = max(peak, need)
     last = _walk(program, shape, elsize)[-1][2]
-    return peak + (last if staged else 0)
+    peak += last if staged else 0
+    return max(peak, whole_peak(program, shape, elsize)) if with_whole else peak
+
+
+# A staged run keeps on the device the layers whose whole output is at most
+# this share of the budget (the low-resolution ones): staging them would cost
+# transfers and save little.
+KEEP_SHARE = 0.125
+
+
+def keep_bytes(budget: Optional[float]) -> float:
+    return 0.0 if budget is None else KEEP_SHARE * budget
 
 
 def auto_budget(device: torch.device) -> Optional[float]:
@@ -129,11 +153,16 @@ def plan(program: Program, shape, elsize: int, latent_height: int, budget: Optio
     if budget is None or plain <= budget:
         return BandReport("plain", 1, peak_estimate_gib=plain / GIB, budget_gib=gib)
     most = max(1, min(MAX_BANDS, latent_height))
+    # Where the attention alone exceeds the budget no band count helps it:
+    # the bands are planned for the other steps, and the report says so.
+    over = whole_peak(program, shape, elsize) > budget
     for stage in ((False, True) if staged is None else (staged,)):
         for n in range(2, most + 1):
-            est = banded_peak(program, shape, elsize, n, stage)
-            if est <= budget:
-                return BandReport("bands", n, staged=stage, peak_estimate_gib=est / GIB, budget_gib=gib)
+            est = banded_peak(program, shape, elsize, n, stage, with_whole=not over)
+            # (staged: plus the small layers kept on the device, in and out)
+            if est + (2 * keep_bytes(budget) if stage else 0) <= budget:
+                return BandReport("bands", n, staged=stage, peak_estimate_gib=est / GIB, budget_gib=gib,
+                                  over_budget=over)
     stage = True if staged is None else staged
     est = banded_peak(program, shape, elsize, most, stage)
     return BandReport("bands" if most > 1 else "plain", most, staged=stage and most > 1,

@@ -89,9 +89,13 @@ class Comm:
     def begin(self, level: Level) -> "Output":
         return Output(self, level)
 
-    def keep(self, y: torch.Tensor) -> torch.Tensor:
-        """How a finished band is kept: on the device, or staged to host."""
+    def keep(self, y: torch.Tensor, height: int) -> torch.Tensor:
+        """How a finished band of a layer of ``height`` rows is kept: on
+        the device, or staged to host."""
         return y
+
+    def finished(self, out: "Output") -> None:
+        """A layer's output is complete (``LocalComm`` counts where they went)."""
 
     def all_moments(self, local: Sequence[torch.Tensor]) -> List[torch.Tensor]:
         """Every band's moments in band order, from this process's bands'."""
@@ -142,29 +146,42 @@ class Output:
                 dst.copy_(y)
             self.parts[i] = dst
         else:
-            self.parts[i] = self.comm.keep(y)
+            self.parts[i] = self.comm.keep(y, self.level.height)
 
     def done(self) -> Banded:
+        self.comm.finished(self)
         return Banded(self.level, self.parts, self.whole)
 
 
 class LocalComm(Comm):
     """Every band in this process, run one after the other. ``staged``:
-    finished bands are copied to (pinned, on CUDA) host memory and brought
-    back for the layers that read them, so the device holds a few bands at a
-    time instead of whole layers."""
+    the finished bands of a layer whose whole output exceeds ``keep_bytes``
+    are copied to (pinned, on CUDA) host memory and brought back for the
+    layers that read them, so the device holds a few bands of such layers at
+    a time; smaller layers (the low resolutions) stay on the device.
+    ``device_layers`` / ``staged_layers`` count which happened."""
 
-    def __init__(self, nbands: int, device: torch.device, staged: bool = False):
-        self.nbands, self.device, self.staged = nbands, torch.device(device), staged
+    def __init__(self, nbands: int, device: torch.device, staged: bool = False, keep_bytes: float = 0):
+        self.nbands, self.device, self.staged, self.keep_bytes = nbands, torch.device(device), staged, keep_bytes
         self.held = list(range(nbands))
         self.pinned = self.device.type == "cuda"
+        self.device_layers = self.staged_layers = 0
+        self._staging = False  # a band of the layer being written went to host
 
-    def keep(self, y):
-        if not self.staged:
+    def keep(self, y, height):
+        if not self.staged or y.numel() * y.element_size() * height <= self.keep_bytes * max(1, y.shape[2]):
             return y
+        self._staging = True
         host = torch.empty(y.shape, dtype=y.dtype, pin_memory=self.pinned, memory_format=memory_format(y))
         # Stream-ordered: the copy back to the device later runs after this one.
         return host.copy_(y, non_blocking=self.pinned)
+
+    def finished(self, out):
+        if self._staging:
+            self.staged_layers += 1
+        else:
+            self.device_layers += 1
+        self._staging = False
 
     def _above(self, act, i, rows):
         return act.parts[i - 1][:, :, -rows:]

@@ -164,8 +164,9 @@ def test_dispatch_padding_replaces_the_modules_own(exact_fp32):
 
 def test_patched_decode_through_the_budget_hook_runs_the_kernels():
     """PatchConfig(max_activation_gib=...) on a patched VAE: a decode whose
-    estimate exceeds the budget runs in bands through the patched convs
-    (the interpreter's kernels), equal to the unpatched decode."""
+    estimate exceeds the budget runs in bands (staged) through the patched
+    convs (the interpreter's kernels), equal to the unpatched decode; and
+    unstaged bands through the same kernels."""
     vae = _vae(seed=2)
     z = torch.randn(1, 4, 2, 3, generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
@@ -177,6 +178,10 @@ def test_patched_decode_through_the_budget_hook_runs_the_kernels():
             assert report.mode == "bands" and report.bands == 2 and report.staged and report.staged_layers
             assert rel_err(y, ref) <= 1e-5
             assert vae.decoder.up_blocks[1].resnets[0].conv2.__dict__["_cp_last"].is_kernel
+            # Bands on the device: each band's conv reads a view of the layer
+            # and writes its rows of the next through ``out``.
+            y, report = parallel.decode_in_bands(vae, z, bands=2, return_report=True)
+            assert not report.staged and rel_err(y, ref) <= 1e-5
         finally:
             conv_patch.remove(vae)
     assert "_cp_bands" not in vae.decoder.__dict__

@@ -273,3 +273,25 @@ def test_flux_decoder_budget_stages_to_host():
     assert not report.over_budget
     assert rel_err(banded, whole) <= 1e-2
     assert peak < 4.5 * (1 << 30), peak / (1 << 30)
+
+
+def test_band_hook_decides_per_call_and_remembers_the_estimate(vae):
+    """The hook ``apply`` installs, called directly on an unpatched decoder:
+    within a large budget it lets the block run (None) and keeps the plain
+    estimate for the next call of that signature; over budget it returns the
+    banded result; with hooks on the decoder it lets the block run and says
+    why."""
+    z = torch.randn(1, 4, 5, 4)
+    dec = vae.decoder
+    with torch.no_grad():
+        roomy = parallel.BandHook(1e3)
+        assert roomy(dec, (z,), {}) is None and parallel.last_report(dec).mode == "plain"
+        assert len(roomy._plain) == 1 and roomy(dec, (z,), {}) is None
+        tight = parallel.BandHook(1e-9)
+        assert rel_err(tight(dec, (z,), {}), dec(z)) <= 1e-5 and parallel.last_report(vae).mode == "bands"
+        h = dec.conv_in.register_forward_pre_hook(lambda *a: None)
+        try:
+            assert tight(dec, (z,), {}) is None and "hooks" in parallel.last_report(dec).fallback
+        finally:
+            h.remove()
+        assert tight(dec, (z,), {"latent_embeds": None}) is None  # not the call it knows

@@ -18,14 +18,15 @@ from .walker import Conv, Program, UnsupportedModel, blocked_reason, program_of,
 
 
 def _parts(vae, encode: bool):
-    """(the Decoder/Encoder, the 1x1 conv before/after it or None, whether
-    ``vae`` is an AutoencoderKL)."""
+    """(the Decoder/Encoder, the 1x1 conv after/before it or None): an
+    AutoencoderKL's (anything with ``encoder``/``decoder`` modules), or the
+    module itself."""
     if encode and isinstance(getattr(vae, "encoder", None), nn.Module):
-        return vae.encoder, getattr(vae, "quant_conv", None), True
+        return vae.encoder, getattr(vae, "quant_conv", None)
     if not encode and isinstance(getattr(vae, "decoder", None), nn.Module):
-        return vae.decoder, getattr(vae, "post_quant_conv", None), True
+        return vae.decoder, getattr(vae, "post_quant_conv", None)
     if isinstance(vae, nn.Module):
-        return vae, None, False
+        return vae, None
     raise TypeError(f"expected an AutoencoderKL or a VAE Decoder/Encoder module, got {type(vae).__name__}")
 
 
@@ -103,7 +104,7 @@ def decode_in_bands(vae, latents: torch.Tensor, *, bands: Optional[int] = None,
     or ``(image, BandReport)`` with ``return_report``. Hooks on the decoder's
     modules or autograd run the plain decode, and the report says so;
     a decoder of another structure raises ``UnsupportedModel``."""
-    core, pre, _ = _parts(vae, encode=False)
+    core, pre = _parts(vae, encode=False)
     z = latents
     if pre is not None:
         z = pre(z)
@@ -118,7 +119,7 @@ def encode_in_bands(vae, images: torch.Tensor, *, bands: Optional[int] = None,
     AutoencoderKL: what ``vae.encode(images).latent_dist`` is (a
     ``DiagonalGaussianDistribution`` of the quant_conv's moments); for a
     bare Encoder its output tensor."""
-    core, post, _ = _parts(vae, encode=True)
+    core, post = _parts(vae, encode=True)
     y, report = _banded(core, images, bands=bands, max_activation_gib=max_activation_gib, staged=staged)
     if post is not None:
         with torch.no_grad() if blocked_reason(post, y) is None else contextlib.nullcontext():
@@ -171,7 +172,7 @@ def decode(vae, latents: torch.Tensor, group=None, gather: Union[str, int] = "al
     every token. ``gather="all"``: every rank gets the image; an int: that
     rank does, the others get None. One process (or no initialised process
     group): the ordinary decode."""
-    core, pre, _ = _parts(vae, encode=False)
+    core, pre = _parts(vae, encode=False)
     z = latents
     if pre is not None:
         with torch.no_grad() if blocked_reason(pre, z) is None else contextlib.nullcontext():
@@ -185,7 +186,7 @@ def encode(vae, images: torch.Tensor, group=None, gather: Union[str, int] = "all
     ``vae.encode(images).latent_dist`` is (a ``DiagonalGaussianDistribution``
     of the moments), for a bare Encoder its output tensor; None on the ranks
     outside ``gather``."""
-    core, post, _ = _parts(vae, encode=True)
+    core, post = _parts(vae, encode=True)
     y, report = _distributed(core, images, group, gather)
     if y is not None and post is not None:
         with torch.no_grad() if blocked_reason(post, y) is None else contextlib.nullcontext():
@@ -203,8 +204,17 @@ class BandHook:
     ``_cp_band_report`` says what happened. Returns None to let the block's
     own forward run."""
 
+    # Plain-forward estimates kept per input signature: the per-call check
+    # is then one dict lookup and the free-memory query (a decode replayed
+    # from a CUDA graph takes ~8 ms; walking its modules would add ~2%).
+    MAX_KEYS = 16
+
     def __init__(self, max_activation_gib: Optional[float] = None):
         self.max_activation_gib = max_activation_gib
+        self._plain = {}
+
+    def __getstate__(self):
+        return {"max_activation_gib": self.max_activation_gib, "_plain": {}}
 
     def __call__(self, module, args, kwargs):
         if len(args) != 1 or kwargs or not isinstance(args[0], torch.Tensor) or args[0].dim() != 4:
@@ -214,15 +224,23 @@ class BandHook:
             return None
         if self.max_activation_gib is None and not x.is_cuda:
             return None
-        if blocked_reason(module, x) is not None:
-            return None
+        budget = (self.max_activation_gib * bd.GIB if self.max_activation_gib is not None
+                  else bd.auto_budget(x.device))
+        key = (tuple(x.shape), x.dtype, id(module))
+        plain = self._plain.get(key)
+        if plain is not None and plain <= budget:
+            return None  # (the report of the call that measured it stands)
         try:
             program = program_of(module)
         except UnsupportedModel:
             return None
-        budget = (self.max_activation_gib * bd.GIB if self.max_activation_gib is not None
-                  else bd.auto_budget(x.device))
+        if len(self._plain) >= self.MAX_KEYS:
+            self._plain.clear()
+        self._plain[key] = bd.plain_peak(program, tuple(x.shape), x.element_size())
         report = bd.plan(program, tuple(x.shape), x.element_size(), _latent_height(program, x.shape[2]), budget)
+        reason = blocked_reason(module, x) if report.bands > 1 else None
+        if reason is not None:
+            report = bd.BandReport("plain", 1, budget_gib=report.budget_gib, fallback=reason)
         module.__dict__["_cp_band_report"] = report
         if report.bands == 1:
             return None

@@ -249,9 +249,10 @@ def test_flux_decoder_bands_at_1024_bf16():
         whole = vae.decode(zb).sample
         banded, report = parallel.decode_in_bands(vae, zb, bands=3, return_report=True)
     assert report.mode == "bands" and not report.staged
+    # Both bf16 decodes against fp32: the bands add no error of their own.
     e_whole, e_band = rel_err(whole, ref), rel_err(banded, ref)
-    assert e_band <= max(1.5 * e_whole, 1e-2), (e_band, e_whole)
-    assert rel_err(banded, whole) <= 1e-2
+    assert e_band <= 1.5 * e_whole + 2e-3, (e_band, e_whole)
+    assert rel_err(banded, whole) <= 3 * e_whole + 2e-3
 
 
 @pytest.mark.gpu
@@ -271,7 +272,7 @@ def test_flux_decoder_budget_stages_to_host():
         peak = torch.cuda.max_memory_allocated() - base
     assert report.staged and report.bands > 1 and report.staged_layers and report.device_layers, report
     assert not report.over_budget
-    assert rel_err(banded, whole) <= 1e-2
+    assert rel_err(banded, whole) <= 2e-2  # two bf16 decodes, rounded differently
     assert peak < 4.5 * (1 << 30), peak / (1 << 30)
 
 

@@ -131,6 +131,12 @@ def test_group_norm_moments_exact_with_large_mean_and_outlier():
     # A raw sum / sum of squares in fp32 loses this variance entirely.
     raw = (x.view(2, 4, -1) ** 2).mean(2) - x.view(2, 4, -1).mean(2) ** 2
     assert (raw - var64.float()).abs().max() > 1
+    # Half-precision bands: fp32 accumulation over the band, no float64 copy.
+    xh = (100 + 3 * torch.randn(1, 8, 21, 6, generator=g)).bfloat16()
+    parts = [stats.band_moments(xh[:, :, a:b], 4) for a, b in ((0, 10), (10, 21))]
+    _, hmean, hm2 = stats.merge(parts)
+    v64, m64 = torch.var_mean(xh.double().view(1, 4, -1), dim=2, correction=0)
+    assert torch.allclose(hmean, m64, rtol=1e-6) and torch.allclose(hm2 / (2 * 21 * 6), v64, rtol=1e-4)
     ss = stats.scale_shift(torch.stack([count, mean, m2]), norm, 8)
     ref = F.silu(F.group_norm(x.double(), 4, norm.weight.double(), norm.bias.double(), 1e-6))
     y = stats.normalise(x[:, :, 4:9], ss, "silu", use_kernels=False)

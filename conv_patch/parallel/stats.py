@@ -20,29 +20,47 @@ import torch.nn.functional as F
 from ..epilogue import activation_code
 
 
-# Elements of a band converted to float64 at a time for its moments (64 MiB).
+# Elements of a band converted at a time for its moments (32-64 MiB).
 MOMENT_CHUNK = 8 << 20
+
+
+def channel_moments(x: torch.Tensor):
+    """(count, mean, M2) per (sample, channel) of ``x`` [N, C, h, W], float64.
+
+    A few whole rows at a time (contiguous in NCHW and NHWC alike, so each
+    chunk reads its own bytes only), converted to float32 for half-precision
+    bands (which it holds exactly; PyTorch's own reduction would return a
+    half-precision mean, 0.5 off at 100 in bf16) and to float64 for fp32
+    bands (in fp32 the mean of values near 1e4 is off by ~1e-4 of a unit
+    spread, which the normalised output would carry); PyTorch's Welford
+    reduction per chunk, the chunks merged with Chan's update."""
+    n, c, h, w = x.shape
+    wide = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else torch.float64
+    rows = max(1, MOMENT_CHUNK // max(1, n * c * w))
+    total = None
+    for r0 in range(0, h, rows):
+        part = x[:, :, r0:r0 + rows].to(wide)
+        var, mean = torch.var_mean(part, dim=(2, 3), correction=0)
+        cnt = float(part.shape[2] * w)
+        mean = mean.double()
+        piece = torch.stack([torch.full_like(mean, cnt), mean, var.double() * cnt])
+        total = piece if total is None else merge([total, piece])
+    return tuple(total)
 
 
 def band_moments(x: torch.Tensor, groups: int) -> torch.Tensor:
     """[3, N, G] float64 (count, mean, M2) of band ``x`` [N, C, h, W] per
-    (sample, group): per-channel moments in float64 (a few channels at a
-    time, so the float64 copy stays at MOMENT_CHUNK elements: in fp32 the
-    mean of values near 1e4 is off by ~1e-4 of a unit spread, which the
-    normalised output would carry), then the group's channels merged."""
+    (sample, group): per-channel moments (``channel_moments``), then the
+    group's channels merged (the same closed form as Chan's update)."""
     n, c, h, w = x.shape
     cg = c // groups
     if x.numel() == 0:
         return torch.zeros(3, n, groups, dtype=torch.float64, device=x.device)
-    step = max(1, MOMENT_CHUNK // max(1, n * h * w))
-    pieces = [torch.var_mean(x[:, c0:c0 + step].double(), dim=(2, 3), correction=0) for c0 in range(0, c, step)]
-    var, mean = torch.cat([v for v, _ in pieces], dim=1), torch.cat([m for _, m in pieces], dim=1)
-    mean = mean.view(n, groups, cg)
-    m2 = var.view(n, groups, cg) * (h * w)
+    count, mean, m2 = channel_moments(x)
+    count, mean, m2 = (t.view(n, groups, cg) for t in (count, mean, m2))
     gmean = mean.mean(dim=2)
     gm2 = m2.sum(dim=2) + (h * w) * ((mean - gmean.unsqueeze(2)) ** 2).sum(dim=2)
-    count = torch.full_like(gmean, float(cg * h * w))
-    return torch.stack([count, gmean, gm2])
+    return torch.stack([count.sum(dim=2), gmean, gm2])
 
 
 def merge(parts: Sequence[torch.Tensor]) -> torch.Tensor:

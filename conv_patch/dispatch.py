@@ -27,9 +27,10 @@ from . import config_tables, costs, pack
 from . import conv as conv_op
 from . import norm as norm_op
 from .conv import kernel_errors, kernels
-from .epilogue import eager_epilogue
+from .epilogue import ACTIVATIONS, eager_epilogue
 from .routing import Route, RouteDecision, select_route
 from .specs import CallDesc, ConvSpec, resolve_padding
+from .subpixel import PARITIES, parity_padding, parity_view, parity_weight, subpixel_weights
 from .target import gpu_sms, target_for
 
 
@@ -176,11 +177,16 @@ def forward_with_padding(m, x, padding, forward):
     rows only on the image-edge sides) pads the F.pad'ed input again, and
     the output rows and columns that extra padding made are cut away."""
     x = torch.nn.functional.pad(x, tuple(int(v) for v in padding))
-    (pt, pl), (pb, pr) = resolve_padding(m.padding, tuple(m.kernel_size), tuple(m.dilation))
+    if isinstance(m, torch.nn.Module):
+        (pt, pl), (pb, pr) = resolve_padding(m.padding, tuple(m.kernel_size), tuple(m.dilation))
+        (sh, sw), transposed = m.stride, getattr(m, "transposed", False)
+    else:
+        # A CallSite: its forward is its spec's (conv_patch.compiled, the folded upsample).
+        (pt, pl), (pb, pr) = m.spec.pad_begin, m.spec.pad_end
+        (sh, sw), transposed = m.spec.stride, m.spec.transposed
     if not (pt or pl or pb or pr):
         return forward(x)
-    (sh, sw) = m.stride
-    if pt % sh or pb % sh or pl % sw or pr % sw or getattr(m, "transposed", False):
+    if pt % sh or pb % sh or pl % sw or pr % sw or transposed:
         raise ValueError(f"a call's own padding replaces {m}'s only where the stride divides that padding")
     y = forward(x)
     h, w = y.shape[-2:]
@@ -364,8 +370,11 @@ def _build(m, graph, x, weight, bias, residual, out, beta, activation, out_scale
             except k.Unrecordable:
                 plan.program = None
             return plan, ((y, bias) if no_bias else y)
-    plan.bare = (plan.kind == MODULE and plan.direct is not None and residual is None and out is None
-                 and activation == "none" and out_scale == 1.0 and not no_bias)
+    plain = plan.kind == MODULE and plan.direct is not None and residual is None and out is None and (
+        out_scale == 1.0 and not no_bias)
+    plan.bare = plain and activation == "none"
+    if plain and padding is None and output_padding is None and not fallback_args:
+        _remember_bare(m, x, plan, activation)
     return plan, plan.run(m, x, weight, bias, residual, out, beta, activation, out_scale, output_padding,
                           fallback_args, no_bias)
 
@@ -441,8 +450,53 @@ def _direct(m, spec, padding, fallback_args):
 def _store(m, key, plan):
     plans = m.__dict__.get("_cp_plans")
     if plans is None or len(plans) >= MAX_PLANS:
+        if plans is not None:
+            m.__dict__["_cp_bare"] = None  # (bounded with the plans)
         plans = m.__dict__["_cp_plans"] = {}
     plans[key] = plan
+
+
+# -- the bare fast path ----------------------------------------------------------
+# A plan of PyTorch's route whose conv is exactly ``F.conv2d`` (``direct``)
+# with at most an activation after it computes what the module and the
+# activation compute from the module's current weight, bias and geometry,
+# whatever the weight's identity, autograd or autocast. So such a call (no
+# residual, scale or ``out``) whose input was seen before needs none of
+# ``conv_key``: ``bare_key`` (the input's geometry, dtype, device and
+# alignment, and whether a CUDA graph is being captured, the things that can
+# turn PyTorch's route into a kernel's) and the activation find it, and the
+# call costs less host time than the module's own forward (no attribute
+# lookups through ``nn.Module.__getattr__``). ``clear`` and a full plan
+# cache drop these with the plans.
+def bare_key(x) -> tuple:
+    return (x.shape, x.stride(), x.dtype, x.device, x.data_ptr() & 15, x.is_cuda and pack.on_graph_path(x))
+
+
+def bare_call(m, x, activation="none"):
+    """``act(m(x))`` by the plan ``bare_key(x)`` and ``activation`` found,
+    else None (the caller takes ``conv``). Not while torch.compile traces
+    (the caller checks: a traced call is the compiled op's)."""
+    d = m.__dict__
+    bare = d.get("_cp_bare")
+    if bare is None:
+        return None
+    hit = bare.get((activation, bare_key(x)))
+    if hit is None:
+        return None
+    params = d["_parameters"]
+    weight = params.get("weight")
+    if weight is None:  # parametrized since (see conv): its own forward computes
+        return None
+    d["_cp_last"] = hit[1]
+    y = _conv2d(x, weight, params.get("bias"), *hit[0])
+    return y if hit[2] is None else hit[2](y)
+
+
+def _remember_bare(m, x, plan, activation):
+    bare = m.__dict__.get("_cp_bare")
+    if bare is None:
+        bare = m.__dict__["_cp_bare"] = {}
+    bare[(activation, bare_key(x))] = (plan.direct, plan.decision, ACTIVATIONS[activation][1])
 
 
 def conv(m, x, residual=None, beta=1.0, activation="none", out_scale=1.0, output_padding=None,
@@ -531,6 +585,48 @@ UNREGISTERED = RouteDecision(Route.FALLBACK, "weight or bias is not a registered
 def clear(m) -> None:
     """Drop ``m``'s plans (its attributes or parameters changed)."""
     m.__dict__["_cp_plans"] = None
+    m.__dict__["_cp_bare"] = None
+    m.__dict__["_cp_subpixel"] = None
+
+
+# -- the folded upsample -------------------------------------------------------------
+def upsample_conv(m, x, residual=None, activation="none"):
+    """``act(m(F.interpolate(x, scale_factor=2, mode="nearest")) + residual)``
+    for patched 3x3, padding-1 conv ``m``, as the four 2x2 convs of ``x``
+    that ``ops.upsample_conv2d`` describes, each through ``conv_with`` on a
+    call site of its own (planned, weighed against PyTorch, replayed), into
+    the parity-strided views of one output. The folded weights live in a
+    buffer kept on ``m`` and are folded again from ``m``'s weight at every
+    call (one launch), as packs are refreshed (pack.py says why). None
+    where the call is not this one (a weight that is no registered
+    Parameter any more, or no 3x3 over the input's channels): the caller
+    runs the upsample and the conv."""
+    params = m.__dict__["_parameters"]
+    weight, bias = params.get("weight"), params.get("bias")
+    n, c_in, h, w = x.shape
+    if weight is None or "bias" not in params or tuple(weight.shape) != (weight.shape[0], c_in, 3, 3):
+        return None
+    c_out = weight.shape[0]
+    shape = (n, c_out, 2 * h, 2 * w)
+    conv_op.check_residual(residual, shape)
+    key = (weight.shape, weight.dtype, weight.device, bias is not None)
+    held = m.__dict__.get("_cp_subpixel")
+    if held is None or held[0] != key:
+        # The buffer, and per parity its 2x2 weight (a view of the buffer)
+        # and call site: the same from call to call while the buffer is.
+        subs = torch.empty((2, 2, c_out, 2, 2, c_in), dtype=weight.dtype, device=weight.device)
+        spec = ConvSpec(False, c_in, c_out, (2, 2), (1, 1), (1, 1), (0, 0), (0, 0), (0, 0), 1, "zeros",
+                        bias is not None)
+        parities = [(a, b, parity_weight(subs, a, b)) for a, b in PARITIES]
+        parities = [(a, b, w_ab, call_site(spec, w_ab, bias)) for a, b, w_ab in parities]
+        held = m.__dict__["_cp_subpixel"] = (key, subs, parities)
+    subpixel_weights(weight, out=held[1])
+    out = torch.empty(shape, dtype=x.dtype, device=x.device,
+                      memory_format=torch.channels_last if conv_op.nhwc(x) else torch.contiguous_format)
+    for a, b, w_ab, site in held[2]:
+        conv_with(site, w_ab, bias, x, None if residual is None else parity_view(residual, a, b), 1.0,
+                  activation, 1.0, None, (w_ab, bias), parity_view(out, a, b), parity_padding(a, b))
+    return out
 
 
 # -- GroupNorm ---------------------------------------------------------------------

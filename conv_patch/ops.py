@@ -26,6 +26,8 @@ from .target import Target, target_for
 from .conv import (EPILOGUE_BLOCK, check_residual, cudnn_conv2d, epilogue, kernels, nhwc,  # noqa: F401
                    output_memory_format, output_shape, run_kernel, to_nhwc)
 from .norm import GN_LAUNCH, group_norm, group_norm_target, launch_sizes  # noqa: F401  (re-exported)
+from .subpixel import PARITIES, parity_padding, parity_view, parity_weight
+from .subpixel import subpixel_weights  # noqa: F401  (re-exported)
 
 
 class UnsupportedConv(RuntimeError):
@@ -338,13 +340,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional
     return out.view(*lead, n, dv)
 
 
-# Nearest x2 upsampling then a 3x3 conv with padding 1: output row 2i+a reads
-# upsampled rows 2i+a-1 .. 2i+a+1, i.e. source rows {i-1, i, i} (a=0) or
-# {i, i, i+1} (a=1). So each output parity is a 2x2 conv of the *source*
-# whose taps are sums of the 3x3 taps: 16 instead of 36 multiply-adds per
-# source pixel and channel pair, and the 4x upsampled tensor never exists.
-# Parity 0's 2x2 taps are (t0, t1 + t2) of the 3x3 taps along that axis,
-# parity 1's (t0 + t1, t2).
+# The folded upsample (nearest x2 then a 3x3 conv as four 2x2 convs of the
+# source) and its weight fold: conv_patch/subpixel.py.
 
 
 # Below this many source multiply-adds per tap (N*H*W*C_in*C_out) the four
@@ -371,41 +368,6 @@ def subpixel_pays(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return n * h * w * weight.shape[0] * weight.shape[1] >= SUBPIXEL_MIN_MACS
 
 
-def _fold_taps(w: torch.Tensor, dim: int) -> torch.Tensor:
-    """The 3 taps of ``w`` along ``dim`` folded into 2, for both parities
-    (a new leading dimension). Elementwise adds only: no constant tensor
-    (no host-to-device copy, which CUDA-graph capture forbids) and no GEMM
-    (whose cuBLAS handle may not exist yet when a capture starts)."""
-    t0, t1, t2 = w.unbind(dim)
-    return torch.stack((torch.stack((t0, t1 + t2), dim), torch.stack((t0 + t1, t2), dim)))
-
-
-def subpixel_weights(weight: torch.Tensor) -> torch.Tensor:
-    """[2, 2, C_out, 2, 2, C_in] (parity a, parity b, co, kh, kw, ci), dense:
-    ``[a, b].permute(0, 3, 1, 2)`` is the 2x2 weight of output parity (a, b)
-    in the kernels' co,kh,kw,ci layout. Taps are summed in (at least) fp32 and
-    rounded once to the weight's dtype. Recomputed at every call, like the
-    packs (conv_patch/pack.py says why a cached copy could be stale): one
-    kernel on a GPU (kernels/weight_prep.py), else PyTorch ops. Under the
-    interpreter too: there the kernel took 6 s for a 64x64x3x3 weight on a
-    2-core CPU against 21 ms (tests/test_weight_prep.py runs it directly)."""
-    w = weight.detach()
-    target = target_for(w.device)
-    if (not torch.compiler.is_compiling() and w.dtype in (torch.float16, torch.bfloat16, torch.float32)
-            and target.kernels and not target.interpreter):
-        c_out, c_in = w.shape[:2]
-        out = torch.empty((2, 2, c_out, 2, 2, c_in), dtype=w.dtype, device=w.device)
-        return kernels().launch_subpixel_fold(w, out)
-    return _subpixel_weights_torch(weight)
-
-
-def _subpixel_weights_torch(weight: torch.Tensor) -> torch.Tensor:
-    acc = torch.promote_types(weight.dtype, torch.float32)
-    rows = _fold_taps(weight.detach().to(acc), 2)  # [a, co, ci, kh, 3]
-    w = _fold_taps(rows, 4)  # [b, a, co, ci, kh, kw]
-    return w.permute(1, 0, 2, 4, 5, 3).to(weight.dtype).contiguous()
-
-
 def upsample_conv2d(x, weight, bias=None, *, residual=None, beta=1.0, activation="none",
                     out_scale=1.0, out=None, table=None):
     """``conv2d(F.interpolate(x, scale_factor=2, mode="nearest"), weight, bias,
@@ -430,11 +392,10 @@ def upsample_conv2d(x, weight, bias=None, *, residual=None, beta=1.0, activation
                 out = torch.empty(shape, dtype=x.dtype, device=x.device,
                                   memory_format=torch.channels_last if nhwc(x) else torch.contiguous_format)
             subs = subpixel_weights(weight)
-            for a in (0, 1):
-                for b in (0, 1):
-                    conv2d(x, subs[a, b].permute(0, 3, 1, 2), bias, padding=(1 - b, b, 1 - a, a),
-                           residual=None if residual is None else residual[:, :, a::2, b::2], beta=beta,
-                           activation=activation, out_scale=out_scale, out=out[:, :, a::2, b::2], table=table)
+            for a, b in PARITIES:
+                conv2d(x, parity_weight(subs, a, b), bias, padding=parity_padding(a, b),
+                       residual=None if residual is None else parity_view(residual, a, b), beta=beta,
+                       activation=activation, out_scale=out_scale, out=parity_view(out, a, b), table=table)
             return out
     y = F.conv2d(F.interpolate(x, scale_factor=2.0, mode="nearest"), weight, bias, 1, 1)
     y = eager_epilogue(y, residual, beta, activation, out_scale)

@@ -48,7 +48,8 @@ class PatchedConvMixin:
     def wrap(cls, original: nn.Module, table=None):
         self = cls.__new__(cls)
         self.__dict__.update(original.__dict__)
-        self.__dict__.update(_cp_original=original, _cp_table=table, _cp_pack=None, _cp_last=None, _cp_plans=None)
+        self.__dict__.update(_cp_original=original, _cp_table=table, _cp_pack=None, _cp_last=None, _cp_plans=None,
+                             _cp_bare=None)
         return self
 
     def unwrap(self) -> nn.Module:
@@ -120,6 +121,13 @@ class PatchedConvMixin:
         return dispatch.conv(self, x, residual, beta, activation, out_scale, output_padding, fallback_args, out,
                              padding, no_bias)
 
+    def _cp_bare_call(self, x, activation="none"):
+        """``act(self(x))`` through ``dispatch.bare_call``, or None: the
+        checks ``_cp_call`` makes first, the cheap way round."""
+        if torch.compiler.is_compiling() or (self._cp_comfy_class and comfy_active(self)):
+            return None
+        return dispatch.bare_call(self, x, activation)
+
     def _cp_eager(self, x, residual, beta, activation, out_scale, fallback_args, out, padding, no_bias):
         """The original forward plus the epilogue as PyTorch ops."""
         return dispatch.eager(self, x, residual, beta, activation, out_scale, fallback_args, out, padding, no_bias)
@@ -154,6 +162,7 @@ class PatchedConvMixin:
         state = self.__dict__.copy()
         state["_cp_pack"] = None
         state["_cp_plans"] = None  # plans hold kernels and this process's buffers
+        state["_cp_bare"] = state["_cp_subpixel"] = None
         return state
 
     def extra_repr(self) -> str:
@@ -171,6 +180,10 @@ class PatchedConv2d(PatchedConvMixin, nn.Conv2d):
     _cp_torch_class = nn.Conv2d
 
     def forward(self, input, *, residual=None, beta=1.0, activation="none", out_scale=1.0, out=None):
+        if residual is None and out is None and out_scale == 1.0:
+            y = self._cp_bare_call(input, activation)
+            if y is not None:
+                return y
         return self._cp_call(input, residual, beta, activation, out_scale, out=out)
 
 

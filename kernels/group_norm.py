@@ -108,7 +108,9 @@ def group_norm_stats_nhwc_kernel(x_ptr, ib_ptr, part_ptr, C, HW, CHUNK, SPLITS, 
     for p0 in range(start, stop, BLOCK_P):
         p = p0 + rows
         ok = (p < stop)[:, None] & c_ok[None, :]
-        x = tl.load(row + p[:, None] * C + offs_c[None, :], mask=ok, other=0.0).to(tl.float32)
+        # Pixel offsets in int64: a 4096^2 image of 128 channels has 2^31
+        # elements, past int32 (the decode crashed on an illegal address).
+        x = tl.load(row + p.to(tl.int64)[:, None] * C + offs_c[None, :], mask=ok, other=0.0).to(tl.float32)
         inv = 1.0 / ((p0 - start) // BLOCK_P + 1).to(tl.float32)
         d = tl.where(ok, x - mean, 0.0)
         mean += d * inv

@@ -61,6 +61,7 @@ def unfuse(module: nn.Module) -> None:
         module.__class__ = module._cp_base
         module.__dict__.pop("_cp_graphs", None)
         module.__dict__.pop("_cp_plans", None)
+        module.__dict__.pop("_cp_chain", None)
         module.__dict__.pop("_cp_bands", None)
         module.__dict__.pop("_cp_band_report", None)
 

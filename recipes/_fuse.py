@@ -22,6 +22,7 @@ from typing import Dict, Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules import module as torch_module
 
 from conv_patch import dispatch, ops, pack
 from conv_patch.conv import kernel_errors
@@ -120,7 +121,7 @@ def base(module, *args, **kwargs):
 
 # -- call-time guards ---------------------------------------------------------
 def _global_hooks() -> bool:
-    from torch.nn.modules import module as m
+    m = torch_module
     return bool(m._global_forward_hooks or m._global_forward_pre_hooks
                 or getattr(m, "_global_forward_hooks_always_called", None))
 
@@ -130,7 +131,19 @@ def plain(*modules: Optional[nn.Module]) -> bool:
     there expects to see that module run)."""
     if _global_hooks():
         return False
-    return all(m is None or not (m._forward_hooks or m._forward_pre_hooks) for m in modules)
+    for m in modules:
+        if m is not None and (m._forward_hooks or m._forward_pre_hooks):
+            return False
+    return True
+
+
+def parts(m: nn.Module, *names: str) -> tuple:
+    """``m``'s submodules (or plain attributes) ``names``, None where
+    absent, read from its dictionaries: a fused forward runs at every call,
+    and ``m.name`` of a submodule goes through ``nn.Module.__getattr__``
+    (about a microsecond each on a GPU host, a dozen per block)."""
+    mods, d = m.__dict__["_modules"], m.__dict__
+    return tuple(mods[n] if n in mods else d.get(n) for n in names)
 
 
 def inference(x: torch.Tensor, *modules: Optional[nn.Module]) -> bool:
@@ -198,6 +211,12 @@ def _kernels_may_run(m: nn.Module) -> bool:
             and not (m._forward_hooks or m._forward_pre_hooks))
 
 
+def _norm_is_eager(x: torch.Tensor, numel: Optional[int] = None) -> bool:
+    """Whether ``group_norm`` runs PyTorch's GroupNorm (below the kernels'
+    crossover) on ``x``, or on a tensor of ``numel`` elements on its device."""
+    return x.is_cuda and not group_norm_pays(x.numel() if numel is None else numel)
+
+
 def group_norm(norm: nn.GroupNorm, x: torch.Tensor, activation: str = "none",
                out: Optional[torch.Tensor] = None, input_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``act(norm(x + input_bias))`` (``input_bias`` per channel, the bias
@@ -207,7 +226,7 @@ def group_norm(norm: nn.GroupNorm, x: torch.Tensor, activation: str = "none",
     the result. Hooks are the caller's business (fused blocks check
     ``plain`` first, the GroupNorm recipe runs inside the module's own
     call)."""
-    if x.is_cuda and not group_norm_pays(x.numel()):
+    if _norm_is_eager(x):
         # PyTorch's GroupNorm is faster at this size:
         # decided here, before any signature is built.
         return dispatch.group_norm_eager(norm, x, activation, out, input_bias)
@@ -228,6 +247,10 @@ def conv(m: nn.Conv2d, x: torch.Tensor, *, padding=None, residual=None, beta: fl
     if padding is not None and isinstance(m.padding, str):
         raise ValueError(f"conv(padding=...) replaces a numeric padding; {m} pads {m.padding!r}")
     if _kernels_may_run(m):
+        if residual is None and out is None and padding is None and out_scale == 1.0:
+            y = m._cp_bare_call(x, activation)
+            if y is not None:
+                return y
         # The wrapper's own call (hooks were ruled out), through the one
         # dispatch entry: the folded pad is part of the call's signature.
         return m._cp_call(x, residual, beta, activation, out_scale, out=out,
@@ -280,14 +303,23 @@ def norm_conv(norm: nn.GroupNorm, m: nn.Conv2d, x: torch.Tensor, activation: str
     return conv(m, group_norm(norm, x, activation))
 
 
-def resnet(x: torch.Tensor, norm1, conv1, norm2, conv2, shortcut=None, out_scale: float = 1.0) -> torch.Tensor:
-    """The VAE resnet block, ``(sc(x) + conv2(silu(norm2(conv1(silu(norm1(x))))))) * out_scale``:
-    GroupNorm+SiLU passes (the first in bands where large), the residual in
-    conv2's epilogue. Intermediates this function made are reused in place
-    (norm2 over conv1's output, conv2's output over the shortcut's), which
-    keeps a 2048^2 block at its input plus two outputs; not where a hook on
-    the conv that made them may hold on to them."""
-    if plain(conv1):
+def resnet(x: torch.Tensor, norm1, conv1, norm2, conv2, shortcut=None, out_scale: float = 1.0,
+           shift: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The resnet block, ``(sc(x) + conv2(silu(norm2(conv1(silu(norm1(x))) + shift)))) * out_scale``
+    (``shift`` [B, C, 1, 1], a UNet's projected time embedding, added in
+    conv1's epilogue): GroupNorm+SiLU passes (the first in bands where
+    large), the residual in conv2's epilogue. Where norm2 runs on the
+    kernels, intermediates this function made are reused in place (norm2
+    over conv1's output, which leaves conv1's bias to norm2; conv2's output
+    over the shortcut's), which keeps a 2048^2 block at its input plus two
+    outputs; not where a hook on the conv that made them may hold on to
+    them. Where norm2 is PyTorch's, that would cost two more ops (the bias
+    added, the copy back) than the block's own forward, so it is not."""
+    if shift is not None:
+        h = conv(conv1, group_norm(norm1, x, "silu"),
+                 residual=shift.expand(x.shape[0], conv1.out_channels, x.shape[2], x.shape[3]))
+        h = group_norm(norm2, h, "silu", out=None if _norm_is_eager(h) or not plain(conv1) else h)
+    elif plain(conv1) and not _norm_is_eager(x, x.numel() // max(x.shape[1], 1) * conv1.out_channels):
         h, b = norm_conv(norm1, conv1, x, keep_bias=True)
         h = group_norm(norm2, h, "silu", out=h, input_bias=b)
     else:
@@ -301,12 +333,14 @@ def resnet(x: torch.Tensor, norm1, conv1, norm2, conv2, shortcut=None, out_scale
 
 def upsample_conv(m: nn.Conv2d, x: torch.Tensor, *, residual=None, activation: str = "none") -> torch.Tensor:
     """``act(m(F.interpolate(x, scale_factor=2, mode="nearest")) + residual)``
-    for a 3x3, padding-1 conv: folded into four 2x2 convs of ``x`` (see
-    ``ops.upsample_conv2d``) where ``m`` is patched and the problem is large
-    enough for that to pay (``ops.subpixel_pays``)."""
+    for a 3x3, padding-1 conv: folded into four planned 2x2 convs of ``x``
+    (``dispatch.upsample_conv``) where ``m`` is patched and the problem is
+    large enough for that to pay (``ops.subpixel_pays``)."""
     if _kernels_may_run(m) and ops.subpixel_pays(x, m.weight):
-        y = kernel_step(m, lambda: ops.upsample_conv2d(x, m.weight, m.bias, residual=residual,
-                                                       activation=activation, table=m._cp_table))
+        if torch.compiler.is_compiling():
+            # Traced as its plain expression (ops.upsample_conv2d), which Inductor fuses.
+            return ops.upsample_conv2d(x, m.weight, m.bias, residual=residual, activation=activation)
+        y = kernel_step(m, lambda: dispatch.upsample_conv(m, x, residual, activation))
         if y is not None:
             return y
     if _kernels_may_run(m):

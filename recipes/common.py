@@ -10,7 +10,7 @@ from torch import nn
 from conv_patch.costs import group_norm_pays
 
 from ._fuse import (Recipe, base, channels_last, conv, group_norm, inference, is_conv,
-                    is_group_norm, is_relu, is_silu, like_input, register, upsample_conv)
+                    is_group_norm, is_relu, is_silu, like_input, plain, register, upsample_conv)
 
 
 class GroupNormRecipe(Recipe):
@@ -91,12 +91,20 @@ class SequentialChain(Recipe):
         return type(m) is nn.Sequential and any(k != "module" for k, _, _ in chain_plan(list(m)))
 
     def forward(self, m, x):
-        children = list(m)
-        if not isinstance(x, torch.Tensor) or x.dim() != 4 or any(
-                c._forward_hooks or c._forward_pre_hooks for c in children):
+        children = tuple(m.__dict__["_modules"].values())
+        if not isinstance(x, torch.Tensor) or x.dim() != 4 or not plain(*children):
             return base(m, x)
-        y = channels_last(x) if _has_convs(m, 3) else x
-        for kind, mod, act in chain_plan(children):
+        # The plan and the layout choice are the children's: kept until one
+        # is replaced, added or removed (the upsample steps' conv geometry,
+        # which the fold relies on, is checked again at every call).
+        held = m.__dict__.get("_cp_chain")
+        if held is None or held[0] != children:
+            held = m.__dict__["_cp_chain"] = (children, chain_plan(list(children)), _has_convs(m, 3))
+        _, steps, nhwc_inside = held
+        if any(kind == "upconv" and not is_conv(mod, 3, 1, 1) for kind, mod, _ in steps):
+            return base(m, x)
+        y = channels_last(x) if nhwc_inside else x
+        for kind, mod, act in steps:
             if kind == "conv":
                 y = conv(mod, y, activation=act)
             elif kind == "upconv":

@@ -14,8 +14,8 @@ from conv_patch.specs import ConvSpec
 from conv_patch.target import target_for
 
 from ._fuse import (Recipe, attention, base, channels_last, conv, dropout_is_identity, from_tokens, group_norm,
-                    inference, is_conv, is_group_norm, is_relu, is_silu, like_input, norm_conv, plain, register,
-                    resnet, to_tokens, upsample_conv)
+                    inference, is_conv, is_group_norm, is_relu, is_silu, like_input, norm_conv, parts, plain,
+                    register, resnet, to_tokens, upsample_conv)
 
 
 def _named(m, name: str) -> bool:
@@ -25,10 +25,11 @@ def _named(m, name: str) -> bool:
 class ResnetBlock2D(Recipe):
     """GroupNorm+SiLU in one pass each (the normalised tensor is written once
     and read by the conv), ``(shortcut + conv2(h)) / output_scale_factor`` in
-    conv2's epilogue, the 1x1 shortcut as its own kernel."""
+    conv2's epilogue, the 1x1 shortcut as its own kernel; a UNet's time
+    embedding (``time_embedding_norm="default"``) added in conv1's epilogue."""
 
     name = "diffusers.ResnetBlock2D"
-    what = "GroupNorm+SiLU, residual and 1/output_scale_factor in conv2's epilogue"
+    what = "GroupNorm+SiLU, time embedding in conv1's epilogue, residual and 1/output_scale_factor in conv2's"
 
     def match(self, m):
         return (_named(m, "ResnetBlock2D") and is_group_norm(getattr(m, "norm1", None))
@@ -42,12 +43,24 @@ class ResnetBlock2D(Recipe):
                 and isinstance(getattr(m, "output_scale_factor", None), (int, float)))
 
     def forward(self, m, input_tensor, temb=None, *args, **kwargs):
-        if (temb is not None or args or kwargs or input_tensor.dim() != 4 or not dropout_is_identity(m.dropout)
-                or not inference(input_tensor, m.norm1, m.norm2, m.conv1, m.conv2, m.conv_shortcut)
-                or not plain(m.norm1, m.norm2, m.nonlinearity, m.dropout)):
+        norm1, norm2, conv1, conv2, sc, act, drop, proj = parts(
+            m, "norm1", "norm2", "conv1", "conv2", "conv_shortcut", "nonlinearity", "dropout", "time_emb_proj")
+        if (args or kwargs or input_tensor.dim() != 4 or not dropout_is_identity(drop)
+                or not inference(input_tensor, norm1, norm2, conv1, conv2, sc)
+                or not plain(norm1, norm2, act, drop)):
             return base(m, input_tensor, temb, *args, **kwargs)
-        return resnet(input_tensor, m.norm1, m.conv1, m.norm2, m.conv2, m.conv_shortcut,
-                      1.0 / m.output_scale_factor)
+        shift = None
+        if temb is not None:
+            # A UNet's block: the projected time embedding is added to
+            # conv1's output per (sample, channel), in conv1's epilogue.
+            if (m.time_embedding_norm != "default" or type(proj) is not nn.Linear or temb.dim() != 2
+                    or temb.dtype != input_tensor.dtype or not plain(proj) or not inference(temb, proj)):
+                return base(m, input_tensor, temb, *args, **kwargs)
+            t = temb if m.__dict__.get("skip_time_act", False) else act(temb)
+            shift = F.linear(t, proj.weight, proj.bias)[:, :, None, None]
+            if shift.shape[0] != input_tensor.shape[0] or shift.shape[1] != conv1.out_channels:
+                return base(m, input_tensor, temb, *args, **kwargs)
+        return resnet(input_tensor, norm1, conv1, norm2, conv2, sc, 1.0 / m.output_scale_factor, shift)
 
 
 def _up_conv(m):
@@ -248,16 +261,21 @@ class TinyBlock(Recipe):
                 and all(is_conv(c, 3, 1, 1) for c in (c0, c1, c2)))
 
     def forward(self, m, x):
-        c0, a0, c1, a1, c2 = list(m.conv)
-        pool = getattr(m, "pool", None)
-        parts = [m.conv, a0, a1, m.fuse, m.skip] + (list(pool) + [pool] if pool is not None else [])
-        if x.dim() != 4 or not plain(*parts) or not inference(x, c0, c1, c2, m.skip):
+        seq, fuse, skip, pool = parts(m, "conv", "fuse", "skip", "pool")
+        chain = tuple(seq.__dict__["_modules"].values())
+        pooled = () if pool is None else tuple(pool.__dict__["_modules"].values())
+        if len(chain) != 5 or len(pooled) not in (0, 4):  # edited since apply(): its own forward
+            return base(m, x)
+        c0, a0, c1, a1, c2 = chain
+        around = (seq, a0, a1, fuse, skip) + ((*pooled, pool) if pool is not None else ())
+        if x.dim() != 4 or not plain(*around) or not inference(x, c0, c1, c2, skip):
             return base(m, x)
         if pool is not None:
-            p = conv(pool[0], x)
-            p = group_norm(pool[1], p, "relu")
-            x = conv(pool[3], p, residual=x)
-        skip = x if type(m.skip).__name__ == "Identity" else conv(m.skip, x)
+            p0, p1, _, p3 = pooled
+            p = conv(p0, x)
+            p = group_norm(p1, p, "relu")
+            x = conv(p3, p, residual=x)
+        skip = x if type(skip).__name__ == "Identity" else conv(skip, x)
         h = conv(c0, x, activation="relu" if is_relu(a0) else "silu")
         h = conv(c1, h, activation="relu" if is_relu(a1) else "silu")
         return conv(c2, h, residual=skip, activation="relu")

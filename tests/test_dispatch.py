@@ -179,6 +179,61 @@ def test_kernel_failure_falls_back_once_for_every_caller(device, exact_fp32, mon
     assert "kernel failed here" in net[0]._cp_last.reason
 
 
+def test_bare_plan_fast_path_is_the_module_whatever_changes(device, exact_fp32, monkeypatch):
+    """A plain call whose plan is one F.conv2d is found by ``bare_key``
+    without ``conv_key``; it still computes what the module computes after
+    in-place and ``.data`` edits, a parametrization registered later, an
+    attribute change and under autograd."""
+    real_decide = dispatch.decide
+
+    def pytorch_route(*a, **k):
+        decision, spec = real_decide(*a, **k)
+        return RouteDecision(Route.FALLBACK, "test: PyTorch's route"), spec
+
+    monkeypatch.setattr(dispatch, "decide", pytorch_route)
+    net, twin = _net(device)
+    conv = net[0]
+    keys = []
+    real_key = dispatch.conv_key
+    monkeypatch.setattr(dispatch, "conv_key", lambda *a, **k: keys.append(1) or real_key(*a, **k))
+    x = torch.randn(2, 6, 7, 9, device=device)
+    with torch.no_grad():
+        for _ in range(3):
+            assert rel_err(net(x), twin(x)) <= TOL[torch.float32]
+        assert len(keys) == 1 and conv._cp_last.reason == "test: PyTorch's route"
+        for _ in range(2):  # an activation after it: a plan of its own, then the fast path
+            assert rel_err(conv(x, activation="silu"), F.silu(twin(x))) <= TOL[torch.float32]
+        assert len(keys) == 2
+        keys.clear()
+        keys.append(1)
+        conv.weight.data.mul_(-3.0)
+        twin[0].weight.data.mul_(-3.0)
+        assert rel_err(net(x), twin(x)) <= TOL[torch.float32]
+        w = torch.randn_like(conv.weight)
+        conv.weight.data = w.clone()
+        twin[0].weight.data = w.clone()
+        assert rel_err(net(x), twin(x)) <= TOL[torch.float32]
+        assert len(keys) == 1
+        # Another input geometry: a plan of its own, then the fast path.
+        x2 = torch.randn(1, 6, 5, 5, device=device).contiguous(memory_format=torch.channels_last)
+        for _ in range(2):
+            assert rel_err(net(x2), twin(x2)) <= TOL[torch.float32]
+        assert len(keys) == 2
+        conv.stride = (2, 1)
+        twin[0].stride = (2, 1)
+        assert rel_err(net(x), twin(x)) <= TOL[torch.float32]
+        assert len(keys) == 3
+    y = net(x.requires_grad_())
+    y.sum().backward()
+    ref = twin(x.detach().requires_grad_())
+    ref.sum().backward()
+    assert y.grad_fn is not None and rel_err(conv.weight.grad, twin[0].weight.grad) <= TOL[torch.float32]
+    torch.nn.utils.parametrizations.weight_norm(conv)
+    torch.nn.utils.parametrizations.weight_norm(twin[0])
+    with torch.no_grad():
+        assert rel_err(net(x), twin(x)) <= TOL[torch.float32]
+
+
 def test_group_norm_plan_replays(device):
     torch.manual_seed(0)
     # On a GPU the kernels take a GroupNorm only from costs.GROUP_NORM_MIN_ELEMENTS on.

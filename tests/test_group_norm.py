@@ -103,3 +103,21 @@ def test_group_norm_outliers_at_chunk_starts(case, device, monkeypatch):
         y = ops.group_norm(x, G, w, b, 1e-5, "none", out=out)
     assert y is out
     assert rel_err(y, ref) <= 1e-5
+
+
+@pytest.mark.gpu
+def test_group_norm_past_int32_offsets():
+    """128 channels at 4096^2 is 2^31 elements: every offset of the NHWC
+    statistics pass must be 64-bit (a FLUX decode at 4096^2 crashed with an
+    illegal address in it)."""
+    torch.manual_seed(0)
+    x = torch.randn(1, 128, 4096, 4096, device="cuda", dtype=torch.bfloat16).contiguous(
+        memory_format=torch.channels_last)
+    x[:, :, -1, -1] += 40.0  # the last pixel, past 2^31 elements, moves its groups' statistics
+    w = torch.randn(128, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(128, device="cuda", dtype=torch.bfloat16)
+    out = ops.group_norm(x, 32, w, b, 1e-6, "silu")
+    torch.cuda.synchronize()
+    ref = F.silu(F.group_norm(x, 32, w, b, 1e-6))
+    assert rel_err(out[:, :, -64:], ref[:, :, -64:]) <= 2e-2
+    assert rel_err(out[:, :, :64], ref[:, :, :64]) <= 2e-2

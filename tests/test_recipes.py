@@ -15,7 +15,7 @@ from torch import nn
 
 import conv_patch
 from _util import poisoned, rel_err
-from conv_patch import ops, recipes, taesd
+from conv_patch import dispatch, ops, recipes, taesd
 
 diffusers = pytest.importorskip("diffusers")
 from diffusers.models.downsampling import Downsample2D  # noqa: E402
@@ -170,6 +170,36 @@ def test_diffusers_resnet_block_fused_matches_unpatched(device, exact_fp32, cin,
         out = block(x, None)
     assert rel_err(out, ref) <= 1e-5
     assert out.is_contiguous(memory_format=torch.channels_last if cl else torch.contiguous_format)
+
+
+@pytest.mark.parametrize("cin,cout,skip_act", [(6, 10, False), (8, 8, True)])
+def test_unet_resnet_block_adds_its_time_embedding_in_conv1s_epilogue(device, exact_fp32, cin, cout, skip_act,
+                                                                      no_fallback, monkeypatch):
+    """A UNet's ResnetBlock2D (a temb): its projection is added to conv1's
+    output through the epilogue, as a [B, C, 1, 1] residual broadcast over
+    the image (read with zero strides, never expanded in memory)."""
+    block = _seeded(ResnetBlock2D(in_channels=cin, out_channels=cout, temb_channels=12, groups=2, eps=1e-6,
+                                  skip_time_act=skip_act)).eval().to(device)
+    x = torch.randn(2, cin, 7, 5, device=device) * 2 + 0.5
+    temb = torch.randn(2, 12, device=device) * 3
+    seen = []
+    real = dispatch.conv
+
+    def spy(m, xx, residual=None, *a, **k):
+        if m is block.conv1:
+            seen.append(None if residual is None else residual.stride())
+        return real(m, xx, residual, *a, **k)
+
+    with torch.no_grad():
+        ref = block(x, temb)
+        conv_patch.apply(block)
+        monkeypatch.setattr(dispatch, "conv", spy)
+        out = block(x, temb)
+    assert seen and seen[0][2:] == (0, 0)
+    assert rel_err(out, ref) <= 1e-5
+    # A temb of another dtype: the block's own forward (no_fallback says so).
+    with torch.no_grad(), pytest.raises(AssertionError, match="fell back"):
+        block(x, temb.double())
 
 
 def _patched_resnet(device):
@@ -427,9 +457,10 @@ def test_subpixel_only_where_it_pays(monkeypatch):
 
 
 def test_a_recipe_step_whose_kernel_cannot_run_falls_back_once(device, exact_fp32, monkeypatch):
-    """The subpixel upsample runs on the kernels outside the conv plans: a
-    kernel that cannot be built here (OutOfResources) gives PyTorch's answer
-    with one KernelFailureWarning, and later calls do not try it again."""
+    """The subpixel upsample's weight fold runs on a kernel outside the conv
+    plans: a kernel that cannot be built here (OutOfResources) gives
+    PyTorch's answer with one KernelFailureWarning, and later calls do not
+    try it again."""
     from triton.runtime.errors import OutOfResources
     up = _seeded(Upsample2D(6, use_conv=True, out_channels=10)).to(device).eval()
     x = torch.randn(2, 6, 5, 7, device=device)
@@ -441,7 +472,8 @@ def test_a_recipe_step_whose_kernel_cannot_run_falls_back_once(device, exact_fp3
     with torch.no_grad():
         ref = up(x)
         conv_patch.apply(up)
-        monkeypatch.setattr(ops, "upsample_conv2d", fails)
+        monkeypatch.setattr(conv_patch.dispatch, "subpixel_weights", fails)
+        monkeypatch.setattr(ops, "subpixel_pays", lambda x, w: True)  # (a GPU would not fold this small one)
         with pytest.warns(conv_patch.dispatch.KernelFailureWarning, match="OutOfResources"):
             assert rel_err(up(x), ref) <= 1e-5
         assert rel_err(up(x), ref) <= 1e-5
@@ -463,3 +495,17 @@ def test_fused_resnet_keeps_an_nhwc_input_nhwc_whatever_its_norm_returns(device,
         out = block(x, None)
     assert rel_err(out, ref) <= 1e-5
     assert out.is_contiguous(memory_format=torch.channels_last)
+
+
+def test_folded_upsample_of_a_weight_normed_conv_runs_its_own_computation(device, exact_fp32):
+    """A parametrization registered after apply(): the conv's weight is no
+    registered Parameter any more; the folded upsample is not taken and the
+    block computes from the parametrized weight."""
+    up = _seeded(Upsample2D(6, use_conv=True, out_channels=10)).to(device).eval()
+    twin = copy.deepcopy(up)
+    conv_patch.apply(up)
+    torch.nn.utils.parametrizations.weight_norm(up.conv)
+    torch.nn.utils.parametrizations.weight_norm(twin.conv)
+    x = torch.randn(2, 6, 5, 7, device=device)
+    with torch.no_grad():
+        assert rel_err(up(x), twin(x)) <= 1e-5

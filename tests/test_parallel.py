@@ -265,10 +265,12 @@ def test_flux_decoder_bands_at_1024_bf16():
 def test_flux_decoder_budget_stages_to_host():
     """2048^2: the plain decode's estimate is ~5 GiB; within 3 GiB the large
     layers are staged to host and the small ones stay on the device."""
-    vae = _flux_vae().to(torch.bfloat16)
-    conv_patch.apply(vae)
-    z = torch.randn(1, 16, 256, 256, device="cuda", dtype=torch.bfloat16)
+    vae = _flux_vae()
+    z = torch.randn(1, 16, 256, 256, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     with torch.no_grad():
+        ref = vae.decode(z).sample  # fp32, unpatched
+        conv_patch.apply(vae.to(torch.bfloat16))
+        z = z.bfloat16()
         whole = vae.decode(z).sample
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -278,7 +280,9 @@ def test_flux_decoder_budget_stages_to_host():
         peak = torch.cuda.max_memory_allocated() - base
     assert report.staged and report.bands > 1 and report.staged_layers and report.device_layers, report
     assert not report.over_budget
-    assert rel_err(banded, whole) <= 2e-2  # two bf16 decodes, rounded differently
+    # Both bf16 decodes against fp32: staging and bands add no error of their own.
+    e_whole, e_band = rel_err(whole, ref), rel_err(banded, ref)
+    assert e_band <= 1.5 * e_whole + 2e-3, (e_band, e_whole)
     assert peak < 4.5 * (1 << 30), peak / (1 << 30)
 
 

@@ -29,7 +29,7 @@ from . import norm as norm_op
 from .conv import kernel_errors, kernels
 from .epilogue import ACTIVATIONS, eager_epilogue
 from .routing import Route, RouteDecision, select_route
-from .specs import CallDesc, ConvSpec
+from .specs import CallDesc, ConvSpec, resolve_padding
 from .subpixel import PARITIES, parity_padding, parity_view, parity_weight, subpixel_weights
 from .target import gpu_sms, target_for
 
@@ -159,8 +159,9 @@ def eager(m, x, residual, beta, activation, out_scale, fallback_args, out, paddi
     in ``y``."""
     if y is None:
         if padding is not None:
-            x = torch.nn.functional.pad(x, tuple(padding))
-        y = m._cp_fallback_forward(m, x, *fallback_args)
+            y = forward_with_padding(m, x, padding, lambda t: m._cp_fallback_forward(m, t, *fallback_args))
+        else:
+            y = m._cp_fallback_forward(m, x, *fallback_args)
     if no_bias:
         return y, None
     if residual is None and activation == "none" and out_scale == 1.0:
@@ -168,6 +169,31 @@ def eager(m, x, residual, beta, activation, out_scale, fallback_args, out, paddi
     conv_op.check_residual(residual, y.shape)
     y = eager_epilogue(y, residual, beta, activation, out_scale)
     return y if out is None else out.copy_(y)
+
+
+def forward_with_padding(m, x, padding, forward):
+    """``forward`` (the conv ``m``'s own computation) on ``x`` with
+    ``padding`` (F.pad order) in place of ``m``'s own padding, as the
+    kernels compute a call's padding (``spec_for_call``): for a module
+    without padding of its own, ``forward(F.pad(x, padding))``. A module
+    that pads itself (a 3x3 conv computing one band of an image, with zero
+    rows only on the image-edge sides) pads the F.pad'ed input again, and
+    the output rows and columns that extra padding made are cut away."""
+    x = torch.nn.functional.pad(x, tuple(int(v) for v in padding))
+    if isinstance(m, torch.nn.Module):
+        (pt, pl), (pb, pr) = resolve_padding(m.padding, tuple(m.kernel_size), tuple(m.dilation))
+        (sh, sw), transposed = m.stride, getattr(m, "transposed", False)
+    else:
+        # A CallSite: its forward is its spec's (conv_patch.compiled, the folded upsample).
+        (pt, pl), (pb, pr) = m.spec.pad_begin, m.spec.pad_end
+        (sh, sw), transposed = m.spec.stride, m.spec.transposed
+    if not (pt or pl or pb or pr):
+        return forward(x)
+    if pt % sh or pb % sh or pl % sw or pr % sw or transposed:
+        raise ValueError(f"a call's own padding replaces {m}'s only where the stride divides that padding")
+    y = forward(x)
+    h, w = y.shape[-2:]
+    return y[..., pt // sh:h - pb // sh, pl // sw:w - pr // sw]
 
 
 def _cudnn_weight(m, x, weight):
@@ -413,9 +439,14 @@ def _direct(m, spec, padding, fallback_args):
     on zero padding (so calling F.conv2d is that forward, minus its Python)."""
     orig = m.__dict__.get("_cp_original")
     cls = type(orig) if orig is not None else m._cp_torch_class
-    if (spec.transposed or padding is not None or fallback_args or cls.forward is not torch.nn.Conv2d.forward
+    if (spec.transposed or fallback_args or cls.forward is not torch.nn.Conv2d.forward
             or cls._conv_forward is not torch.nn.Conv2d._conv_forward or m.padding_mode != "zeros"):
         return None
+    if padding is not None:
+        # The call's own padding, where F.conv2d can take it without an F.pad
+        # (the same on both sides of each axis: a band inside the image).
+        left, right, top, bottom = (int(v) for v in padding)
+        return (m.stride, (top, left), m.dilation, m.groups) if (left, top) == (right, bottom) else None
     return (m.stride, m.padding, m.dilation, m.groups)
 
 
@@ -474,9 +505,11 @@ def _remember_bare(m, x, plan, activation):
 def conv(m, x, residual=None, beta=1.0, activation="none", out_scale=1.0, output_padding=None,
          fallback_args=(), out=None, padding=None, no_bias=False):
     """``out_scale * act(m(x) + beta * residual)`` for a patched conv ``m``
-    (into ``out`` when given); ``padding`` (F.pad order) folds an F.pad in
-    front of an unpadded conv; with ``no_bias`` the pair ``(y, b)`` with
-    ``y + b`` the result (b None where the bias is already in ``y``)."""
+    (into ``out`` when given); ``padding`` (F.pad order) is the call's own
+    padding and replaces the module's (for an unpadded conv: an F.pad folded
+    in front; for a band of an image: zero rows only on the image-edge
+    sides); with ``no_bias`` the pair ``(y, b)`` with ``y + b`` the result
+    (b None where the bias is already in ``y``)."""
     params = m.__dict__["_parameters"]
     try:
         weight, bias = params["weight"], params["bias"]

@@ -35,11 +35,20 @@ class PatchConfig:
     a decode. Each cached graph holds the memory of that call's activations;
     ``max_graphs`` bounds them per block. ``conv_patch/graphs.py`` lists
     what invalidates a graph and what runs eagerly. Needs ``recipes``.
+
+    ``max_activation_gib``: the activation memory a VAE decode or encode
+    may use; where the plain forward's estimate exceeds it, the recognised
+    Decoder/Encoder runs in row bands, layer by layer over all bands, on the
+    device where they fit and staged to pinned host memory where not, with
+    the same result (``conv_patch.parallel``; ``parallel.last_report(vae)``
+    says what ran). None: derived from free memory on CUDA at each call,
+    never on the CPU; ``float("inf")``: never. Needs ``recipes``.
     """
 
     table: Optional[Union[dict, str, os.PathLike]] = None
     cuda_graphs: bool = False
     max_graphs: int = 4
+    max_activation_gib: Optional[float] = None
 
 
 @dataclass
@@ -174,6 +183,7 @@ def apply(model, *, filter_fn: Optional[FilterFn] = None,
     if config is not None and config.table is not None:
         table = config_tables.load_user_table(config.table)
     graphs = config is not None and _graph_option(config, recipes)
+    budget = _budget_option(config)
 
     report = PatchReport()
     wrappers: Dict[int, nn.Module] = {}
@@ -188,12 +198,28 @@ def apply(model, *, filter_fn: Optional[FilterFn] = None,
         parent._modules[name] = wrapper
     for _, module, recipe in fusions:
         rc.fuse(module, recipe)
+    if fusions and budget != float("inf"):
+        from .parallel import BandHook
+        for _, module, recipe in fusions:
+            if recipe.name in BAND_RECIPES:
+                module.__dict__["_cp_bands"] = BandHook(budget)
     if graphs:
         from . import graphs as cg
         for fqn, module in cg.outermost(targets, rc.is_fused):
             cg.install(module, config.max_graphs)
             report.graphed.append(fqn)
     return report
+
+
+# The fused blocks a decode or encode in bands can take over.
+BAND_RECIPES = ("diffusers.Decoder", "diffusers.Encoder", "ldm.Decoder", "ldm.Encoder")
+
+
+def _budget_option(config: Optional[PatchConfig]) -> Optional[float]:
+    v = None if config is None else config.max_activation_gib
+    if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0):
+        raise ValueError(f"PatchConfig.max_activation_gib must be a number of GiB > 0 (or None), got {v!r}")
+    return None if v is None else float(v)
 
 
 def _graph_option(config: PatchConfig, recipes: bool) -> bool:

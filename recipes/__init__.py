@@ -14,6 +14,7 @@ from typing import List, Tuple
 from torch import nn
 
 from . import common, diffusers, ldm  # noqa: F401  (registration)
+from . import _fuse as steps  # the fused steps, for code outside the recipes (conv_patch.parallel)
 from ._fuse import REGISTRY, FusedBlock, Recipe, fused_class, is_fused
 
 ORDER = [
@@ -61,9 +62,11 @@ def unfuse(module: nn.Module) -> None:
         module.__dict__.pop("_cp_graphs", None)
         module.__dict__.pop("_cp_plans", None)
         module.__dict__.pop("_cp_chain", None)
+        module.__dict__.pop("_cp_bands", None)
+        module.__dict__.pop("_cp_band_report", None)
 
 
-__all__ = ["ORDER", "REGISTRY", "FusedBlock", "Recipe", "recipe_for", "plan", "fuse", "unfuse", "is_fused"]
+__all__ = ["ORDER", "REGISTRY", "FusedBlock", "Recipe", "recipe_for", "plan", "fuse", "unfuse", "is_fused", "steps"]
 
 
 def upsample_convs(model: nn.Module) -> set:

@@ -60,6 +60,13 @@ class FusedBlock:
     _cp_base: type = nn.Module
 
     def forward(self, *args, **kwargs):
+        bands = self.__dict__.get("_cp_bands")
+        if bands is not None:
+            # PatchConfig(max_activation_gib=...) on a VAE Decoder/Encoder:
+            # the call in bands where its activations would not fit.
+            y = bands(self, args, kwargs)
+            if y is not None:
+                return y
         graphs = self.__dict__.get("_cp_graphs")
         if graphs is not None:
             # PatchConfig(cuda_graphs=True) on an outermost fused block.
@@ -232,11 +239,13 @@ def conv(m: nn.Conv2d, x: torch.Tensor, *, padding=None, residual=None, beta: fl
          activation: str = "none", out_scale: float = 1.0, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``out_scale * act(m(F.pad(x, padding)) + beta * residual)``; one
     kernel where ``m`` is patched and the kernels take the call. ``padding``
-    (F.pad order, for a module without padding of its own) is folded into
-    the conv's bounds; ``out`` receives the result (it may be ``residual``:
-    the epilogue reads each residual element before writing it)."""
-    if padding is not None and (isinstance(m.padding, str) or any(m.padding)):
-        raise ValueError(f"conv(padding=...) folds an F.pad in front of an unpadded conv; {m} pads itself")
+    (F.pad order) is folded into the conv's bounds, in place of the
+    module's own padding (``dispatch.forward_with_padding``: a band of an
+    image padded on its image-edge sides only); ``out`` receives the result
+    (it may be ``residual``: the epilogue reads each residual element
+    before writing it)."""
+    if padding is not None and isinstance(m.padding, str):
+        raise ValueError(f"conv(padding=...) replaces a numeric padding; {m} pads {m.padding!r}")
     if _kernels_may_run(m):
         if residual is None and out is None and padding is None and out_scale == 1.0:
             y = m._cp_bare_call(x, activation)
@@ -247,8 +256,10 @@ def conv(m: nn.Conv2d, x: torch.Tensor, *, padding=None, residual=None, beta: fl
         return m._cp_call(x, residual, beta, activation, out_scale, out=out,
                           padding=None if padding is None else tuple(padding))
     if padding is not None:
-        x = F.pad(x, tuple(padding))
-    y = ops.eager_epilogue(m(x), residual, beta, activation, out_scale)
+        y = dispatch.forward_with_padding(m, x, padding, m)
+    else:
+        y = m(x)
+    y = ops.eager_epilogue(y, residual, beta, activation, out_scale)
     return y if out is None else out.copy_(y)
 
 

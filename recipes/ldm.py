@@ -38,6 +38,13 @@ def _silu_of(m) -> bool:
     return _module_swish(getattr(type(m), "_cp_base", type(m)).__module__)
 
 
+def uses_silu(m) -> bool:
+    """Whether ``m`` (an ldm block, or the Encoder/Decoder whose forward
+    calls its file's ``nonlinearity``) applies SiLU: for walkers of these
+    models outside this file (``conv_patch.parallel``)."""
+    return _silu_of(m)
+
+
 def _shortcut(m):
     if m.in_channels == m.out_channels:
         return None

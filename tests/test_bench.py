@@ -182,3 +182,20 @@ def test_bench_overhead_rows(tmp_path, monkeypatch):
     overhead.main(n=1, rounds=1, warmup=0)
     names = {r["name"] for r in _result(tmp_path, "overhead")["rows"]}
     assert {"F.conv2d", "patched, lean route (planned call)", "plan: replayed launch"} <= names
+
+
+def test_bench_big_tiny_rows(tmp_path):
+    """bench.big --tiny on the CPU: one row per variant with its error
+    against the fp32 reference, the banded variant's band report, and an
+    error-map PNG per variant beside the JSON."""
+    pytest.importorskip("diffusers")
+    from bench import big
+    big.main(["--tiny", "--sizes", "16", "--runs", "1", "--warmup", "0", "--out", str(tmp_path)])
+    rows = _result(tmp_path, "big")["rows"]
+    assert [r["variant"].split("-")[0] for r in rows] == ["patched", "bands", "diffusers"]
+    for r in rows:
+        assert ROW_KEYS | {"peak_gib", "max_abs", "mean_abs", "max_rel", "mean_rel", "gpus", "world_size"} <= set(r)
+        assert r["ref"] == "fp32 eager" and not r["oom"]
+    banded = rows[1]
+    assert banded["bands"] > 1 and banded["max_rel"] < 1e-5
+    assert len(list(tmp_path.glob("big-16-*-errmap.png"))) == 3

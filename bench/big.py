@@ -1,0 +1,293 @@
+"""Decode at large sizes: a FLUX-config AutoencoderKL decode (random seeded
+weights, bf16) un-banded patched, in bands within ``max_activation_gib``,
+eager PyTorch and diffusers' ``enable_tiling()``, each against an un-tiled
+reference.
+
+    python -m bench.big [--sizes 2048 4096 8192] [--gib 20] [--runs 3] [--world N] [--tiny]
+
+Per size and variant one row: ``ours_ms`` (median of ``--runs`` after a
+warm-up call), ``baseline_ms`` (eager PyTorch bf16, None where it ran out of
+memory: ``eager_oom``), ``speedup``, ``peak_gib``
+(``torch.cuda.max_memory_allocated`` during the call, above what was
+allocated before it), and the error against the reference (the fp32 eager
+decode where it fits, else the un-banded patched decode): ``max_abs``,
+``mean_abs``, ``max_rel`` (max abs over the reference's max magnitude),
+``mean_rel`` (mean abs over its mean magnitude), ``ref``. An error map (the
+channel-mean absolute error, brightest = the variant's max) is saved as a PNG
+beside the JSON for each variant with an error.
+
+``--world N`` runs ``conv_patch.parallel.decode`` over N GPUs under torchrun
+(started here when not already under it): rank 0 writes the JSON, whose rows
+carry ``gpus`` and ``world_size``. ``--tiny`` runs a tiny config on the CPU
+(the test of this script's logic, with nothing patched; times mean nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from .common import RESULTS, print_table, write_results
+
+FLUX = dict(in_channels=3, out_channels=3, latent_channels=16, block_out_channels=(128, 256, 512, 512),
+            layers_per_block=2, norm_num_groups=32, down_block_types=("DownEncoderBlock2D",) * 4,
+            up_block_types=("UpDecoderBlock2D",) * 4, use_quant_conv=False, use_post_quant_conv=False)
+TINY = dict(in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(8, 16), layers_per_block=1,
+            norm_num_groups=4, down_block_types=("DownEncoderBlock2D",) * 2,
+            up_block_types=("UpDecoderBlock2D",) * 2)
+
+
+def build_vae(tiny: bool, device, dtype):
+    from diffusers import AutoencoderKL
+    torch.manual_seed(0)
+    cfg = TINY if tiny else FLUX
+    # (tiny: 8-pixel tiles, so enable_tiling() does tile a 16-pixel image)
+    return AutoencoderKL(**cfg, sample_size=8 if tiny else 1024).to(device=device, dtype=dtype).eval()
+
+
+def patch(vae, tiny: bool):
+    """``conv_patch.apply`` with no budget that may band the decode; in
+    ``--tiny`` runs nothing is swapped (the logic is what is tested, and the
+    interpreter takes tens of seconds for a patched tiny decode)."""
+    import conv_patch
+    cfg = conv_patch.PatchConfig(max_activation_gib=float("inf"))
+    if tiny:
+        return conv_patch.apply(vae, filter_fn=lambda m, fqn: False, recipes=False, config=cfg)
+    return conv_patch.apply(vae, config=cfg)
+
+
+def scale_of(vae) -> int:
+    return 2 ** (len(vae.config.block_out_channels) - 1)
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(fn, device, runs: int, warmup: int):
+    """(output, median ms, peak GiB above the memory allocated before) of
+    ``fn()``, or (None, None, None) where it runs out of memory."""
+    try:
+        out = None
+        for _ in range(warmup):
+            out = fn()
+            del out
+        times = []
+        _sync(device)
+        base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        for _ in range(max(1, runs)):
+            out = None
+            _sync(device)
+            t = time.perf_counter()
+            out = fn()
+            _sync(device)
+            times.append((time.perf_counter() - t) * 1e3)
+        peak = ((torch.cuda.max_memory_allocated(device) - base) / 2 ** 30) if device.type == "cuda" else None
+        return out, statistics.median(times), peak
+    except torch.cuda.OutOfMemoryError:
+        out = None
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        return None, None, None
+
+
+def errors(y, ref) -> dict:
+    d = (y.float() - ref.float()).abs()
+    r = ref.float().abs()
+    return {"max_abs": d.max().item(), "mean_abs": d.mean().item(),
+            "max_rel": (d.max() / r.max().clamp_min(1e-30)).item(),
+            "mean_rel": (d.mean() / r.mean().clamp_min(1e-30)).item()}
+
+
+def error_map(y, ref, path: Path, side: int = 1024) -> None:
+    """The channel-mean absolute error of the first sample as a grey PNG
+    (at most ``side`` pixels a side, max-pooled so no hot spot is lost)."""
+    from PIL import Image
+    d = (y[:1].float() - ref[:1].float()).abs().mean(dim=1, keepdim=True)
+    k = max(1, -(-max(d.shape[-2:]) // side))
+    if k > 1:
+        d = torch.nn.functional.max_pool2d(d, k, ceil_mode=True)
+    d = d[0, 0]
+    img = (d / d.max().clamp_min(1e-30) * 255).round().to(torch.uint8).cpu().numpy()
+    Image.fromarray(img, mode="L").save(path)
+
+
+def _row(name, variant, ms, peak, eager_ms, eager_oom, err, ref_name, **extra):
+    row = {"name": f"{name} {variant}", "variant": variant, "baseline": "eager PyTorch bf16",
+           "baseline_ms": eager_ms, "ours_ms": ms,
+           "speedup": (eager_ms / ms) if (eager_ms and ms) else None, "peak_gib": peak,
+           "eager_oom": eager_oom, "ref": ref_name, "gpus": 1, "world_size": 1}
+    row.update(err or {})
+    row.update(extra)
+    return row
+
+
+def bench_size(vae, size: int, args, device, dtype, out_dir: Path) -> list:
+    """Rows of one size on one device."""
+    import conv_patch
+    from conv_patch import parallel
+    s = size // scale_of(vae)
+    ch = vae.config.latent_channels
+    g = torch.Generator(device="cpu").manual_seed(size)
+    z = torch.randn(1, ch, s, s, generator=g).to(device)
+    name = f"flux-vae-decode {size}x{size} b1 {'fp32' if dtype == torch.float32 else 'bf16'}"
+    runs, warmup = args.runs, args.warmup
+
+    def decode(m, x):
+        with torch.no_grad():
+            return m.decode(x).sample
+
+    # Unpatched first: the fp32 reference, eager bf16, diffusers' tiling.
+    conv_patch.remove(vae)
+    ref, _, _ = measure(lambda: decode(vae.float(), z.float()), device, 1, 0)
+    ref_name = "fp32 eager" if ref is not None else None
+    vae.to(dtype)
+    zd = z.to(dtype)
+    eager, eager_ms, eager_peak = measure(lambda: decode(vae, zd), device, runs, warmup)
+    eager_oom = eager is None
+    vae.enable_tiling()
+    tiled, tiled_ms, tiled_peak = measure(lambda: decode(vae, zd), device, runs, warmup)
+    vae.disable_tiling()
+    del eager
+    # Patched: un-banded (no budget may band it), then banded within --gib.
+    patch(vae, args.tiny)
+    whole, whole_ms, whole_peak = measure(lambda: decode(vae, zd), device, runs, warmup)
+    if ref is None and whole is not None:
+        ref, ref_name = whole, "un-banded patched"
+    gib = args.gib
+    if args.tiny:
+        # A budget of 3/4 of the plain decode's estimate: a few bands.
+        from conv_patch.parallel.budget import GIB, plain_peak
+        from conv_patch.parallel.walker import program_of
+        gib = 0.75 * plain_peak(program_of(vae.decoder), tuple(zd.shape), zd.element_size()) / GIB
+    last = {}
+
+    def banded():
+        with torch.no_grad():
+            y, last["report"] = parallel.decode_in_bands(vae, zd, max_activation_gib=gib, return_report=True)
+        return y
+
+    bands, bands_ms, bands_peak = measure(banded, device, runs, warmup)
+    report = last.get("report")
+    conv_patch.remove(vae)
+    rows = []
+    for variant, y, ms, peak, extra in (
+            ("patched", whole, whole_ms, whole_peak, {}),
+            (f"bands-{gib:.3g}gib", bands, bands_ms, bands_peak,
+             {} if report is None else {"bands": report.bands, "staged": report.staged,
+                                        "staged_layers": report.staged_layers,
+                                        "peak_estimate_gib": report.peak_estimate_gib}),
+            ("diffusers-tiling", tiled, tiled_ms, tiled_peak, {})):
+        err = None
+        if y is not None and ref is not None and y is not ref:
+            err = errors(y, ref)
+            error_map(y, ref, out_dir / f"big-{size}-{variant}-errmap.png")
+        rows.append(_row(name, variant, ms, peak, eager_ms, eager_oom, err, ref_name,
+                         eager_peak_gib=eager_peak, oom=y is None, **extra))
+        print(f"{rows[-1]['name']}: {ms if ms is None else round(ms, 2)} ms, peak {peak} GiB, "
+              f"eager {eager_ms} ms, err {err}", flush=True)
+    return rows
+
+
+def _distributed(args, out_dir: Path) -> list:
+    """Rows of ``parallel.decode`` over the torchrun world (every rank runs
+    this; rank 0's rows are written)."""
+    import torch.distributed as dist
+
+    from conv_patch import parallel
+    cuda = torch.cuda.is_available() and not args.tiny
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    vae = build_vae(args.tiny, device, dtype)
+    patch(vae, args.tiny)
+    rows = []
+    for size in args.sizes:
+        s = size // scale_of(vae)
+        g = torch.Generator(device="cpu").manual_seed(size)
+        z = torch.randn(1, vae.config.latent_channels, s, s, generator=g).to(device=device, dtype=dtype)
+
+        def step():
+            with torch.no_grad():
+                y = parallel.decode(vae, z, gather=0)
+            dist.barrier()
+            return y
+
+        y, ms, peak = measure(step, device, args.runs, args.warmup)
+        peak_t = torch.tensor([peak or 0.0], dtype=torch.float64, device=device)
+        dist.all_reduce(peak_t, op=dist.ReduceOp.MAX)
+        if rank == 0:
+            err, ref_name = None, None
+            # The reference: rank 0's own un-banded patched decode, where it fits.
+            ref, _, _ = measure(lambda: vae.decode(z).sample, device, 1, 0) if y is not None else (None, 0, 0)
+            if ref is not None and y is not None:
+                err, ref_name = errors(y, ref), "un-banded patched (1 GPU)"
+                error_map(y, ref, out_dir / f"big-{size}-world{world}-errmap.png")
+            name = f"flux-vae-decode {size}x{size} b1 {'bf16' if cuda else 'fp32'}"
+            rows.append(_row(name, f"parallel-{world}", ms, peak_t.item() if cuda else None, None, None, err,
+                             ref_name, gpus=world if cuda else 0, world_size=world, oom=y is None))
+            print(rows[-1], flush=True)
+        dist.barrier()
+    dist.destroy_process_group()
+    return rows if rank == 0 else []
+
+
+def _under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", type=int, nargs="+", default=None)
+    ap.add_argument("--gib", type=float, default=20.0, help="max_activation_gib of the banded variant")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--world", type=int, default=1, help="GPUs for conv_patch.parallel.decode (torchrun)")
+    ap.add_argument("--tiny", action="store_true", help="a tiny config on the CPU (the tests)")
+    ap.add_argument("--out", default=None, help="results folder (default bench/results)")
+    ap.add_argument("--name", default="big", help="result file stem")
+    args = ap.parse_args(argv)
+    if args.sizes is None:
+        args.sizes = [16] if args.tiny else [2048, 4096, 8192]
+    out_dir = Path(args.out or os.environ.get("BENCH_OUT") or RESULTS)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if args.world > 1 and not _under_torchrun():
+        # Start this same command under torchrun, one process per GPU.
+        import subprocess
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.world}", "-m", "bench.big",
+               *(argv if argv is not None else sys.argv[1:])]
+        return subprocess.run(cmd, check=True)
+    if args.world > 1:
+        rows = _distributed(args, out_dir)
+        if not rows:
+            return rows
+        extra = {"world_size": args.world}
+    else:
+        device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        vae = build_vae(args.tiny, device, dtype)
+        rows = []
+        for size in args.sizes:
+            rows += bench_size(vae, size, args, device, dtype, out_dir)
+            write_results(args.name, rows, {"max_activation_gib": args.gib}, out_dir)
+        extra = {"max_activation_gib": args.gib}
+    path = write_results(args.name, rows, extra, out_dir)
+    print_table(rows, ["name", "baseline_ms", "ours_ms", "speedup", "peak_gib", "max_rel", "mean_rel", "world_size"])
+    print("wrote", path)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

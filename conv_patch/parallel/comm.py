@@ -1,0 +1,311 @@
+"""Where the bands live and how they reach each other.
+
+A ``Banded`` activation is one tensor of a VAE held as row bands: ``parts[i]``
+is band ``i`` (None where another process holds it) and, where all its rows
+are on this process's device, ``whole`` (then every part is a view of it and a
+band plus its halo is a view too: nothing is copied to read it).
+
+A ``Comm`` moves what a layer needs: the halo rows a band's conv reads from
+its neighbours, the per-band GroupNorm moments, the whole tensor for an
+attention that sees every token, the output. ``LocalComm`` holds every band
+in one process (the sequential mode: all bands on the device, or staged to
+host memory band by band); ``DistComm`` holds one band per rank of a
+``torch.distributed`` group and exchanges halo rows by point-to-point
+send/recv, moments and whole tensors by all-gather.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Union
+
+import torch
+
+from .geometry import Level, Window, halo_of
+
+
+class Banded:
+    """An activation as bands of ``level``: ``parts`` per band (this
+    process's, on the device or staged on the host), ``whole`` where all
+    rows are here on the device."""
+
+    def __init__(self, level: Level, parts: List[Optional[torch.Tensor]], whole: Optional[torch.Tensor] = None):
+        self.level, self.parts, self.whole = level, parts, whole
+        # Halo rows received from other ranks for the next layer: band -> (above, below).
+        self.halo = {}
+
+    @classmethod
+    def of_whole(cls, level: Level, x: torch.Tensor) -> "Banded":
+        return cls(level, [x[:, :, a:b] for a, b in zip(level.edges[:-1], level.edges[1:])], x)
+
+    def like(self) -> torch.Tensor:
+        """A tensor of this activation (for its dtype, layout, batch, width)."""
+        return self.whole if self.whole is not None else next(p for p in self.parts if p is not None)
+
+
+def memory_format(x: torch.Tensor) -> torch.memory_format:
+    return (torch.channels_last if x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
+            else torch.contiguous_format)
+
+
+class Comm:
+    """The bands of this process (``held``) and the moves between bands."""
+
+    nbands: int
+    held: List[int]
+    device: torch.device
+    staged = False
+
+    def window(self, act: Banded, i: int, win: Window) -> torch.Tensor:
+        """Rows ``win.lo:win.hi`` of ``act`` on the device, for band ``i``:
+        a view of ``act.whole`` where there is one, else the band and its
+        halo rows written into one buffer (a band-sized copy, never the
+        whole image's)."""
+        if act.whole is not None:
+            return act.whole[:, :, win.lo:win.hi]
+        own = act.level.rows(i)
+        up, down = halo_of(win, own)
+        pieces = []
+        if up:
+            pieces.append(self._above(act, i, up))
+        pieces.append(act.parts[i][:, :, win.lo + up - own[0]:win.hi - down - own[0]])
+        if down:
+            pieces.append(self._below(act, i, down))
+        ref = act.parts[i]
+        if len(pieces) == 1 and ref.device == self.device:
+            return pieces[0]
+        n, c, _, w = ref.shape
+        buf = torch.empty((n, c, win.hi - win.lo, w), dtype=ref.dtype, device=self.device,
+                          memory_format=memory_format(ref))
+        r = 0
+        for p in pieces:
+            buf[:, :, r:r + p.shape[2]].copy_(p, non_blocking=True)
+            r += p.shape[2]
+        return buf
+
+    def prepare(self, act: Banded, wins: Sequence[Window]) -> None:
+        """Make the halo rows of ``wins`` available to ``window`` (a
+        distributed exchange; nothing to do in one process)."""
+
+    def begin(self, level: Level) -> "Output":
+        return Output(self, level)
+
+    def keep(self, y: torch.Tensor, height: int) -> torch.Tensor:
+        """How a finished band of a layer of ``height`` rows is kept: on
+        the device, or staged to host."""
+        return y
+
+    def finished(self, out: "Output") -> None:
+        """A layer's output is complete (``LocalComm`` counts where they went)."""
+
+    def all_moments(self, local: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        """Every band's moments in band order, from this process's bands'."""
+        raise NotImplementedError
+
+    def whole(self, act: Banded) -> torch.Tensor:
+        """All rows of ``act`` on the device of every process."""
+        raise NotImplementedError
+
+    def output(self, act: Banded, gather: Union[str, int]) -> Optional[torch.Tensor]:
+        raise NotImplementedError
+
+    def _above(self, act, i, rows):
+        raise NotImplementedError
+
+    def _below(self, act, i, rows):
+        raise NotImplementedError
+
+
+class Output:
+    """A layer's output being written band by band: where every band stays
+    on the device (``LocalComm`` unstaged) into one whole tensor, allocated
+    at the first band, each band's result written straight into its rows
+    (``target`` is the view to pass as the step's ``out``)."""
+
+    def __init__(self, comm: Comm, level: Level):
+        self.comm, self.level = comm, level
+        self.parts: List[Optional[torch.Tensor]] = [None] * level.bands
+        self.whole: Optional[torch.Tensor] = None
+
+    def target(self, i: int, like: torch.Tensor, channels: int, width: int) -> Optional[torch.Tensor]:
+        if not isinstance(self.comm, LocalComm) or self.comm.staged:
+            return None
+        if self.whole is None:
+            n = like.shape[0]
+            self.whole = torch.empty((n, channels, self.level.height, width), dtype=like.dtype, device=like.device,
+                                     memory_format=memory_format(like))
+        a, b = self.level.rows(i)
+        return self.whole[:, :, a:b]
+
+    def put(self, i: int, y: torch.Tensor) -> None:
+        a, b = self.level.rows(i)
+        if y.shape[2] != b - a:
+            raise RuntimeError(f"band {i}: {y.shape[2]} rows computed for {b - a}")  # a geometry bug, never silent
+        if self.whole is not None:
+            dst = self.whole[:, :, a:b]
+            if y.data_ptr() != dst.data_ptr() or y.stride() != dst.stride():
+                dst.copy_(y)
+            self.parts[i] = dst
+        else:
+            self.parts[i] = self.comm.keep(y, self.level.height)
+
+    def done(self) -> Banded:
+        self.comm.finished(self)
+        return Banded(self.level, self.parts, self.whole)
+
+
+class LocalComm(Comm):
+    """Every band in this process, run one after the other. ``staged``:
+    the finished bands of a layer whose whole output exceeds ``keep_bytes``
+    are copied to (pinned, on CUDA) host memory and brought back for the
+    layers that read them, so the device holds a few bands of such layers at
+    a time; smaller layers (the low resolutions) stay on the device.
+    ``device_layers`` / ``staged_layers`` count which happened."""
+
+    def __init__(self, nbands: int, device: torch.device, staged: bool = False, keep_bytes: float = 0):
+        self.nbands, self.device, self.staged, self.keep_bytes = nbands, torch.device(device), staged, keep_bytes
+        self.held = list(range(nbands))
+        self.pinned = self.device.type == "cuda"
+        self.device_layers = self.staged_layers = 0
+        self._staging = False  # a band of the layer being written went to host
+
+    def keep(self, y, height):
+        if not self.staged or y.numel() * y.element_size() * height <= self.keep_bytes * max(1, y.shape[2]):
+            return y
+        self._staging = True
+        host = torch.empty(y.shape, dtype=y.dtype, pin_memory=self.pinned, memory_format=memory_format(y))
+        # Stream-ordered: the copy back to the device later runs after this one.
+        return host.copy_(y, non_blocking=self.pinned)
+
+    def finished(self, out):
+        if self._staging:
+            self.staged_layers += 1
+        else:
+            self.device_layers += 1
+        self._staging = False
+
+    def _above(self, act, i, rows):
+        return act.parts[i - 1][:, :, -rows:]
+
+    def _below(self, act, i, rows):
+        return act.parts[i + 1][:, :, :rows]
+
+    def all_moments(self, local):
+        return list(local)
+
+    def whole(self, act):
+        if act.whole is not None:
+            return act.whole
+        # Written band by band into one tensor: never the bands twice on the device.
+        ref = act.parts[0]
+        out = torch.empty((ref.shape[0], ref.shape[1], act.level.height, ref.shape[3]), dtype=ref.dtype,
+                          device=self.device, memory_format=memory_format(ref))
+        for i, p in enumerate(act.parts):
+            a, b = act.level.rows(i)
+            out[:, :, a:b].copy_(p, non_blocking=True)
+        return out
+
+    def output(self, act, gather):
+        return self.whole(act)
+
+
+class DistComm(Comm):
+    """One band per rank of ``group`` (band ``i`` on the group's rank ``i``):
+    halo rows by send/recv between neighbours, moments and whole tensors by
+    all-gather (NCCL on GPUs, gloo on the CPU)."""
+
+    def __init__(self, group, device: torch.device):
+        import torch.distributed as dist
+        self.dist, self.group = dist, group
+        self.rank, self.nbands = dist.get_rank(group), dist.get_world_size(group)
+        self.held = [self.rank]
+        self.device = torch.device(device)
+
+    def _peer(self, r: int) -> int:
+        return r if self.group is None else self.dist.get_global_rank(self.group, r)
+
+    def prepare(self, act, wins):
+        if act.whole is not None:
+            return  # every rank has every row (the input, or after an attention)
+        r, lv, dist = self.rank, act.level, self.dist
+        a, b = lv.rows(r)
+        part = act.parts[r]
+        ops, recv = [], {}
+        up, down = halo_of(wins[r], (a, b))
+        n, c, _, w = part.shape
+
+        def buf(rows):
+            return torch.empty((n, c, rows, w), dtype=part.dtype, device=part.device)
+
+        if up:
+            recv["up"] = buf(up)
+            ops.append(dist.P2POp(dist.irecv, recv["up"], self._peer(r - 1), self.group))
+        if down:
+            recv["down"] = buf(down)
+            ops.append(dist.P2POp(dist.irecv, recv["down"], self._peer(r + 1), self.group))
+        sends = []
+        if r > 0:  # the rows above-neighbour's window reads from this band
+            need = halo_of(wins[r - 1], lv.rows(r - 1))[1]
+            if need:
+                sends.append((part[:, :, :need].contiguous(), r - 1))
+        if r + 1 < self.nbands:
+            need = halo_of(wins[r + 1], lv.rows(r + 1))[0]
+            if need:
+                sends.append((part[:, :, part.shape[2] - need:].contiguous(), r + 1))
+        ops += [dist.P2POp(dist.isend, t, self._peer(p), self.group) for t, p in sends]
+        if ops:
+            for req in dist.batch_isend_irecv(ops):
+                req.wait()
+        act.halo[r] = (recv.get("up"), recv.get("down"))
+
+    def _above(self, act, i, rows):
+        return act.halo[i][0]
+
+    def _below(self, act, i, rows):
+        return act.halo[i][1]
+
+    def all_moments(self, local):
+        (mine,) = local
+        out = [torch.empty_like(mine) for _ in range(self.nbands)]
+        self.dist.all_gather(out, mine.contiguous(), group=self.group)
+        return out
+
+    def _padded(self, act):
+        """This rank's band padded to the tallest band (all_gather needs
+        equal shapes), dense NCHW."""
+        lv = act.level
+        tallest = max(b - a for a, b in zip(lv.edges[:-1], lv.edges[1:]))
+        part = act.parts[self.rank]
+        n, c, h, w = part.shape
+        buf = torch.zeros((n, c, tallest, w), dtype=part.dtype, device=part.device)
+        buf[:, :, :h].copy_(part)
+        return buf
+
+    def whole(self, act):
+        if act.whole is not None:
+            return act.whole
+        mine = self._padded(act)
+        got = [torch.empty_like(mine) for _ in range(self.nbands)]
+        self.dist.all_gather(got, mine, group=self.group)
+        lv = act.level
+        rows = [t[:, :, :b - a] for t, (a, b) in zip(got, zip(lv.edges[:-1], lv.edges[1:]))]
+        return torch.cat(rows, dim=2).contiguous(memory_format=memory_format(act.parts[self.rank]))
+
+    def output(self, act, gather):
+        if gather == "all":
+            return self.whole(act)
+        dst, lv = int(gather), act.level
+        part = act.parts[self.rank]
+        if self.rank != dst:
+            self.dist.send(part.contiguous(), self._peer(dst), group=self.group)
+            return None
+        n, c, _, w = part.shape
+        out = torch.empty((n, c, lv.height, w), dtype=part.dtype, device=part.device)
+        for r in range(self.nbands):
+            a, b = lv.rows(r)
+            if r == dst:
+                out[:, :, a:b].copy_(part)
+            else:
+                buf = torch.empty((n, c, b - a, w), dtype=part.dtype, device=part.device)
+                self.dist.recv(buf, self._peer(r), group=self.group)
+                out[:, :, a:b].copy_(buf)
+        return out.contiguous(memory_format=memory_format(part))

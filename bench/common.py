@@ -52,13 +52,21 @@ def time_ms(fn, warmup=25, rep=100):
     return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
 
 
+def rotated(n: int, round_index: int) -> list:
+    """The order of ``n`` variants in round ``round_index``: A B C, then
+    B C A, C A B, ... so no variant always runs right after the same other
+    one (whose caches, clocks and allocations it would inherit)."""
+    return [(round_index + j) % n for j in range(n)]
+
+
 def interleaved_ms(fns, rounds=3, **kw):
-    """Time several variants A, B, ... in alternation and keep each one's
-    median over the rounds, so drift of the card hits all of them alike."""
+    """Time several variants A, B, ... in alternation (``rotated`` order)
+    and keep each one's median over the rounds, so drift of the card hits
+    all of them alike."""
     samples = [[] for _ in fns]
-    for _ in range(rounds):
-        for i, fn in enumerate(fns):
-            samples[i].append(time_ms(fn, **kw))
+    for r in range(rounds):
+        for i in rotated(len(fns), r):
+            samples[i].append(time_ms(fns[i], **kw))
     return [statistics.median(s) for s in samples]
 
 

@@ -33,7 +33,7 @@ from torch import nn
 
 import conv_patch
 
-from .common import bench_device, print_table, write_results
+from .common import bench_device, print_table, rotated, write_results
 
 SHARED = Path(os.environ.get("CONV_PATCH_SHARED") or Path(__file__).resolve().parents[2] / "shared")
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -262,11 +262,14 @@ def _timed(fn):
 
 def interleaved(variants: dict, runs: int, warmup: int) -> dict:
     """name -> {"ms": median, "host_ms": median, "samples": [...]}: the
-    variants called in turn, A B C A B C ..., ``warmup`` rounds untimed."""
+    variants called in turn, the order rotated each round (A B C, B C A,
+    ...: ``common.rotated``), ``warmup`` rounds untimed."""
     out = {k: {"samples": [], "host": []} for k in variants}
+    names = list(variants)
     for i in range(warmup + runs):
-        for k, fn in variants.items():
-            ms, host = _timed(fn)
+        for j in rotated(len(names), i):
+            k = names[j]
+            ms, host = _timed(variants[k])
             if i >= warmup:
                 out[k]["samples"].append(ms)
                 out[k]["host"].append(host)

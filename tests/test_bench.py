@@ -199,3 +199,17 @@ def test_bench_big_tiny_rows(tmp_path):
     banded = rows[1]
     assert banded["bands"] > 1 and banded["max_rel"] < 1e-5
     assert len(list(tmp_path.glob("big-16-*-errmap.png"))) == 3
+
+
+def test_interleaving_rotates_the_order_every_round(monkeypatch):
+    """Each variant runs first, and right after each other variant, as
+    often as any: a fixed A B C order made B always inherit A's state."""
+    from bench import common, zoo
+    monkeypatch.setattr(common, "time_ms", lambda fn, **kw: fn() or 1.0)
+    calls = []
+    fns = [lambda n=n: calls.append(n) for n in "abc"]
+    common.interleaved_ms(fns, rounds=3)
+    assert "".join(calls) == "abcbcacab"
+    calls.clear()
+    res = zoo.interleaved({n: f for n, f in zip("abc", fns)}, runs=2, warmup=1)
+    assert "".join(calls) == "abcbcacab" and all(len(r["samples"]) == 2 for r in res.values())

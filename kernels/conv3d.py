@@ -124,7 +124,8 @@ def launch_conv3d(x, cache, w, bias, out, residual, *, stride, padding, dilation
     padding at both ends; ``padding`` is the front padding (t, h, w). Every
     tensor is read and written through its strides; an ``out`` (or
     ``residual``) whose D and H axes do not fold (``folds_rows``) goes
-    through a dense copy.
+    through a dense copy, made by PyTorch: a recorded plan (``recording``)
+    replays launches only, so it must hand this launcher foldable tensors.
     """
     N, C_in, T, H, W = x.shape
     C_out, _, KT, KH, KW = w.shape

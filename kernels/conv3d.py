@@ -23,16 +23,8 @@ padding only decides the output size, which the caller passes in.
 import triton
 import triton.language as tl
 
-from ._common import accumulate_tap, epilogue_store, output_tile
+from ._common import accumulate_tap, epilogue_store, output_tile, wide
 from ._launch import cdiv, conv_meta, empty, launch
-
-
-@triton.jit
-def wide(x, IDX64: tl.constexpr):
-    if IDX64:
-        return x.to(tl.int64)
-    else:
-        return x
 
 
 @triton.jit

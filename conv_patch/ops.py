@@ -205,7 +205,8 @@ def _conv3d_target(x, weight, bias, cache, residual, out) -> Optional[Target]:
 
 
 def conv3d(x, weight, bias=None, stride=1, padding=0, dilation=1, *, cache=None, time_padding=None,
-           residual=None, beta=1.0, activation="none", out_scale=1.0, out=None, config=None, force_int64=False):
+           residual=None, beta=1.0, activation="none", out_scale=1.0, out=None, route=None, config=None,
+           force_int64=False):
     """``out_scale * act(F.conv3d(pad(cat([cache, x], 2)), weight, bias, stride, 0, dilation) + beta * residual)``
     in one kernel, groups = 1, the concatenation and the padding never written.
 
@@ -220,8 +221,14 @@ def conv3d(x, weight, bias=None, stride=1, padding=0, dilation=1, *, cache=None,
     concatenated input. ``out`` may be a preallocated output of any
     strides. Where no kernel runs (no GPU and no interpreter, float64,
     autograd, mixed devices or dtypes) PyTorch computes the same expression.
-    ``config`` overrides the tile, ``force_int64`` forces 64-bit offsets
-    (tests). Raises ValueError for groups > 1 and ill-shaped arguments."""
+    ``route``: None (the kernel under the interpreter; PyTorch on a GPU,
+    where conv3d has no measured table entries yet, so the kernel is not
+    known to beat cuDNN), "kernel" (the kernel wherever it can run) or
+    "pytorch". ``config`` overrides the tile, ``force_int64`` forces 64-bit
+    offsets (tests). Raises ValueError for groups > 1 and ill-shaped
+    arguments."""
+    if route not in (None, "kernel", "pytorch"):
+        raise ValueError(f"conv3d: route {route!r}: expected None, 'kernel' or 'pytorch'")
     code = activation_code(activation)
     stride, dilation = _triple(stride, "stride"), _triple(dilation, "dilation")
     pads = conv3d_padding(padding, time_padding)
@@ -229,7 +236,9 @@ def conv3d(x, weight, bias=None, stride=1, padding=0, dilation=1, *, cache=None,
     check_residual(residual, shape)
     if out is not None and tuple(out.shape) != shape:
         raise ValueError(f"conv3d: out has shape {tuple(out.shape)}, the convolution's output is {shape}")
-    target = _conv3d_target(x, weight, bias, cache, residual, out)
+    target = None if route == "pytorch" else _conv3d_target(x, weight, bias, cache, residual, out)
+    if target is not None and not target.interpreter and route is None:
+        target = None
     if target is None:
         full = x if cache is None else torch.cat([cache, x], dim=2)
         (t0, t1), (h0, h1), (w0, w1) = pads

@@ -244,9 +244,32 @@ def test_conv3d_bf16_wan_shape_gpu():
     w = randn(g, 96, 96, 3, 3, 3, scale=(96 * 27) ** -0.5, dtype=torch.bfloat16, device=dev)
     b = randn(g, 96, dtype=torch.bfloat16, device=dev)
     out = torch.full((1, 96, 5, 40, 40), float("nan"), dtype=torch.bfloat16, device=dev)
-    y = ops.conv3d(x, w, b, padding=(0, 1, 1), cache=cache, out=out.contiguous(memory_format=CL3))
+    y = ops.conv3d(x, w, b, padding=(0, 1, 1), cache=cache, out=out.contiguous(memory_format=CL3),
+                   route="kernel")
     full = torch.cat([cache, x], dim=2)
     ref = F.conv3d(full.double(), w.double(), b.double(), 1, (0, 1, 1))
     torch_bf16 = F.conv3d(full, w, b, 1, (0, 1, 1))
     err, base = rel_err(y, ref), rel_err(torch_bf16, ref)
     assert err <= 1.5 * base, f"rel err {err:.3g} against PyTorch's bf16 {base:.3g}"
+
+
+def test_gpu_default_route_is_pytorch_until_measured(monkeypatch):
+    """On a GPU (a target that is not the interpreter) the kernel runs only
+    where ``route="kernel"`` asks: conv3d has no measured table entries, so
+    it is not known to beat cuDNN. ``route="pytorch"`` never launches."""
+    from conv_patch.target import Target
+    launched = []
+    k = ops.kernels()
+    monkeypatch.setattr(k, "launch_conv3d", lambda *a, **kw: launched.append(1) or kw and a[4])
+    g = torch.Generator().manual_seed(3)
+    x, w = randn(g, 1, 3, 3, 5, 5), randn(g, 4, 3, 3, 3, 3)
+    ref = F.conv3d(x, w, None, 1, 1)
+    assert rel_err(ops.conv3d(x, w, padding=1, route="pytorch"), ref) <= TOL[torch.float32]
+    assert not launched
+    monkeypatch.setattr(ops, "target_for", lambda device: Target("sm90", True))
+    assert rel_err(ops.conv3d(x, w, padding=1), ref) <= TOL[torch.float32]
+    assert not launched
+    ops.conv3d(x, w, padding=1, route="kernel")
+    assert launched
+    with pytest.raises(ValueError, match="route"):
+        ops.conv3d(x, w, route="cudnn")

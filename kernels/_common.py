@@ -24,7 +24,8 @@ ACT_GELU_TANH = tl.constexpr(CODES["gelu_tanh"])
 
 
 @triton.jit
-def _idx(x, IDX64: tl.constexpr):
+def wide(x, IDX64: tl.constexpr):
+    """``x`` as int64 where IDX64 (offsets past 2**31 elements), else as it is."""
     if IDX64:
         return x.to(tl.int64)
     else:
@@ -56,7 +57,7 @@ def output_tile(N, OH, OW, C_out, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ow = offs_m % OW
     t = offs_m // OW
-    return offs_m < M, _idx(t // OH, IDX64), t % OH, ow, offs_n, offs_n < C_out
+    return offs_m < M, wide(t // OH, IDX64), t % OH, ow, offs_n, offs_n < C_out
 
 
 @triton.jit
@@ -160,9 +161,9 @@ def epilogue_store(acc, n, oh, ow, row_ok, offs_n, n_ok,
     TMA, in ``epilogue_values``), so the fusion semantics cannot drift
     between them. ``n`` is already int64 under IDX64."""
     mask = row_ok[:, None] & n_ok[None, :]
-    oh = _idx(oh, IDX64)
-    ow = _idx(ow, IDX64)
-    col = _idx(offs_n, IDX64)
+    oh = wide(oh, IDX64)
+    ow = wide(ow, IDX64)
+    col = wide(offs_n, IDX64)
     r = acc
     if HAS_RES:
         res_row = n * srn + oh * srh + ow * srw

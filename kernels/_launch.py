@@ -67,10 +67,26 @@ def block_sizes(config, c_in, c_out):
     return bm, bn, bk
 
 
+def conv_meta(config, c_in, c_out, *, bias, residual, activation, precision, upcast, tensors,
+              force_int64=False):
+    """The switches, tiles and launch options every implicit-GEMM kernel
+    takes: the tile narrowed to ``c_in`` (the reduction BLOCK_K covers) and
+    ``c_out``, 64-bit offsets where any of ``tensors`` needs them."""
+    bm, bn, bk = block_sizes(config, c_in, c_out)
+    return dict(
+        HAS_BIAS=bias is not None, HAS_RES=residual is not None, ACT=int(activation),
+        IDX64=bool(force_int64 or needs_int64(*tensors)),
+        UPCAST=bool(upcast), PRECISION=precision,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=int(config.get("GROUP_M", 8)),
+        num_warps=int(config.get("num_warps", 4)),
+        num_stages=int(config.get("num_stages", 2)),
+    )
+
+
 def run_conv_kernel(kernel, grid_fn, x, w, bias, out, residual, *, stride, padding,
                     dilation, beta, activation, out_scale, config, precision, upcast,
                     force_int64=False, reduction=None):
-    """Launch one of the implicit-GEMM kernels, which share one signature.
+    """Launch one of the 2-D implicit-GEMM kernels, which share one signature.
 
     ``w`` is viewed as [C_out, C_in, KH, KW] whatever its storage; ``out`` is
     preallocated; ``padding`` is (top, left). ``grid_fn(bm, bn)`` sizes the grid.
@@ -79,21 +95,16 @@ def run_conv_kernel(kernel, grid_fn, x, w, bias, out, residual, *, stride, paddi
     """
     N, C_in, H, W = x.shape
     C_out, _, KH, KW = w.shape
-    bm, bn, bk = block_sizes(config, reduction or C_in, C_out)
+    meta = conv_meta(config, reduction or C_in, C_out, bias=bias, residual=residual, activation=activation,
+                     precision=precision, upcast=upcast, tensors=(x, w, out, residual),
+                     force_int64=force_int64)
     res = residual if residual is not None else out
-    launch(kernel, grid_fn(bm, bn),
+    launch(kernel, grid_fn(meta["BLOCK_M"], meta["BLOCK_N"]),
         x, w, bias if bias is not None else out, res, out,
         N, C_in, H, W, C_out, out.shape[2], out.shape[3],
         *x.stride(), *w.stride(), *res.stride(), *out.stride(),
         KH, KW, stride[0], stride[1], padding[0], padding[1], dilation[0], dilation[1],
-        float(beta), float(out_scale),
-        HAS_BIAS=bias is not None, HAS_RES=residual is not None, ACT=int(activation),
-        IDX64=bool(force_int64 or needs_int64(x, w, out, residual)),
-        UPCAST=bool(upcast), PRECISION=precision,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=int(config.get("GROUP_M", 8)),
-        num_warps=int(config.get("num_warps", 4)),
-        num_stages=int(config.get("num_stages", 2)),
-    )
+        float(beta), float(out_scale), **meta)
     return out
 
 

@@ -17,7 +17,7 @@ Layer 1: ``conv2d_flat_kernel`` (the portable kernels' signature); layer 2:
 import triton
 import triton.language as tl
 
-from ._common import _idx, epilogue_store, mma, output_tile
+from ._common import epilogue_store, mma, output_tile, wide
 from ._launch import cdiv, run_conv_kernel
 
 
@@ -40,7 +40,7 @@ def conv2d_flat_kernel(
     ih0 = oh * STH - PH
     iw0 = ow * STW - PW
     x_row = n * sxn
-    w_col = _idx(offs_n, IDX64) * swo
+    w_col = wide(offs_n, IDX64) * swo
 
     TAPS = KH * KW
     K = C_in * TAPS
@@ -55,9 +55,9 @@ def conv2d_flat_kernel(
         ih = ih0[:, None] + (kh * DH)[None, :]
         iw = iw0[:, None] + (kw * DW)[None, :]
         ok = row_ok[:, None] & k_ok[None, :] & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
-        a = tl.load(x_ptr + x_row[:, None] + _idx(c, IDX64)[None, :] * sxc + _idx(ih, IDX64) * sxh
-                    + _idx(iw, IDX64) * sxw, mask=ok, other=0.0)
-        w_k = _idx(c, IDX64) * swi + _idx(kh, IDX64) * swh + _idx(kw, IDX64) * sww
+        a = tl.load(x_ptr + x_row[:, None] + wide(c, IDX64)[None, :] * sxc + wide(ih, IDX64) * sxh
+                    + wide(iw, IDX64) * sxw, mask=ok, other=0.0)
+        w_k = wide(c, IDX64) * swi + wide(kh, IDX64) * swh + wide(kw, IDX64) * sww
         b = tl.load(w_ptr + w_k[:, None] + w_col[None, :], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         acc = mma(a, b, acc, UPCAST, PRECISION)
 

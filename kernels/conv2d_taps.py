@@ -23,7 +23,7 @@ and takes a fixed block).
 import triton
 import triton.language as tl
 
-from ._common import _idx, epilogue_store
+from ._common import epilogue_store, wide
 from ._launch import cdiv, empty, launch, needs_int64, next_pow2
 from .conv2d import launch_conv2d
 
@@ -42,9 +42,9 @@ def conv2d_tap_sum_kernel(p_ptr, bias_ptr, res_ptr, out_ptr, C_out, H, W, OH, OW
     ow = m - oh * OW
     co = tl.arange(0, BLOCK_N)
     co_ok = co < C_out
-    n = _idx(n, IDX64)
+    n = wide(n, IDX64)
     taps = KH * KW
-    ch = _idx(co * taps, IDX64) * spc
+    ch = wide(co * taps, IDX64) * spc
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for tap in range(0, taps):
         kh = tap // KW
@@ -52,7 +52,7 @@ def conv2d_tap_sum_kernel(p_ptr, bias_ptr, res_ptr, out_ptr, C_out, H, W, OH, OW
         ih = oh * STH - PH + kh * DH
         iw = ow * STW - PW + kw * DW
         ok = row_ok & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
-        row = n * spn + _idx(ih, IDX64) * sph + _idx(iw, IDX64) * spw + tap * spc
+        row = n * spn + wide(ih, IDX64) * sph + wide(iw, IDX64) * spw + tap * spc
         acc += tl.load(p_ptr + row[:, None] + ch[None, :], mask=ok[:, None] & co_ok[None, :], other=0.0)
     epilogue_store(acc, n, oh, ow, row_ok, co, co_ok, out_ptr, son, soc, soh, sow, bias_ptr, res_ptr,
                    srn, src, srh, srw, beta, out_scale, HAS_BIAS, HAS_RES, ACT, IDX64)

@@ -64,7 +64,7 @@ Design:
 import triton
 import triton.language as tl
 
-from ._common import epilogue_store, epilogue_values, grouped_tile, _idx
+from ._common import epilogue_store, epilogue_values, grouped_tile, wide
 from ._launch import MIN_DOT_BLOCK, cdiv, launch, needs_int64, next_pow2, sm_count
 
 
@@ -180,7 +180,7 @@ def conv_tile(tile, x_desc, w_desc, bias_ptr, res_ptr, out_ptr, res_desc, out_de
         offs = tl.arange(0, BLOCK_M)
         oh = oh0 + offs // BLOCK_W
         ow = ow0 + offs % BLOCK_W
-        epilogue_store(acc, _idx(n, IDX64), oh, ow, (oh < OH) & (ow < OW), offs_n, offs_n < C_out,
+        epilogue_store(acc, wide(n, IDX64), oh, ow, (oh < OH) & (ow < OW), offs_n, offs_n < C_out,
                        out_ptr, son, soc, soh, sow, bias_ptr, res_ptr, srn, src, srh, srw,
                        beta, out_scale, HAS_BIAS, HAS_RES, ACT, IDX64)
 

@@ -14,7 +14,7 @@ as in conv2d.py; the epilogue is the shared one.
 import triton
 import triton.language as tl
 
-from ._common import accumulate_tap, epilogue_store, grouped_tile, _idx
+from ._common import accumulate_tap, epilogue_store, grouped_tile, wide
 from ._launch import cdiv, run_conv_kernel
 
 
@@ -57,7 +57,7 @@ def conv_transpose2d_fwd_kernel(
     jw = offs_m % cw
     t = offs_m // cw
     jh = t % ch
-    n = _idx(t // ch, IDX64)
+    n = wide(t // ch, IDX64)
     x_row = n * sxn
     w_col = offs_n * swo
 

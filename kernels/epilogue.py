@@ -18,7 +18,7 @@ stride being 1 in the NHWC tensors this is launched for.
 import triton
 import triton.language as tl
 
-from ._common import _idx, epilogue_store
+from ._common import epilogue_store, wide
 from ._launch import cdiv, launch, needs_int64, next_pow2
 
 
@@ -35,9 +35,9 @@ def epilogue_kernel(y_ptr, bias_ptr, res_ptr, out_ptr, C, HW, W, TILES,
     ow = m - oh * W
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < C
-    n = _idx(n, IDX64)
-    rows = n * syn + _idx(oh, IDX64) * syh + _idx(ow, IDX64) * syw
-    y = tl.load(y_ptr + rows[:, None] + _idx(offs_n, IDX64)[None, :] * syc,
+    n = wide(n, IDX64)
+    rows = n * syn + wide(oh, IDX64) * syh + wide(ow, IDX64) * syw
+    y = tl.load(y_ptr + rows[:, None] + wide(offs_n, IDX64)[None, :] * syc,
                 mask=row_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
     epilogue_store(y, n, oh, ow, row_ok, offs_n, n_ok, out_ptr, son, soc, soh, sow, bias_ptr, res_ptr,
                    srn, src, srh, srw, beta, out_scale, HAS_BIAS, HAS_RES, ACT, IDX64)

@@ -14,6 +14,8 @@ ALLOWED_CONSTEXPR = {
     "conv2d": SWITCHES | TILES | {"PRECISION"},
     "conv_transpose2d": SWITCHES | TILES | {"PRECISION"},
     "conv2d_flat": SWITCHES | TILES | {"PRECISION"},
+    # HAS_CACHE: whether cached frames precede the input in time.
+    "conv3d": SWITCHES | TILES | {"PRECISION", "HAS_CACHE"},
     # BLOCK_W is the TMA tile's width in pixels; STRIDED picks the 5-D
     # descriptor of stride > 1 (the stride itself, SH/SW, is a runtime value);
     # PERSISTENT the tile loop (the grid size is a runtime value); X_NCHW the

@@ -22,12 +22,13 @@ from . import pack
 from .epilogue import ACTIVATIONS, activation_code, eager_epilogue  # noqa: F401  (re-exported)
 from .routing import Route, RouteDecision, select_route, tma_arch
 from .specs import CallDesc, ConvSpec, _pair, needs_grad, resolve_padding
-from .target import Target, dot_precision, target_for
+from .target import Target, target_for
 from .conv import (EPILOGUE_BLOCK, check_residual, cudnn_conv2d, epilogue, kernels, nhwc,  # noqa: F401
                    output_memory_format, output_shape, run_kernel, to_nhwc)
 from .norm import GN_LAUNCH, group_norm, group_norm_target, launch_sizes  # noqa: F401  (re-exported)
 from .subpixel import PARITIES, parity_padding, parity_view, parity_weight
 from .subpixel import subpixel_weights  # noqa: F401  (re-exported)
+from .conv3d import conv3d, conv3d_padding  # noqa: F401  (re-exported)
 
 
 class UnsupportedConv(RuntimeError):
@@ -116,146 +117,6 @@ def conv_transpose2d(x, weight, bias=None, stride=1, padding=0, output_padding=0
     spec = _spec(True, weight, bias, stride, padding, dilation, output_padding)
     return _functional(spec, x, weight, bias, residual, beta, activation, out_scale, out,
                        force_int64, config)
-
-
-# Tiles of the conv3d kernel, until the route tables have conv3d entries:
-# the sm90 table's most frequent 2-D implicit-GEMM tile, and under the
-# interpreter its table's one large tile (there the fewest programs win).
-CONV3D_TILES = {
-    "gpu": {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 3},
-    "interpreter": {"BLOCK_M": 1024, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4,
-                    "num_stages": 1},
-}
-KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-def _triple(value, name: str) -> tuple:
-    if isinstance(value, int):
-        value = (value,) * 3
-    if not (isinstance(value, (tuple, list)) and len(value) == 3 and all(isinstance(v, int) for v in value)):
-        raise ValueError(f"conv3d: {name} {value!r}: expected an int or 3 ints (t, h, w)")
-    if min(value) < 1:
-        raise ValueError(f"conv3d: {name} {tuple(value)}: must be >= 1")
-    return tuple(int(v) for v in value)
-
-
-def _front_back(value, what: str) -> tuple:
-    if isinstance(value, int):
-        value = (value, value)
-    if not (isinstance(value, (tuple, list)) and len(value) == 2 and all(isinstance(v, int) for v in value)):
-        raise ValueError(f"conv3d: {what} {value!r}: expected an int or a (front, back) pair")
-    if min(value) < 0:
-        raise ValueError(f"conv3d: {what} {tuple(value)}: negative padding")
-    return int(value[0]), int(value[1])
-
-
-def conv3d_padding(padding, time_padding=None) -> tuple:
-    """``((front, back),) * 3`` per axis (t, h, w) from ``conv3d``'s
-    ``padding`` and ``time_padding`` arguments."""
-    if isinstance(padding, int):
-        padding = (padding,) * 3
-    if not (isinstance(padding, (tuple, list)) and len(padding) == 3):
-        raise ValueError(f"conv3d: padding {padding!r}: expected an int or 3 entries (t, h, w)")
-    pads = [_front_back(p, "padding") for p in padding]
-    if time_padding is not None:
-        pads[0] = _front_back(time_padding, "time_padding")
-    return tuple(pads)
-
-
-def _conv3d_shape(x, weight, bias, cache, stride, pads, dilation) -> tuple:
-    """The output shape, or a one-line ValueError for a call F.conv3d
-    (after the concatenation) would reject or this op does not take."""
-    if x.dim() != 5 or weight.dim() != 5:
-        raise ValueError(f"conv3d: needs a 5-D input [N, C, T, H, W] and weight [C_out, C_in, KT, KH, KW], "
-                         f"got input {tuple(x.shape)} and weight {tuple(weight.shape)}")
-    n, c, t, h, w = x.shape
-    c_out, c_w = weight.shape[:2]
-    if c_w != c:
-        if c_w > 0 and c % c_w == 0:
-            raise ValueError(f"conv3d: weight {tuple(weight.shape)} on {c} input channels means groups = "
-                             f"{c // c_w}; only groups = 1 is supported")
-        raise ValueError(f"conv3d: weight {tuple(weight.shape)} expects {c_w} input channels, the input has {c}")
-    if bias is not None and tuple(bias.shape) != (c_out,):
-        raise ValueError(f"conv3d: bias has shape {tuple(bias.shape)}, expected ({c_out},)")
-    if cache is not None:
-        if cache.dim() != 5 or (cache.shape[0], cache.shape[1], cache.shape[3], cache.shape[4]) != (n, c, h, w):
-            raise ValueError(f"conv3d: cache has shape {tuple(cache.shape)}, expected [{n}, {c}, Tc, {h}, {w}]")
-        if cache.dtype != x.dtype or cache.device != x.device:
-            raise ValueError(f"conv3d: cache is {cache.dtype} on {cache.device}, the input {x.dtype} on {x.device}")
-        t += cache.shape[2]
-    size = []
-    for extent, (front, back), k, s, d in zip((t, h, w), pads, weight.shape[2:], stride, dilation):
-        span = extent + front + back - d * (k - 1) - 1
-        if span < 0:
-            raise ValueError(f"conv3d: kernel {tuple(weight.shape[2:])} (dilation {dilation}) is larger than the "
-                             f"padded input {(t, h, w)} (padding {pads})")
-        size.append(span // s + 1)
-    return (n, c_out, *size)
-
-
-def _conv3d_target(x, weight, bias, cache, residual, out) -> Optional[Target]:
-    """The target the kernel runs on for this call, or None (PyTorch then)."""
-    if torch.compiler.is_compiling() or needs_grad(x, weight, bias, cache, residual) or x.numel() == 0:
-        return None
-    target = target_for(x.device)
-    if not target.kernels or x.dtype not in KERNEL_DTYPES:
-        return None
-    same = all(t is None or (t.device == x.device and t.dtype == x.dtype) for t in (weight, bias, residual, out))
-    return target if same else None
-
-
-def conv3d(x, weight, bias=None, stride=1, padding=0, dilation=1, *, cache=None, time_padding=None,
-           residual=None, beta=1.0, activation="none", out_scale=1.0, out=None, route=None, config=None,
-           force_int64=False):
-    """``out_scale * act(F.conv3d(pad(cat([cache, x], 2)), weight, bias, stride, 0, dilation) + beta * residual)``
-    in one kernel, groups = 1, the concatenation and the padding never written.
-
-    ``x`` is [N, C, T, H, W] in any strides (NCDHW and channels_last_3d
-    alike); ``cache`` (optional) [N, C, Tc, H, W], the frames that precede
-    ``x`` in time (a causal video VAE's cached frames), read in place.
-    ``padding`` is, per axis (t, h, w), an int (both ends) or a
-    ``(front, back)`` pair; a single int pads every axis at both ends, as
-    F.conv3d does. ``time_padding=(front, back)`` replaces padding's time
-    entry: a causal conv is ``padding=(0, 1, 1), time_padding=(2, 0)``
-    (front only) for a 3x3x3 kernel. The output size follows from the padded,
-    concatenated input. ``out`` may be a preallocated output of any
-    strides. Where no kernel runs (no GPU and no interpreter, float64,
-    autograd, mixed devices or dtypes) PyTorch computes the same expression.
-    ``route``: None (the kernel under the interpreter; PyTorch on a GPU,
-    where conv3d has no measured table entries yet, so the kernel is not
-    known to beat cuDNN), "kernel" (the kernel wherever it can run) or
-    "pytorch". ``config`` overrides the tile, ``force_int64`` forces 64-bit
-    offsets (tests). Raises ValueError for groups > 1 and ill-shaped
-    arguments."""
-    if route not in (None, "kernel", "pytorch"):
-        raise ValueError(f"conv3d: route {route!r}: expected None, 'kernel' or 'pytorch'")
-    code = activation_code(activation)
-    stride, dilation = _triple(stride, "stride"), _triple(dilation, "dilation")
-    pads = conv3d_padding(padding, time_padding)
-    shape = _conv3d_shape(x, weight, bias, cache, stride, pads, dilation)
-    check_residual(residual, shape)
-    if out is not None and tuple(out.shape) != shape:
-        raise ValueError(f"conv3d: out has shape {tuple(out.shape)}, the convolution's output is {shape}")
-    target = None if route == "pytorch" else _conv3d_target(x, weight, bias, cache, residual, out)
-    if target is not None and not target.interpreter and route is None:
-        target = None
-    if target is None:
-        full = x if cache is None else torch.cat([cache, x], dim=2)
-        (t0, t1), (h0, h1), (w0, w1) = pads
-        y = F.conv3d(F.pad(full, (w0, w1, h0, h1, t0, t1)), weight, bias, stride, 0, dilation)
-        y = eager_epilogue(y, residual, beta, activation, out_scale)
-        return out.copy_(y) if out is not None else y
-    k = kernels()
-    if out is None:
-        cl = any(t.is_contiguous(memory_format=torch.channels_last_3d) and not t.is_contiguous()
-                 for t in (x, weight))
-        out = k.empty(shape, dtype=x.dtype, device=x.device,
-                      memory_format=torch.channels_last_3d if cl else torch.contiguous_format)
-    tiles = config if config is not None else CONV3D_TILES["interpreter" if target.interpreter else "gpu"]
-    return k.launch_conv3d(x, cache, weight, bias, out, residual, stride=stride,
-                           padding=tuple(p[0] for p in pads), dilation=dilation, beta=beta, activation=code,
-                           out_scale=out_scale, config=tiles, precision=dot_precision(x.dtype, target),
-                           upcast=target.interpreter, force_int64=force_int64)
 
 
 def group_norm_conv2d(x: torch.Tensor, num_groups: int, norm_weight, norm_bias, eps: float, activation: str,

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conv_patch import ops
+from conv_patch import conv3d as conv3d_mod, ops
 from _util import TOL, act64, randn, rel_err
 
 CL3 = torch.channels_last_3d
@@ -266,7 +266,7 @@ def test_gpu_default_route_is_pytorch_until_measured(monkeypatch):
     ref = F.conv3d(x, w, None, 1, 1)
     assert rel_err(ops.conv3d(x, w, padding=1, route="pytorch"), ref) <= TOL[torch.float32]
     assert not launched
-    monkeypatch.setattr(ops, "target_for", lambda device: Target("sm90", True))
+    monkeypatch.setattr(conv3d_mod, "target_for", lambda device: Target("sm90", True))
     assert rel_err(ops.conv3d(x, w, padding=1), ref) <= TOL[torch.float32]
     assert not launched
     ops.conv3d(x, w, padding=1, route="kernel")

@@ -25,6 +25,7 @@ import torch
 
 from . import config_tables, costs, pack
 from . import conv as conv_op
+from . import conv3d as conv3d_op
 from . import norm as norm_op
 from .conv import kernel_errors, kernels
 from .epilogue import ACTIVATIONS, eager_epilogue
@@ -630,6 +631,98 @@ def upsample_conv(m, x, residual=None, activation="none"):
         conv_with(site, w_ab, bias, x, None if residual is None else parity_view(residual, a, b), 1.0,
                   activation, 1.0, None, (w_ab, bias), parity_view(out, a, b), parity_padding(a, b))
     return out
+
+
+# -- Conv3d --------------------------------------------------------------------------
+@dataclasses.dataclass(eq=False)
+class Conv3dPlan:
+    """A Conv3d call's plan: the kernel (kernels/conv3d.py) or the module's
+    own forward, with the epilogue as PyTorch ops."""
+
+    kernel: bool
+    decision: RouteDecision
+    spec: object
+    target: Optional[object] = None
+
+
+def conv3d_decide(spec, x, weight, bias, cache, residual, cast) -> tuple:
+    """(decision, target) for one Conv3d call: the kernel where it can run
+    and is known to pay, else PyTorch and why."""
+    problem = spec.problem()
+    if problem is None:
+        try:
+            shape = conv3d_op.output_shape(x, weight, bias, cache, spec.stride, spec.pads, spec.dilation)
+        except ValueError as e:
+            problem = str(e)  # the module's own forward raises PyTorch's error, or computes
+        else:
+            conv_op.check_residual(residual, shape)
+    if problem is None and cast:
+        problem = "autocast: PyTorch's conv3d computes in autocast's dtype"
+    target = None
+    if problem is None:
+        target = conv3d_op.kernel_target(x, weight, bias, cache, residual, None)
+        if target is None:
+            problem = conv3d_op.no_kernel_reason(x, weight, bias, cache, residual)
+        elif not target.interpreter:
+            # The never-slower rule: no conv3d shape has been measured on a
+            # GPU, so nothing says the kernel beats cuDNN there.
+            problem = f"no measured conv3d entries for {target.arch}: PyTorch's conv3d (cuDNN)"
+    if problem is not None:
+        return RouteDecision(Route.FALLBACK, problem), None
+    return RouteDecision(Route.CONV3D_IGEMM, "interpreter", tier="default"), target
+
+
+def conv3d(m, x, eager_forward, cache=None, pads=None, residual=None, beta=1.0, activation="none",
+           out_scale=1.0):
+    """``out_scale * act(conv3d(cat([cache, x], 2)) + beta * residual)`` for a
+    patched Conv3d ``m`` (``pads``: its (front, back) padding per axis for
+    this call, default the module's own): one kernel where it can run and
+    pays, else ``eager_forward()`` (the module's own computation of this
+    call) and the epilogue as PyTorch ops. Planned per signature in
+    ``m._cp_plans`` like the 2-D convs; a kernel that fails to build falls
+    back here and the plan remembers it."""
+    params = m.__dict__["_parameters"]
+    weight, bias = params.get("weight"), params.get("bias")
+    if weight is None or "bias" not in params:
+        m.__dict__["_cp_last"] = UNREGISTERED
+        return eager_epilogue(eager_forward(), residual, beta, activation, out_scale)
+    spec = m.spec if pads is None else dataclasses.replace(m.spec, pads=pads)
+    grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                        or (bias is not None and bias.requires_grad)
+                                        or (cache is not None and cache.requires_grad)
+                                        or (residual is not None and residual.requires_grad))
+    kind = "cuda" if x.is_cuda else x.device.type
+    cast = (x.is_cuda or torch.amp.is_autocast_available(kind)) and torch.is_autocast_enabled(kind)
+    key = ("conv3d", spec, x.shape, x.stride(), x.dtype, x.device, x.data_ptr() & 15, weight.data_ptr(),
+           weight.shape, weight.dtype, None if bias is None else bias.data_ptr(), _tensor_sig(cache),
+           _tensor_sig(residual), beta, activation, out_scale, grad, cast)
+    plans = m.__dict__.get("_cp_plans")
+    plan = plans.get(key) if plans is not None else None
+    if plan is None:
+        with BUILD_LOCK:
+            decision, target = conv3d_decide(spec, x, weight, bias, cache, residual, cast)
+            plan = Conv3dPlan(target is not None, decision, spec, target)
+            if plan.kernel:
+                try:
+                    y = _conv3d_kernel(plan, x, weight, bias, cache, residual, beta, activation, out_scale)
+                except kernel_errors() as e:
+                    plan = Conv3dPlan(False, RouteDecision(Route.FALLBACK, kernel_failure(e, stacklevel=4)), spec)
+                else:
+                    _store(m, key, plan)
+                    m.__dict__["_cp_last"] = plan.decision
+                    return y
+            _store(m, key, plan)
+    m.__dict__["_cp_last"] = plan.decision
+    if plan.kernel:
+        return _conv3d_kernel(plan, x, weight, bias, cache, residual, beta, activation, out_scale)
+    return eager_epilogue(eager_forward(), residual, beta, activation, out_scale)
+
+
+def _conv3d_kernel(plan, x, weight, bias, cache, residual, beta, activation, out_scale):
+    s = plan.spec
+    return conv3d_op.run_kernel(x, weight.detach(), None if bias is None else bias.detach(), cache, s.pads,
+                                s.stride, s.dilation, plan.target, residual=residual, beta=beta,
+                                activation=activation, out_scale=out_scale)
 
 
 # -- GroupNorm ---------------------------------------------------------------------

@@ -15,9 +15,10 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from . import config_tables
+from .conv3d import Conv3dSpec
 from .routing import static_route
 from .specs import ConvSpec
-from .wrappers import PatchedConvMixin, is_comfy_conv_class, wrapper_class_for
+from .wrappers import PatchedConvMixin, causal_conv3d_problem, is_comfy_conv_class, wrapper_class_for
 
 FilterFn = Callable[[nn.Module, str], bool]
 
@@ -74,6 +75,8 @@ class PatchReport:
 
 
 def _conv_base(m: nn.Module):
+    if isinstance(m, nn.Conv3d):
+        return nn.Conv3d, wrapper_class_for(type(m))
     if isinstance(m, nn.ConvTranspose2d):
         return nn.ConvTranspose2d, wrapper_class_for(type(m))
     if isinstance(m, nn.Conv2d):
@@ -82,12 +85,19 @@ def _conv_base(m: nn.Module):
 
 
 def ineligible_reason(m: nn.Module) -> Optional[str]:
-    """Why ``m`` (a Conv2d / ConvTranspose2d) cannot be wrapped, or None."""
-    base = nn.ConvTranspose2d if isinstance(m, nn.ConvTranspose2d) else nn.Conv2d
+    """Why ``m`` (a Conv2d / ConvTranspose2d / Conv3d) cannot be wrapped, or None."""
+    base = (nn.Conv3d if isinstance(m, nn.Conv3d) else
+            nn.ConvTranspose2d if isinstance(m, nn.ConvTranspose2d) else nn.Conv2d)
     cls = type(m)
     if getattr(cls, "_conv_forward", None) is not getattr(base, "_conv_forward", None):
         return f"{cls.__qualname__} overrides _conv_forward; its contract is unknown"
-    if cls.forward is not base.forward and not is_comfy_conv_class(cls):
+    if base is nn.Conv3d and cls is not nn.Conv3d:
+        # A causal video-VAE conv has a known contract (its own forward);
+        # any other Conv3d subclass's is unknown.
+        why = causal_conv3d_problem(m)
+        if why is not None:
+            return f"{cls.__qualname__}: {why}; its contract is unknown"
+    elif cls.forward is not base.forward and not is_comfy_conv_class(cls):
         return f"{cls.__qualname__} overrides forward; its contract is unknown"
     if "forward" in m.__dict__:
         return "forward replaced on the instance (a hook library wraps it)"
@@ -98,6 +108,8 @@ def ineligible_reason(m: nn.Module) -> Optional[str]:
         return "weight is not a registered Parameter (weight_norm or similar)"
     if isinstance(w, nn.parameter.UninitializedParameter):
         return "lazy module not initialized yet"
+    if base is nn.Conv3d:
+        return Conv3dSpec.from_module(m).problem()
     decision = static_route(ConvSpec.from_module(m))
     return None if decision.is_kernel else decision.reason
 
@@ -144,7 +156,7 @@ def _plan(model: nn.Module, prefix: str, filter_fn, table, report: "PatchReport"
         base, wrapper_cls = _conv_base(child)
         if base is None:
             if isinstance(child, nn.modules.conv._ConvNd):
-                report.skipped[fqn] = f"{type(child).__name__}: only 2-D convolutions are patched"
+                report.skipped[fqn] = f"{type(child).__name__}: only 2-D convolutions and Conv3d are patched"
             continue
         if filter_fn is not None and not filter_fn(child, fqn):
             report.skipped[fqn] = "excluded by filter_fn"
@@ -157,7 +169,7 @@ def _plan(model: nn.Module, prefix: str, filter_fn, table, report: "PatchReport"
             wrappers[id(child)] = wrapper_cls.wrap(child, table)
         wrapper = wrappers[id(child)]
         plan.append((parent, name, wrapper))
-        report.patched[fqn] = f"{wrapper.route().route.value}  {ConvSpec.from_module(child).describe()}"
+        report.patched[fqn] = f"{wrapper.route().route.value}  {wrapper.spec.describe()}"
     return plan
 
 

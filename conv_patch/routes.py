@@ -22,6 +22,7 @@ class Route(enum.Enum):
     CONV2D_TMA = "conv2d_tma"
     CONV2D_TAPS = "conv2d_taps"
     CONV2D_FLAT = "conv2d_flat"
+    CONV3D_IGEMM = "conv3d_igemm"
     CUDNN = "cudnn"
     FALLBACK = "fallback"
 
@@ -189,6 +190,8 @@ REGISTRY: Tuple[RouteEntry, ...] = (
     RouteEntry(Route.CONV2D_FLAT, "conv2d", "flat", "few input channels (C_in*KH*KW <= 64, e.g. a VAE encoder's conv_in on an RGB image): the implicit GEMM with its reduction over (c_in, kh, kw) flattened into one dimension, so 3x3x3 is one K = 32 block instead of nine of K = 16; any stride, padding, dilation; same layouts, dtypes and fused epilogue as conv2d",
                "launch_conv2d_flat", lambda spec, call, shape, target: flat_problem(spec),
                candidates=tuple(FLAT_CANDIDATES)),
+    RouteEntry(Route.CONV3D_IGEMM, "conv3d", "igemm", "portable implicit-GEMM conv3d: any kernel size, stride, padding (front and back per axis) and dilation; groups=1, zero padding; NCDHW or NDHWC read in place; a causal conv's cached frames read in place in front of the input (no concatenation written); same dtypes and fused epilogue as conv2d. Taken under the interpreter; on a GPU only once a table has measured conv3d entries (none yet), so PyTorch's conv3d runs there",
+               "launch_conv3d"),
     RouteEntry(Route.CUDNN, None, "cudnn", "the original module, chosen because the architecture's table records cuDNN measured faster for this exact shape (convpatch tune): cuDNN computes the convolution, then bias and the fused epilogue run as one pass (conv_patch.ops.epilogue) on NHWC outputs, as PyTorch ops otherwise", exact_only=True),
     RouteEntry(Route.FALLBACK, None, None, 'the original PyTorch module (cuDNN/ATen): every case the kernels do not take'),
 )

@@ -1,6 +1,6 @@
 """The wrappers that stand in for patched convolutions.
 
-A wrapper is a real ``nn.Conv2d`` / ``nn.ConvTranspose2d`` (so ``isinstance``
+A wrapper is a real ``nn.Conv2d`` / ``nn.ConvTranspose2d`` / ``nn.Conv3d`` (so ``isinstance``
 checks in PEFT, diffusers and ComfyUI still match) built from the original
 module's ``__dict__``: the ``_parameters``, ``_buffers``, ``_modules`` and hook
 dictionaries are the *same objects* as the original's, so ``state_dict()`` keys,
@@ -12,6 +12,7 @@ state_dict keys) and its class's ``forward`` is the fallback.
 
 from __future__ import annotations
 
+import inspect
 from typing import Optional
 
 import torch
@@ -19,7 +20,8 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from . import dispatch, pack
-from .epilogue import activation_code
+from .conv3d import Conv3dSpec
+from .epilogue import activation_code, eager_epilogue
 from .routing import Route, RouteDecision, select_route
 from .specs import ConvSpec, needs_grad
 
@@ -241,7 +243,12 @@ def wrapper_class_for(cls: type) -> type:
         return PatchedConv2d
     if cls is nn.ConvTranspose2d or cls is PatchedConvTranspose2d:
         return PatchedConvTranspose2d
-    base = PatchedConvTranspose2d if issubclass(cls, nn.ConvTranspose2d) else PatchedConv2d
+    if cls is nn.Conv3d or cls is PatchedConv3d:
+        return PatchedConv3d
+    if issubclass(cls, nn.Conv3d):
+        base = PatchedCausalConv3d  # the only Conv3d subclasses apply() takes (causal_conv3d_problem)
+    else:
+        base = PatchedConvTranspose2d if issubclass(cls, nn.ConvTranspose2d) else PatchedConv2d
     if cls not in _DYNAMIC:
         _DYNAMIC[cls] = type(f"Patched{cls.__name__}", (base, cls), {
             "_cp_torch_class": cls, "_cp_comfy_class": is_comfy_conv_class(cls), "__module__": __name__,
@@ -277,3 +284,96 @@ class PatchedConvTranspose2d(PatchedConvMixin, nn.ConvTranspose2d):
                 input, output_size, self.stride, self.padding, self.kernel_size, 2, self.dilation))
         return self._cp_call(input, residual, beta, activation, out_scale, output_padding,
                              fallback_args=(output_size,))
+
+
+class PatchedConv3d(PatchedConvMixin, nn.Conv3d):
+    """``forward(x, *, cache=None, residual=None, beta=1.0, activation="none", out_scale=1.0)``:
+    ``out_scale * act(conv(cat([cache, x], 2)) + bias + beta * residual)``;
+    with the defaults the plain convolution. Routed by ``dispatch.conv3d``."""
+
+    _cp_torch_class = nn.Conv3d
+
+    @property
+    def spec(self) -> Conv3dSpec:
+        spec = self.__dict__.get("_cp_spec")
+        if spec is None:
+            spec = self.__dict__["_cp_spec"] = Conv3dSpec.from_module(self, self._cp_own_pads())
+        return spec
+
+    def _cp_own_pads(self):
+        return None
+
+    def route(self, x: Optional[torch.Tensor] = None, residual=None, output_padding=None) -> RouteDecision:
+        """The route of input ``x`` (``dispatch.conv3d_decide``), or, without
+        ``x``, the kernel family the module is eligible for."""
+        if x is None:
+            problem = self.spec.problem()
+            return RouteDecision(Route.FALLBACK, problem) if problem else RouteDecision(Route.CONV3D_IGEMM)
+        return dispatch.conv3d_decide(self.spec, x, self.weight, self.bias, None, residual, False)[0]
+
+    def forward(self, input, *, cache=None, residual=None, beta=1.0, activation="none", out_scale=1.0):
+        if activation != "none":
+            activation_code(activation)
+
+        def own():
+            return self._cp_fallback_forward(self, input if cache is None else torch.cat([cache, input], 2))
+        if torch.compiler.is_compiling() or self._cp_comfy_active():
+            return eager_epilogue(own(), residual, beta, activation, out_scale)
+        return dispatch.conv3d(self, input, own, cache=cache, residual=residual, beta=beta, activation=activation,
+                               out_scale=out_scale)
+
+    def forward_without_bias(self, x):
+        return self(x), None
+
+
+class PatchedCausalConv3d(PatchedConv3d):
+    """The wrapper of a video VAE's causal Conv3d (``causal_conv3d_problem``
+    says which): ``forward(x, cache_x=None)`` as the module computes it, the
+    cached frames and the front time padding read in place by the kernel
+    instead of ``torch.cat`` and ``F.pad`` copies."""
+
+    def _cp_own_pads(self):
+        pw0, pw1, ph0, ph1, pt0, pt1 = self._padding
+        return (pt0, pt1), (ph0, ph1), (pw0, pw1)
+
+    def forward(self, x, cache_x=None):
+        def own():
+            return self._cp_fallback_forward(self, x, cache_x)
+        if torch.compiler.is_compiling() or self._cp_comfy_active() or x.dim() != 5:
+            return own()
+        (pt0, pt1), hw_h, hw_w = self._cp_own_pads()
+        cache = None
+        if cache_x is not None and pt0 > 0:
+            # The module pads time by what the cached frames do not cover.
+            if cache_x.dim() != 5 or cache_x.device != x.device:
+                return own()
+            cache, pt0 = cache_x, pt0 - cache_x.shape[2]
+        if pt0 < 0:
+            return own()  # more cached frames than padding: F.pad would crop them
+        return dispatch.conv3d(self, x, own, cache=cache, pads=((pt0, pt1), hw_h, hw_w))
+
+
+def causal_conv3d_problem(m: nn.Module) -> Optional[str]:
+    """Why ``m`` is not a causal Conv3d of the Wan family (diffusers'
+    ``WanCausalConv3d``, ComfyUI's ``CausalConv3d``), or None. Recognised by
+    structure: ``forward(x, cache_x=None)``, which puts ``cache_x`` in front
+    of ``x`` along time where it pads time and then pads by ``_padding`` (F.pad
+    order, the time entries last, front only, less the cached frames), with
+    the module's own ``padding`` zero."""
+    cls = type(m)
+    if not (isinstance(m, nn.Conv3d) and cls.__name__.endswith("CausalConv3d")):
+        return "not a causal Conv3d"
+    try:
+        params = list(inspect.signature(cls.forward).parameters.values())
+    except (TypeError, ValueError):
+        return "forward has no readable signature"
+    if [p.name for p in params] != ["self", "x", "cache_x"] or params[2].default is not None:
+        return "forward is not forward(x, cache_x=None)"
+    pad = m.__dict__.get("_padding")
+    if not (isinstance(pad, (tuple, list)) and len(pad) == 6 and all(isinstance(v, int) and v >= 0 for v in pad)):
+        return "no _padding of six non-negative ints"
+    if pad[5] != 0:
+        return "pads time at the back too"
+    if tuple(m.padding) != (0, 0, 0):
+        return "pads through padding as well as _padding"
+    return None

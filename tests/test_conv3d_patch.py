@@ -1,0 +1,215 @@
+"""Conv3d through ``conv_patch.apply``: plain ``nn.Conv3d`` and the causal
+convs of Wan-family video VAEs wrapped, planned by ``dispatch.conv3d``,
+equal to the unpatched model; the cached frames and the causal padding read
+in place; what the kernels do not take (groups, padding modes, autograd,
+unknown subclasses, a GPU without measured conv3d entries) left to PyTorch
+with the reason said. On the CPU the kernel runs under the interpreter."""
+
+import copy
+import pickle
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import conv_patch
+from conv_patch import conv3d as conv3d_op
+from conv_patch import dispatch, kernels
+from conv_patch.routing import Route
+from conv_patch.target import Target
+from conv_patch.wrappers import PatchedCausalConv3d, PatchedConv3d
+from _util import TOL, rel_err
+
+diffusers = pytest.importorskip("diffusers")
+from diffusers.models.autoencoders.autoencoder_kl_wan import WanResidualBlock  # noqa: E402
+
+
+def _net():
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv3d(3, 5, 3, padding=1), nn.SiLU(),
+        nn.Conv3d(5, 7, (1, 3, 3), stride=(1, 2, 2), padding=(0, 1, 0)),
+        nn.Conv3d(7, 6, 3, padding="same", dilation=(2, 1, 1)),
+        nn.Conv3d(6, 6, 3, groups=2, padding=1),
+        nn.Conv3d(6, 4, 1, padding=(1, 0, 0), padding_mode="reflect"),
+    ).eval()
+
+
+@pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last_3d])
+def test_apply_patches_conv3d_and_matches_the_module(layout, exact_fp32):
+    net = _net()
+    ref64 = copy.deepcopy(net).double()
+    report = conv_patch.apply(net)
+    assert set(report.patched) == {"0", "2", "3"}
+    assert report.skipped == {"4": "groups=2", "5": "padding_mode='reflect'"}
+    assert report.patched["2"] == "conv3d_igemm  5->7 k1x3x3 s1x2x2 p0x1x0"
+    x = torch.randn(2, 3, 5, 9, 11).contiguous(memory_format=layout)
+    with torch.no_grad():
+        for _ in range(2):  # planned, then found again
+            y = net(x)
+            assert rel_err(y, ref64(x.double())) <= TOL[torch.float32]
+    for i in (0, 2, 3):
+        assert net[i]._cp_last.route is Route.CONV3D_IGEMM
+        assert len(net[i]._cp_plans) == 1
+    assert "route=conv3d_igemm" in repr(net[0])
+    keys = set(_net().state_dict())
+    assert set(net.state_dict()) == keys
+    restored = conv_patch.remove(net)
+    assert restored == ["0", "2", "3"] and type(net[0]) is nn.Conv3d
+
+
+def test_epilogue_and_cache_of_a_plain_conv3d(exact_fp32):
+    """The wrapper's extended call: cached frames in front of the input, a
+    residual, an activation and a scale, in the kernel's epilogue."""
+    torch.manual_seed(1)
+    conv = nn.Conv3d(4, 6, 3, padding=(0, 1, 1))
+    net = nn.Sequential(conv)
+    conv_patch.apply(net)
+    m = net[0]
+    x, cache = torch.randn(1, 4, 3, 6, 7), torch.randn(1, 4, 2, 6, 7)
+    res = torch.randn(1, 6, 3, 6, 7)
+    with torch.no_grad():
+        y = m(x, cache=cache, residual=res, beta=0.5, activation="silu", out_scale=2.0)
+        full = F.conv3d(torch.cat([cache, x], 2).double(), conv.weight.double(), conv.bias.double(), 1, (0, 1, 1))
+    assert m._cp_last.route is Route.CONV3D_IGEMM
+    assert rel_err(y, 2.0 * F.silu(full + 0.5 * res.double())) <= TOL[torch.float32]
+
+
+def test_wan_causal_convs_read_the_cache_and_padding_in_place(monkeypatch, exact_fp32):
+    """A Wan residual block run in two chunks with its feature cache: every
+    causal conv patched, the answer the unpatched block's, and no F.pad or
+    concatenation of the conv inputs made (the block's own cache bookkeeping
+    aside)."""
+    torch.manual_seed(2)
+    blk = WanResidualBlock(5, 7).eval()
+    twin = copy.deepcopy(blk)
+    report = conv_patch.apply(blk)
+    assert set(report.patched) == {"conv1", "conv2", "conv_shortcut"}
+    assert isinstance(blk.conv1, PatchedCausalConv3d) and isinstance(blk.conv1, type(twin.conv1))
+    chunks = [torch.randn(1, 5, 1, 6, 7), torch.randn(1, 5, 2, 6, 7), torch.randn(1, 5, 3, 6, 7)]
+    pads = []
+    real_pad = F.pad
+    monkeypatch.setattr(torch.nn.functional, "pad", lambda *a, **k: pads.append(1) or real_pad(*a, **k))
+    seen = []
+    real_conv3d = dispatch.conv3d
+    monkeypatch.setattr(dispatch, "conv3d", lambda m, x, own, cache=None, **k: seen.append(cache is not None)
+                        or real_conv3d(m, x, own, cache=cache, **k))
+    with torch.no_grad():
+        caches, caches_ref = [None] * 2, [None] * 2
+        for x in chunks:
+            ref = twin(x, caches_ref, [0])
+            pads_ref, pads[:] = len(pads), []
+            y = blk(x, caches, [0])
+            assert rel_err(y, ref) <= TOL[torch.float32]
+            assert pads_ref > 0 and not pads
+    assert seen[3:].count(True) == 4  # conv1 and conv2 of the later chunks read their caches
+    assert blk.conv1._cp_last.route is Route.CONV3D_IGEMM
+    conv_patch.remove(blk)
+    assert type(blk.conv1) is type(twin.conv1)
+
+
+def test_tiny_wan_vae_decode_matches(exact_fp32):
+    """A whole AutoencoderKLWan decode (its causal chunked decode, resample
+    time convs included) patched: every conv patched, the unpatched answer."""
+    torch.manual_seed(3)
+    vae = diffusers.AutoencoderKLWan(base_dim=8, z_dim=4, dim_mult=[1, 2], num_res_blocks=1, attn_scales=[],
+                                     temperal_downsample=[True], dropout=0.0).eval()
+    twin = copy.deepcopy(vae)
+    report = conv_patch.apply(vae)
+    assert report.patched and not report.skipped
+    z = torch.randn(1, 4, 2, 5, 6)
+    with torch.no_grad():
+        y, ref = vae.decode(z).sample, twin.decode(z).sample
+    assert rel_err(y, ref) <= TOL[torch.float32]
+
+
+def test_what_the_kernel_does_not_take_runs_pytorch_and_says_why(monkeypatch):
+    torch.manual_seed(4)
+    net = nn.Sequential(nn.Conv3d(3, 4, 3, padding=1))
+    twin = copy.deepcopy(net)
+    conv_patch.apply(net)
+    m = net[0]
+    x = torch.randn(1, 3, 3, 5, 5)
+    # Autograd: the kernels compute no backward.
+    y = m(x)
+    assert y.requires_grad and "autograd" in m._cp_last.reason
+    y.sum().backward()
+    twin(x).sum().backward()
+    assert rel_err(m.weight.grad, twin[0].weight.grad) <= TOL[torch.float32]
+    with torch.no_grad():
+        # float64: no kernel dtype.
+        net.double(), twin.double()
+        assert rel_err(m(x.double()), twin(x.double())) <= 1e-12
+        assert "float64" in m._cp_last.reason
+        net.float(), twin.float()
+        # A GPU target: no measured conv3d entries, so cuDNN's conv3d runs.
+        monkeypatch.setattr(conv3d_op, "target_for", lambda device: Target("sm90", True))
+        launched = []
+        monkeypatch.setattr(kernels, "launch_conv3d", lambda *a, **k: launched.append(1))
+        assert rel_err(m(x), twin(x)) <= TOL[torch.float32]
+        assert not launched and m._cp_last.route is Route.FALLBACK
+        assert m._cp_last.reason.startswith("no measured conv3d entries for sm90")
+
+
+def test_a_kernel_that_fails_to_build_falls_back_once(monkeypatch, exact_fp32):
+    from triton.runtime.errors import OutOfResources
+    calls = []
+
+    def no_room(*a, **k):
+        calls.append(1)
+        raise OutOfResources(262144, 232448, "shared memory")
+
+    net = nn.Sequential(nn.Conv3d(3, 4, 3, padding=1))
+    twin = copy.deepcopy(net)
+    conv_patch.apply(net)
+    monkeypatch.setattr(kernels, "launch_conv3d", no_room)
+    x = torch.randn(1, 3, 3, 5, 5)
+    with torch.no_grad(), pytest.warns(dispatch.KernelFailureWarning, match="OutOfResources"):
+        y = net(x)
+    with torch.no_grad():
+        y2 = net(x)  # the plan remembers: no second attempt
+    assert len(calls) == 1 and "OutOfResources" in net[0]._cp_last.reason
+    assert rel_err(y, twin(x)) <= TOL[torch.float32] and rel_err(y2, twin(x)) <= TOL[torch.float32]
+
+
+class CausalConv3d(nn.Conv3d):
+    """ComfyUI's Wan-VAE causal conv, the same contract under another name."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._padding = (self.padding[2], self.padding[2], self.padding[1], self.padding[1], 2 * self.padding[0], 0)
+        self.padding = (0, 0, 0)
+
+    def forward(self, x, cache_x=None):
+        padding = list(self._padding)
+        if cache_x is not None and self._padding[4] > 0:
+            x = torch.cat([cache_x, x], dim=2)
+            padding[4] -= cache_x.shape[2]
+        return super().forward(F.pad(x, padding))
+
+
+class TimeShiftConv3d(nn.Conv3d):
+    def forward(self, x, shift=0):
+        return super().forward(torch.roll(x, shift, 2))
+
+
+def test_causal_convs_recognised_by_structure_and_others_skipped(exact_fp32):
+    torch.manual_seed(5)
+    net = nn.ModuleDict({"causal": CausalConv3d(3, 4, 3, padding=1), "other": TimeShiftConv3d(3, 4, 1)})
+    twin = copy.deepcopy(net)
+    report = conv_patch.apply(net)
+    assert list(report.patched) == ["causal"]
+    assert "TimeShiftConv3d" in report.skipped["other"] and "contract is unknown" in report.skipped["other"]
+    x, cache = torch.randn(1, 3, 2, 5, 6), torch.randn(1, 3, 1, 5, 6)
+    with torch.no_grad():
+        for c in (None, cache):
+            assert rel_err(net["causal"](x, c), twin["causal"](x, c)) <= TOL[torch.float32]
+        # More cached frames than padding: F.pad crops them; the module's own forward does that.
+        long = torch.randn(1, 3, 3, 5, 6)
+        assert rel_err(net["causal"](x, long), twin["causal"](x, long)) <= TOL[torch.float32]
+    # Pickled and deep-copied like any wrapper (plans are this process's).
+    clone = pickle.loads(pickle.dumps(net))
+    assert isinstance(clone["causal"], PatchedConv3d) and clone["causal"].__dict__.get("_cp_plans") is None
+    with torch.no_grad():
+        assert rel_err(clone["causal"](x, cache), twin["causal"](x, cache)) <= TOL[torch.float32]

@@ -591,6 +591,7 @@ def clear(m) -> None:
     m.__dict__["_cp_plans"] = None
     m.__dict__["_cp_bare"] = None
     m.__dict__["_cp_subpixel"] = None
+    m.__dict__["_cp_gate"] = None
 
 
 # -- the folded upsample -------------------------------------------------------------
@@ -658,18 +659,28 @@ def conv3d_decide(spec, x, weight, bias, cache, residual, cast) -> tuple:
             conv_op.check_residual(residual, shape)
     if problem is None and cast:
         problem = "autocast: PyTorch's conv3d computes in autocast's dtype"
-    target = None
-    if problem is None:
-        target = conv3d_op.kernel_target(x, weight, bias, cache, residual, None)
-        if target is None:
-            problem = conv3d_op.no_kernel_reason(x, weight, bias, cache, residual)
-        elif not target.interpreter:
-            # The never-slower rule: no conv3d shape has been measured on a
-            # GPU, so nothing says the kernel beats cuDNN there.
-            problem = f"no measured conv3d entries for {target.arch}: PyTorch's conv3d (cuDNN)"
     if problem is not None:
         return RouteDecision(Route.FALLBACK, problem), None
+    gate = conv3d_gate(conv3d_op.target_for(x.device))
+    if gate is not None:
+        return gate, None
+    target = conv3d_op.kernel_target(x, weight, bias, cache, residual, None)
+    if target is None:
+        return RouteDecision(Route.FALLBACK, conv3d_op.no_kernel_reason(x, weight, bias, cache, residual)), None
     return RouteDecision(Route.CONV3D_IGEMM, "interpreter", tier="default"), target
+
+
+def conv3d_gate(target) -> Optional[RouteDecision]:
+    """PyTorch for every Conv3d call on ``target``, whatever the call, or
+    None (the call is planned). The never-slower rule: no conv3d shape has
+    been measured on a GPU yet, so nothing says the kernel beats cuDNN
+    there; it runs under the interpreter, where it is tested."""
+    if target.interpreter and target.kernels:
+        return None
+    if target.kernels:
+        return RouteDecision(Route.FALLBACK, f"no measured conv3d entries for {target.arch}: PyTorch's conv3d "
+                                             "(cuDNN)")
+    return RouteDecision(Route.FALLBACK, target.reason or "no kernels here")
 
 
 def conv3d(m, x, eager_forward, cache=None, pads=None, residual=None, beta=1.0, activation="none",
@@ -681,25 +692,36 @@ def conv3d(m, x, eager_forward, cache=None, pads=None, residual=None, beta=1.0, 
     call) and the epilogue as PyTorch ops. Planned per signature in
     ``m._cp_plans`` like the 2-D convs; a kernel that fails to build falls
     back here and the plan remembers it."""
+    held = m.__dict__.get("_cp_gate")
+    if held is None or held[0] != x.device:
+        # Per device, kept with the plans (target_for costs microseconds).
+        held = m.__dict__["_cp_gate"] = (x.device, conv3d_gate(conv3d_op.target_for(x.device)))
+    gate = held[1]
+    if gate is not None:
+        # Decided by the device alone: no signature to build.
+        m.__dict__["_cp_last"] = gate
+        return eager_epilogue(eager_forward(), residual, beta, activation, out_scale)
     params = m.__dict__["_parameters"]
     weight, bias = params.get("weight"), params.get("bias")
     if weight is None or "bias" not in params:
         m.__dict__["_cp_last"] = UNREGISTERED
         return eager_epilogue(eager_forward(), residual, beta, activation, out_scale)
-    spec = m.spec if pads is None else dataclasses.replace(m.spec, pads=pads)
     grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                         or (bias is not None and bias.requires_grad)
                                         or (cache is not None and cache.requires_grad)
                                         or (residual is not None and residual.requires_grad))
     kind = "cuda" if x.is_cuda else x.device.type
     cast = (x.is_cuda or torch.amp.is_autocast_available(kind)) and torch.is_autocast_enabled(kind)
-    key = ("conv3d", spec, x.shape, x.stride(), x.dtype, x.device, x.data_ptr() & 15, weight.data_ptr(),
+    # (The module's attributes are not in the key: a wrapper's change of
+    # them clears its plans.)
+    key = ("conv3d", pads, x.shape, x.stride(), x.dtype, x.device, weight.data_ptr(),
            weight.shape, weight.dtype, None if bias is None else bias.data_ptr(), _tensor_sig(cache),
            _tensor_sig(residual), beta, activation, out_scale, grad, cast)
     plans = m.__dict__.get("_cp_plans")
     plan = plans.get(key) if plans is not None else None
     if plan is None:
         with BUILD_LOCK:
+            spec = m.spec if pads is None else dataclasses.replace(m.spec, pads=pads)
             decision, target = conv3d_decide(spec, x, weight, bias, cache, residual, cast)
             plan = Conv3dPlan(target is not None, decision, spec, target)
             if plan.kernel:

@@ -164,7 +164,7 @@ class PatchedConvMixin:
         state = self.__dict__.copy()
         state["_cp_pack"] = None
         state["_cp_plans"] = None  # plans hold kernels and this process's buffers
-        state["_cp_bare"] = state["_cp_subpixel"] = None
+        state["_cp_bare"] = state["_cp_subpixel"] = state["_cp_gate"] = None
         return state
 
     def extra_repr(self) -> str:

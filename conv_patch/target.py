@@ -7,6 +7,8 @@ import contextlib
 import functools
 import importlib.util
 import os
+import sys
+from typing import Optional
 from dataclasses import dataclass
 
 import torch
@@ -31,8 +33,6 @@ def interpreter_enabled() -> bool:
     """Whether the kernels were (or will be) decorated for the interpreter.
     Triton fixes this when a kernel is decorated, so once conv_patch.kernels is
     imported its value wins over a later change of the environment."""
-    import sys
-
     mod = sys.modules.get("conv_patch.kernels")
     if mod is not None:
         return bool(mod.INTERPRET)
@@ -61,8 +61,19 @@ def gpu_sms(index: int) -> int:
 
 
 def target_for(device: torch.device) -> Target:
+    # Asked on hot paths (a call's route, attention, GroupNorm): the answer
+    # per device and environment is kept, the environment read each time.
     interp = interpreter_enabled()
-    if not triton_available():
+    index = device.index
+    if device.type == "cuda" and index is None and not interp:
+        index = torch.cuda.current_device()
+    return _target(device.type, index, interp, triton_available())
+
+
+@functools.lru_cache(maxsize=None)
+def _target(kind: str, index: Optional[int], interp: bool, triton: bool) -> Target:
+    device = torch.device(kind) if index is None else torch.device(kind, index)
+    if not triton:
         return Target("none", False, "triton is not installed")
     if device.type == "cpu":
         if interp:
@@ -71,7 +82,7 @@ def target_for(device: torch.device) -> Target:
     if device.type == "cuda":
         if interp:
             return Target("interpreter", False, "TRITON_INTERPRET=1: GPU tensors use PyTorch", interpreter=True)
-        arch, ok = _gpu_arch(device.index if device.index is not None else torch.cuda.current_device())
+        arch, ok = _gpu_arch(index)
         if not ok:
             return Target(arch, False, f"GPU {arch} is older than sm80")
         return Target(arch, True)

@@ -213,3 +213,19 @@ def test_interleaving_rotates_the_order_every_round(monkeypatch):
     calls.clear()
     res = zoo.interleaved({n: f for n, f in zip("abc", fns)}, runs=2, warmup=1)
     assert "".join(calls) == "abcbcacab" and all(len(r["samples"]) == 2 for r in res.values())
+
+
+def test_bench_video_tiny_rows(tmp_path):
+    """bench.video --tiny --layers on the CPU: the model row (patched equal
+    to unpatched) and one row per distinct Conv3d call of the decode, the
+    kernel equal to the module's own forward."""
+    pytest.importorskip("diffusers")
+    from bench import video
+    video.main(["--tiny", "--layers", "--runs", "1", "--warmup", "0", "--rounds", "1", "--out", str(tmp_path)])
+    doc = _result(tmp_path, "video")
+    model, *layers = doc["rows"]
+    assert ROW_KEYS <= set(model) and model["rel_err_vs_unpatched"] < 1e-5 and model["patched_convs"] > 0
+    assert layers and doc["layer_geomean_speedup"] > 0
+    assert any(not r["name"].endswith("cache 0") for r in layers)  # the causal convs' cached frames
+    for r in layers:
+        assert ROW_KEYS <= set(r) and r["rel_err"] < 1e-5

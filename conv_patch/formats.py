@@ -22,12 +22,20 @@ Shapes = Dict[str, tuple]
 LDM_PREFIXES = ("first_stage_model.", "vae.")
 
 
+def same_geometry3d(name: str, shape: tuple) -> Tuple[tuple, tuple]:
+    """Stride 1 and 'same' padding at both ends of each axis: the guess for
+    a 5-D weight of a format that says nothing else."""
+    return (1, 1, 1), tuple((k // 2, k // 2) for k in shape[2:5])
+
+
 @dataclass
 class Format:
     kind: str
     description: str
     # Per-layer geometry of a 4-D weight: (stride, padding) for its conv.
     geometry: Callable[[str, tuple], Tuple[int, int]] = lambda name, shape: (1, shape[2] // 2)
+    # Of a 5-D weight: (stride (t, h, w), padding ((front, back) per axis)).
+    geometry3d: Callable[[str, tuple], Tuple[tuple, tuple]] = same_geometry3d
     build: Optional[Callable[[Dict[str, torch.Tensor]], nn.Module]] = None
     decode: Optional[Callable[[nn.Module, torch.Tensor], torch.Tensor]] = None
     encode: Optional[Callable[[nn.Module, torch.Tensor], torch.Tensor]] = None

@@ -417,6 +417,10 @@ class _Pair(nn.Module):
 
 
 def _default_size(fmt, device, image: bool) -> int:
+    if fmt.latent_frames:
+        # A video model runs several frames: 2 latent pixels on the CPU,
+        # a modest size on a GPU.
+        return max(fmt.factor * 2, 64 if image else 16) if device.type != "cuda" else 256
     if device.type == "cuda":
         return 512
     # Interpreter: small, but a real image needs a few latent pixels.
@@ -439,7 +443,10 @@ def verify_files(paths, device, dtype=None, size=None, image=None, allow_pickle=
         if not names:
             raise checkpoint.CheckpointError(f"{path}: holds no convolution weights (no 4-D or 5-D "
                                              "floating-point tensor named *weight)")
-        loaded.append((path, state, formats.recognise({k: tuple(v.shape) for k, v in state.items()})))
+        fmt = formats.recognise({k: tuple(v.shape) for k, v in state.items()})
+        if fmt.problem:
+            raise checkpoint.CheckpointError(f"{path}: {fmt.problem}")
+        loaded.append((path, state, fmt))
 
     reports, runnable = [], []
     for path, state, fmt in loaded:
@@ -472,15 +479,22 @@ def verify_files(paths, device, dtype=None, size=None, image=None, allow_pickle=
                 rep.notes.append(f"looks like {fmt.kind} but the model could not be built from it "
                                  f"({type(e).__name__}: {str(e).strip().splitlines()[0][:120]}): "
                                  "per-layer checks only")
+        if fmt.latent_frames and rep.end_to_end:
+            # ops.conv3d is checked per layer above; apply() does not route a
+            # model's Conv3d layers yet, so they run PyTorch's in both runs.
+            rep.notes.append("end to end: conv-patch runs this video VAE's Conv2d layers (resample, attention); "
+                             "its Conv3d layers run PyTorch's code, patched and unpatched alike")
         if rep.interpreter:
+            frames = f", {fmt.video_frames} frames" if fmt.latent_frames else ""
             rep.notes.append("no GPU: the kernels ran under the Triton interpreter on the CPU, at a small "
-                             f"size ({s}x{s}); no timings")
+                             f"size ({s}x{s}{frames}); no timings")
         elif _no_kernels_note(device):
             rep.notes.append(_no_kernels_note(device))
         reports.append(rep)
 
-    encs = [(i, r) for i, r in enumerate(runnable) if r[1].encode and not r[1].decode]
-    decs = [(i, r) for i, r in enumerate(runnable) if r[1].decode and not r[1].encode]
+    # Separate encoder and decoder files pair up for images only.
+    encs = [(i, r) for i, r in enumerate(runnable) if r[1].encode and not r[1].decode and not r[1].latent_frames]
+    decs = [(i, r) for i, r in enumerate(runnable) if r[1].decode and not r[1].encode and not r[1].latent_frames]
     if image is not None and encs and decs:
         (_, (_, efmt, estate, dt, s)), (di, (_, dfmt, dstate, _, _)) = encs[0], decs[0]
         if efmt.latent_channels == dfmt.latent_channels:
@@ -496,6 +510,8 @@ def verify_files(paths, device, dtype=None, size=None, image=None, allow_pickle=
 
 
 def _file_end_to_end(rep, fmt, state, device, dtype, size, image, timing):
+    if fmt.latent_frames:
+        return _video_end_to_end(rep, fmt, state, device, dtype, size, image, timing)
     g = torch.Generator().manual_seed(0)
     lo, hi = fmt.image_range
     if fmt.decode:
@@ -512,3 +528,25 @@ def _file_end_to_end(rep, fmt, state, device, dtype, size, image, timing):
             f"encode->decode {image} at {size}x{size}", fmt.build(state).to(device).eval(),
             lambda m, t: fmt.decode(m, fmt.encode(m, t)), x, dtype, timing, fmt.image_range))
 
+
+def _video_end_to_end(rep, fmt, state, device, dtype, size, image, timing):
+    """A video VAE: seeded latent frames decoded, seeded frames encoded, and
+    ``image`` as a one-frame video through both (its reconstruction PSNR)."""
+    g = torch.Generator().manual_seed(0)
+    lo, hi = fmt.image_range
+    lat = size // fmt.factor
+    if fmt.decode:
+        z = torch.randn(1, fmt.latent_channels, fmt.latent_frames, lat, lat, generator=g)
+        rep.end_to_end.append(check_end_to_end(f"decode {fmt.latent_frames} latent frames to {size}x{size}",
+                                               fmt.build(state).to(device).eval(), fmt.decode, z.to(device),
+                                               dtype, timing))
+    if fmt.encode:
+        x = torch.rand(1, 3, fmt.video_frames, size, size, generator=g) * (hi - lo) + lo
+        rep.end_to_end.append(check_end_to_end(f"encode {fmt.video_frames} frames of {size}x{size}",
+                                               fmt.build(state).to(device).eval(), fmt.encode, x.to(device),
+                                               dtype, timing))
+    if image is not None and fmt.decode and fmt.encode:
+        x = load_image(image, size, fmt.image_range)[:, :, None].to(device)
+        rep.end_to_end.append(check_end_to_end(
+            f"encode->decode {image} as one frame at {size}x{size}", fmt.build(state).to(device).eval(),
+            lambda m, t: fmt.decode(m, fmt.encode(m, t)), x, dtype, timing, fmt.image_range))

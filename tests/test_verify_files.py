@@ -639,3 +639,20 @@ def test_wan_original_pth_is_recognised_with_allow_pickle(tmp_path):
     state = checkpoint.load(path, allow_pickle=True)
     fmt = formats.recognise({k: tuple(v.shape) for k, v in state.items()})
     assert fmt.kind == "wan-vae" and "original Wan layout" in fmt.description and not fmt.problem
+
+
+def test_wan_original_mapping_agrees_with_diffusers_converter():
+    """At the released Wan 2.1 config (which diffusers' single-file
+    converter is written for), the test's mapping and conv_patch's pair
+    every tensor as diffusers' own converter does."""
+    diffusers = pytest.importorskip("diffusers")
+    convert = pytest.importorskip("diffusers.loaders.single_file_utils").convert_wan_vae_to_diffusers
+    from conv_patch import formats
+    with torch.device("meta"):
+        names = list(diffusers.AutoencoderKLWan().state_dict())
+    sd = {k: torch.tensor([float(i)]) for i, k in enumerate(names)}
+    orig = diffusers_to_wan_original(sd, 2)
+    theirs = convert(dict(orig))
+    assert all(theirs[k].item() == v.item() for k, v in sd.items())
+    ours = formats.wan_original_names(list(orig))
+    assert all(theirs[ours[k]].item() == v.item() for k, v in orig.items())

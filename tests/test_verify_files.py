@@ -656,3 +656,18 @@ def test_wan_original_mapping_agrees_with_diffusers_converter():
     assert all(theirs[k].item() == v.item() for k, v in sd.items())
     ours = formats.wan_original_names(list(orig))
     assert all(theirs[ours[k]].item() == v.item() for k, v in orig.items())
+
+
+def test_wan_decoder_only_file(tmp_path):
+    """A file with the decoder half alone (decoder.*, post_quant_conv) is a
+    decoder; a tensor missing from that half is still a problem."""
+    from conv_patch import formats
+    vae = _small_wan()
+    sd = {k: v for k, v in vae.state_dict().items() if k.startswith(("decoder.", "post_quant_conv."))}
+    fmt = formats.recognise({k: tuple(v.shape) for k, v in sd.items()})
+    assert fmt.kind == "wan-vae" and not fmt.problem and fmt.encode is None and fmt.decode is not None
+    assert fmt.description.endswith("(decoder only)") and "dim_mult=[1, 2, 2], num_res_blocks=1" in fmt.description
+    assert torch.equal(_wan_decode_ref(fmt.build(sd).eval()), _wan_decode_ref(vae))
+    del sd["decoder.conv_out.bias"]
+    fmt = formats.recognise({k: tuple(v.shape) for k, v in sd.items()})
+    assert "tensor 'decoder.conv_out.bias' of AutoencoderKLWan" in fmt.problem and "is missing" in fmt.problem

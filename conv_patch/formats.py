@@ -416,6 +416,15 @@ def _wan_config(shapes: Shapes) -> dict:
     return config
 
 
+# What a file holding one half of the model lacks: the other half's tensors.
+_WAN_HALVES = {"encoder": ("encoder.", "quant_conv."), "decoder": ("decoder.", "post_quant_conv.")}
+
+
+def _wan_absent(parts: set) -> tuple:
+    """Name prefixes of the halves a file does not hold (missing, not lost)."""
+    return tuple(p for part, prefixes in _WAN_HALVES.items() if part not in parts for p in prefixes)
+
+
 def _wan_parts(shapes: Shapes) -> set:
     return {p for p, k in (("encoder", "encoder.conv_in.weight"), ("decoder", "decoder.conv_in.weight"))
             if k in shapes}
@@ -431,9 +440,7 @@ def _wan_problem(config: dict, shapes: Shapes, shown: Callable[[str], str] = rep
     with torch.device("meta"):
         model = AutoencoderKLWan(**config)
     want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    parts = _wan_parts(shapes)
-    half = {"encoder": ("encoder.", "quant_conv."), "decoder": ("decoder.", "post_quant_conv.")}
-    absent = tuple(p for part in half if part not in parts for p in half[part])
+    absent = _wan_absent(_wan_parts(shapes))
     missing = [k for k in want if k not in shapes and not k.startswith(absent)]
     unexpected = [k for k in shapes if k not in want]
     wrong = [k for k in shapes if k in want and tuple(shapes[k]) != want[k]]
@@ -517,9 +524,10 @@ def _wan_format(shapes: Shapes, rename: Optional[Dict[str, str]]) -> Format:
         from diffusers import AutoencoderKLWan
         model = AutoencoderKLWan(**config)
         state = {names.get(k, k): v for k, v in state.items()}
+        # Strict, but for the half a one-half file does not hold.
         missing, unexpected = model.load_state_dict(state, strict=False)
-        lost = {k.split(".")[0] for k in missing}
-        if unexpected or not ({"encoder", "quant_conv"} >= lost or {"decoder", "post_quant_conv"} >= lost):
+        absent = _wan_absent(parts)
+        if unexpected or any(not k.startswith(absent) for k in missing):
             raise ValueError(f"layout does not match {_describe_wan(config)}: {len(missing)} missing, "
                              f"{len(unexpected)} unexpected keys")
         return model

@@ -31,7 +31,8 @@ def _parser() -> argparse.ArgumentParser:
     v = sub.add_parser("verify", help="check conv-patch against PyTorch on a checkpoint (default: an embedded model)")
     v.add_argument("paths", nargs="*", metavar="PATH",
                    help="safetensors checkpoint(s): a VAE (diffusers, single-file/ComfyUI, TAESD, "
-                        "AutoencoderTiny) or any file with conv weights; none: the embedded default")
+                        "AutoencoderTiny, Wan 2.1 video VAE) or any file with conv weights; none: the "
+                        "embedded default")
     v.add_argument("--image", metavar="IMG", default=None,
                    help="encode->decode this image and report the reconstruction PSNR, patched and unpatched")
     v.add_argument("--allow-pickle", action="store_true",

@@ -3,10 +3,12 @@
 Recognised: diffusers ``AutoencoderKL`` (SD1.5/SDXL/SD3/FLUX.1 layouts), the
 original single-file layout (ComfyUI, the SD repositories, FLUX ``ae``; bare
 or under ``first_stage_model.``/``vae.``), TAESD-format ``nn.Sequential``
-encoders/decoders, and diffusers ``AutoencoderTiny``. Each recognised format
-knows how to build its model (the diffusers class or the package's own TAESD
-module), how to decode/encode with it, and the geometry of each convolution
-weight for the per-layer check. Anything else gets the per-layer check alone.
+encoders/decoders, diffusers ``AutoencoderTiny``, and the Wan 2.1-family
+video VAE (diffusers ``AutoencoderKLWan``, in its own layout and in the
+original Wan repository's). Each recognised format knows how to build its
+model (the diffusers class or the package's own TAESD module), how to
+decode/encode with it, and the geometry of each convolution weight (2-D and
+3-D) for the per-layer check. Anything else gets the per-layer check alone.
 """
 
 from __future__ import annotations
@@ -22,18 +24,33 @@ Shapes = Dict[str, tuple]
 LDM_PREFIXES = ("first_stage_model.", "vae.")
 
 
+def same_geometry3d(name: str, shape: tuple) -> Tuple[tuple, tuple]:
+    """Stride 1 and 'same' padding at both ends of each axis: the guess for
+    a 5-D weight of a format that says nothing else."""
+    return (1, 1, 1), tuple((k // 2, k // 2) for k in shape[2:5])
+
+
 @dataclass
 class Format:
     kind: str
     description: str
     # Per-layer geometry of a 4-D weight: (stride, padding) for its conv.
     geometry: Callable[[str, tuple], Tuple[int, int]] = lambda name, shape: (1, shape[2] // 2)
+    # Of a 5-D weight: (stride (t, h, w), padding ((front, back) per axis)).
+    geometry3d: Callable[[str, tuple], Tuple[tuple, tuple]] = same_geometry3d
     build: Optional[Callable[[Dict[str, torch.Tensor]], nn.Module]] = None
     decode: Optional[Callable[[nn.Module, torch.Tensor], torch.Tensor]] = None
     encode: Optional[Callable[[nn.Module, torch.Tensor], torch.Tensor]] = None
     latent_channels: int = 0
     factor: int = 8
     image_range: Tuple[float, float] = (-1.0, 1.0)
+    # A video model's end-to-end inputs: latent frames decoded, frames
+    # encoded (0: an image model, 4-D inputs).
+    latent_frames: int = 0
+    video_frames: int = 0
+    # Set where the file is plainly of this format but cannot be a model of
+    # it (a tensor missing or of the wrong shape): bad input, not a fallback.
+    problem: str = ""
 
     @property
     def recognised(self) -> bool:
@@ -281,6 +298,261 @@ def _tiny_format(enc: list, dec: list) -> Format:
         image_range=(-1.0, 1.0))
 
 
+# -- Wan 2.1-family video VAE (diffusers AutoencoderKLWan) -------------------
+
+# The original Wan repository's layout (wan/modules/vae.py: Wan2.1_VAE.pth,
+# ComfyUI's wan_2.1_vae.safetensors) to AutoencoderKLWan's names, written
+# from the two modules' attribute names. A residual block there is one
+# Sequential (norm, SiLU, conv, norm, SiLU, dropout, conv), the middle is
+# (resnet, attention, resnet), the head (norm, SiLU, conv), and the quant
+# convs are the top-level conv1/conv2. The decoder's flat ``upsamples`` list
+# is regrouped into levels by wan_original_names, not by this table.
+_WAN_RENAMES = [(re.compile(a), b) for a, b in (
+    (r"^conv1\.", "quant_conv."),
+    (r"^conv2\.", "post_quant_conv."),
+    (r"^(encoder|decoder)\.conv1\.", r"\1.conv_in."),
+    (r"^(encoder|decoder)\.middle\.0\.", r"\1.mid_block.resnets.0."),
+    (r"^(encoder|decoder)\.middle\.1\.", r"\1.mid_block.attentions.0."),
+    (r"^(encoder|decoder)\.middle\.2\.", r"\1.mid_block.resnets.1."),
+    (r"^(encoder|decoder)\.head\.0\.", r"\1.norm_out."),
+    (r"^(encoder|decoder)\.head\.2\.", r"\1.conv_out."),
+    (r"^encoder\.downsamples\.", "encoder.down_blocks."),
+    (r"\.residual\.0\.", ".norm1."),
+    (r"\.residual\.2\.", ".conv1."),
+    (r"\.residual\.3\.", ".norm2."),
+    (r"\.residual\.6\.", ".conv2."),
+    (r"\.shortcut\.", ".conv_shortcut."),
+)]
+_WAN_ORIGINAL = re.compile(r"(encoder\.downsamples|decoder\.upsamples|encoder\.middle|decoder\.middle|"
+                           r"encoder\.head|decoder\.head)\.\d+\.")
+# Wan 2.2's residual up/down blocks (the TI2V-5B VAE: patchified 12-channel
+# input, avg/dup shortcuts, blocks nested in levels), in either layout.
+_WAN22 = re.compile(r"(.*\.avg_shortcut\.|encoder\.down_blocks\.\d+\.resnets\.|"
+                    r"(encoder\.downsamples|decoder\.upsamples)\.\d+\.(downsamples|upsamples)\.)")
+
+
+def wan_original_names(keys) -> Dict[str, str]:
+    """Original Wan layout name -> AutoencoderKLWan name, for every key.
+    The decoder's ``upsamples.N`` are, level after level, num_res_blocks + 1
+    residual blocks then one resample (none after the last level); a block
+    is a resample when it has ``resample.``/``time_conv.`` tensors."""
+    rx = re.compile(r"decoder\.upsamples\.(\d+)\.(.*)")
+    flat = _idx(keys, r"decoder\.upsamples\.(\d+)\.")
+    resamples = {int(m.group(1)) for k in keys for m in [rx.match(k)]
+                 if m and m.group(2).startswith(("resample.", "time_conv."))}
+    where, level, j = {}, 0, 0
+    for n in flat:
+        if n in resamples:
+            where[n] = f"decoder.up_blocks.{level}.upsamplers.0."
+            level, j = level + 1, 0
+        else:
+            where[n] = f"decoder.up_blocks.{level}.resnets.{j}."
+            j += 1
+    out = {}
+    for k in keys:
+        m = rx.match(k)
+        new = where[int(m.group(1))] + m.group(2) if m else k
+        for pattern, repl in _WAN_RENAMES:
+            new = pattern.sub(repl, new)
+        out[k] = new
+    return out
+
+
+class _Unsupported(ValueError):
+    """A Wan-family file of a variant AutoencoderKLWan is not built for here."""
+
+
+def _wan_config(shapes: Shapes) -> dict:
+    """AutoencoderKLWan's constructor arguments from AutoencoderKLWan-named
+    shapes. Only a plausible config: the shape check against the model built
+    from it (_wan_problem) is what decides whether the file fits."""
+    keys = list(shapes)
+    has_enc, has_dec = "encoder.conv_in.weight" in shapes, "decoder.conv_in.weight" in shapes
+    if any(_WAN22.match(k) for k in keys):
+        raise _Unsupported("Wan 2.2-style residual up/down blocks (the TI2V-5B VAE)")
+    if any(re.match(r"(encoder\.down_blocks|decoder\.up_blocks\.\d+\.resnets)\.\d+\.to_qkv\.", k) for k in keys):
+        raise _Unsupported("attention blocks inside the levels (attn_scales)")
+    widths, temporal, nrb, base = None, None, None, 0
+    if has_enc:
+        levels, cur = [], []
+        for i in _idx(keys, r"encoder\.down_blocks\.(\d+)\."):
+            if f"encoder.down_blocks.{i}.conv1.weight" in shapes:
+                cur.append(shapes[f"encoder.down_blocks.{i}.conv1.weight"][0])
+            elif f"encoder.down_blocks.{i}.resample.1.weight" in shapes:
+                levels.append((cur, f"encoder.down_blocks.{i}.time_conv.weight" in shapes))
+                cur = []
+            else:
+                raise KeyError(f"encoder.down_blocks.{i} is neither a residual block (conv1) nor a resample")
+        levels.append((cur, False))
+        if not all(ws for ws, _ in levels):
+            raise ValueError("an encoder level has no residual block")
+        widths = [ws[0] for ws, _ in levels]
+        temporal = [t for _, t in levels[:-1]]
+        nrb = len(levels[0][0])
+        base = shapes["encoder.conv_in.weight"][0]
+        in_channels = shapes["encoder.conv_in.weight"][1]
+    if has_dec:
+        ups = _idx(keys, r"decoder\.up_blocks\.(\d+)\.")
+        dec_widths = [shapes[f"decoder.up_blocks.{i}.resnets.0.conv2.weight"][0] for i in ups][::-1]
+        dec_temporal = [f"decoder.up_blocks.{i}.upsamplers.0.time_conv.weight" in shapes for i in ups[:-1]][::-1]
+        dec_nrb = len(_idx(keys, r"decoder\.up_blocks\.0\.resnets\.(\d+)\.")) - 1
+        if widths is None:
+            # A decoder alone does not say how its widths split into base
+            # and multipliers; Wan's first multiplier is 1.
+            widths, temporal, nrb, base, in_channels = dec_widths, dec_temporal, dec_nrb, dec_widths[0], 3
+        dec_base = dec_widths[0] * base // widths[0]
+    if not widths or base <= 0 or any(w % base for w in widths):
+        raise ValueError(f"level widths {widths} are not multiples of the base width {base}")
+    if in_channels != 3:
+        raise _Unsupported(f"{in_channels} input channels (a patchified input, as Wan 2.2's)")
+    z_dim = (shapes["post_quant_conv.weight"][0] if "post_quant_conv.weight" in shapes
+             else shapes["decoder.conv_in.weight"][1] if has_dec else shapes["encoder.conv_out.weight"][0] // 2)
+    config = dict(base_dim=base, z_dim=z_dim, dim_mult=[w // base for w in widths], num_res_blocks=nrb,
+                  temperal_downsample=temporal, attn_scales=[], in_channels=3,
+                  out_channels=shapes["decoder.conv_out.weight"][0] if "decoder.conv_out.weight" in shapes else 3,
+                  scale_factor_spatial=2 ** (len(widths) - 1), scale_factor_temporal=2 ** sum(temporal))
+    if has_dec and dec_base != base:
+        config["decoder_base_dim"] = dec_base
+    return config
+
+
+# What a file holding one half of the model lacks: the other half's tensors.
+_WAN_HALVES = {"encoder": ("encoder.", "quant_conv."), "decoder": ("decoder.", "post_quant_conv.")}
+
+
+def _wan_absent(parts: set) -> tuple:
+    """Name prefixes of the halves a file does not hold (missing, not lost)."""
+    return tuple(p for part, prefixes in _WAN_HALVES.items() if part not in parts for p in prefixes)
+
+
+def _wan_parts(shapes: Shapes) -> set:
+    return {p for p, k in (("encoder", "encoder.conv_in.weight"), ("decoder", "decoder.conv_in.weight"))
+            if k in shapes}
+
+
+def _wan_problem(config: dict, shapes: Shapes, shown: Callable[[str], str] = repr) -> str:
+    """What keeps a file with these (AutoencoderKLWan-named) shapes from
+    loading into AutoencoderKLWan(**config) strictly, or "". A file may hold
+    the encoder (with quant_conv) or the decoder (with post_quant_conv)
+    alone. The model is built on the meta device: no memory, whatever the
+    config claims."""
+    from diffusers import AutoencoderKLWan
+    with torch.device("meta"):
+        model = AutoencoderKLWan(**config)
+    want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    absent = _wan_absent(_wan_parts(shapes))
+    missing = [k for k in want if k not in shapes and not k.startswith(absent)]
+    unexpected = [k for k in shapes if k not in want]
+    wrong = [k for k in shapes if k in want and tuple(shapes[k]) != want[k]]
+    what = _describe_wan(config)
+    if unexpected:
+        return f"tensor {shown(unexpected[0])} is not part of {what} ({len(unexpected)} such tensor(s))"
+    if missing:
+        return f"tensor {shown(missing[0])} of {what} is missing ({len(missing)} missing)"
+    if wrong:
+        k = wrong[0]
+        return f"tensor {shown(k)} has shape {list(shapes[k])}, {what} needs {list(want[k])}"
+    return ""
+
+
+def _describe_wan(config: dict) -> str:
+    return (f"AutoencoderKLWan base_dim={config['base_dim']}, dim_mult={config['dim_mult']}, num_res_blocks="
+            f"{config['num_res_blocks']}, z_dim={config['z_dim']}, temperal_downsample="
+            f"{config['temperal_downsample']}"
+            + (f", decoder_base_dim={config['decoder_base_dim']}" if "decoder_base_dim" in config else ""))
+
+
+def _wan_geometry(name, shape):
+    # An encoder resample zero-pads (0, 1, 0, 1) itself, then runs an
+    # unpadded stride-2 conv; the decoder's upsample conv is 'same'.
+    if name.startswith("encoder.") and ".resample." in name:
+        return 2, 0
+    return 1, shape[2] // 2
+
+
+def _wan_geometry3d(name, shape):
+    # A downsample3d's time conv runs unpadded at time stride 2 on its cached
+    # frame and the new ones; every other conv is causal: 2p frames in front,
+    # none behind, 'same' in space.
+    if name.startswith("encoder.") and ".time_conv." in name:
+        return (2, 1, 1), ((0, 0), (0, 0), (0, 0))
+    kt, kh, kw = shape[2:5]
+    return (1, 1, 1), ((2 * (kt // 2), 0), (kh // 2, kh // 2), (kw // 2, kw // 2))
+
+
+def _wan_format(shapes: Shapes, rename: Optional[Dict[str, str]]) -> Format:
+    """``rename``: the file's names to AutoencoderKLWan's (None: they are)."""
+    names = rename or {k: k for k in shapes}
+    back = {v: k for k, v in names.items()}
+
+    def shown(name):
+        """A tensor as the message names it: the file's own name where it has
+        it (or its weight/bias sibling), else AutoencoderKLWan's, said so."""
+        if name in back:
+            return repr(back[name])
+        for have, want in ((".bias", ".weight"), (".weight", ".bias")):
+            sibling = name[: -len(want)] + have
+            if name.endswith(want) and sibling in back:
+                return repr(back[sibling][: -len(have)] + want)
+        return repr(name) + (" (AutoencoderKLWan's name)" if rename else "")
+
+    own = {names[k]: v for k, v in shapes.items()}
+    label = "Wan video VAE, " + ("diffusers layout" if rename is None else "original Wan layout")
+    try:
+        config = _wan_config(own)
+    except _Unsupported as e:
+        return Format("unknown", f"{label}, but {e}: not supported end to end")
+    except KeyError as e:  # a tensor the config is read from, or a block that is neither kind
+        what = e.args[0] if e.args else "?"
+        if isinstance(what, str) and what.endswith((".weight", ".bias", ".gamma")):
+            what = f"tensor {shown(what)} is missing"
+        return Format("wan-vae", label, problem=f"looks like a {label} but {what}")
+    except (IndexError, TypeError, ValueError, ZeroDivisionError) as e:
+        return Format("wan-vae", label, problem=f"looks like a {label} but its layout does not fit one "
+                                                f"({type(e).__name__}: {e})")
+    parts = _wan_parts(own)
+    try:
+        problem = _wan_problem(config, own, shown)
+    except ImportError:
+        problem = ""  # no diffusers: the end-to-end check says so
+    except (RuntimeError, ValueError, TypeError) as e:
+        problem = f"no AutoencoderKLWan fits its shapes ({type(e).__name__}: {str(e).strip()[:120]})"
+    if problem:
+        problem = f"looks like a {label} but {problem}"
+
+    def build(state):
+        from diffusers import AutoencoderKLWan
+        model = AutoencoderKLWan(**config)
+        state = {names.get(k, k): v for k, v in state.items()}
+        # Strict, but for the half a one-half file does not hold.
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        absent = _wan_absent(parts)
+        if unexpected or any(not k.startswith(absent) for k in missing):
+            raise ValueError(f"layout does not match {_describe_wan(config)}: {len(missing)} missing, "
+                             f"{len(unexpected)} unexpected keys")
+        return model
+
+    def geometry(name, shape):
+        return _wan_geometry(names.get(name, name), shape)
+
+    def geometry3d(name, shape):
+        return _wan_geometry3d(names.get(name, name), shape)
+
+    return Format(
+        kind="wan-vae", description=f"{label}, as {_describe_wan(config)}"
+        + ("" if parts == {"encoder", "decoder"} else f" ({next(iter(parts))} only)"),
+        geometry=geometry, geometry3d=geometry3d, build=build,
+        decode=(lambda m, z: m.decode(z).sample) if "decoder" in parts else None,
+        encode=(lambda m, x: m.encode(x).latent_dist.mode()) if "encoder" in parts else None,
+        latent_channels=config["z_dim"], factor=config["scale_factor_spatial"], image_range=(-1.0, 1.0),
+        # Wan encodes a first frame, then chunks of 4.
+        latent_frames=2, video_frames=1 + max(4, config["scale_factor_temporal"]), problem=problem)
+
+
+def _is_5d(shapes: Shapes, *names) -> bool:
+    return any(len(shapes.get(n, ())) == 5 for n in names)
+
+
 # -- dispatch -------------------------------------------------------------------
 
 def strip_ldm_prefix(shapes: Shapes) -> Tuple[Shapes, str]:
@@ -303,6 +575,14 @@ def recognise(shapes: Shapes) -> Format:
         dec = taesd_plan(shapes, "decoder.layers.", decoder=True)
         if enc is not None and dec is not None:
             return _tiny_format(enc, dec)
+        # Wan's marks: a 5-D first conv and RMS norms (``gamma``, where
+        # other VAEs have GroupNorm weights).
+        rms = any(k.endswith(".gamma") for k in shapes)
+        if rms and _is_5d(shapes, "encoder.conv_in.weight", "decoder.conv_in.weight"):
+            return _wan_format(shapes, None)
+        if rms and _is_5d(shapes, "encoder.conv1.weight", "decoder.conv1.weight") and any(
+                _WAN_ORIGINAL.match(k) for k in shapes):
+            return _wan_format(shapes, wan_original_names(list(shapes)))
         if any(re.match(r"(encoder\.down_blocks|decoder\.up_blocks)\.\d+\.", k) for k in shapes):
             config = _kl_config(shapes, "diffusers")
             return _kl_format("diffusers-autoencoderkl", "diffusers " + _describe_kl(config), shapes, config)

@@ -36,6 +36,17 @@ LAYER_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 TF32_TOL = 5e-3
 E2E_RATIO = 1.5
 E2E_FLOOR = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 4e-3}
+NAN_NOTE = "weights contain NaN/Inf: not compared"
+# A 5-D weight's per-layer probe: a few frames, small in space. Its input
+# and output are at most CONV3D_MAX_PROBE elements, and the work at most
+# CONV3D_MAX_MACS multiply-adds (whole tiles under the interpreter: a few
+# seconds there), whatever sizes the file's tensors claim.
+CONV3D_FRAMES = 3
+CONV3D_MAX_PROBE = 1 << 22
+CONV3D_MAX_MACS = 1 << 33
+# Under the interpreter one layer per distinct 3-D geometry is run, at most
+# this many: a full Wan VAE has 61 Conv3d weights of 16 geometries.
+CONV3D_MAX_INTERPRETED = 24
 
 
 @dataclass
@@ -111,8 +122,7 @@ def check_layer(name: str, conv: nn.Module, size: int, seed: int) -> LayerResult
     device, dtype = w.device, w.dtype
     tol = _layer_tolerance(dtype, device)
     if not torch.isfinite(w).all() or (conv.bias is not None and not torch.isfinite(conv.bias).all()):
-        return LayerResult(name, spec.describe(), "-", None, None, tol, True,
-                           "weights contain NaN/Inf: not compared")
+        return LayerResult(name, spec.describe(), "-", None, None, tol, True, NAN_NOTE)
     g = torch.Generator().manual_seed(seed)
     h = max(size // spec.stride[0] if spec.transposed else size, 1)
     # The probe is at least as large as the kernel's reach on each axis (a
@@ -248,11 +258,66 @@ def _natural(name: str) -> list:
 
 
 def conv_weight_names(state: dict) -> List[str]:
-    """Every 4-D floating-point ``*weight`` tensor: the file's convolutions,
-    in natural order (layer 2 before layer 10)."""
+    """Every 4-D (Conv2d) and 5-D (Conv3d) floating-point ``*weight``
+    tensor: the file's convolutions, in natural order (layer 2 before 10)."""
     return sorted((k for k, v in state.items()
-                   if k.endswith("weight") and v.dim() == 4 and v.is_floating_point() and min(v.shape) > 0),
+                   if k.endswith("weight") and v.dim() in (4, 5) and v.is_floating_point() and min(v.shape) > 0),
                   key=_natural)
+
+
+def describe3d(shape, stride, pads) -> str:
+    """A 5-D conv as the report shows it: ``96->96 k3x3x3 s1x1x1 p2/0x1x1``
+    (padding front/back where they differ)."""
+    k = "x".join(str(d) for d in shape[2:5])
+    s = "x".join(str(d) for d in stride)
+    p = "x".join(str(f) if f == b else f"{f}/{b}" for f, b in pads)
+    return f"{shape[1]}->{shape[0]} k{k} s{s} p{p}"
+
+
+def _conv3d_macs(shape, out_voxels, interpreted) -> int:
+    """The multiply-adds of a 5-D conv; under the interpreter, of the whole
+    tiles it computes (a 1-output-channel conv still runs a full tile)."""
+    from .ops import CONV3D_TILES
+    m, n, k = out_voxels, shape[0], math.prod(shape[1:5])
+    if interpreted:
+        t = CONV3D_TILES["interpreter"]
+        m, n, k = (-(-a // t[b]) * t[b] for a, b in ((m, "BLOCK_M"), (n, "BLOCK_N"), (k, "BLOCK_K")))
+    return m * n * k
+
+
+def check_layer3d(name: str, weight: torch.Tensor, bias: Optional[torch.Tensor], stride: tuple, pads: tuple,
+                  frames: int, size: int, seed: int) -> LayerResult:
+    """One 5-D weight (already on its device and dtype): ``ops.conv3d``
+    with the kernel route against float64 ``F.conv3d`` on seeded random
+    frames, PyTorch's own conv3d in the same dtype measured the same way.
+    Geometry: per-axis stride and (front, back) padding, as a causal conv
+    has (2p frames in front, none behind)."""
+    from . import ops
+    device, dtype = weight.device, weight.dtype
+    tol = _layer_tolerance(dtype, device)
+    desc = describe3d(tuple(weight.shape), stride, pads)
+    if not torch.isfinite(weight).all() or (bias is not None and not torch.isfinite(bias).all()):
+        return LayerResult(name, desc, "-", None, None, tol, True, NAN_NOTE)
+    # The probe is at least as long as the kernel's reach on each axis.
+    ext = [max(e, k - f - b, 1) for e, k, (f, b) in zip((frames, size, size), weight.shape[2:5], pads)]
+    out = [(e + f + b - k) // s + 1 for e, k, (f, b), s in zip(ext, weight.shape[2:5], pads, stride)]
+    interpreted = device.type == "cpu" and target_for(device).interpreter
+    if (weight.shape[1] * math.prod(ext) > CONV3D_MAX_PROBE or weight.shape[0] * math.prod(out) > CONV3D_MAX_PROBE
+            or _conv3d_macs(tuple(weight.shape), math.prod(out), interpreted) > CONV3D_MAX_MACS):
+        return LayerResult(name, desc, "-", None, None, tol, True,
+                           "too large for a per-layer check here: not compared")
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, weight.shape[1], *ext, generator=g).to(device=device, dtype=dtype)
+    flat = tuple(p for f, b in reversed(pads) for p in (f, b))  # F.pad order: w, h, t
+    with torch.no_grad():
+        ours = ops.conv3d(x, weight, bias, stride, padding=pads, route="kernel")
+        theirs = F.conv3d(F.pad(x, flat), weight, bias, stride)
+        ref = F.conv3d(F.pad(x.double().cpu(), flat), weight.double().cpu(),
+                       None if bias is None else bias.double().cpu(), stride)
+    ran = target_for(device).kernels and dtype in ops.KERNEL_DTYPES
+    err, terr = rel_err(ours, ref), rel_err(theirs, ref)
+    return LayerResult(name, desc, "conv3d_igemm" if ran else "pytorch (no kernel here)", err, terr, tol,
+                       err <= max(tol, 2 * terr))
 
 
 def _file_dtype(state: dict, names: List[str]) -> torch.dtype:
@@ -262,17 +327,39 @@ def _file_dtype(state: dict, names: List[str]) -> torch.dtype:
 
 
 def check_file_layers(state: dict, fmt, device, dtype, size: int,
-                      progress: Optional[Callable] = None) -> List[LayerResult]:
+                      progress: Optional[Callable] = None, notes: Optional[list] = None) -> List[LayerResult]:
     """Each conv weight of the file, as a conv of the geometry its format
-    gives it (stride 1, 'same' padding when the format is unknown)."""
+    gives it (stride 1, 'same' padding when the format is unknown). 5-D
+    weights run through ``ops.conv3d`` on a few frames; under the
+    interpreter one per distinct geometry (``notes`` gets a line on the
+    rest)."""
     from .wrappers import PatchedConv2d
     names = conv_weight_names(state)
-    results = []
+    interpreted = _interpreted(device)
+    results, seen, repeats, over = [], {}, 0, 0
     for i, name in enumerate(names):
         w = state[name]
         bias = state.get(name[: -len("weight")] + "bias")
         if bias is not None and tuple(bias.shape) != (w.shape[0],):
             bias = None
+        if w.dim() == 5:
+            stride, pads = fmt.geometry3d(name, tuple(w.shape))
+            key = (tuple(w.shape), stride, pads, bias is not None)
+            finite = bool(torch.isfinite(w).all()) and (bias is None or bool(torch.isfinite(bias).all()))
+            if interpreted and finite and key in seen:
+                repeats += 1
+            elif interpreted and finite and len(seen) >= CONV3D_MAX_INTERPRETED:
+                over += 1
+            else:
+                if finite:  # a NaN weight is a finding, not its geometry's check
+                    seen.setdefault(key, name)
+                results.append(check_layer3d(name[: -len(".weight")] or name, w.to(device=device, dtype=dtype),
+                                             None if bias is None else bias.to(device=device, dtype=dtype),
+                                             stride, pads, CONV3D_FRAMES, min(size, 8 if interpreted else 32),
+                                             seed=i))
+            if progress:
+                progress(i + 1, len(names), name)
+            continue
         stride, pad = fmt.geometry(name, tuple(w.shape))
         conv = nn.Conv2d(w.shape[1], w.shape[0], tuple(w.shape[2:]), stride=stride, padding=pad,
                          bias=bias is not None)
@@ -284,6 +371,12 @@ def check_file_layers(state: dict, fmt, device, dtype, size: int,
         results.append(check_layer(name[: -len(".weight")] or name, conv, size, seed=i))
         if progress:
             progress(i + 1, len(names), name)
+    if notes is not None and (repeats or over):
+        notes.append(f"Conv3d weights: {len(seen)} checked, one per distinct shape and geometry (under the "
+                     "interpreter, to stay fast on a CPU)" + (f"; {repeats} more of those geometries not re-run"
+                                                              if repeats else "")
+                     + (f"; {over} of further geometries past the first {CONV3D_MAX_INTERPRETED} not run"
+                        if over else "") + " (all checked for NaN/Inf)")
     return results
 
 
@@ -324,6 +417,10 @@ class _Pair(nn.Module):
 
 
 def _default_size(fmt, device, image: bool) -> int:
+    if fmt.latent_frames:
+        # A video model runs several frames: 2 latent pixels on the CPU,
+        # a modest size on a GPU.
+        return max(fmt.factor * 2, 64 if image else 16) if device.type != "cuda" else 256
     if device.type == "cuda":
         return 512
     # Interpreter: small, but a real image needs a few latent pixels.
@@ -344,9 +441,12 @@ def verify_files(paths, device, dtype=None, size=None, image=None, allow_pickle=
         state = checkpoint.load(path, allow_pickle=allow_pickle)
         names = conv_weight_names(state)
         if not names:
-            raise checkpoint.CheckpointError(f"{path}: holds no convolution weights (no 4-D floating-point "
-                                             "tensor named *weight)")
-        loaded.append((path, state, formats.recognise({k: tuple(v.shape) for k, v in state.items()})))
+            raise checkpoint.CheckpointError(f"{path}: holds no convolution weights (no 4-D or 5-D "
+                                             "floating-point tensor named *weight)")
+        fmt = formats.recognise({k: tuple(v.shape) for k, v in state.items()})
+        if fmt.problem:
+            raise checkpoint.CheckpointError(f"{path}: {fmt.problem}")
+        loaded.append((path, state, fmt))
 
     reports, runnable = [], []
     for path, state, fmt in loaded:
@@ -359,13 +459,13 @@ def verify_files(paths, device, dtype=None, size=None, image=None, allow_pickle=
                            dtype=str(dt).replace("torch.", ""),
                            interpreter=_interpreted(device))
         rep.layers = check_file_layers(state, fmt, device, dt, 64 if device.type == "cuda" else 12,
-                                       progress)
-        bad = [r.name for r in rep.layers if r.note]
+                                       progress, rep.notes)
+        bad = [r.name for r in rep.layers if r.note == NAN_NOTE]
         if bad:
             rep.notes.append(f"finding: {len(bad)} conv weight(s) contain NaN/Inf ({', '.join(bad[:3])}"
                              f"{', ...' if len(bad) > 3 else ''}); end-to-end checks skipped")
         if not fmt.recognised:
-            rep.notes.append("architecture not recognised: per-layer checks only")
+            rep.notes.append(f"{fmt.description}: per-layer checks only")
         elif not bad:
             try:
                 _file_end_to_end(rep, fmt, state, device, dt, s, image, timing)
@@ -379,15 +479,22 @@ def verify_files(paths, device, dtype=None, size=None, image=None, allow_pickle=
                 rep.notes.append(f"looks like {fmt.kind} but the model could not be built from it "
                                  f"({type(e).__name__}: {str(e).strip().splitlines()[0][:120]}): "
                                  "per-layer checks only")
+        if fmt.latent_frames and rep.end_to_end:
+            # ops.conv3d is checked per layer above; apply() does not route a
+            # model's Conv3d layers yet, so they run PyTorch's in both runs.
+            rep.notes.append("end to end: conv-patch runs this video VAE's Conv2d layers (resample, attention); "
+                             "its Conv3d layers run PyTorch's code, patched and unpatched alike")
         if rep.interpreter:
+            frames = f", {fmt.video_frames} frames" if fmt.latent_frames else ""
             rep.notes.append("no GPU: the kernels ran under the Triton interpreter on the CPU, at a small "
-                             f"size ({s}x{s}); no timings")
+                             f"size ({s}x{s}{frames}); no timings")
         elif _no_kernels_note(device):
             rep.notes.append(_no_kernels_note(device))
         reports.append(rep)
 
-    encs = [(i, r) for i, r in enumerate(runnable) if r[1].encode and not r[1].decode]
-    decs = [(i, r) for i, r in enumerate(runnable) if r[1].decode and not r[1].encode]
+    # Separate encoder and decoder files pair up for images only.
+    encs = [(i, r) for i, r in enumerate(runnable) if r[1].encode and not r[1].decode and not r[1].latent_frames]
+    decs = [(i, r) for i, r in enumerate(runnable) if r[1].decode and not r[1].encode and not r[1].latent_frames]
     if image is not None and encs and decs:
         (_, (_, efmt, estate, dt, s)), (di, (_, dfmt, dstate, _, _)) = encs[0], decs[0]
         if efmt.latent_channels == dfmt.latent_channels:
@@ -403,6 +510,8 @@ def verify_files(paths, device, dtype=None, size=None, image=None, allow_pickle=
 
 
 def _file_end_to_end(rep, fmt, state, device, dtype, size, image, timing):
+    if fmt.latent_frames:
+        return _video_end_to_end(rep, fmt, state, device, dtype, size, image, timing)
     g = torch.Generator().manual_seed(0)
     lo, hi = fmt.image_range
     if fmt.decode:
@@ -417,4 +526,27 @@ def _file_end_to_end(rep, fmt, state, device, dtype, size, image, timing):
         x = load_image(image, size, fmt.image_range).to(device)
         rep.end_to_end.append(check_end_to_end(
             f"encode->decode {image} at {size}x{size}", fmt.build(state).to(device).eval(),
+            lambda m, t: fmt.decode(m, fmt.encode(m, t)), x, dtype, timing, fmt.image_range))
+
+
+def _video_end_to_end(rep, fmt, state, device, dtype, size, image, timing):
+    """A video VAE: seeded latent frames decoded, seeded frames encoded, and
+    ``image`` as a one-frame video through both (its reconstruction PSNR)."""
+    g = torch.Generator().manual_seed(0)
+    lo, hi = fmt.image_range
+    lat = size // fmt.factor
+    if fmt.decode:
+        z = torch.randn(1, fmt.latent_channels, fmt.latent_frames, lat, lat, generator=g)
+        rep.end_to_end.append(check_end_to_end(f"decode {fmt.latent_frames} latent frames to {size}x{size}",
+                                               fmt.build(state).to(device).eval(), fmt.decode, z.to(device),
+                                               dtype, timing))
+    if fmt.encode:
+        x = torch.rand(1, 3, fmt.video_frames, size, size, generator=g) * (hi - lo) + lo
+        rep.end_to_end.append(check_end_to_end(f"encode {fmt.video_frames} frames of {size}x{size}",
+                                               fmt.build(state).to(device).eval(), fmt.encode, x.to(device),
+                                               dtype, timing))
+    if image is not None and fmt.decode and fmt.encode:
+        x = load_image(image, size, fmt.image_range)[:, :, None].to(device)
+        rep.end_to_end.append(check_end_to_end(
+            f"encode->decode {image} as one frame at {size}x{size}", fmt.build(state).to(device).eval(),
             lambda m, t: fmt.decode(m, fmt.encode(m, t)), x, dtype, timing, fmt.image_range))

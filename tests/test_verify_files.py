@@ -418,3 +418,258 @@ def test_unreadable_image_is_refused_before_any_check(tmp_path, capsys, monkeypa
     code, out, err = run_cli(["verify", str(path), "--image", str(img)], capsys)
     assert code == 2 and "photo.png: cannot read as an image" in err and len(err.strip().splitlines()) == 1
     assert not checked
+
+
+# -- Wan 2.1-family video VAE ----------------------------------------------------
+
+WAN_TINY = dict(base_dim=4, z_dim=4, dim_mult=[1, 2, 2], num_res_blocks=1, temperal_downsample=[False, True])
+
+
+def _small_wan():
+    diffusers = pytest.importorskip("diffusers")
+    torch.manual_seed(0)
+    return diffusers.AutoencoderKLWan(**WAN_TINY)
+
+
+def diffusers_to_wan_original(sd, num_res_blocks):
+    """The original Wan repository's key layout (wan/modules/vae.py, as in
+    Wan2.1_VAE.pth and ComfyUI's wan_2.1_vae.safetensors), written from
+    AutoencoderKLWan keys for building test files; independent of
+    conv_patch.formats' own mapping, which goes the other way."""
+    per_level = num_res_blocks + 2  # the decoder's resnets, then its resample
+    inner = {"norm1": "residual.0", "conv1": "residual.2", "norm2": "residual.3", "conv2": "residual.6",
+             "conv_shortcut": "shortcut"}
+    out = {}
+    for k, v in sd.items():
+        p = k.split(".")
+        resnet = ".resnets." in k or ".down_blocks." in k
+        if p[0] == "quant_conv":
+            p = ["conv1"] + p[1:]
+        elif p[0] == "post_quant_conv":
+            p = ["conv2"] + p[1:]
+        elif p[1] == "conv_in":
+            p = [p[0], "conv1"] + p[2:]
+        elif p[1] == "norm_out":
+            p = [p[0], "head", "0"] + p[2:]
+        elif p[1] == "conv_out":
+            p = [p[0], "head", "2"] + p[2:]
+        elif p[1] == "mid_block":
+            idx = {("resnets", "0"): "0", ("attentions", "0"): "1", ("resnets", "1"): "2"}[(p[2], p[3])]
+            p = [p[0], "middle", idx] + p[4:]
+        elif p[1] == "down_blocks":
+            p = ["encoder", "downsamples"] + p[2:]
+        elif p[1] == "up_blocks":
+            level = int(p[2])
+            if p[3] == "resnets":
+                p = ["decoder", "upsamples", str(level * per_level + int(p[4]))] + p[5:]
+            else:  # upsamplers.0
+                p = ["decoder", "upsamples", str(level * per_level + per_level - 1)] + p[5:]
+        if resnet and p[-2] in inner:
+            p = p[:-2] + inner[p[-2]].split(".") + p[-1:]
+        out[".".join(p)] = v.contiguous()
+    return out
+
+
+def _wan_file(tmp_path, layout, sd=None):
+    sd = sd if sd is not None else {k: v.contiguous() for k, v in _small_wan().state_dict().items()}
+    if layout == "original":
+        sd = diffusers_to_wan_original(sd, WAN_TINY["num_res_blocks"])
+    path = tmp_path / f"wan_{layout}.safetensors"
+    save_file(sd, str(path))
+    return path
+
+
+def _wan_decode_ref(vae):
+    torch.manual_seed(1)
+    with torch.no_grad():
+        return vae.decode(torch.randn(1, 4, 2, 2, 2)).sample
+
+
+def test_wan_original_mapping_names_the_real_modules():
+    """The test's own mapping gives the original module's names (not just
+    something the package's inverse accepts)."""
+    names = set(diffusers_to_wan_original({k: torch.zeros(1) for k in _small_wan().state_dict()}, 1))
+    for k in ("encoder.conv1.weight", "encoder.downsamples.0.residual.0.gamma",
+              "encoder.downsamples.1.resample.1.weight", "encoder.downsamples.3.time_conv.weight", "encoder.middle.1.to_qkv.weight", "encoder.head.2.weight",
+              "conv1.weight", "conv2.bias", "decoder.conv1.weight", "decoder.middle.2.residual.6.weight",
+              "decoder.upsamples.2.time_conv.weight", "decoder.upsamples.3.shortcut.weight",
+              "decoder.upsamples.5.resample.1.weight", "decoder.upsamples.7.residual.6.bias", "decoder.head.0.gamma"):
+        assert k in names, k
+    assert not any("up_blocks" in k or "down_blocks" in k or "mid_block" in k for k in names)
+
+
+@pytest.mark.parametrize("layout", ["diffusers", "original"])
+def test_wan_video_vae_layouts(layout, tmp_path, capsys):
+    vae = _small_wan()
+    path = _wan_file(tmp_path, layout, {k: v.contiguous() for k, v in vae.state_dict().items()})
+    before = _fingerprint(path)
+    from conv_patch import checkpoint, formats
+    state = checkpoint.load(path)
+    fmt = formats.recognise({k: tuple(v.shape) for k, v in state.items()})
+    assert fmt.kind == "wan-vae" and not fmt.problem, fmt.description
+    assert ("original Wan layout" if layout == "original" else "diffusers layout") in fmt.description
+    assert ("base_dim=4, dim_mult=[1, 2, 2], num_res_blocks=1, z_dim=4, temperal_downsample=[False, True]"
+            in fmt.description)
+    rebuilt = fmt.build(state).eval()
+    assert {k: v for k, v in rebuilt.config.items() if k in WAN_TINY} == WAN_TINY
+    assert torch.equal(_wan_decode_ref(rebuilt), _wan_decode_ref(vae))  # the same model, recovered from shapes
+    code, out, err = run_cli(["verify", str(path), "--size", "16", "--json", str(tmp_path / "r.json")], capsys)
+    assert code == 0, out + err
+    assert _fingerprint(path) == before
+    report = json.loads((tmp_path / "r.json").read_text())["reports"][0]
+    assert [e["what"] for e in report["end_to_end"]] == ["decode 2 latent frames to 16x16",
+                                                         "encode 5 frames of 16x16"]
+    assert all(e["passed"] for e in report["end_to_end"])
+    layers = {r["name"]: r for r in report["layers"]}
+    assert all(r["passed"] and r["rel_err"] is not None for r in layers.values())
+    enc = "encoder.conv1" if layout == "original" else "encoder.conv_in"
+    assert layers[enc]["shape"] == "3->4 k3x3x3 s1x1x1 p2/0x1x1" and layers[enc]["route"] == "conv3d_igemm"
+    time_down = "encoder.downsamples.3.time_conv" if layout == "original" else "encoder.down_blocks.3.time_conv"
+    assert layers[time_down]["shape"] == "8->8 k3x1x1 s2x1x1 p0x0x0"
+    down = "encoder.downsamples.1.resample.1" if layout == "original" else "encoder.down_blocks.1.resample.1"
+    assert "s2x2 p0x0" in layers[down]["shape"]
+    assert any("Conv3d weights: 10 checked, one per distinct shape" in n for n in report["notes"])
+
+
+def test_wan_per_layer_check_catches_a_wrong_conv3d(tmp_path, capsys, monkeypatch):
+    path = _wan_file(tmp_path, "diffusers")
+    real = ops.conv3d
+    monkeypatch.setattr(ops, "conv3d", lambda *a, **k: real(*a, **k) * 1.01)
+    code, out, err = run_cli(["verify", str(path), "--size", "16"], capsys)
+    assert code == 1 and "FAIL" in out
+    assert all("FAIL" in line for line in out.splitlines() if "k3x3x3" in line)
+
+
+def test_wan_image_is_one_frame(tmp_path, capsys):
+    path = _wan_file(tmp_path, "original")
+    img = tmp_path / "x.png"
+    from PIL import Image
+    Image.new("RGB", (20, 20), (10, 200, 30)).save(img)
+    code, out, err = run_cli(["verify", str(path), "--image", str(img), "--size", "16"], capsys)
+    assert code == 0, out + err
+    assert f"encode->decode {img} as one frame at 16x16" in out and "reconstruction PSNR" in out
+
+
+def _wan_bad(tmp_path, change):
+    sd = {k: v.contiguous() for k, v in _small_wan().state_dict().items()}
+    change(sd)
+    return _wan_file(tmp_path, "original", sd)
+
+
+WAN_BAD = {
+    "missing_tensor": (lambda sd: sd.pop("decoder.up_blocks.1.resnets.1.conv2.weight"),
+                       "tensor 'decoder.upsamples.4.residual.6.weight' of AutoencoderKLWan base_dim=4"),
+    "misshaped_tensor": (lambda sd: sd.__setitem__("encoder.mid_block.resnets.0.conv1.weight",
+                                                   torch.randn(8, 8, 3, 1, 3)),
+                         "tensor 'encoder.middle.0.residual.2.weight' has shape [8, 8, 3, 1, 3]"),
+    "missing_config_tensor": (lambda sd: sd.pop("decoder.up_blocks.1.resnets.0.conv2.weight"),
+                              "tensor 'decoder.upsamples.3.residual.6.weight' is missing"),
+    "extra_tensor": (lambda sd: sd.__setitem__("decoder.extra.weight", torch.randn(2, 2, 1, 1, 1)),
+                     "tensor 'decoder.extra.weight' is not part of AutoencoderKLWan"),
+    "missing_gamma_no_sibling": (lambda sd: sd.pop("encoder.norm_out.gamma"),
+                                 "tensor 'encoder.norm_out.gamma' (AutoencoderKLWan's name) of AutoencoderKLWan"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(WAN_BAD))
+def test_wan_bad_file_one_line_exit_2(case, tmp_path, capsys, monkeypatch):
+    change, needle = WAN_BAD[case]
+    path = _wan_bad(tmp_path, change)
+    before = _fingerprint(path)
+    from conv_patch import verify
+    checked = []
+    monkeypatch.setattr(verify, "check_file_layers", lambda *a, **k: checked.append(1) or [])
+    code, out, err = run_cli(["verify", str(path)], capsys)
+    assert code == 2, (out, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err
+    assert str(path) in lines[0] and "looks like a Wan video VAE, original Wan layout" in lines[0], lines[0]
+    assert needle in lines[0], lines[0]
+    assert _fingerprint(path) == before and not checked
+
+
+def test_wan_truncated_and_absurd_files(tmp_path, capsys):
+    good = _wan_file(tmp_path, "original")
+    cut = _write(tmp_path / "cut.safetensors", good.read_bytes()[:-64])
+    absurd = raw_safetensors(tmp_path / "absurd.safetensors", {"encoder.conv1.weight": {
+        "dtype": "BF16", "shape": [2**40, 2**40, 3, 3, 3], "data_offsets": [0, 2**85]}}, bytes(64))
+    for path, needle in ((cut, "truncated file"), (absurd, "runs past the end")):
+        before = _fingerprint(path)
+        code, out, err = run_cli(["verify", str(path)], capsys)
+        lines = err.strip().splitlines()
+        assert code == 2 and len(lines) == 1 and "Traceback" not in err, (out, err)
+        assert str(path) in lines[0] and needle in lines[0], lines[0]
+        assert _fingerprint(path) == before
+
+
+def test_wan_22_style_file_falls_back_to_per_layer(tmp_path, capsys):
+    """Wan 2.2's residual blocks (avg shortcuts, resnets nested in levels):
+    not built here, so per-layer checks alone, and the report says why."""
+    sd = {"encoder.conv_in.weight": torch.randn(4, 12, 3, 3, 3),
+          "encoder.down_blocks.0.resnets.0.norm1.gamma": torch.ones(4, 1, 1, 1),
+          "encoder.down_blocks.0.resnets.0.conv1.weight": torch.randn(4, 4, 3, 3, 3),
+          "encoder.down_blocks.0.avg_shortcut.weight": torch.randn(4, 4, 1, 1, 1)}
+    path = tmp_path / "wan22.safetensors"
+    save_file(sd, str(path))
+    code, out, err = run_cli(["verify", str(path), "--size", "8"], capsys)
+    assert code == 0, out + err
+    assert "Wan 2.2-style residual up/down blocks (the TI2V-5B VAE): not supported end to end: per-layer checks " \
+           "only" in out
+    assert "end to end" not in out.replace("not supported end to end", "") and "k3x3x3" in out
+
+
+def test_conv3d_probe_is_bounded(tmp_path, capsys):
+    """A real but absurdly shaped 5-D weight (a million input channels of
+    1x1x1) is not probed with a gigabyte input: a note, not a stall."""
+    path = tmp_path / "wide.safetensors"
+    save_file({"a.weight": torch.randn(1, 1 << 20, 1, 1, 1), "b.weight": torch.randn(4, 3, 3, 3, 3)}, str(path))
+    code, out, err = run_cli(["verify", str(path), "--size", "8", "--json", str(tmp_path / "r.json")], capsys)
+    assert code == 0, out + err
+    layers = {r["name"]: r for r in json.loads((tmp_path / "r.json").read_text())["reports"][0]["layers"]}
+    assert layers["a"]["note"] == "too large for a per-layer check here: not compared"
+    assert layers["b"]["rel_err"] is not None and layers["b"]["shape"] == "3->4 k3x3x3 s1x1x1 p1x1x1"
+
+
+def test_wan_original_pth_is_recognised_with_allow_pickle(tmp_path):
+    """Wan2.1_VAE.pth is a pickle of the original layout: with allow_pickle
+    (weights only) it is read and recognised like the safetensors file."""
+    from conv_patch import checkpoint, formats
+    path = tmp_path / "Wan2.1_VAE.pth"
+    torch.save(diffusers_to_wan_original(_small_wan().state_dict(), WAN_TINY["num_res_blocks"]), path)
+    state = checkpoint.load(path, allow_pickle=True)
+    fmt = formats.recognise({k: tuple(v.shape) for k, v in state.items()})
+    assert fmt.kind == "wan-vae" and "original Wan layout" in fmt.description and not fmt.problem
+
+
+def test_wan_original_mapping_agrees_with_diffusers_converter():
+    """At the released Wan 2.1 config (which diffusers' single-file
+    converter is written for), the test's mapping and conv_patch's pair
+    every tensor as diffusers' own converter does."""
+    diffusers = pytest.importorskip("diffusers")
+    convert = pytest.importorskip("diffusers.loaders.single_file_utils").convert_wan_vae_to_diffusers
+    from conv_patch import formats
+    with torch.device("meta"):
+        names = list(diffusers.AutoencoderKLWan().state_dict())
+    sd = {k: torch.tensor([float(i)]) for i, k in enumerate(names)}
+    orig = diffusers_to_wan_original(sd, 2)
+    theirs = convert(dict(orig))
+    assert all(theirs[k].item() == v.item() for k, v in sd.items())
+    ours = formats.wan_original_names(list(orig))
+    assert all(theirs[ours[k]].item() == v.item() for k, v in orig.items())
+
+
+def test_wan_decoder_only_file(tmp_path):
+    """A file with the decoder half alone (decoder.*, post_quant_conv) is a
+    decoder; a tensor missing from that half is still a problem."""
+    from conv_patch import formats
+    vae = _small_wan()
+    sd = {k: v for k, v in vae.state_dict().items() if k.startswith(("decoder.", "post_quant_conv."))}
+    fmt = formats.recognise({k: tuple(v.shape) for k, v in sd.items()})
+    assert fmt.kind == "wan-vae" and not fmt.problem and fmt.encode is None and fmt.decode is not None
+    assert fmt.description.endswith("(decoder only)") and "dim_mult=[1, 2, 2], num_res_blocks=1" in fmt.description
+    assert torch.equal(_wan_decode_ref(fmt.build(sd).eval()), _wan_decode_ref(vae))
+    del sd["decoder.conv_out.bias"]
+    with pytest.raises(ValueError, match="1 missing"):  # the load is strict on the half it holds
+        fmt.build(sd)
+    fmt = formats.recognise({k: tuple(v.shape) for k, v in sd.items()})
+    assert "tensor 'decoder.conv_out.bias' of AutoencoderKLWan" in fmt.problem and "is missing" in fmt.problem

@@ -149,32 +149,24 @@ def output_shape(x, weight, bias, cache, stride, pads, dilation) -> tuple:
     return (n, c_out, *size)
 
 
-def kernel_target(x, weight, bias, cache, residual, out) -> Optional[Target]:
-    """The target the kernel can run this call on, or None (PyTorch then)."""
-    if torch.compiler.is_compiling() or needs_grad(x, weight, bias, cache, residual) or x.numel() == 0:
-        return None
-    target = target_for(x.device)
-    if not target.kernels or x.dtype not in KERNEL_DTYPES:
-        return None
-    same = all(t is None or (t.device == x.device and t.dtype == x.dtype)
-               for t in (weight, bias, cache, residual, out))
-    return target if same else None
-
-
-def no_kernel_reason(x, weight, bias, cache, residual) -> str:
-    """Why ``kernel_target`` found no target for this call."""
+def kernel_target(x, weight, bias, cache, residual, out) -> Tuple[Optional[Target], str]:
+    """(the target the kernel can run this call on, "") or (None, why not:
+    PyTorch computes the call then)."""
     if torch.compiler.is_compiling():
-        return "traced by torch.compile"
+        return None, "traced by torch.compile"
     if needs_grad(x, weight, bias, cache, residual):
-        return "autograd (the kernels compute no backward)"
+        return None, "autograd (the kernels compute no backward)"
     if x.numel() == 0:
-        return "empty input"
+        return None, "empty input"
     target = target_for(x.device)
     if not target.kernels:
-        return target.reason or f"no kernels on {x.device}"
+        return None, target.reason or f"no kernels on {x.device}"
     if x.dtype not in KERNEL_DTYPES:
-        return f"{x.dtype} input"
-    return "the weight, bias, cache or residual differ from the input in device or dtype"
+        return None, f"{x.dtype} input"
+    if not all(t is None or (t.device == x.device and t.dtype == x.dtype)
+               for t in (weight, bias, cache, residual, out)):
+        return None, "the weight, bias, cache, residual or output differ from the input in device or dtype"
+    return target, ""
 
 
 def run_kernel(x, weight, bias, cache, pads, stride, dilation, target, *, residual=None, beta=1.0,
@@ -236,7 +228,7 @@ def conv3d(x, weight, bias=None, stride=1, padding=0, dilation=1, *, cache=None,
     check_residual(residual, shape)
     if out is not None and tuple(out.shape) != shape:
         raise ValueError(f"conv3d: out has shape {tuple(out.shape)}, the convolution's output is {shape}")
-    target = None if route == "pytorch" else kernel_target(x, weight, bias, cache, residual, out)
+    target = None if route == "pytorch" else kernel_target(x, weight, bias, cache, residual, out)[0]
     if target is not None and not target.interpreter and route is None:
         target = None
     if target is None:

@@ -664,9 +664,9 @@ def conv3d_decide(spec, x, weight, bias, cache, residual, cast) -> tuple:
     gate = conv3d_gate(conv3d_op.target_for(x.device))
     if gate is not None:
         return gate, None
-    target = conv3d_op.kernel_target(x, weight, bias, cache, residual, None)
+    target, why = conv3d_op.kernel_target(x, weight, bias, cache, residual, None)
     if target is None:
-        return RouteDecision(Route.FALLBACK, conv3d_op.no_kernel_reason(x, weight, bias, cache, residual)), None
+        return RouteDecision(Route.FALLBACK, why), None
     return RouteDecision(Route.CONV3D_IGEMM, "interpreter", tier="default"), target
 
 

@@ -99,12 +99,11 @@ class Conv3dSpec:
                    tuple(m.dilation), pads, int(m.groups), str(m.padding_mode), m.bias is not None)
 
     def describe(self) -> str:
+        """``96->96 k3x3x3 s1x1x1 p2/0x1x1``: per axis the padding, front/back
+        where they differ (a causal conv's time axis)."""
         k, s, d = self.kernel, self.stride, self.dilation
-        front = "x".join(str(p[0]) for p in self.pads)
-        back = "x".join(str(p[1]) for p in self.pads)
-        txt = f"{self.in_channels}->{self.out_channels} k{k[0]}x{k[1]}x{k[2]} s{s[0]}x{s[1]}x{s[2]} p{front}"
-        if back != front:
-            txt += f"/{back}"
+        pads = "x".join(str(f) if f == b else f"{f}/{b}" for f, b in self.pads)
+        txt = f"{self.in_channels}->{self.out_channels} k{k[0]}x{k[1]}x{k[2]} s{s[0]}x{s[1]}x{s[2]} p{pads}"
         if d != (1, 1, 1):
             txt += f" d{d[0]}x{d[1]}x{d[2]}"
         return txt

@@ -266,15 +266,6 @@ def conv_weight_names(state: dict) -> List[str]:
                   key=_natural)
 
 
-def describe3d(shape, stride, pads) -> str:
-    """A 5-D conv as the report shows it: ``96->96 k3x3x3 s1x1x1 p2/0x1x1``
-    (padding front/back where they differ)."""
-    k = "x".join(str(d) for d in shape[2:5])
-    s = "x".join(str(d) for d in stride)
-    p = "x".join(str(f) if f == b else f"{f}/{b}" for f, b in pads)
-    return f"{shape[1]}->{shape[0]} k{k} s{s} p{p}"
-
-
 def _conv3d_macs(shape, out_voxels, interpreted) -> int:
     """The multiply-adds of a 5-D conv; under the interpreter, of the whole
     tiles it computes (a 1-output-channel conv still runs a full tile)."""
@@ -296,25 +287,25 @@ def check_layer3d(name: str, weight: torch.Tensor, bias: Optional[torch.Tensor],
     from . import conv3d as conv3d_op, ops
     device, dtype = weight.device, weight.dtype
     tol = _layer_tolerance(dtype, device)
-    desc = describe3d(tuple(weight.shape), stride, pads)
+    desc = conv3d_op.Conv3dSpec(weight.shape[1], weight.shape[0], tuple(weight.shape[2:5]), tuple(stride),
+                                (1, 1, 1), tuple(pads), 1, "zeros", bias is not None).describe()
     if not torch.isfinite(weight).all() or (bias is not None and not torch.isfinite(bias).all()):
         return LayerResult(name, desc, "-", None, None, tol, True, NAN_NOTE)
     # The probe is at least as long as the kernel's reach on each axis.
     ext = [max(e, k - f - b, 1) for e, k, (f, b) in zip((frames, size, size), weight.shape[2:5], pads)]
     out = [(e + f + b - k) // s + 1 for e, k, (f, b), s in zip(ext, weight.shape[2:5], pads, stride)]
-    interpreted = device.type == "cpu" and target_for(device).interpreter
+    interpreted = _interpreted(device)
     if (weight.shape[1] * math.prod(ext) > CONV3D_MAX_PROBE or weight.shape[0] * math.prod(out) > CONV3D_MAX_PROBE
             or _conv3d_macs(tuple(weight.shape), math.prod(out), interpreted) > CONV3D_MAX_MACS):
         return LayerResult(name, desc, "-", None, None, tol, True,
                            "too large for a per-layer check here: not compared")
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(1, weight.shape[1], *ext, generator=g).to(device=device, dtype=dtype)
-    flat = tuple(p for f, b in reversed(pads) for p in (f, b))  # F.pad order: w, h, t
     with torch.no_grad():
         ours = ops.conv3d(x, weight, bias, stride, padding=pads, route="kernel")
-        theirs = F.conv3d(F.pad(x, flat), weight, bias, stride)
-        ref = F.conv3d(F.pad(x.double().cpu(), flat), weight.double().cpu(),
-                       None if bias is None else bias.double().cpu(), stride)
+        theirs = conv3d_op.torch_conv3d(x, weight, bias, None, pads, stride, (1, 1, 1))
+        ref = conv3d_op.torch_conv3d(x.double().cpu(), weight.double().cpu(),
+                                     None if bias is None else bias.double().cpu(), None, pads, stride, (1, 1, 1))
     ran = target_for(device).kernels and dtype in conv3d_op.KERNEL_DTYPES
     err, terr = rel_err(ours, ref), rel_err(theirs, ref)
     return LayerResult(name, desc, "conv3d_igemm" if ran else "pytorch (no kernel here)", err, terr, tol,

@@ -362,3 +362,34 @@ def group_norm_pays(numel: int) -> bool:
     ``numel`` elements (eagerly and in a graph alike: below the crossover
     they are slower on the GPU too)."""
     return numel >= GROUP_NORM_MIN_ELEMENTS
+
+
+# PyTorch's RMS norm as the Wan-family VAEs write it, on a half-precision
+# input: .float(), the norm, clamp_min, the division, .to(dtype), * scale,
+# * gamma, + bias: 8 launches and ~36 bytes moved per element (the fp32
+# copy and quotient are read and written once each); on an fp32 input the
+# two casts are no-ops and the same 36 bytes move in 6 launches. The
+# activation after it is one more launch and 4 bytes. The kernel reads the input twice and
+# writes once; not yet measured on a GPU, so it is modelled here at half the
+# copy bandwidth (RMS_NORM_BW_FACTOR) with a recorded program's host time.
+RMS_NORM_TORCH = {"ops": 8, "bytes": 36.0, "act_ops": 1, "act_bytes": 4.0}
+RMS_NORM_BW_FACTOR = 0.5
+
+
+def rms_norm_pays(numel: int, element_size: int, activation: bool, graph: bool = False,
+                  host: Optional[dict] = None) -> bool:
+    """Whether the RMS-norm kernel (with the activation fused where
+    ``activation``) beats PyTorch's passes on ``numel`` elements of
+    ``element_size`` bytes, launched eagerly (host time included) or from a
+    graph (GPU time only)."""
+    host = HOST_US if host is None else host
+    t = RMS_NORM_TORCH
+    ops = t["ops"] - (2 if element_size >= 4 else 0) + (t["act_ops"] if activation else 0)
+    per_elem = t["bytes"] + (t["act_bytes"] if activation else 0.0)
+    torch_gpu = ops * LAUNCH_MS + numel * per_elem / (COPY_TBPS * 1e9)
+    ours_gpu = LAUNCH_MS + 3 * numel * element_size / (RMS_NORM_BW_FACTOR * COPY_TBPS * 1e9)
+    if graph:
+        return ours_gpu <= MARGIN * torch_gpu
+    torch_host = ops * host["op"] / 1e3
+    ours_host = (host["base"] + host["launch"]) / 1e3
+    return max(ours_host, ours_gpu) <= MARGIN * max(torch_host, torch_gpu)

@@ -27,6 +27,7 @@ from . import config_tables, costs, pack
 from . import conv as conv_op
 from . import conv3d as conv3d_op
 from . import norm as norm_op
+from . import rms_norm as rms_norm_op
 from .conv import kernel_errors, kernels
 from .epilogue import ACTIVATIONS, eager_epilogue
 from .routing import Route, RouteDecision, select_route
@@ -841,3 +842,68 @@ def group_norm_eager(norm, x, activation="none", out=None, input_bias=None):
     own = getattr(type(norm), "_cp_base", type(norm)).forward
     y = eager_epilogue(own(norm, x), None, 1.0, activation, 1.0)
     return y if out is None else out.copy_(y)
+
+
+# -- RMS norm ------------------------------------------------------------------------
+def rms_norm(norm, x, params, eager_forward, activation="none"):
+    """``act(norm(x))`` for an RMS-norm module over channels (the Wan-family
+    VAEs'): ``params`` its (weight, bias, scale, eps) as the recipe read
+    them, ``eager_forward()`` the module's own computation of this call.
+    One pass of the kernel where it takes the call and pays
+    (``costs.rms_norm_pays``), else ``eager_forward()`` and the activation
+    as PyTorch ops; planned per signature in the norm's ``_cp_plans``; a
+    kernel that fails to build falls back here and the plan remembers it."""
+    weight, bias, scale, eps = params
+    if torch.compiler.is_compiling():
+        return eager_epilogue(eager_forward(), None, 1.0, activation, 1.0)
+    cuda = x.is_cuda
+    grad = torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad)
+                                        or (isinstance(bias, torch.Tensor) and bias.requires_grad))
+    cast = cuda and torch.is_autocast_enabled("cuda")
+    key = ("rms", x.shape, x.stride(), x.dtype, x.device, activation,
+           None if weight is None else (weight.data_ptr(), weight.dtype),
+           None if bias is None else (bias.data_ptr(), bias.dtype), scale, eps, grad, cast,
+           cuda and pack.on_graph_path(x))
+    plans = norm.__dict__.get("_cp_plans")
+    plan = plans.get(key) if plans is not None else None
+    if plan is None:
+        with BUILD_LOCK:
+            ok, why = rms_norm_decision(x, weight, bias, activation, grad or cast, key[-1])
+            plan = NormPlan(ok, why)
+            if ok:
+                k = kernels()
+                try:
+                    with k.recording() as rec:
+                        y = rms_norm_op.rms_norm(x, weight, bias, scale, eps, activation)
+                except kernel_errors() as e:
+                    plan.kernel, plan.why = False, kernel_failure(e)
+                else:
+                    try:
+                        plan.program = k.Program(rec, (x, weight, bias), y)
+                    except k.Unrecordable:
+                        plan.program = None
+                    _store(norm, key, plan)
+                    norm.__dict__["_cp_last"] = plan
+                    return y
+            _store(norm, key, plan)
+    norm.__dict__["_cp_last"] = plan
+    if not plan.kernel:
+        return eager_epilogue(eager_forward(), None, 1.0, activation, 1.0)
+    if plan.program is not None:
+        return plan.program((x, weight, bias))
+    return rms_norm_op.rms_norm(x, weight, bias, scale, eps, activation)
+
+
+def rms_norm_decision(x, weight, bias, activation, eager_only, graph) -> tuple:
+    """(kernel?, why) for one RMS-norm call."""
+    if eager_only:
+        return False, "autograd or autocast: the module's own computation"
+    if bias is not None and not isinstance(bias, torch.Tensor):
+        return False, "a bias that is not a tensor"
+    if rms_norm_op.rms_norm_target(x, weight, bias) is None:
+        return False, "the kernel does not take this call"
+    if target_for(x.device).interpreter:
+        return True, "interpreter"
+    if costs.rms_norm_pays(x.numel(), x.element_size(), activation != "none", graph):
+        return True, "one pass against PyTorch's eight or more (costs.rms_norm_pays)"
+    return False, "PyTorch's passes are predicted faster at this size"

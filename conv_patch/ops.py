@@ -26,6 +26,7 @@ from .target import Target, target_for
 from .conv import (EPILOGUE_BLOCK, check_residual, cudnn_conv2d, epilogue, kernels, nhwc,  # noqa: F401
                    output_memory_format, output_shape, run_kernel, to_nhwc)
 from .norm import GN_LAUNCH, group_norm, group_norm_target, launch_sizes  # noqa: F401  (re-exported)
+from .rms_norm import rms_norm, rms_norm_target  # noqa: F401  (re-exported)
 from .subpixel import PARITIES, parity_padding, parity_view, parity_weight
 from .subpixel import subpixel_weights  # noqa: F401  (re-exported)
 from .conv3d import conv3d, conv3d_padding  # noqa: F401  (re-exported)

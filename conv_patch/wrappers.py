@@ -328,38 +328,50 @@ class PatchedConv3d(PatchedConvMixin, nn.Conv3d):
 
 class PatchedCausalConv3d(PatchedConv3d):
     """The wrapper of a video VAE's causal Conv3d (``causal_conv3d_problem``
-    says which): ``forward(x, cache_x=None)`` as the module computes it, the
-    cached frames and the front time padding read in place by the kernel
-    instead of ``torch.cat`` and ``F.pad`` copies."""
+    says which): ``forward(x, cache_x=None)`` as the module computes it (and
+    ComfyUI's ``cache_list``/``cache_idx``, which hand over the cached frames
+    by list slot and clear it), the cached frames and the front time padding
+    read in place by the kernel instead of ``torch.cat`` and ``F.pad``
+    copies. ``causal`` is the same call with the fused epilogue."""
 
     def _cp_own_pads(self):
         pw0, pw1, ph0, ph1, pt0, pt1 = self._padding
         return (pt0, pt1), (ph0, ph1), (pw0, pw1)
 
-    def forward(self, x, cache_x=None):
+    def forward(self, x, cache_x=None, cache_list=None, cache_idx=None):
+        if cache_list is not None:
+            cache_x = cache_list[cache_idx]
+            cache_list[cache_idx] = None
+        return self.causal(x, cache_x)
+
+    def causal(self, x, cache_x=None, *, residual=None, beta=1.0, activation="none", out_scale=1.0):
+        """``out_scale * act(self(x, cache_x) + beta * residual)``."""
         def own():
             return self._cp_fallback_forward(self, x, cache_x)
         if torch.compiler.is_compiling() or self._cp_comfy_active() or x.dim() != 5:
-            return own()
+            return eager_epilogue(own(), residual, beta, activation, out_scale)
         (pt0, pt1), hw_h, hw_w = self._cp_own_pads()
         cache = None
         if cache_x is not None and pt0 > 0:
             # The module pads time by what the cached frames do not cover.
             if cache_x.dim() != 5 or cache_x.device != x.device:
-                return own()
+                return eager_epilogue(own(), residual, beta, activation, out_scale)
             cache, pt0 = cache_x, pt0 - cache_x.shape[2]
         if pt0 < 0:
-            return own()  # more cached frames than padding: F.pad would crop them
-        return dispatch.conv3d(self, x, own, cache=cache, pads=((pt0, pt1), hw_h, hw_w))
+            # More cached frames than padding: F.pad would crop them.
+            return eager_epilogue(own(), residual, beta, activation, out_scale)
+        return dispatch.conv3d(self, x, own, cache=cache, pads=((pt0, pt1), hw_h, hw_w), residual=residual,
+                               beta=beta, activation=activation, out_scale=out_scale)
 
 
 def causal_conv3d_problem(m: nn.Module) -> Optional[str]:
     """Why ``m`` is not a causal Conv3d of the Wan family (diffusers'
     ``WanCausalConv3d``, ComfyUI's ``CausalConv3d``), or None. Recognised by
-    structure: ``forward(x, cache_x=None)``, which puts ``cache_x`` in front
-    of ``x`` along time where it pads time and then pads by ``_padding`` (F.pad
-    order, the time entries last, front only, less the cached frames), with
-    the module's own ``padding`` zero."""
+    structure: ``forward(x, cache_x=None)`` (ComfyUI's also takes
+    ``cache_list=None, cache_idx=None``: the cached frames by list slot),
+    which puts ``cache_x`` in front of ``x`` along time where it pads time
+    and then pads by ``_padding`` (F.pad order, the time entries last, front
+    only, less the cached frames), with the module's own ``padding`` zero."""
     cls = type(m)
     if not (isinstance(m, nn.Conv3d) and cls.__name__.endswith("CausalConv3d")):
         return "not a causal Conv3d"
@@ -367,8 +379,10 @@ def causal_conv3d_problem(m: nn.Module) -> Optional[str]:
         params = list(inspect.signature(cls.forward).parameters.values())
     except (TypeError, ValueError):
         return "forward has no readable signature"
-    if [p.name for p in params] != ["self", "x", "cache_x"] or params[2].default is not None:
-        return "forward is not forward(x, cache_x=None)"
+    names = [p.name for p in params]
+    if (names not in (["self", "x", "cache_x"], ["self", "x", "cache_x", "cache_list", "cache_idx"])
+            or any(p.default is not None for p in params[2:])):
+        return "forward is not forward(x, cache_x=None[, cache_list=None, cache_idx=None])"
     pad = m.__dict__.get("_padding")
     if not (isinstance(pad, (tuple, list)) and len(pad) == 6 and all(isinstance(v, int) and v >= 0 for v in pad)):
         return "no _padding of six non-negative ints"

@@ -13,14 +13,14 @@ from typing import List, Tuple
 
 from torch import nn
 
-from . import common, diffusers, ldm  # noqa: F401  (registration)
+from . import common, diffusers, ldm, wan  # noqa: F401  (registration)
 from . import _fuse as steps  # the fused steps, for code outside the recipes (conv_patch.parallel)
 from ._fuse import REGISTRY, FusedBlock, Recipe, fused_class, is_fused
 
 ORDER = [
     diffusers.RESNET, diffusers.UPSAMPLE, diffusers.DOWNSAMPLE, diffusers.ATTENTION, diffusers.DECODER,
     diffusers.ENCODER, diffusers.TINY_BLOCK, ldm.RESNET, ldm.ATTN, ldm.UPSAMPLE, ldm.DOWNSAMPLE, ldm.DECODER,
-    ldm.ENCODER,
+    ldm.ENCODER, wan.RESIDUAL, wan.COMFY_RESIDUAL, wan.RMS_NORM,
     common.SEQUENTIAL, common.GROUP_NORM,
 ]
 

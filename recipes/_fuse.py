@@ -28,7 +28,7 @@ from conv_patch import dispatch, ops, pack
 from conv_patch.conv import kernel_errors
 from conv_patch.costs import group_norm_pays
 from conv_patch.specs import needs_grad
-from conv_patch.wrappers import PatchedConvMixin, comfy_active, is_comfy_conv_class
+from conv_patch.wrappers import PatchedCausalConv3d, PatchedConvMixin, comfy_active, is_comfy_conv_class
 
 
 class Recipe:
@@ -190,6 +190,30 @@ def is_group_norm(m) -> bool:
     return cls.forward is nn.GroupNorm.forward or is_comfy_conv_class(cls)
 
 
+def rms_norm_params(m) -> Optional[tuple]:
+    """``(weight, bias, scale, eps)`` of an RMS norm over channels of the
+    Wan family (diffusers' ``WanRMS_norm`` and ``QwenImageRMS_norm``,
+    ComfyUI's ``RMS_norm``: ``F.normalize(x, dim=1) * scale * gamma +
+    bias``), or None. ``bias`` is None where the module adds nothing (its
+    ``0.0`` or ``None``)."""
+    cls = getattr(type(m), "_cp_base", type(m))
+    if not (isinstance(m, nn.Module) and cls.__name__.endswith("RMS_norm")):
+        return None
+    d, params = m.__dict__, m.__dict__["_parameters"]
+    gamma, scale = params.get("gamma"), d.get("scale")
+    if d.get("channel_first") is not True or gamma is None or not isinstance(scale, float):
+        return None
+    c = gamma.shape[0] if gamma.dim() else 0
+    if gamma.dim() < 2 or gamma.numel() != c or any(n != 1 for n in gamma.shape[1:]):
+        return None
+    bias = params["bias"] if "bias" in params else d.get("bias")
+    if bias is None or (isinstance(bias, float) and bias == 0.0):
+        bias = None
+    elif not (isinstance(bias, torch.Tensor) and bias.shape == gamma.shape):
+        return None
+    return gamma, bias, scale, 1e-12
+
+
 # -- fused steps ---------------------------------------------------------------
 def kernel_step(m: nn.Module, fn):
     """``fn()``, a step of conv ``m`` run on the kernels outside its conv
@@ -233,6 +257,28 @@ def group_norm(norm: nn.GroupNorm, x: torch.Tensor, activation: str = "none",
     if x.dim() == 4 and not comfy_active(norm):
         return dispatch.group_norm(norm, x, activation, out, input_bias)
     return dispatch.group_norm_eager(norm, x, activation, out, input_bias)
+
+
+def rms_norm(norm: nn.Module, x: torch.Tensor, activation: str = "none") -> torch.Tensor:
+    """``act(norm(x))`` for an RMS norm ``rms_norm_params`` recognises, on
+    ``x`` of one more axis than its gamma (the broadcast the module was
+    written for; the caller checks): one pass of conv-patch's kernel where it
+    takes the call (``dispatch.rms_norm``), else the norm's own forward and
+    PyTorch's activation. Hooks are the caller's business."""
+    own = getattr(type(norm), "_cp_base", type(norm)).forward
+    return dispatch.rms_norm(norm, x, rms_norm_params(norm), lambda: own(norm, x), activation)
+
+
+def causal_conv3d(m: nn.Conv3d, x: torch.Tensor, cache_x: Optional[torch.Tensor] = None, *,
+                  residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``m(x, cache_x) + residual`` for a causal Conv3d of the Wan family
+    (``wrappers.causal_conv3d_problem``): the cached frames read in place and
+    the residual in the epilogue where ``m`` is patched and the kernel takes
+    the call, the module's own call and a PyTorch add otherwise."""
+    if isinstance(m, PatchedCausalConv3d) and not (m._forward_hooks or m._forward_pre_hooks):
+        return m.causal(x, cache_x, residual=residual)
+    y = m(x, cache_x)
+    return y if residual is None else y + residual
 
 
 def conv(m: nn.Conv2d, x: torch.Tensor, *, padding=None, residual=None, beta: float = 1.0,

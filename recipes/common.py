@@ -39,8 +39,16 @@ def _act(m):
     return None
 
 
+# nn.Upsample subclasses that upsample an fp32 copy and cast back (the
+# Wan-family VAEs'): nearest upsampling copies values, so the same result.
+UPCASTING_UPSAMPLES = ("WanUpsample", "QwenImageUpsample")
+
+
 def _upsample2x(m) -> bool:
-    return (type(m) is nn.Upsample and m.mode == "nearest" and m.size is None
+    """Nearest x2 upsampling; "nearest-exact" picks the same source pixels
+    at exactly 2x (floor((i + 0.5) / 2) == floor(i / 2))."""
+    return ((type(m) is nn.Upsample or (isinstance(m, nn.Upsample) and type(m).__name__ in UPCASTING_UPSAMPLES))
+            and m.mode in ("nearest", "nearest-exact") and m.size is None
             and m.scale_factor in (2, 2.0, (2, 2), (2.0, 2.0)) and not m.recompute_scale_factor)
 
 

@@ -118,6 +118,7 @@ def test_tiny_wan_vae_decode_matches(exact_fp32):
     twin = copy.deepcopy(vae)
     report = conv_patch.apply(vae)
     assert report.patched and not report.skipped
+    assert sum(v.startswith("wan.ResidualBlock") for v in report.fused.values()) == 10
     z = torch.randn(1, 4, 2, 5, 6)
     with torch.no_grad():
         y, ref = vae.decode(z).sample, twin.decode(z).sample

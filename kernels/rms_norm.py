@@ -1,0 +1,74 @@
+"""RMS norm over channels (+ activation) in one pass, the norm of the Wan-family
+video VAEs: ``act(x / max(||x||_C, eps) * scale * gamma + bias)`` at every
+position, ``||x||_C`` the L2 norm over the channel axis.
+
+Why: PyTorch computes it (``F.normalize`` on an fp32 copy, back to the
+input's dtype, times ``scale``, times ``gamma``, plus ``bias``, then the SiLU)
+as about ten elementwise passes over the activation; in a Wan 2.1 decode on
+an H200 those passes take ~0.4 of its 1.7 s. Here each position's channels
+are read twice (their sum of squares, then normalised: the second read of a
+program's slab is recent enough to come from L2) and written once.
+
+Layer 1: ``rms_norm_kernel`` over a [N, C, S] view addressed by runtime
+strides (NCDHW / NCHW: the positions contiguous; NDHWC / NHWC: the
+channels), one program per (sample, block of positions), looping over the
+channels in blocks. Layer 2: ``launch_rms_norm``.
+
+Numerics: fp32 sum of squares and arithmetic; the result is rounded once to
+the output's dtype (PyTorch rounds the normalised value before the affine).
+"""
+
+import triton
+import triton.language as tl
+
+from ._common import activate
+from ._launch import cdiv, launch, needs_int64
+
+
+@triton.jit
+def rms_norm_kernel(x_ptr, y_ptr, w_ptr, b_ptr, C, S, TILES, sxn, sxc, sxs, syn, syc, sys_, eps, scale,
+                    HAS_BIAS: tl.constexpr, ACT: tl.constexpr, IDX64: tl.constexpr,
+                    BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr):
+    pid = tl.program_id(0)
+    n = pid // TILES
+    offs_s = (pid - n * TILES) * BLOCK_S + tl.arange(0, BLOCK_S)
+    s_ok = offs_s < S
+    if IDX64:
+        n = n.to(tl.int64)
+        offs_s = offs_s.to(tl.int64)
+    x_row = x_ptr + n * sxn + offs_s[None, :] * sxs
+    y_row = y_ptr + n * syn + offs_s[None, :] * sys_
+    ss = tl.zeros([BLOCK_S], dtype=tl.float32)
+    for c0 in range(0, C, BLOCK_C):
+        offs_c = c0 + tl.arange(0, BLOCK_C)
+        ok = (offs_c < C)[:, None] & s_ok[None, :]
+        x = tl.load(x_row + offs_c[:, None] * sxc, mask=ok, other=0.0).to(tl.float32)
+        ss += tl.sum(x * x, axis=0)
+    # F.normalize's x / max(||x||, eps), with the constant scale folded in.
+    inv = scale / tl.maximum(tl.sqrt(ss), eps)
+    for c0 in range(0, C, BLOCK_C):
+        offs_c = c0 + tl.arange(0, BLOCK_C)
+        c_ok = offs_c < C
+        ok = c_ok[:, None] & s_ok[None, :]
+        x = tl.load(x_row + offs_c[:, None] * sxc, mask=ok, other=0.0).to(tl.float32)
+        g = tl.load(w_ptr + offs_c, mask=c_ok, other=0.0).to(tl.float32)
+        y = x * inv[None, :] * g[:, None]
+        if HAS_BIAS:
+            y += tl.load(b_ptr + offs_c, mask=c_ok, other=0.0).to(tl.float32)[:, None]
+        # Padding lanes are zeroed before the activation (exp of garbage).
+        y = activate(tl.where(ok, y, 0.0), ACT)
+        tl.store(y_row + offs_c[:, None] * syc, y.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+def launch_rms_norm(x, out, weight, bias, scale, eps, activation, block_c, block_s):
+    """``out = act(x / max(||x||_C, eps) * scale * weight + bias)`` for
+    [N, C, S] views ``x`` and ``out`` (any strides; ``out`` may be ``x``:
+    a program writes only the positions it has read in full), ``weight``
+    and ``bias`` (or None) dense [C]. Returns ``out``."""
+    N, C, S = x.shape
+    tiles = cdiv(S, block_s)
+    launch(rms_norm_kernel, (N * tiles,), x, out, weight, weight if bias is None else bias, C, S, tiles,
+           *x.stride(), *out.stride(), float(eps), float(scale),
+           HAS_BIAS=bias is not None, ACT=int(activation), IDX64=needs_int64(x, out),
+           BLOCK_C=block_c, BLOCK_S=block_s)
+    return out

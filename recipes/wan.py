@@ -1,0 +1,158 @@
+"""Wan-family video VAE blocks: diffusers' ``AutoencoderKLWan`` (Wan 2.1 and
+2.2) and ``AutoencoderKLQwenImage``, ComfyUI's WanVAE. Matched by class-name
+suffix and structure, so the copies of these classes in each package (and
+in custom nodes) are recognised alike.
+
+* every RMS norm over channels (``*RMS_norm``) as one pass of the RMS-norm
+  kernel (PyTorch runs it as about eight elementwise passes);
+* the residual block (``*ResidualBlock``): RMS norm + SiLU as one pass each,
+  the cached frames read in place by the causal convs (the chunk-by-chunk
+  cache bookkeeping exactly as the block does it), the shortcut added in
+  conv2's epilogue.
+
+The resample blocks' nearest x2 upsampling + 3x3 conv per frame is the
+``nn.Sequential`` chain recipe's (``common.py``). Convs run on conv-patch's
+kernels only where ``dispatch.conv3d`` plans them there; elsewhere (today
+every GPU: no Conv3d shape is measured yet) they are PyTorch's.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from torch import nn
+
+from ._fuse import (Recipe, base, causal_conv3d, dropout_is_identity, inference, is_silu, parts, plain, register,
+                    rms_norm, rms_norm_params)
+from conv_patch.wrappers import causal_conv3d_problem
+
+# The frames a block keeps from each chunk for the next one's causal convs.
+CACHE_T = 2
+
+
+def _cls(m):
+    return getattr(type(m), "_cp_base", type(m))
+
+
+def _rms_3d(m) -> bool:
+    """An RMS norm over the channels of [B, C, T, H, W] activations."""
+    p = rms_norm_params(m)
+    return p is not None and p[0].dim() == 4
+
+
+def _causal(m, k=None) -> bool:
+    return causal_conv3d_problem(m) is None and (k is None or tuple(m.kernel_size) == (k, k, k))
+
+
+def _family_cache_t(m) -> bool:
+    """The block's module keeps CACHE_T frames per chunk, as this recipe does."""
+    mod = sys.modules.get(_cls(m).__module__)
+    return mod is not None and getattr(mod, "CACHE_T", None) == CACHE_T
+
+
+class RMSNorm(Recipe):
+    """Any Wan-family RMS norm over channels, on the input it was written
+    for (one axis more than its gamma)."""
+
+    name = "wan.RMS_norm"
+    what = "RMS norm kernel"
+
+    def match(self, m):
+        return rms_norm_params(m) is not None
+
+    def forward(self, m, x):
+        p = rms_norm_params(m)
+        if p is None or x.dim() != p[0].dim() + 1 or not inference(x, m):
+            return base(m, x)
+        return rms_norm(m, x)
+
+
+def _cached_conv(conv, x, feat_cache, feat_idx, residual=None):
+    """The residual block's causal conv step as the block writes it: the
+    last CACHE_T frames of the conv's input (with the previous chunk's last
+    frame in front where this chunk has one) become the conv's cache for the
+    next chunk; this chunk's conv reads the cache left by the previous one."""
+    if feat_cache is None:
+        return causal_conv3d(conv, x, residual=residual)
+    idx = feat_idx[0]
+    cache_x = x[:, :, -CACHE_T:].clone()
+    if cache_x.shape[2] < 2 and feat_cache[idx] is not None:
+        cache_x = torch.cat([feat_cache[idx][:, :, -1:].to(cache_x.device), cache_x], dim=2)
+    y = causal_conv3d(conv, x, feat_cache[idx], residual=residual)
+    feat_cache[idx] = cache_x
+    feat_idx[0] += 1
+    return y
+
+
+def _residual(x, norm1, conv1, norm2, conv2, shortcut, feat_cache, feat_idx):
+    h = x if shortcut is None else causal_conv3d(shortcut, x)
+    y = _cached_conv(conv1, rms_norm(norm1, x, "silu"), feat_cache, feat_idx)
+    return _cached_conv(conv2, rms_norm(norm2, y, "silu"), feat_cache, feat_idx, residual=h)
+
+
+def _shortcut(m):
+    """None for an identity shortcut, the 1x1 causal conv, or False."""
+    if isinstance(m, nn.Identity):
+        return None
+    return m if _causal(m, 1) else False
+
+
+class ResidualBlock(Recipe):
+    """diffusers' ``WanResidualBlock`` / ``QwenImageResidualBlock``:
+    ``forward(x, feat_cache=None, feat_idx=[0])``."""
+
+    name = "wan.ResidualBlock"
+    what = "RMS norm+SiLU passes, cached frames read in place, shortcut in conv2's epilogue"
+
+    def match(self, m):
+        norm1, conv1, norm2, conv2, sc, act, drop = parts(
+            m, "norm1", "conv1", "norm2", "conv2", "conv_shortcut", "nonlinearity", "dropout")
+        return (_cls(m).__name__.endswith("ResidualBlock") and _family_cache_t(m) and _rms_3d(norm1)
+                and _rms_3d(norm2) and _causal(conv1, 3) and _causal(conv2, 3) and is_silu(act)
+                and isinstance(drop, nn.Dropout) and _shortcut(sc) is not False)
+
+    def forward(self, m, x, feat_cache=None, feat_idx=None):
+        norm1, conv1, norm2, conv2, sc, act, drop = parts(
+            m, "norm1", "conv1", "norm2", "conv2", "conv_shortcut", "nonlinearity", "dropout")
+        own = (x,) if feat_cache is None and feat_idx is None else (x, feat_cache) if feat_idx is None \
+            else (x, feat_cache, feat_idx)
+        if ((feat_cache is not None and feat_idx is None) or x.dim() != 5 or not dropout_is_identity(drop)
+                or not inference(x, norm1, conv1, norm2, conv2, sc) or not plain(norm1, act, norm2, drop, sc)):
+            return base(m, *own)
+        return _residual(x, norm1, conv1, norm2, conv2, _shortcut(sc), feat_cache, feat_idx)
+
+
+class ComfyResidualBlock(Recipe):
+    """ComfyUI's WanVAE ``ResidualBlock``: ``residual`` an ``nn.Sequential``
+    of (RMS norm, SiLU, causal conv, RMS norm, SiLU, dropout, causal conv),
+    ``shortcut`` beside it."""
+
+    name = "wan.comfy.ResidualBlock"
+    what = ResidualBlock.what
+
+    def match(self, m):
+        res, sc = parts(m, "residual", "shortcut")
+        if not (_cls(m).__name__ == "ResidualBlock" and _family_cache_t(m) and type(res) is nn.Sequential
+                and len(res) == 7):
+            return False
+        n1, a1, c1, n2, a2, drop, c2 = res
+        return (_rms_3d(n1) and is_silu(a1) and _causal(c1, 3) and _rms_3d(n2) and is_silu(a2)
+                and isinstance(drop, nn.Dropout) and _causal(c2, 3) and _shortcut(sc) is not False)
+
+    def forward(self, m, x, feat_cache=None, feat_idx=None):
+        res, sc = parts(m, "residual", "shortcut")
+        own = (x,) if feat_cache is None and feat_idx is None else (x, feat_cache) if feat_idx is None \
+            else (x, feat_cache, feat_idx)
+        children = tuple(res.__dict__["_modules"].values())
+        if ((feat_cache is not None and feat_idx is None) or x.dim() != 5 or len(children) != 7
+                or not dropout_is_identity(children[5]) or not inference(x, *children, sc)
+                or not plain(res, *children[:2], *children[3:6], sc)):
+            return base(m, *own)
+        n1, _, c1, n2, _, _, c2 = children
+        return _residual(x, n1, c1, n2, c2, _shortcut(sc), feat_cache, feat_idx)
+
+
+RMS_NORM = register(RMSNorm())
+RESIDUAL = register(ResidualBlock())
+COMFY_RESIDUAL = register(ComfyResidualBlock())

@@ -1,0 +1,128 @@
+"""The RMS norm over channels (kernels/rms_norm.py, conv_patch.rms_norm and
+``dispatch.rms_norm``) against float64: the layouts the Wan-family VAEs run
+(NCDHW, NDHWC, and the attention's NCHW / NHWC), channel counts that are not
+multiples of the block, positions the programs do not divide, outliers, an
+all-zero position (the eps branch), in place, and the planned module path
+with its fallbacks. On the CPU the kernel runs under the interpreter."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from conv_patch import costs, dispatch, ops
+from conv_patch import rms_norm as rms_op
+from _util import TOL, act64, poisoned, randn, rel_err
+
+
+def _ref(x, w, b, scale, activation):
+    shape = (-1,) + (1,) * (x.dim() - 2)
+    y = F.normalize(x.double(), dim=1) * scale * w.double().reshape(shape)
+    if b is not None:
+        y = y + b.double().reshape(shape)
+    return act64(y, activation)
+
+
+CASES = [
+    # shape, memory format
+    ((2, 37, 3, 5, 7), torch.contiguous_format),
+    ((1, 97, 2, 3, 11), torch.channels_last_3d),  # more channels than one block
+    ((3, 70, 6, 9), torch.channels_last),
+    ((2, 5, 4, 3), torch.contiguous_format),
+]
+
+
+@pytest.mark.parametrize("shape,fmt", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("activation,bias", [("silu", False), ("none", True)])
+def test_rms_norm_matches_float64(device, shape, fmt, dtype, activation, bias):
+    g = torch.Generator().manual_seed(sum(shape) + len(activation))
+    x = randn(g, *shape)
+    # Outliers: a tenth of the positions 300x larger (fp16 squares stay finite in fp32).
+    far = torch.rand(shape[0], 1, *shape[2:], generator=g) < 0.1
+    x = torch.where(far, x * 300, x).to(dtype=dtype, device=device).contiguous(memory_format=fmt)
+    w = randn(g, shape[1], *([1] * (len(shape) - 2)), dtype=dtype, device=device)
+    b = randn(g, *w.shape, dtype=dtype, device=device) if bias else None
+    scale = shape[1] ** 0.5
+    out = poisoned(shape, dtype, device).contiguous(memory_format=fmt)
+    y = ops.rms_norm(x, w, b, scale, activation=activation, out=out)
+    assert y is out and y.stride() == x.stride()
+    assert rel_err(y, _ref(x, w, b, scale, activation)) <= TOL[dtype]
+
+
+def test_a_zero_position_gives_the_bias_and_in_place_works(device):
+    g = torch.Generator().manual_seed(1)
+    x = randn(g, 2, 6, 3, 4, 5, device=device)
+    x[1, :, 2, 3, 4] = 0.0  # F.normalize: 0 / max(0, eps) = 0
+    w, b = randn(g, 6, 1, 1, 1, device=device), randn(g, 6, 1, 1, 1, device=device)
+    ref = _ref(x, w, b, 2.0, "silu")
+    y = ops.rms_norm(x, w, b, 2.0, activation="silu", out=x)
+    assert y is x and rel_err(y, ref) <= TOL[torch.float32]
+    assert torch.allclose(y[1, :, 2, 3, 4].double(), F.silu(b.double().view(-1)), atol=1e-6)
+
+
+def test_the_op_refuses_misshaped_calls_and_runs_pytorch_on_strided_views(device):
+    x = torch.randn(2, 4, 3, 6, device=device)
+    with pytest.raises(ValueError, match="out must match"):
+        ops.rms_norm(x, out=torch.empty(2, 4, 3, 5, device=device))
+    with pytest.raises(ValueError, match=r"\[N, C, \.\.\.\]"):
+        ops.rms_norm(torch.randn(3, 4, device=device))
+    # A view whose positions do not share one stride: the eager expression.
+    view = torch.randn(2, 4, 6, 8, device=device)[:, :, ::2, 1:7]
+    assert rms_op.rms_norm_target(view, None, None) is None
+    w = torch.randn(4, 1, 1, device=device)
+    assert rel_err(ops.rms_norm(view, w, None, 2.0), _ref(view, w, None, 2.0, "none")) <= TOL[torch.float32]
+
+
+class RMS_norm(nn.Module):
+    """The Wan-family norm's contract (F.normalize over channels, * scale * gamma + bias)."""
+
+    def __init__(self, dim, images=False, bias=False):
+        super().__init__()
+        self.channel_first = True
+        self.scale = dim ** 0.5
+        self.gamma = nn.Parameter(torch.randn(dim, *((1, 1) if images else (1, 1, 1))))
+        self.bias = nn.Parameter(torch.randn_like(self.gamma)) if bias else 0.0
+
+    def forward(self, x):
+        return F.normalize(x, dim=1) * self.scale * self.gamma + self.bias
+
+
+def test_planned_module_calls_replay_and_fall_back_once(device, monkeypatch):
+    from triton.runtime.errors import OutOfResources
+    from conv_patch.recipes._fuse import rms_norm as step
+    norm = RMS_norm(9, bias=True).to(device).eval()
+    x = torch.randn(1, 9, 2, 5, 3, device=device)
+    with torch.no_grad():
+        ref = norm(x)
+        y1, y2 = step(norm, x, "silu"), step(norm, x, "silu")
+    assert rel_err(y1, F.silu(ref)) <= TOL[torch.float32] and torch.equal(y1, y2)
+    plan = norm._cp_last
+    assert plan.kernel and plan.program is not None and len(norm._cp_plans) == 1
+    # A kernel that cannot be built here: PyTorch's answer, warned once.
+    other = RMS_norm(9).to(device).eval()
+    tries = []
+
+    def fails(*a, **k):
+        tries.append(1)
+        raise OutOfResources(262144, 232448, "shared memory")
+    monkeypatch.setattr(rms_op, "rms_norm", fails)
+    with torch.no_grad(), pytest.warns(dispatch.KernelFailureWarning, match="OutOfResources"):
+        assert rel_err(step(other, x), other(x)) <= TOL[torch.float32]
+    with torch.no_grad():
+        assert rel_err(step(other, x), other(x)) <= TOL[torch.float32]
+    assert len(tries) == 1 and not other._cp_last.kernel and "OutOfResources" in other._cp_last.why
+    # Autograd: the module's own computation.
+    norm.gamma.requires_grad_(True)
+    y = step(norm, x)
+    assert y.requires_grad and not norm._cp_last.kernel
+
+
+def test_cost_rule_keeps_pytorch_only_where_it_is_predicted_faster():
+    # One pass against eight: the kernel pays at every size, launched or from a graph ...
+    for n in (1 << 10, 1 << 20, 1 << 28):
+        assert costs.rms_norm_pays(n, 2, True) and costs.rms_norm_pays(n, 2, False, graph=True)
+    # ... unless its host time were far above PyTorch's eight launches.
+    slow_host = dict(costs.HOST_US, base=200.0)
+    assert not costs.rms_norm_pays(1 << 10, 2, False, host=slow_host)
+    assert costs.rms_norm_pays(1 << 28, 2, False, host=slow_host)  # GPU-bound there

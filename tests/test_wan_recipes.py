@@ -1,0 +1,233 @@
+"""The Wan-family recipes (recipes/wan.py) against the unpatched blocks in
+float64: diffusers' Wan and Qwen-Image residual blocks over a chunked causal
+decode (the feature cache carried from chunk to chunk exactly as the block
+keeps it), a ComfyUI-style block (its ``residual`` Sequential and the
+``cache_list`` call of its causal convs), the RMS norms alone, the resample's
+upsample chain, and where a fused block must run its own forward. The
+blocks' own forwards are made to fail where the fused path must be taken.
+On the CPU the kernels run under the interpreter."""
+
+import copy
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import conv_patch
+from conv_patch.recipes import wan
+from _util import TOL, rel_err
+
+diffusers = pytest.importorskip("diffusers")
+from diffusers.models.autoencoders import autoencoder_kl_qwenimage as qwen  # noqa: E402
+from diffusers.models.autoencoders import autoencoder_kl_wan as dwan  # noqa: E402
+
+# The ComfyUI-style classes below keep this many frames per chunk, as the family does.
+CACHE_T = 2
+
+
+@pytest.fixture
+def no_fallback(monkeypatch):
+    def refuse(m, *a, **k):
+        raise AssertionError(f"{type(m).__name__} fell back to its own forward")
+    monkeypatch.setattr(wan, "base", refuse)
+
+
+def _seeded(m, seed):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.4 + (1.0 if p.dim() == 4 and p.shape[1:] == (1, 1, 1)
+                                                                 else 0.0))
+    return m.eval()
+
+
+def _chunks(seed, c, h=5, w=4):
+    """A causal decode's chunks: one frame, then two chunks of two (as the
+    decoder feeds them), with outliers."""
+    g = torch.Generator().manual_seed(seed)
+    xs = [torch.randn(1, c, t, h, w, generator=g) for t in (1, 2, 2)]
+    xs[1][0, :, 1, 2, 3] *= 50
+    return xs
+
+
+def _run_chunks(block, xs, slots):
+    cache, outs = [None] * slots, []
+    for x in xs:
+        idx = [0]
+        outs.append(block(x, cache, idx))
+        assert idx[0] == slots
+    return outs, cache
+
+
+@pytest.mark.parametrize("cls", [dwan.WanResidualBlock, qwen.QwenImageResidualBlock])
+@pytest.mark.parametrize("cin,cout", [(5, 5), (3, 6)])
+def test_diffusers_residual_blocks_over_a_chunked_decode(cls, cin, cout, exact_fp32, no_fallback):
+    block = _seeded(cls(cin, cout), cin + cout)
+    ref = copy.deepcopy(block).double()
+    report = conv_patch.apply(block)
+    assert report.fused[""].startswith("wan.ResidualBlock")
+    xs = _chunks(cin, cin)
+    with torch.no_grad():
+        outs, cache = _run_chunks(block, xs, 2)
+        refs, ref_cache = _run_chunks(ref, [x.double() for x in xs], 2)
+        for y, r in zip(outs, refs):
+            assert rel_err(y, r) <= TOL[torch.float32]
+        for c, r in zip(cache, ref_cache):
+            assert rel_err(c, r) <= TOL[torch.float32]  # the cache handed to the next chunk
+        # Without a cache: the plain (zero-padded in time) block.
+        assert rel_err(block(xs[1]), ref(xs[1].double())) <= TOL[torch.float32]
+    assert block.conv1._cp_last.reason == "interpreter"
+
+
+def test_a_fused_block_runs_its_own_forward_where_it_must(exact_fp32):
+    block = _seeded(dwan.WanResidualBlock(4, 4), 1)
+    twin = copy.deepcopy(block)
+    conv_patch.apply(block)
+    x = torch.randn(1, 4, 2, 3, 5)
+    calls = []
+    block.norm1.register_forward_hook(lambda m, a, y: calls.append(1))
+    with torch.no_grad():
+        assert rel_err(block(x), twin(x)) <= TOL[torch.float32]
+    assert calls == [1]  # the norm ran as a module: its hook saw it
+    block = _seeded(dwan.WanResidualBlock(4, 4), 1)
+    conv_patch.apply(block)
+    # Autograd: the block's own forward.
+    x.requires_grad_(True)
+    block(x).sum().backward()
+    assert x.grad is not None
+
+
+class RMS_norm(nn.Module):
+    """ComfyUI's WanVAE norm contract (normalises in the input's dtype, bias None)."""
+
+    def __init__(self, dim, images=True):
+        super().__init__()
+        self.channel_first = True
+        self.scale = dim ** 0.5
+        self.gamma = nn.Parameter(torch.ones(dim, *((1, 1) if images else (1, 1, 1))))
+        self.bias = None
+
+    def forward(self, x):
+        return F.normalize(x, dim=1) * self.scale * self.gamma.to(x) + (self.bias if self.bias is not None else 0)
+
+
+class CausalConv3d(nn.Conv3d):
+    """ComfyUI's causal conv contract: the cached frames by argument or by list slot (which it clears)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._padding = (self.padding[2], self.padding[2], self.padding[1], self.padding[1], 2 * self.padding[0], 0)
+        self.padding = (0, 0, 0)
+
+    def forward(self, x, cache_x=None, cache_list=None, cache_idx=None):
+        if cache_list is not None:
+            cache_x, cache_list[cache_idx] = cache_list[cache_idx], None
+        padding = list(self._padding)
+        if cache_x is not None and self._padding[4] > 0:
+            x = torch.cat([cache_x, x], dim=2)
+            padding[4] -= cache_x.shape[2]
+        return super().forward(F.pad(x, padding))
+
+
+class ResidualBlock(nn.Module):
+    """ComfyUI's WanVAE residual block contract: a ``residual`` Sequential and a ``shortcut``."""
+
+    def __init__(self, cin, cout):
+        super().__init__()
+        self.residual = nn.Sequential(RMS_norm(cin, images=False), nn.SiLU(), CausalConv3d(cin, cout, 3, padding=1),
+                                      RMS_norm(cout, images=False), nn.SiLU(), nn.Dropout(0.0),
+                                      CausalConv3d(cout, cout, 3, padding=1))
+        self.shortcut = CausalConv3d(cin, cout, 1) if cin != cout else nn.Identity()
+
+    def forward(self, x, feat_cache=None, feat_idx=[0]):
+        old_x = x
+        for layer in self.residual:
+            if isinstance(layer, CausalConv3d) and feat_cache is not None:
+                idx = feat_idx[0]
+                cache_x = x[:, :, -CACHE_T:].clone()
+                if cache_x.shape[2] < 2 and feat_cache[idx] is not None:
+                    cache_x = torch.cat([feat_cache[idx][:, :, -1:], cache_x], dim=2)
+                x = layer(x, cache_list=feat_cache, cache_idx=idx)
+                feat_cache[idx] = cache_x
+                feat_idx[0] += 1
+            else:
+                x = layer(x)
+        return x + self.shortcut(old_x)
+
+
+def test_comfy_style_residual_block_and_its_cache_list_convs(exact_fp32, no_fallback):
+    assert sys.modules[ResidualBlock.__module__].CACHE_T == 2
+    block = _seeded(ResidualBlock(3, 5), 7)
+    ref = copy.deepcopy(block).double()
+    report = conv_patch.apply(block)
+    assert report.fused[""].startswith("wan.comfy.ResidualBlock")
+    assert {"residual.2", "residual.6", "shortcut"} <= set(report.patched)
+    xs = _chunks(2, 3)
+    with torch.no_grad():
+        outs, cache = _run_chunks(block, xs, 2)
+        refs, ref_cache = _run_chunks(ref, [x.double() for x in xs], 2)
+        for y, r in zip(outs + cache, refs + ref_cache):
+            assert rel_err(y, r) <= TOL[torch.float32]
+        # The patched conv takes the cache_list call on its own too.
+        conv, slot = block.residual[2], [torch.randn(1, 3, 2, 5, 4)]
+        want = ref.residual[2](xs[1].double(), slot[0].double())
+        assert rel_err(conv(xs[1], cache_list=slot, cache_idx=0), want) <= TOL[torch.float32]
+        assert slot == [None]
+
+
+def test_rms_norms_alone_and_the_upsample_chain(exact_fp32):
+    torch.manual_seed(0)
+    norm = _seeded(dwan.WanRMS_norm(6, images=True), 3)
+    net = nn.ModuleDict({"norm": norm, "up": _seeded(nn.Sequential(
+        dwan.WanUpsample(scale_factor=(2.0, 2.0), mode="nearest-exact"), nn.Conv2d(6, 4, 3, padding=1)), 4)})
+    ref = copy.deepcopy(net).double()
+    report = conv_patch.apply(net)
+    assert report.fused["norm"].startswith("wan.RMS_norm") and report.fused["up"].startswith("sequential_chain")
+    x = torch.randn(2, 6, 5, 7)
+    with torch.no_grad():
+        assert rel_err(net["norm"](x), ref["norm"](x.double())) <= TOL[torch.float32]
+        assert net["norm"]._cp_last.kernel
+        assert rel_err(net["up"](x), ref["up"](x.double())) <= TOL[torch.float32]
+        # A 5-D input to an image norm broadcasts gamma differently: its own forward.
+        x5 = torch.randn(1, 6, 6, 5, 7)
+        assert rel_err(net["norm"](x5), ref["norm"](x5.double())) <= TOL[torch.float32]
+
+
+def test_tiny_wan_and_qwen_image_vaes_fuse_and_match(exact_fp32):
+    """Whole decodes with every block fused; the Conv3d layers left to
+    PyTorch here (their kernel under the interpreter is test_conv3d_patch's:
+    this keeps the test to seconds), so the blocks take the unpatched-conv
+    path of their steps."""
+    torch.manual_seed(1)
+    cfg = dict(base_dim=4, z_dim=4, dim_mult=[1, 2], num_res_blocks=1, attn_scales=[], temperal_downsample=[True])
+    for vae in (diffusers.AutoencoderKLWan(**cfg), diffusers.AutoencoderKLQwenImage(**cfg)):
+        vae = _seeded(vae, 2)
+        ref = copy.deepcopy(vae).double()
+        report = conv_patch.apply(vae, filter_fn=lambda m, name: not isinstance(m, nn.Conv3d))
+        assert sum(v.startswith("wan.ResidualBlock") for v in report.fused.values()) == 10
+        z = torch.randn(1, 4, 2, 3, 4)
+        with torch.no_grad():
+            assert rel_err(vae.decode(z).sample, ref.decode(z.double()).sample) <= TOL[torch.float32]
+
+
+@pytest.mark.gpu
+def test_wan_decoder_block_bf16_gpu():
+    """bf16 on a Wan 2.1 decoder block's shapes (384 channels, a 2-frame chunk
+    at 60x104 after its cached frames): the fused block no further from the
+    fp32 block than 1.5x the unpatched bf16 block, the RMS norm on its kernel."""
+    dev = torch.device("cuda")
+    block = _seeded(dwan.WanResidualBlock(384, 384), 11).to(dev)
+    ref32, ref16 = copy.deepcopy(block), copy.deepcopy(block).bfloat16()
+    block = block.bfloat16()
+    conv_patch.apply(block)
+    g = torch.Generator().manual_seed(12)
+    xs = [torch.randn(1, 384, t, 60, 104, generator=g).to(dev) for t in (1, 2)]
+    with torch.no_grad():
+        ys, _ = _run_chunks(block, [x.bfloat16() for x in xs], 2)
+        r16, _ = _run_chunks(ref16, [x.bfloat16() for x in xs], 2)
+        r32, _ = _run_chunks(ref32, xs, 2)
+    for y, a, b in zip(ys, r16, r32):
+        assert rel_err(y, b) <= 1.5 * rel_err(a, b) + 1e-4
+    assert block.norm1._cp_last.kernel

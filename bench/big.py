@@ -29,12 +29,11 @@ import argparse
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-from .common import RESULTS, print_table, write_results
+from .common import RESULTS, launched_call, print_table, write_results
 
 FLUX = dict(in_channels=3, out_channels=3, latent_channels=16, block_out_channels=(128, 256, 512, 512),
             layers_per_block=2, norm_num_groups=32, down_block_types=("DownEncoderBlock2D",) * 4,
@@ -67,11 +66,6 @@ def scale_of(vae) -> int:
     return 2 ** (len(vae.config.block_out_channels) - 1)
 
 
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def measure(fn, device, runs: int, warmup: int):
     """(output, median ms, peak GiB above the memory allocated before) of
     ``fn()``, or (None, None, None) where it runs out of memory."""
@@ -80,20 +74,13 @@ def measure(fn, device, runs: int, warmup: int):
         for _ in range(warmup):
             out = fn()
             del out
-        times = []
-        _sync(device)
-        base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
+        times, peaks = [], []
         for _ in range(max(1, runs)):
             out = None
-            _sync(device)
-            t = time.perf_counter()
-            out = fn()
-            _sync(device)
-            times.append((time.perf_counter() - t) * 1e3)
-        peak = ((torch.cuda.max_memory_allocated(device) - base) / 2 ** 30) if device.type == "cuda" else None
-        return out, statistics.median(times), peak
+            out, ms, peak = launched_call(fn, device)
+            times.append(ms)
+            peaks.append(peak)
+        return out, statistics.median(times), None if peaks[0] is None else max(peaks)
     except torch.cuda.OutOfMemoryError:
         out = None
         if device.type == "cuda":

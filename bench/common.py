@@ -52,6 +52,23 @@ def time_ms(fn, warmup=25, rep=100):
     return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
 
 
+def launched_call(fn, device):
+    """(output, wall ms, peak GiB above what was allocated before) of one
+    call of ``fn()`` as a user makes it: launched eagerly, timed from the
+    host up to the device's completion (peak None off CUDA)."""
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device) if cuda else 0
+    t = time.perf_counter()
+    out = fn()
+    if cuda:
+        torch.cuda.synchronize(device)
+    ms = (time.perf_counter() - t) * 1e3
+    return out, ms, ((torch.cuda.max_memory_allocated(device) - base) / 2 ** 30) if cuda else None
+
+
 def rotated(n: int, round_index: int) -> list:
     """The order of ``n`` variants in round ``round_index``: A B C, then
     B C A, C A B, ... so no variant always runs right after the same other

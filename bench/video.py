@@ -1,9 +1,12 @@
-"""Video VAE decode: a Wan-2.1-config ``AutoencoderKLWan`` (diffusers'
-default config, random seeded weights, bf16) unpatched vs patched, and the
-decoder's Conv3d calls one by one: the Conv3d kernel against what the
-module runs (the cached frames concatenated, ``F.pad``, cuDNN's conv3d).
+"""Video VAE decode: a Wan-family VAE (``--model``: ``wan2.1``, diffusers'
+default ``AutoencoderKLWan``; ``wan2.2``, the TI2V-5B VAE's config;
+``qwen-image``, the default ``AutoencoderKLQwenImage`` on single frames;
+random seeded weights, bf16) unpatched vs patched, and the decoder's Conv3d
+calls one by one: the Conv3d kernel against what the module runs (the cached
+frames concatenated, ``F.pad``, cuDNN's conv3d).
 
-    python -m bench.video [--frames 81] [--height 480] [--width 832] [--runs 3] [--layers] [--tiny]
+    python -m bench.video [--model wan2.1] [--frames F --height H --width W] [--runs 3]
+                          [--layers] [--write-table configs/sm90.json] [--tiny]
 
 Model rows: ``baseline_ms`` (unpatched, launched eagerly), ``ours_ms``
 (patched), ``speedup``, ``peak_gib`` / ``baseline_peak_gib``
@@ -12,33 +15,50 @@ call), ``rel_err_vs_unpatched``; medians of ``--runs`` after a warm-up,
 the variants interleaved in rotated order.
 
 ``--layers`` adds one row per distinct Conv3d call of a patched decode (the
-module's geometry, its input and cached frames): ``baseline_ms`` the
-module's own forward, ``ours_ms`` ``ops.conv3d(route="kernel")`` with the
-cache and the causal padding read in place, ``rel_err`` between them. These
-are the measurements a conv3d table entry needs before the dispatch core
-takes the kernel on a GPU (docs/design.md, "Conv3d"). ``--tiny`` runs a tiny
-config on the CPU (the test of this script's logic; times mean nothing).
+module's geometry, its input and cached frames), measured by
+``tune.measure_conv3d``: every candidate tile of the kernel (the route
+registry's, cache and causal padding read in place, checked against exact
+fp32) against the module's own forward, GPU times; ``baseline_ms`` the
+module's, ``ours_ms`` the best tile's. ``--write-table`` merges them into a
+config table as its ``conv3d`` entries, the measurements the dispatch core
+needs before it takes the kernel for a shape on a GPU (docs/design.md,
+"Conv3d"). ``--tiny`` runs a tiny config on the CPU (the test of this
+script's logic; times mean nothing).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
+import json
 import statistics
-import time
 
 import torch
 
-from .common import bench_device, print_table, rotated, time_ms, write_results
+from .common import bench_device, launched_call, print_table, rotated, write_results
 
 TINY = dict(base_dim=8, z_dim=4, dim_mult=[1, 2], num_res_blocks=1, attn_scales=[], temperal_downsample=[True],
             dropout=0.0)
+# (diffusers class, config, default clip (frames, height, width)). Wan 2.1
+# and Qwen-Image are their classes' defaults; Wan 2.2 is the TI2V-5B VAE
+# (48 latent channels, 2x2 patches, 16x spatial compression, residual
+# up/down blocks).
+MODELS = {
+    "wan2.1": ("AutoencoderKLWan", {}, (81, 480, 832)),
+    "wan2.2": ("AutoencoderKLWan", dict(base_dim=160, decoder_base_dim=256, z_dim=48, dim_mult=[1, 2, 4, 4],
+                                        num_res_blocks=2, temperal_downsample=[False, True, True],
+                                        is_residual=True, in_channels=12, out_channels=12, patch_size=2,
+                                        scale_factor_temporal=4, scale_factor_spatial=16), (121, 704, 1280)),
+    "qwen-image": ("AutoencoderKLQwenImage", {}, (1, 1024, 1024)),
+}
 
 
-def build_vae(tiny: bool, device, dtype):
-    from diffusers import AutoencoderKLWan
+def build_vae(model: str, tiny: bool, device, dtype):
+    import diffusers
+    cls, cfg, _ = MODELS[model]
     torch.manual_seed(0)
-    vae = AutoencoderKLWan(**TINY) if tiny else AutoencoderKLWan()
+    vae = getattr(diffusers, cls)(**(TINY if tiny else cfg))
     return vae.to(device=device, dtype=dtype).eval()
 
 
@@ -51,7 +71,7 @@ def latents(vae, frames: int, height: int, width: int, device, dtype):
     """The latent of a ``frames``-frame clip (1 + 4k frames: the causal VAE
     keeps the first frame apart)."""
     t_down = 2 ** sum(vae.config.temperal_downsample)
-    s = 2 ** (len(vae.config.dim_mult) - 1)
+    s = vae.config.get("scale_factor_spatial") or 2 ** (len(vae.config.dim_mult) - 1)
     g = torch.Generator(device="cpu").manual_seed(frames)
     shape = (1, vae.config.z_dim, 1 + (frames - 1) // t_down, height // s, width // s)
     return torch.randn(shape, generator=g).to(device=device, dtype=dtype)
@@ -69,29 +89,20 @@ def model_row(vae, z, runs: int, warmup: int, device) -> dict:
         for i in range(warmup + runs):
             for j in rotated(len(variants), i):
                 name = list(variants)[j]
-                _sync(device)
-                if device.type == "cuda":
-                    torch.cuda.reset_peak_memory_stats()
-                base = torch.cuda.memory_allocated() if device.type == "cuda" else 0
-                t = time.perf_counter()
-                y = variants[name].decode(z).sample
-                _sync(device)
-                ms = (time.perf_counter() - t) * 1e3
-                if device.type == "cuda":
-                    peaks[name] = (torch.cuda.max_memory_allocated() - base) / 2 ** 30
+                y, ms, peaks[name] = launched_call(lambda: variants[name].decode(z).sample, device)
                 if i >= warmup:
                     times[name].append(ms)
                 outs[name] = y
                 del y
     ref, y = outs["unpatched"].float(), outs["patched"].float()
     base_ms, ours_ms = statistics.median(times["unpatched"]), statistics.median(times["patched"])
-    return {"name": f"wan2.1-vae-decode {tuple(z.shape)} {str(z.dtype).split('.')[-1]}",
+    return {"name": f"{vae.__class__.__name__} decode {tuple(z.shape)} {str(z.dtype).split('.')[-1]}",
             "baseline": "unpatched, launched eagerly", "baseline_ms": base_ms, "ours_ms": ours_ms,
             "speedup": base_ms / ours_ms, "peak_gib": peaks.get("patched"),
             "baseline_peak_gib": peaks.get("unpatched"),
             "rel_err_vs_unpatched": ((y - ref).norm() / ref.norm().clamp_min(1e-30)).item(),
             "patched_convs": len(report.patched), "skipped_convs": len(report.skipped),
-            "conv_routes": _routes(patched)}
+            "fused_blocks": len(report.fused), "conv_routes": _routes(patched)}
 
 
 def _routes(model) -> dict:
@@ -129,75 +140,94 @@ def conv_calls(vae, z) -> list:
     return calls
 
 
-def layer_rows(vae, z, rounds: int, device, limit: int = 0) -> list:
-    """Rows of the distinct Conv3d calls (``limit`` > 0: those with cached
-    frames first, then the others, at most ``limit``)."""
-    from conv_patch import ops
-    rows = []
+def layer_measurements(vae, z, device, limit: int = 0) -> list:
+    """``tune.measure_conv3d`` of the distinct Conv3d calls (``limit`` > 0:
+    those with cached frames first, then the others, at most ``limit``):
+    each candidate tile of the kernel against the module's own forward."""
+    from conv_patch import config_tables, routes, tune
+    from conv_patch.target import target_for
+    cands = routes.conv3d_candidates(target_for(device))
     calls = conv_calls(vae, z)
     if limit:
         calls = sorted(calls, key=lambda c: c[2] is None)[:limit]
+    out, keys = [], set()
     for m, x, cache, pads in calls:
-        s = m.spec
+        layout = "ndhwc" if x.is_contiguous(memory_format=torch.channels_last_3d) and not x.is_contiguous() \
+            else "ncdhw"
+        key = config_tables.conv3d_shape_key(dataclasses.replace(m.spec, pads=pads), tuple(x.shape),
+                                             0 if cache is None else cache.shape[2], layout, x.dtype)
+        if key in keys:
+            continue  # another module of the same geometry on the same input: one table key
+        keys.add(key)
         w, b = m.weight.detach(), None if m.bias is None else m.bias.detach()
 
-        def theirs():
+        def theirs(m=m, x=x, cache=cache):
             return m._cp_fallback_forward(m, x, cache) if cache is not None else m._cp_fallback_forward(m, x)
 
-        def ours():
-            return ops.conv3d(x, w, b, s.stride, pads, s.dilation, cache=cache, route="kernel")
-
         with torch.no_grad():
-            y, ref = ours(), theirs()
-            samples = {"ours": [], "theirs": []}
-            fns = [("ours", ours), ("theirs", theirs)]
-            for r in range(rounds):
-                for j in rotated(2, r):
-                    samples[fns[j][0]].append(time_ms(fns[j][1]))
-        o, t = statistics.median(samples["ours"]), statistics.median(samples["theirs"])
-        tc = 0 if cache is None else cache.shape[2]
-        rows.append({"name": f"conv3d {s.describe()} on {tuple(x.shape)} cache {tc}",
-                     "baseline": "the module's forward (cat, F.pad, cuDNN conv3d)", "baseline_ms": t,
-                     "ours_ms": o, "speedup": t / o,
-                     "rel_err": ((y.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)).item()})
-        print(f"{rows[-1]['name']}: cuDNN path {t:.3f} ms, kernel {o:.3f} ms (x{t / o:.2f})", flush=True)
-    return rows
+            meas = tune.measure_conv3d(m.spec, x, cache, w, b, pads, theirs, cands)
+        out.append(meas)
+        best = meas.times.get(meas.best) if meas.best else None
+        print(f"{meas.name}: module {meas.cudnn_ms:.3f} ms, best tile {meas.best} "
+              f"{'-' if best is None else f'{best:.3f} ms (x{meas.cudnn_ms / best:.2f})'}", flush=True)
+    return out
+
+
+def layer_row(meas) -> dict:
+    best = meas.times.get(meas.best) if meas.best else None
+    return {"name": meas.name, "key": meas.key, "baseline": "the module's forward (cat, F.pad, cuDNN conv3d)",
+            "baseline_ms": meas.cudnn_ms, "ours_ms": best, "best": meas.best,
+            "speedup": (meas.cudnn_ms / best) if best else None, "times": meas.times, "rejected": meas.rejected}
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--frames", type=int, default=81)
-    ap.add_argument("--height", type=int, default=480)
-    ap.add_argument("--width", type=int, default=832)
+    ap.add_argument("--model", choices=sorted(MODELS), default="wan2.1")
+    ap.add_argument("--frames", type=int, default=None, help="default: the model's usual clip")
+    ap.add_argument("--height", type=int, default=None)
+    ap.add_argument("--width", type=int, default=None)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--layers", action="store_true", help="also time each distinct Conv3d call")
     ap.add_argument("--layer-frames", type=int, default=5, help="clip length of the --layers decode")
-    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds per --layers row")
+    ap.add_argument("--write-table", default=None, metavar="JSON",
+                    help="merge the --layers measurements into this config table as conv3d entries "
+                         "(e.g. configs/sm90.json)")
     ap.add_argument("--max-layers", type=int, default=0, help="at most this many --layers rows (0: all)")
     ap.add_argument("--tiny", action="store_true", help="a tiny config on the CPU (the tests)")
     ap.add_argument("--out", default=None, help="results folder (default bench/results)")
-    ap.add_argument("--name", default="video", help="result file stem")
+    ap.add_argument("--name", default=None, help="result file stem (default video-<model>)")
     args = ap.parse_args(argv)
     device = bench_device()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    frames, height, width = MODELS[args.model][2]
+    args.frames, args.height, args.width = args.frames or frames, args.height or height, args.width or width
     if args.tiny:
         args.frames, args.height, args.width, args.layer_frames = 3, 8, 8, 3
         args.max_layers = args.max_layers or 6
-    vae = build_vae(args.tiny, device, dtype)
+    vae = build_vae(args.model, args.tiny, device, dtype)
     rows = [model_row(vae, latents(vae, args.frames, args.height, args.width, device, dtype), args.runs,
                       args.warmup, device)]
     print(f"{rows[0]['name']}: unpatched {rows[0]['baseline_ms']:.1f} ms, patched {rows[0]['ours_ms']:.1f} ms "
           f"(x{rows[0]['speedup']:.2f}), peak {rows[0]['peak_gib']} / {rows[0]['baseline_peak_gib']} GiB",
           flush=True)
-    if args.layers:
+    if args.layers or args.write_table:
         z = latents(vae, args.layer_frames, args.height, args.width, device, dtype)
-        rows += layer_rows(vae, z, args.rounds, device, args.max_layers)
-    layer = [r["speedup"] for r in rows[1:]]
-    extra = {"frames": args.frames, "height": args.height, "width": args.width}
+        measured = layer_measurements(vae, z, device, args.max_layers)
+        rows += [layer_row(m) for m in measured]
+        if args.write_table:
+            from conv_patch import tune
+            with open(args.write_table) as f:
+                table = json.load(f)
+            tune.write_table(tune.merge_conv3d(table, measured, f"bench.video --layers {len(measured)} Conv3d "
+                                               f"calls of a {args.layer_frames}-frame {args.height}x{args.width} "
+                                               f"decode, {str(dtype).split('.')[-1]}"), args.write_table)
+            print("conv3d entries written to", args.write_table)
+    layer = [r["speedup"] for r in rows[1:] if r.get("speedup")]
+    extra = {"model": args.model, "frames": args.frames, "height": args.height, "width": args.width}
     if layer:
         extra["layer_geomean_speedup"] = statistics.geometric_mean(layer)
-    path = write_results(args.name, rows, extra, args.out)
+    path = write_results(args.name or f"video-{args.model}", rows, extra, args.out)
     print_table(rows, ["name", "baseline_ms", "ours_ms", "speedup"])
     print("wrote", path)
     return rows

@@ -56,6 +56,23 @@ def shape_key(spec: ConvSpec, shape: tuple, layout: str, dtype: torch.dtype) -> 
     return f"{key}.{layout}.{dtype_name(dtype)}"
 
 
+def conv3d_shape_key(spec, shape: tuple, cache_frames: int, layout: str, dtype: torch.dtype) -> str:
+    """The conv3d exact-tier key of a ``conv3d.Conv3dSpec`` call on input
+    ``shape`` [N, C, T, H, W] after ``cache_frames`` cached frames, e.g.
+    ``n1.c384.t2.h60.w104.o384.k3x3x3.s1x1x1.p2/0x1x1.d1x1x1.cache2.ncdhw.bfloat16``
+    (padding per axis, front/back where they differ)."""
+    n, c, t, h, w = shape
+    k, s, d = spec.kernel, spec.stride, spec.dilation
+    pads = "x".join(str(f) if f == b else f"{f}/{b}" for f, b in spec.pads)
+    return (f"n{n}.c{c}.t{t}.h{h}.w{w}.o{spec.out_channels}.k{k[0]}x{k[1]}x{k[2]}.s{s[0]}x{s[1]}x{s[2]}"
+            f".p{pads}.d{d[0]}x{d[1]}x{d[2]}.cache{cache_frames}.{layout}.{dtype_name(dtype)}")
+
+
+# Routes a conv3d exact entry may name: its one kernel family, or cuDNN
+# where that was measured faster.
+CONV3D_ROUTES = ("igemm", "cudnn")
+
+
 def _check_config(cfg, where: str, exact: bool = False) -> dict:
     if not isinstance(cfg, dict):
         raise TableError(f"{where}: a config must be an object")
@@ -114,6 +131,19 @@ def validate_table(table, name: str) -> dict:
             _check_config(b["config"], where)
         if "any" in sec:
             _check_config(sec["any"], f"{name}: {kind}.any")
+    sec = table.get("conv3d")
+    if sec is not None:
+        # Measured shapes only: nothing says the kernel beats cuDNN elsewhere.
+        if not isinstance(sec, dict) or set(sec) - {"exact"}:
+            raise TableError(f"{name}: conv3d must be an object with only an exact section (measured shapes)")
+        for key, cfg in (sec.get("exact") or {}).items():
+            where = f"{name}: conv3d.exact[{key!r}]"
+            _check_config(cfg, where, exact=True)
+            if route_of(cfg) not in CONV3D_ROUTES:
+                raise TableError(f"{where}: route must be one of {', '.join(CONV3D_ROUTES)}, got {route_of(cfg)!r}")
+            for t in ("ours_ms", "cudnn_ms"):
+                if not (isinstance(cfg.get(t), (int, float)) and cfg[t] > 0):
+                    raise TableError(f"{where}: needs the measured {t} (a positive number)")
     return table
 
 
@@ -145,6 +175,22 @@ class Table:
         """The exact entry of a shape key (``shape_key``), a 16-bit dtype's
         falling back to the other's (``SHARED_EXACT_DTYPE``), or None."""
         exact = (self.data.get("conv2d") or {}).get("exact") or {}
+        cfg = exact.get(key)
+        if cfg is None:
+            stem, dname = key.rsplit(".", 1)
+            other = SHARED_EXACT_DTYPE.get(dname)
+            cfg = exact.get(f"{stem}.{other}") if other else None
+        return cfg
+
+    @property
+    def has_conv3d(self) -> bool:
+        """Whether the table holds any measured conv3d entry."""
+        return bool((self.data.get("conv3d") or {}).get("exact"))
+
+    def conv3d_exact(self, key: str) -> Optional[dict]:
+        """The conv3d entry of a ``conv3d_shape_key``, a 16-bit dtype's
+        falling back to the other's, or None."""
+        exact = (self.data.get("conv3d") or {}).get("exact") or {}
         cfg = exact.get(key)
         if cfg is None:
             stem, dname = key.rsplit(".", 1)

@@ -17,6 +17,7 @@ this one place, for every caller, and the plan remembers it.
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
 import warnings
 from typing import Optional
@@ -638,18 +639,31 @@ def upsample_conv(m, x, residual=None, activation="none"):
 # -- Conv3d --------------------------------------------------------------------------
 @dataclasses.dataclass(eq=False)
 class Conv3dPlan:
-    """A Conv3d call's plan: the kernel (kernels/conv3d.py) or the module's
-    own forward, with the epilogue as PyTorch ops."""
+    """A Conv3d call's plan: the kernel (kernels/conv3d.py, with ``config``
+    its tiles) or the module's own forward, with the epilogue as PyTorch
+    ops."""
 
     kernel: bool
     decision: RouteDecision
     spec: object
     target: Optional[object] = None
+    config: Optional[dict] = None
 
 
-def conv3d_decide(spec, x, weight, bias, cache, residual, cast) -> tuple:
-    """(decision, target) for one Conv3d call: the kernel where it can run
-    and is known to pay, else PyTorch and why."""
+def conv3d_table(m, target):
+    """The table a Conv3d module's calls on ``target`` read: PatchConfig's,
+    else the architecture's own."""
+    table = m.__dict__.get("_cp_table") if m is not None else None
+    return table if table is not None else config_tables.packaged_table(target.arch)
+
+
+def conv3d_decide(spec, x, weight, bias, cache, residual, cast, table=None, epilogue=0, graph=False) -> tuple:
+    """(decision, target, config) for one Conv3d call: the kernel where it
+    can run and is known to pay, else PyTorch and why. On a GPU "known to
+    pay" means the table's exact entry of the shape (``conv3d.exact``,
+    measured against the module's own forward) says so as called
+    (``costs.conv3d_choice``; ``epilogue``: the eager ops the kernel would
+    fuse); a shape the table does not have runs PyTorch."""
     problem = spec.problem()
     if problem is None:
         try:
@@ -661,24 +675,46 @@ def conv3d_decide(spec, x, weight, bias, cache, residual, cast) -> tuple:
     if problem is None and cast:
         problem = "autocast: PyTorch's conv3d computes in autocast's dtype"
     if problem is not None:
-        return RouteDecision(Route.FALLBACK, problem), None
-    gate = conv3d_gate(conv3d_op.target_for(x.device))
+        return RouteDecision(Route.FALLBACK, problem), None, None
+    target = conv3d_op.target_for(x.device)
+    table = table if table is not None else config_tables.packaged_table(target.arch)
+    gate = conv3d_gate(target, table)
     if gate is not None:
-        return gate, None
+        return gate, None, None
     target, why = conv3d_op.kernel_target(x, weight, bias, cache, residual, None)
     if target is None:
-        return RouteDecision(Route.FALLBACK, why), None
-    return RouteDecision(Route.CONV3D_IGEMM, "interpreter", tier="default"), target
+        return RouteDecision(Route.FALLBACK, why), None, None
+    if target.interpreter:
+        return RouteDecision(Route.CONV3D_IGEMM, "interpreter", tier="default"), target, None
+    layout = "ndhwc" if x.is_contiguous(memory_format=torch.channels_last_3d) and not x.is_contiguous() else "ncdhw"
+    key = config_tables.conv3d_shape_key(spec, tuple(x.shape), 0 if cache is None else cache.shape[2], layout,
+                                         x.dtype)
+    entry = table.conv3d_exact(key)
+    if entry is None:
+        return RouteDecision(Route.FALLBACK, f"conv3d {key} not measured on {target.arch}: PyTorch's conv3d "
+                                             "(cuDNN)"), None, None
+    if config_tables.route_of(entry) == "cudnn":
+        return RouteDecision(Route.FALLBACK, f"cuDNN measured faster ({entry['cudnn_ms']:.4g} ms vs "
+                                             f"{entry['ours_ms']:.4g} ms)", tier="exact"), None, None
+    choice = costs.conv3d_choice(entry["ours_ms"], entry["cudnn_ms"], epilogue, graph,
+                                 out_bytes=math.prod(shape) * x.element_size())
+    if not choice.kernel:
+        return RouteDecision(Route.FALLBACK, choice.why, tier="exact"), None, None
+    config = {k: v for k, v in entry.items() if k not in ("route", "ours_ms", "cudnn_ms")}
+    return RouteDecision(Route.CONV3D_IGEMM, choice.why, tier="exact"), target, config
 
 
-def conv3d_gate(target) -> Optional[RouteDecision]:
+def conv3d_gate(target, table) -> Optional[RouteDecision]:
     """PyTorch for every Conv3d call on ``target``, whatever the call, or
-    None (the call is planned). The never-slower rule: no conv3d shape has
-    been measured on a GPU yet, so nothing says the kernel beats cuDNN
-    there; it runs under the interpreter, where it is tested."""
+    None (the call is planned). The never-slower rule: on a GPU whose table
+    has no measured conv3d entry nothing says the kernel beats cuDNN, so
+    such a call needs no signature; under the interpreter the kernel runs
+    (that is where it is tested)."""
     if target.interpreter and target.kernels:
         return None
     if target.kernels:
+        if table.has_conv3d:
+            return None
         return RouteDecision(Route.FALLBACK, f"no measured conv3d entries for {target.arch}: PyTorch's conv3d "
                                              "(cuDNN)")
     return RouteDecision(Route.FALLBACK, target.reason or "no kernels here")
@@ -696,7 +732,8 @@ def conv3d(m, x, eager_forward, cache=None, pads=None, residual=None, beta=1.0, 
     held = m.__dict__.get("_cp_gate")
     if held is None or held[0] != x.device:
         # Per device, kept with the plans (target_for costs microseconds).
-        held = m.__dict__["_cp_gate"] = (x.device, conv3d_gate(conv3d_op.target_for(x.device)))
+        target = conv3d_op.target_for(x.device)
+        held = m.__dict__["_cp_gate"] = (x.device, conv3d_gate(target, conv3d_table(m, target)))
     gate = held[1]
     if gate is not None:
         # Decided by the device alone: no signature to build.
@@ -713,18 +750,22 @@ def conv3d(m, x, eager_forward, cache=None, pads=None, residual=None, beta=1.0, 
                                         or (residual is not None and residual.requires_grad))
     kind = "cuda" if x.is_cuda else x.device.type
     cast = (x.is_cuda or torch.amp.is_autocast_available(kind)) and torch.is_autocast_enabled(kind)
+    graph = x.is_cuda and pack.on_graph_path(x)
     # (The module's attributes are not in the key: a wrapper's change of
     # them clears its plans.)
     key = ("conv3d", pads, x.shape, x.stride(), x.dtype, x.device, weight.data_ptr(),
            weight.shape, weight.dtype, None if bias is None else bias.data_ptr(), _tensor_sig(cache),
-           _tensor_sig(residual), beta, activation, out_scale, grad, cast)
+           _tensor_sig(residual), beta, activation, out_scale, grad, cast, graph)
     plans = m.__dict__.get("_cp_plans")
     plan = plans.get(key) if plans is not None else None
     if plan is None:
         with BUILD_LOCK:
             spec = m.spec if pads is None else dataclasses.replace(m.spec, pads=pads)
-            decision, target = conv3d_decide(spec, x, weight, bias, cache, residual, cast)
-            plan = Conv3dPlan(target is not None, decision, spec, target)
+            target = conv3d_op.target_for(x.device)
+            decision, target, config = conv3d_decide(
+                spec, x, weight, bias, cache, residual, cast, conv3d_table(m, target),
+                costs.epilogue_ops(residual is not None, beta, activation, out_scale), graph)
+            plan = Conv3dPlan(target is not None, decision, spec, target, config)
             if plan.kernel:
                 try:
                     y = _conv3d_kernel(plan, x, weight, bias, cache, residual, beta, activation, out_scale)
@@ -745,7 +786,7 @@ def _conv3d_kernel(plan, x, weight, bias, cache, residual, beta, activation, out
     s = plan.spec
     return conv3d_op.run_kernel(x, weight.detach(), None if bias is None else bias.detach(), cache, s.pads,
                                 s.stride, s.dilation, plan.target, residual=residual, beta=beta,
-                                activation=activation, out_scale=out_scale)
+                                activation=activation, out_scale=out_scale, config=plan.config)
 
 
 # -- GroupNorm ---------------------------------------------------------------------
@@ -883,10 +924,10 @@ def rms_norm(norm, x, params, eager_forward, activation="none"):
                     except k.Unrecordable:
                         plan.program = None
                     _store(norm, key, plan)
-                    norm.__dict__["_cp_last"] = plan
+                    norm.__dict__["_cp_norm_plan"] = plan
                     return y
             _store(norm, key, plan)
-    norm.__dict__["_cp_last"] = plan
+    norm.__dict__["_cp_norm_plan"] = plan
     if not plan.kernel:
         return eager_epilogue(eager_forward(), None, 1.0, activation, 1.0)
     if plan.program is not None:

@@ -149,6 +149,13 @@ FLAT_CANDIDATES = [
     _cfg("flat", 64, 128, 64, 4, 2),
 ]
 # Under the interpreter (the tuner's own tests): two of each, tiles sized for it.
+# The Conv3d kernel's tiles (its "igemm" table route): the 2-D portable
+# kernel's shapes, plus 8 warps on the wide tile.
+CONV3D_CANDIDATES = [
+    _cfg("igemm", 128, 64, 64, 4, 3), _cfg("igemm", 128, 128, 32, 4, 3), _cfg("igemm", 128, 128, 64, 8, 3),
+    _cfg("igemm", 64, 128, 64, 4, 4),
+]
+CONV3D_INTERPRETER_CANDIDATES = [_cfg("igemm", 1024, 128, 128, 4, 1), _cfg("igemm", 256, 64, 64, 4, 1)]
 INTERPRETER_CANDIDATES = [
     _cfg("igemm", 1024, 128, 128, 4, 1), _cfg("igemm", 64, 64, 32, 4, 1),
     _cfg("tma", 256, 64, 64, 4, 1, bw=16), _cfg("tma", 64, 32, 32, 4, 1, bw=64, persistent=1),
@@ -190,8 +197,8 @@ REGISTRY: Tuple[RouteEntry, ...] = (
     RouteEntry(Route.CONV2D_FLAT, "conv2d", "flat", "few input channels (C_in*KH*KW <= 64, e.g. a VAE encoder's conv_in on an RGB image): the implicit GEMM with its reduction over (c_in, kh, kw) flattened into one dimension, so 3x3x3 is one K = 32 block instead of nine of K = 16; any stride, padding, dilation; same layouts, dtypes and fused epilogue as conv2d",
                "launch_conv2d_flat", lambda spec, call, shape, target: flat_problem(spec),
                candidates=tuple(FLAT_CANDIDATES)),
-    RouteEntry(Route.CONV3D_IGEMM, "conv3d", "igemm", "portable implicit-GEMM conv3d: any kernel size, stride, padding (front and back per axis) and dilation; groups=1, zero padding; NCDHW or NDHWC read in place; a causal conv's cached frames read in place in front of the input (no concatenation written); same dtypes and fused epilogue as conv2d. Taken under the interpreter; on a GPU only once a table has measured conv3d entries (none yet), so PyTorch's conv3d runs there",
-               "launch_conv3d"),
+    RouteEntry(Route.CONV3D_IGEMM, "conv3d", "igemm", "portable implicit-GEMM conv3d: any kernel size, stride, padding (front and back per axis) and dilation; groups=1, zero padding; NCDHW or NDHWC read in place; a causal conv's cached frames read in place in front of the input (no concatenation written); same dtypes and fused epilogue as conv2d. Taken under the interpreter; on a GPU only for shapes an architecture's table measured faster than cuDNN as called (conv3d.exact: bench.video --layers --write-table), PyTorch's conv3d everywhere else",
+               "launch_conv3d", candidates=tuple(CONV3D_CANDIDATES)),
     RouteEntry(Route.CUDNN, None, "cudnn", "the original module, chosen because the architecture's table records cuDNN measured faster for this exact shape (convpatch tune): cuDNN computes the convolution, then bias and the fused epilogue run as one pass (conv_patch.ops.epilogue) on NHWC outputs, as PyTorch ops otherwise", exact_only=True),
     RouteEntry(Route.FALLBACK, None, None, 'the original PyTorch module (cuDNN/ATen): every case the kernels do not take'),
 )
@@ -233,6 +240,13 @@ def tuner_candidates(target: Target) -> list:
     route under the interpreter, every route's own on a GPU (TMA from sm90)."""
     if target.interpreter:
         return [dict(c) for c in INTERPRETER_CANDIDATES]
-    portable = [e for e in REGISTRY if e.candidates and e.route is not Route.CONV2D_TMA]
+    portable = [e for e in REGISTRY if e.candidates and e.kind == "conv2d" and e.route is not Route.CONV2D_TMA]
     tma = [BY_ROUTE[Route.CONV2D_TMA]] if tma_arch(target.arch) else []
     return [dict(c) for e in portable + tma for c in e.candidates]
+
+
+def conv3d_candidates(target: Target) -> list:
+    """The Conv3d kernel's configs a conv3d table entry is measured from."""
+    if target.interpreter:
+        return [dict(c) for c in CONV3D_INTERPRETER_CANDIDATES]
+    return [dict(c) for c in BY_ROUTE[Route.CONV3D_IGEMM].candidates]

@@ -244,6 +244,8 @@ def build_table(measurements: List[Measurement], arch: str, dtype: torch.dtype, 
     if base:
         table["source"] = f"{base.get('source', '')} || then {note}"
         sec["exact"].update(old.get("exact") or {})
+        if base.get("conv3d"):
+            table["conv3d"] = base["conv3d"]  # measured apart (measure_conv3d)
     measured_layouts = sorted({m.layout for m in measurements})
     for m in ([] if ranges_only else measurements):
         e = exact_entry(m)
@@ -386,6 +388,99 @@ def source_note(families, resolutions, batches, layouts, dtype, n_shapes, n_jobs
             f">{round((1 - CUDNN_MARGIN) * 100)}%.")
 
 
+@dataclasses.dataclass
+class Conv3dMeasurement:
+    """One Conv3d call measured: each candidate tile of the Conv3d kernel
+    (reading the cached frames and padding in place) against the module's
+    own forward (the concatenation, F.pad, cuDNN's conv3d)."""
+
+    key: str
+    name: str
+    times: Dict[str, float]
+    rejected: Dict[str, str]
+    cudnn_ms: Optional[float]
+    configs: Dict[str, dict]
+
+    @property
+    def best(self) -> Optional[str]:
+        return min(self.times, key=self.times.get) if self.times else None
+
+
+def measure_conv3d(spec, x, cache, weight, bias, pads, module_forward: Callable, cands: List[dict],
+                   timer=None) -> Conv3dMeasurement:
+    """Run, check and time every candidate on one Conv3d call (``spec`` a
+    ``conv3d.Conv3dSpec``, ``pads`` the call's (front, back) per axis,
+    ``module_forward()`` the module's own computation of it). A candidate
+    whose output is further from exact fp32 than the dtype's tolerance
+    (and than 1.5x PyTorch's own error on a GPU) or that fails to build is
+    rejected with the reason."""
+    from . import conv3d as conv3d_op
+    timer = timer or _timer(x.device)
+    with conv_tf32(False):
+        ref = conv3d_op.torch_conv3d(x.float(), weight.float(), None if bias is None else bias.float(),
+                                     None if cache is None else cache.float(), pads, spec.stride, spec.dilation)
+    tol = TOLERANCE[x.dtype]
+    theirs = module_forward().float()
+    if x.is_cuda:
+        tol = min(tol, CUDNN_ERR_FACTOR * ((theirs - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+                  + CUDNN_ERR_SLACK)
+    del theirs
+    fmt = (torch.channels_last_3d if x.is_contiguous(memory_format=torch.channels_last_3d) and not x.is_contiguous()
+           else torch.contiguous_format)
+    times, rejected, configs = {}, {}, {}
+    for cfg in cands:
+        lab = config_label(cfg)
+        configs[lab] = cfg
+        out = torch.empty(ref.shape, dtype=x.dtype, device=x.device, memory_format=fmt)
+        fn = lambda: ops.conv3d(x, weight, bias, spec.stride, pads, spec.dilation, cache=cache,  # noqa: E731
+                                out=out, route="kernel", config=cfg)
+        try:
+            out.fill_(float("nan"))
+            fn()
+            err = ((out.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+            if not math.isfinite(err) or err > tol:
+                rejected[lab] = f"wrong output (rel err {err:.3g})"
+                continue
+            times[lab] = timer(fn)
+        except kernel_errors() as e:
+            rejected[lab] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:120]}"
+    tc = 0 if cache is None else cache.shape[2]
+    layout = "ndhwc" if fmt is torch.channels_last_3d else "ncdhw"
+    key = config_tables.conv3d_shape_key(spec, tuple(x.shape), tc, layout, x.dtype)
+    return Conv3dMeasurement(key, f"conv3d {spec.describe()} on {tuple(x.shape)} cache {tc}", times, rejected,
+                             timer(module_forward), configs)
+
+
+def conv3d_entry(m: Conv3dMeasurement) -> Optional[dict]:
+    """The table entry of a measured Conv3d call: the fastest tile with both
+    times, or ``cudnn`` where the module's forward beat every tile by the
+    noise margin; None where no tile ran correctly."""
+    if m.best is None or m.cudnn_ms is None:
+        return None
+    best_ms = m.times[m.best]
+    if m.cudnn_ms < CUDNN_MARGIN * best_ms:
+        return {"route": "cudnn", "ours_ms": round(best_ms, 5), "cudnn_ms": round(m.cudnn_ms, 5),
+                "best_kernel": m.best}
+    return dict(m.configs[m.best], ours_ms=round(best_ms, 5), cudnn_ms=round(m.cudnn_ms, 5))
+
+
+def merge_conv3d(table: dict, measurements: List[Conv3dMeasurement], note: str = "") -> dict:
+    """``table`` (an architecture's, as read from its JSON) with the conv3d
+    entries of these measurements added or replaced; validated."""
+    out = dict(table)
+    sec = dict(out.get("conv3d") or {})
+    exact = dict(sec.get("exact") or {})
+    for m in measurements:
+        e = conv3d_entry(m)
+        if e is not None:
+            exact[m.key] = e
+    sec["exact"] = exact
+    out["conv3d"] = sec
+    if note:
+        out["source"] = f"{out.get('source', '')} || then {note}".lstrip(" |")
+    return config_tables.validate_table(out, f"table for {out.get('arch', '?')} with conv3d entries")
+
+
 def write_table(table: dict, path) -> None:
     with open(path, "w") as f:
         json.dump(table, f, indent=1)
@@ -412,4 +507,4 @@ def summary_rows(measurements: List[Measurement]) -> List[dict]:
 
 
 __all__ = ["candidates", "measure", "tune", "build_table", "distinct_calls", "write_table",
-           "measurements_from_reports"]
+           "measurements_from_reports", "measure_conv3d", "conv3d_entry", "merge_conv3d"]

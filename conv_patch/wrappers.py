@@ -123,6 +123,19 @@ class PatchedConvMixin:
         return dispatch.conv(self, x, residual, beta, activation, out_scale, output_padding, fallback_args, out,
                              padding, no_bias)
 
+    def call_with_epilogue(self, x, residual=None, beta=1.0, activation="none", out_scale=1.0, out=None,
+                           padding=None):
+        """``out_scale * act(self(F.pad(x, padding)) + beta * residual)``
+        into ``out`` when given, without the module's hooks (the caller's
+        business): the bare fast path where nothing but an activation is
+        asked for, else the planned call. The one body of ``forward`` and
+        of the recipes' conv steps."""
+        if residual is None and out is None and padding is None and out_scale == 1.0:
+            y = self._cp_bare_call(x, activation)
+            if y is not None:
+                return y
+        return self._cp_call(x, residual, beta, activation, out_scale, out=out, padding=padding)
+
     def _cp_bare_call(self, x, activation="none"):
         """``act(self(x))`` through ``dispatch.bare_call``, or None: the
         checks ``_cp_call`` makes first, the cheap way round."""
@@ -182,11 +195,7 @@ class PatchedConv2d(PatchedConvMixin, nn.Conv2d):
     _cp_torch_class = nn.Conv2d
 
     def forward(self, input, *, residual=None, beta=1.0, activation="none", out_scale=1.0, out=None):
-        if residual is None and out is None and out_scale == 1.0:
-            y = self._cp_bare_call(input, activation)
-            if y is not None:
-                return y
-        return self._cp_call(input, residual, beta, activation, out_scale, out=out)
+        return self.call_with_epilogue(input, residual, beta, activation, out_scale, out)
 
 
 def parametrized_class(cls: type, parametrized: type) -> type:
@@ -309,7 +318,8 @@ class PatchedConv3d(PatchedConvMixin, nn.Conv3d):
         if x is None:
             problem = self.spec.problem()
             return RouteDecision(Route.FALLBACK, problem) if problem else RouteDecision(Route.CONV3D_IGEMM)
-        return dispatch.conv3d_decide(self.spec, x, self.weight, self.bias, None, residual, False)[0]
+        return dispatch.conv3d_decide(self.spec, x, self.weight, self.bias, None, residual, False,
+                                      self._cp_table)[0]
 
     def forward(self, input, *, cache=None, residual=None, beta=1.0, activation="none", out_scale=1.0):
         if activation != "none":

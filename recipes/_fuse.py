@@ -293,14 +293,10 @@ def conv(m: nn.Conv2d, x: torch.Tensor, *, padding=None, residual=None, beta: fl
     if padding is not None and isinstance(m.padding, str):
         raise ValueError(f"conv(padding=...) replaces a numeric padding; {m} pads {m.padding!r}")
     if _kernels_may_run(m):
-        if residual is None and out is None and padding is None and out_scale == 1.0:
-            y = m._cp_bare_call(x, activation)
-            if y is not None:
-                return y
         # The wrapper's own call (hooks were ruled out), through the one
         # dispatch entry: the folded pad is part of the call's signature.
-        return m._cp_call(x, residual, beta, activation, out_scale, out=out,
-                          padding=None if padding is None else tuple(padding))
+        return m.call_with_epilogue(x, residual, beta, activation, out_scale, out,
+                                    None if padding is None else tuple(padding))
     if padding is not None:
         y = dispatch.forward_with_padding(m, x, padding, m)
     else:

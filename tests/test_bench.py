@@ -217,15 +217,28 @@ def test_interleaving_rotates_the_order_every_round(monkeypatch):
 
 def test_bench_video_tiny_rows(tmp_path):
     """bench.video --tiny --layers on the CPU: the model row (patched equal
-    to unpatched) and one row per distinct Conv3d call of the decode, the
-    kernel equal to the module's own forward."""
+    to unpatched) and one row per distinct Conv3d call of the decode, each
+    candidate tile checked against exact fp32; --write-table merges them into
+    a copy of a config table as valid conv3d entries the dispatch core reads
+    (and keeps the table's conv2d section)."""
     pytest.importorskip("diffusers")
     from bench import video
-    video.main(["--tiny", "--layers", "--runs", "1", "--warmup", "0", "--rounds", "1", "--out", str(tmp_path)])
-    doc = _result(tmp_path, "video")
+    from conv_patch import config_tables
+    table = tmp_path / "sm90.json"
+    packaged = json.loads((Path(__file__).parents[1] / "configs" / "sm90.json").read_text())
+    table.write_text(json.dumps(packaged))
+    video.main(["--tiny", "--layers", "--runs", "1", "--warmup", "0", "--out", str(tmp_path),
+                "--write-table", str(table)])
+    doc = _result(tmp_path, "video-wan2.1")
     model, *layers = doc["rows"]
     assert ROW_KEYS <= set(model) and model["rel_err_vs_unpatched"] < 1e-5 and model["patched_convs"] > 0
+    assert model["fused_blocks"] > 0
     assert layers and doc["layer_geomean_speedup"] > 0
     assert any(not r["name"].endswith("cache 0") for r in layers)  # the causal convs' cached frames
     for r in layers:
-        assert ROW_KEYS <= set(r) and r["rel_err"] < 1e-5
+        assert ROW_KEYS <= set(r) and not r["rejected"] and len(r["times"]) == 2
+    written = config_tables.load_user_table(str(table))
+    assert written.data["conv2d"] == packaged["conv2d"]
+    for r in layers:
+        entry = written.conv3d_exact(r["key"])
+        assert entry["cudnn_ms"] == round(r["baseline_ms"], 5) and entry["ours_ms"] == round(r["ours_ms"], 5)

@@ -6,6 +6,7 @@ unknown subclasses, a GPU without measured conv3d entries) left to PyTorch
 with the reason said. On the CPU the kernel runs under the interpreter."""
 
 import copy
+import dataclasses
 import pickle
 
 import pytest
@@ -215,3 +216,60 @@ def test_causal_convs_recognised_by_structure_and_others_skipped(exact_fp32):
     assert isinstance(clone["causal"], PatchedConv3d) and clone["causal"].__dict__.get("_cp_plans") is None
     with torch.no_grad():
         assert rel_err(clone["causal"](x, cache), twin["causal"](x, cache)) <= TOL[torch.float32]
+
+
+def test_a_gpu_takes_the_kernel_only_for_shapes_its_table_measured_faster(monkeypatch, exact_fp32):
+    """On a GPU target the Conv3d kernel runs exactly the calls whose exact
+    shape the table measured faster than the module's forward as called, with
+    the measured tile; a shape measured slower, a shape never measured and a
+    table without conv3d entries run PyTorch, each saying why."""
+    from conv_patch import config_tables
+    from conv_patch.patcher import PatchConfig
+    from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d
+    monkeypatch.setattr(conv3d_op, "target_for", lambda device: Target("sm90", True))
+    torch.manual_seed(6)
+    conv = WanCausalConv3d(4, 6, 3, padding=1).eval()
+    spec = conv3d_op.Conv3dSpec.from_module(conv, ((2, 0), (1, 1), (1, 1)))
+    x, cache = torch.randn(1, 4, 2, 5, 6), torch.randn(1, 4, 2, 5, 6)
+    key = config_tables.conv3d_shape_key
+    tile = {"route": "igemm", "BLOCK_M": 64, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 8, "num_warps": 4,
+            "num_stages": 1}
+    covered = dataclasses.replace(spec, pads=((0, 0), (1, 1), (1, 1)))  # two cached frames: no time padding
+    table = {"schema": 1, "arch": "sm90", "conv3d": {"exact": {
+        key(spec, (1, 4, 2, 5, 6), 0, "ncdhw", torch.float32): dict(tile, ours_ms=1.0, cudnn_ms=2.0),
+        key(covered, (1, 4, 2, 5, 6), 2, "ncdhw", torch.float32): {"route": "cudnn", "ours_ms": 3.0, "cudnn_ms": 2.0},
+    }}}
+    twin = copy.deepcopy(conv)
+    net = nn.ModuleDict({"c": conv})
+    conv_patch.apply(net, config=PatchConfig(table=table))
+    conv = net["c"]
+    seen = []
+    real = kernels.launch_conv3d
+    monkeypatch.setattr(kernels, "launch_conv3d", lambda *a, **k: seen.append(k["config"]) or real(*a, **k))
+    with torch.no_grad():
+        assert rel_err(conv(x), twin(x)) <= TOL[torch.float32]
+        assert conv._cp_last.route is Route.CONV3D_IGEMM and conv._cp_last.tier == "exact"
+        assert seen and seen[0]["BLOCK_M"] == 64
+        assert rel_err(conv(x, cache), twin(x, cache)) <= TOL[torch.float32]
+        assert conv._cp_last.route is Route.FALLBACK and "cuDNN measured faster" in conv._cp_last.reason
+        assert rel_err(conv(x, cache[:, :, :1]), twin(x, cache[:, :, :1])) <= TOL[torch.float32]
+        assert conv._cp_last.route is Route.FALLBACK and "not measured on sm90" in conv._cp_last.reason
+    assert len(seen) == 1
+    # A table without conv3d entries: decided by the device alone.
+    bare = nn.ModuleDict({"c": copy.deepcopy(twin)})
+    conv_patch.apply(bare, config=PatchConfig(table={"schema": 1, "arch": "sm90"}))
+    with torch.no_grad():
+        bare["c"](x, cache)
+    assert "no measured conv3d entries for sm90" in bare["c"]._cp_last.reason
+
+
+def test_conv3d_table_entries_are_validated():
+    from conv_patch import config_tables
+    good = {"route": "igemm", "BLOCK_M": 64, "BLOCK_N": 16, "BLOCK_K": 16, "ours_ms": 1.0, "cudnn_ms": 2.0}
+    config_tables.validate_table({"conv3d": {"exact": {"k": good}}}, "t")
+    for bad, why in (({"conv3d": {"exact": {"k": dict(good, route="tma")}}}, "route must be one of igemm, cudnn"),
+                     ({"conv3d": {"exact": {"k": dict(good, ours_ms=None)}}}, "needs the measured ours_ms"),
+                     ({"conv3d": {"any": good}}, "only an exact section"),
+                     ({"conv3d": {"exact": {"k": dict(good, BLOCK_M=48)}}}, "BLOCK_M must be a power of two")):
+        with pytest.raises(config_tables.TableError, match=why):
+            config_tables.validate_table(bad, "t")

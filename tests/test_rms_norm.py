@@ -97,7 +97,7 @@ def test_planned_module_calls_replay_and_fall_back_once(device, monkeypatch):
         ref = norm(x)
         y1, y2 = step(norm, x, "silu"), step(norm, x, "silu")
     assert rel_err(y1, F.silu(ref)) <= TOL[torch.float32] and torch.equal(y1, y2)
-    plan = norm._cp_last
+    plan = norm._cp_norm_plan
     assert plan.kernel and plan.program is not None and len(norm._cp_plans) == 1
     # A kernel that cannot be built here: PyTorch's answer, warned once.
     other = RMS_norm(9).to(device).eval()
@@ -111,11 +111,11 @@ def test_planned_module_calls_replay_and_fall_back_once(device, monkeypatch):
         assert rel_err(step(other, x), other(x)) <= TOL[torch.float32]
     with torch.no_grad():
         assert rel_err(step(other, x), other(x)) <= TOL[torch.float32]
-    assert len(tries) == 1 and not other._cp_last.kernel and "OutOfResources" in other._cp_last.why
+    assert len(tries) == 1 and not other._cp_norm_plan.kernel and "OutOfResources" in other._cp_norm_plan.why
     # Autograd: the module's own computation.
     norm.gamma.requires_grad_(True)
     y = step(norm, x)
-    assert y.requires_grad and not norm._cp_last.kernel
+    assert y.requires_grad and not norm._cp_norm_plan.kernel
 
 
 def test_cost_rule_keeps_pytorch_only_where_it_is_predicted_faster():

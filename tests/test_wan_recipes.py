@@ -188,7 +188,7 @@ def test_rms_norms_alone_and_the_upsample_chain(exact_fp32):
     x = torch.randn(2, 6, 5, 7)
     with torch.no_grad():
         assert rel_err(net["norm"](x), ref["norm"](x.double())) <= TOL[torch.float32]
-        assert net["norm"]._cp_last.kernel
+        assert net["norm"]._cp_norm_plan.kernel
         assert rel_err(net["up"](x), ref["up"](x.double())) <= TOL[torch.float32]
         # A 5-D input to an image norm broadcasts gamma differently: its own forward.
         x5 = torch.randn(1, 6, 6, 5, 7)
@@ -230,4 +230,4 @@ def test_wan_decoder_block_bf16_gpu():
         r32, _ = _run_chunks(ref32, xs, 2)
     for y, a, b in zip(ys, r16, r32):
         assert rel_err(y, b) <= 1.5 * rel_err(a, b) + 1e-4
-    assert block.norm1._cp_last.kernel
+    assert block.norm1._cp_norm_plan.kernel

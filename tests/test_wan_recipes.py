@@ -231,3 +231,25 @@ def test_wan_decoder_block_bf16_gpu():
     for y, a, b in zip(ys, r16, r32):
         assert rel_err(y, b) <= 1.5 * rel_err(a, b) + 1e-4
     assert block.norm1._cp_norm_plan.kernel
+
+
+@pytest.mark.parametrize("family", ["AutoencoderKLHunyuanVideo", "AutoencoderKLLTXVideo"])
+def test_other_video_vaes_patch_and_keep_their_answer(family, exact_fp32):
+    """HunyuanVideo and LTX-Video VAEs (their causal convs wrap a plain
+    Conv3d after a replicate pad of their own): every Conv3d patched, nothing
+    skipped, and the decode unchanged where the blocks around them run as
+    patched (the Conv3d kernel itself left out here, test_conv3d_patch's)."""
+    torch.manual_seed(0)
+    cfg = dict(block_out_channels=(8, 8, 8, 8), latent_channels=4)
+    cfg.update(dict(layers_per_block=1, norm_num_groups=4) if family.endswith("HunyuanVideo") else
+               dict(decoder_block_out_channels=(8, 8, 8, 8), layers_per_block=(1,) * 5,
+                    decoder_layers_per_block=(1,) * 5))
+    vae = getattr(diffusers, family)(**cfg).eval()
+    report = conv_patch.apply(copy.deepcopy(vae))
+    n3d = sum(isinstance(m, nn.Conv3d) for m in vae.modules())
+    assert n3d and sum(r.startswith("conv3d_igemm") for r in report.patched.values()) == n3d and not report.skipped
+    ref = copy.deepcopy(vae).double()
+    conv_patch.apply(vae, filter_fn=lambda m, name: not isinstance(m, nn.Conv3d))
+    z = torch.randn(1, 4, 2, 3, 3)
+    with torch.no_grad():
+        assert rel_err(vae.decode(z).sample, ref.decode(z.double()).sample) <= TOL[torch.float32]

@@ -68,9 +68,9 @@ def conv3d_shape_key(spec, shape: tuple, cache_frames: int, layout: str, dtype: 
             f".p{pads}.d{d[0]}x{d[1]}x{d[2]}.cache{cache_frames}.{layout}.{dtype_name(dtype)}")
 
 
-# Routes a conv3d exact entry may name: its one kernel family, or cuDNN
-# where that was measured faster.
-CONV3D_ROUTES = ("igemm", "cudnn")
+# Routes a conv3d exact entry may name: the portable kernel, the sm90 TMA
+# kernel, or cuDNN where that was measured faster.
+CONV3D_ROUTES = ("igemm", "tma", "cudnn")
 
 
 def _check_config(cfg, where: str, exact: bool = False) -> dict:

@@ -179,7 +179,18 @@ def run_kernel(x, weight, bias, cache, pads, stride, dilation, target, *, residu
         out = k.empty(output_shape(x, weight, bias, cache, stride, pads, dilation), dtype=x.dtype,
                       device=x.device, memory_format=torch.channels_last_3d if cl else torch.contiguous_format)
     tiles = config if config is not None else CONV3D_TILES["interpreter" if target.interpreter else "gpu"]
-    return k.launch_conv3d(x, cache, weight, bias, out, residual, stride=stride,
+    launcher = k.launch_conv3d
+    if tiles.get("route") == "tma":
+        # The TMA kernel boxes the weight as dense [C_out, KT, KH, KW, C_in]:
+        # a module's NCDHW weight is repacked per call (a copy of the weight,
+        # small beside a video conv's activations; measured with the call).
+        if not weight.is_contiguous(memory_format=torch.channels_last_3d):
+            weight = weight.contiguous(memory_format=torch.channels_last_3d)
+        problem = k.conv3d_tma_problem(x, cache, weight, stride, target.interpreter)
+        if problem:
+            raise ValueError(f"conv3d: the tma route cannot take this call: {problem}")
+        launcher = k.launch_conv3d_tma
+    return launcher(x, cache, weight, bias, out, residual, stride=stride,
                            padding=tuple(p[0] for p in pads), dilation=dilation, beta=beta,
                            activation=activation_code(activation), out_scale=out_scale, config=tiles,
                            precision=dot_precision(x.dtype, target), upcast=target.interpreter,
@@ -213,10 +224,12 @@ def conv3d(x, weight, bias=None, stride=1, padding=0, dilation=1, *, cache=None,
     strides. Where no kernel runs (no GPU and no interpreter, float64,
     autograd, mixed devices or dtypes) PyTorch computes the same expression.
     ``route``: None (the kernel under the interpreter; PyTorch on a GPU,
-    where conv3d has no measured table entries yet, so the kernel is not
-    known to beat cuDNN), "kernel" (the kernel wherever it can run) or
-    "pytorch". ``config`` overrides the tile, ``force_int64`` forces 64-bit
-    offsets (tests). Raises ValueError for groups > 1 and ill-shaped
+    where only the dispatch core's measured table entries say when the
+    kernel beats cuDNN), "kernel" (the kernel wherever it can run) or
+    "pytorch". ``config`` overrides the tile; with ``"route": "tma"`` it runs
+    the sm90 TMA kernel (kernels/conv3d_tma.py: fp16/bf16, dense NDHWC input
+    and cache, H and W at stride 1; ValueError otherwise). ``force_int64``
+    forces 64-bit offsets (tests). Raises ValueError for groups > 1 and ill-shaped
     arguments."""
     if route not in (None, "kernel", "pytorch"):
         raise ValueError(f"conv3d: route {route!r}: expected None, 'kernel' or 'pytorch'")

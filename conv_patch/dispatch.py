@@ -696,12 +696,19 @@ def conv3d_decide(spec, x, weight, bias, cache, residual, cast, table=None, epil
     if config_tables.route_of(entry) == "cudnn":
         return RouteDecision(Route.FALLBACK, f"cuDNN measured faster ({entry['cudnn_ms']:.4g} ms vs "
                                              f"{entry['ours_ms']:.4g} ms)", tier="exact"), None, None
+    route = config_tables.route_of(entry)
+    if route == "tma":
+        problem = kernels().conv3d_tma_problem(x, cache, None, spec.stride, target.interpreter)
+        if problem:
+            return RouteDecision(Route.FALLBACK, f"the measured tma tile cannot take this call ({problem})",
+                                 tier="exact"), None, None
     choice = costs.conv3d_choice(entry["ours_ms"], entry["cudnn_ms"], epilogue, graph,
                                  out_bytes=math.prod(shape) * x.element_size())
     if not choice.kernel:
         return RouteDecision(Route.FALLBACK, choice.why, tier="exact"), None, None
-    config = {k: v for k, v in entry.items() if k not in ("route", "ours_ms", "cudnn_ms")}
-    return RouteDecision(Route.CONV3D_IGEMM, choice.why, tier="exact"), target, config
+    config = {k: v for k, v in entry.items() if k not in ("ours_ms", "cudnn_ms")}
+    return (RouteDecision(Route.CONV3D_TMA if route == "tma" else Route.CONV3D_IGEMM, choice.why, tier="exact"),
+            target, config)
 
 
 def conv3d_gate(target, table) -> Optional[RouteDecision]:

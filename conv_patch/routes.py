@@ -23,6 +23,7 @@ class Route(enum.Enum):
     CONV2D_TAPS = "conv2d_taps"
     CONV2D_FLAT = "conv2d_flat"
     CONV3D_IGEMM = "conv3d_igemm"
+    CONV3D_TMA = "conv3d_tma"
     CUDNN = "cudnn"
     FALLBACK = "fallback"
 
@@ -155,7 +156,13 @@ CONV3D_CANDIDATES = [
     _cfg("igemm", 128, 64, 64, 4, 3), _cfg("igemm", 128, 128, 32, 4, 3), _cfg("igemm", 128, 128, 64, 8, 3),
     _cfg("igemm", 64, 128, 64, 4, 4),
 ]
-CONV3D_INTERPRETER_CANDIDATES = [_cfg("igemm", 1024, 128, 128, 4, 1), _cfg("igemm", 256, 64, 64, 4, 1)]
+# The sm90 Conv3d kernel: the 2-D TMA kernel's tile shapes that a Wan
+# decoder's frames (60x104 to 480x832 pixels) fill.
+CONV3D_TMA_CANDIDATES = [
+    _cfg("tma", 128, 128, 64, 4, 4, bw=64), _cfg("tma", 128, 128, 64, 4, 3, bw=128),
+    _cfg("tma", 128, 256, 64, 8, 3, bw=128), _cfg("tma", 128, 64, 64, 4, 4, bw=32),
+]
+CONV3D_INTERPRETER_CANDIDATES = [_cfg("igemm", 1024, 128, 128, 4, 1), _cfg("tma", 256, 64, 64, 4, 1, bw=16)]
 INTERPRETER_CANDIDATES = [
     _cfg("igemm", 1024, 128, 128, 4, 1), _cfg("igemm", 64, 64, 32, 4, 1),
     _cfg("tma", 256, 64, 64, 4, 1, bw=16), _cfg("tma", 64, 32, 32, 4, 1, bw=64, persistent=1),
@@ -199,6 +206,8 @@ REGISTRY: Tuple[RouteEntry, ...] = (
                candidates=tuple(FLAT_CANDIDATES)),
     RouteEntry(Route.CONV3D_IGEMM, "conv3d", "igemm", "portable implicit-GEMM conv3d: any kernel size, stride, padding (front and back per axis) and dilation; groups=1, zero padding; NCDHW or NDHWC read in place; a causal conv's cached frames read in place in front of the input (no concatenation written); same dtypes and fused epilogue as conv2d. Taken under the interpreter; on a GPU only for shapes an architecture's table measured faster than cuDNN as called (conv3d.exact: bench.video --layers --write-table), PyTorch's conv3d everywhere else",
                "launch_conv3d", candidates=tuple(CONV3D_CANDIDATES)),
+    RouteEntry(Route.CONV3D_TMA, "conv3d", "tma", "Hopper (sm90+) conv3d: TMA tensor descriptors over the dense NDHWC input and its cached frames (their zero fill is the padding, in time too) feeding wgmma, one pipelined loop per input frame; any kernel size, time stride and dilation, H and W at stride 1; fp16/bf16, C_in a multiple of 8; the weight repacked to channels_last_3d per call; same fused epilogue. On a GPU only for shapes a table measured faster than cuDNN as called",
+               "launch_conv3d_tma", candidates=tuple(CONV3D_TMA_CANDIDATES)),
     RouteEntry(Route.CUDNN, None, "cudnn", "the original module, chosen because the architecture's table records cuDNN measured faster for this exact shape (convpatch tune): cuDNN computes the convolution, then bias and the fused epilogue run as one pass (conv_patch.ops.epilogue) on NHWC outputs, as PyTorch ops otherwise", exact_only=True),
     RouteEntry(Route.FALLBACK, None, None, 'the original PyTorch module (cuDNN/ATen): every case the kernels do not take'),
 )
@@ -249,4 +258,5 @@ def conv3d_candidates(target: Target) -> list:
     """The Conv3d kernel's configs a conv3d table entry is measured from."""
     if target.interpreter:
         return [dict(c) for c in CONV3D_INTERPRETER_CANDIDATES]
-    return [dict(c) for c in BY_ROUTE[Route.CONV3D_IGEMM].candidates]
+    routes = [Route.CONV3D_IGEMM] + ([Route.CONV3D_TMA] if tma_arch(target.arch) else [])
+    return [dict(c) for r in routes for c in BY_ROUTE[r].candidates]

@@ -34,7 +34,7 @@ from . import routes
 from .routes import _cfg, flat_problem, route_problem, taps_problem, tma_problem
 from .specs import CallDesc
 from .target import Target, conv_tf32
-from .conv import kernel_errors
+from .conv import kernel_errors, kernels
 
 # cuDNN must beat the best candidate by this much to take a shape: run-to-run
 # noise on one shape is up to ~8% on the H200, and a fused epilogue (which the
@@ -428,9 +428,12 @@ def measure_conv3d(spec, x, cache, weight, bias, pads, module_forward: Callable,
     fmt = (torch.channels_last_3d if x.is_contiguous(memory_format=torch.channels_last_3d) and not x.is_contiguous()
            else torch.contiguous_format)
     times, rejected, configs = {}, {}, {}
+    k = kernels()
     for cfg in cands:
         lab = config_label(cfg)
         configs[lab] = cfg
+        if cfg.get("route") == "tma" and k.conv3d_tma_problem(x, cache, None, spec.stride, not x.is_cuda):
+            continue  # (an NCDHW call, say: the TMA kernel's own rule)
         out = torch.empty(ref.shape, dtype=x.dtype, device=x.device, memory_format=fmt)
         fn = lambda: ops.conv3d(x, weight, bias, spec.stride, pads, spec.dilation, cache=cache,  # noqa: E731
                                 out=out, route="kernel", config=cfg)

@@ -8,7 +8,8 @@ in custom nodes) are recognised alike.
 * the residual block (``*ResidualBlock``): RMS norm + SiLU as one pass each,
   the cached frames read in place by the causal convs (the chunk-by-chunk
   cache bookkeeping exactly as the block does it), the shortcut added in
-  conv2's epilogue.
+  conv2's epilogue;
+* the mid-block's per-frame attention (``AttentionBlock``).
 
 The resample blocks' nearest x2 upsampling + 3x3 conv per frame is the
 ``nn.Sequential`` chain recipe's (``common.py``). Convs run on conv-patch's
@@ -23,8 +24,8 @@ import sys
 import torch
 from torch import nn
 
-from ._fuse import (Recipe, base, causal_conv3d, dropout_is_identity, inference, is_silu, parts, plain, register,
-                    rms_norm, rms_norm_params)
+from ._fuse import (Recipe, attention, base, causal_conv3d, conv, dropout_is_identity, from_tokens, inference,
+                    is_conv, is_silu, parts, plain, register, rms_norm, rms_norm_params, to_tokens)
 from conv_patch.wrappers import causal_conv3d_problem
 
 # The frames a block keeps from each chunk for the next one's causal convs.
@@ -153,6 +154,44 @@ class ComfyResidualBlock(Recipe):
         return _residual(x, n1, c1, n2, c2, _shortcut(sc), feat_cache, feat_idx)
 
 
+class AttentionBlock(Recipe):
+    """The mid-block's per-frame single-head attention (diffusers'
+    ``WanAttentionBlock`` / ``QwenImageAttentionBlock``; ComfyUI's has its own
+    attention call and is not taken): the frames made once as NHWC tokens
+    (the block's permute copy), the RMS norm as one pass, the 1x1
+    projections over the token views, the attention through
+    ``ops.attention`` (a 384-wide head, which PyTorch's fused kernels do not
+    take), the residual added in the output projection's epilogue."""
+
+    name = "wan.AttentionBlock"
+    what = "RMS norm pass, NHWC frame tokens, attention for wide heads, residual in proj's epilogue"
+
+    def match(self, m):
+        norm, qkv, proj = parts(m, "norm", "to_qkv", "proj")
+        p = rms_norm_params(norm)
+        return (_cls(m).__name__ in ("WanAttentionBlock", "QwenImageAttentionBlock") and p is not None
+                and p[0].dim() == 3 and is_conv(qkv, 1) and is_conv(proj, 1) and qkv.padding == (0, 0)
+                and proj.padding == (0, 0) and qkv.out_channels == 3 * qkv.in_channels
+                and proj.in_channels == proj.out_channels == qkv.in_channels == p[0].shape[0])
+
+    def forward(self, m, x):
+        norm, qkv, proj = parts(m, "norm", "to_qkv", "proj")
+        if x.dim() != 5 or x.shape[1] != qkv.in_channels or not inference(x, norm, qkv, proj) or not plain(norm):
+            return base(m, x)
+        b, c, t, h, w = x.shape
+        # [B*T, C, H, W] frames in NHWC: one copy of an NCDHW input (the
+        # block's own permute makes one too), a view of an NDHWC one.
+        frames = x.permute(0, 2, 3, 4, 1).reshape(b * t, h, w, c).permute(0, 3, 1, 2)
+        tok = to_tokens(conv(qkv, rms_norm(norm, frames)))
+        q, k, v = (tok[:, None, :, i * c:(i + 1) * c] for i in range(3))
+        a = attention(q, k, v)[:, 0]
+        y = conv(proj, from_tokens(a, h, w), residual=frames)
+        y = y.permute(0, 2, 3, 1).reshape(b, t, h, w, c).permute(0, 4, 1, 2, 3)
+        # The caller's layout: the block's own ``x + identity`` follows its input's.
+        return y.contiguous() if x.is_contiguous() else y
+
+
 RMS_NORM = register(RMSNorm())
+ATTENTION = register(AttentionBlock())
 RESIDUAL = register(ResidualBlock())
 COMFY_RESIDUAL = register(ComfyResidualBlock())

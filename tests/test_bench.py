@@ -236,7 +236,7 @@ def test_bench_video_tiny_rows(tmp_path):
     assert layers and doc["layer_geomean_speedup"] > 0
     assert any(not r["name"].endswith("cache 0") for r in layers)  # the causal convs' cached frames
     for r in layers:
-        assert ROW_KEYS <= set(r) and not r["rejected"] and len(r["times"]) == 2
+        assert ROW_KEYS <= set(r) and not r["rejected"] and r["times"]  # (the TMA tile skips NCDHW calls)
     written = config_tables.load_user_table(str(table))
     assert written.data["conv2d"] == packaged["conv2d"]
     for r in layers:

@@ -152,6 +152,41 @@ def test_conv3d_small_tiles(device, exact_fp32):
                residual="ncdhw"), torch.float32, device, config=SMALL_TILES)
 
 
+# The sm90 TMA kernel (kernels/conv3d_tma.py; under the interpreter on the
+# CPU): dense NDHWC inputs, H and W at stride 1, C_in a multiple of 8 (16
+# bytes in fp16; 8 fp32 values keep both dtypes aligned). Tiles of several
+# frame rows and of one, cached frames in front with and without front
+# padding left, time stride 2, time dilation, a residual in either layout.
+TMA = {"route": "tma", "BLOCK_M": 64, "BLOCK_N": 16, "BLOCK_K": 16, "BLOCK_W": 8, "GROUP_M": 3, "num_warps": 4,
+       "num_stages": 1}
+TMA_CASES = [
+    Case(1, 8, 5, (3, 5, 7), (3, 3, 3), padding=(0, 1, 1), time_padding=(2, 0), nhwc=True),
+    Case(2, 16, 7, (3, 6, 5), (3, 3, 3), padding=(0, 1, 1), tc=2, nhwc=True, residual="ncdhw", act="silu"),
+    Case(1, 24, 13, (4, 5, 9), (3, 3, 3), padding=(0, 1, 1), time_padding=(1, 0), tc=1, nhwc=True,
+         residual="ndhwc"),
+    Case(1, 8, 9, (5, 4, 6), (3, 1, 1), stride=(2, 1, 1), tc=1, nhwc=True, bias=False),
+    Case(1, 8, 6, (6, 5, 5), (3, 3, 3), padding=(0, 2, 1), dilation=(2, 2, 1), time_padding=(4, 0), nhwc=True),
+    Case(1, 16, 4, (2, 7, 5), (1, 1, 1), nhwc=True, act="silu"),
+]
+
+
+@pytest.mark.parametrize("case", TMA_CASES, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_conv3d_tma(case, dtype, device, exact_fp32):
+    if device.type == "cuda" and (dtype == torch.float32 or torch.cuda.get_device_capability() < (9, 0)):
+        pytest.skip("the TMA kernel runs fp16/bf16 on sm90+")
+    check(case, dtype, device, seed=2, config=TMA if dtype == torch.float32 else dict(TMA, BLOCK_W=64))
+
+
+def test_conv3d_tma_refuses_what_it_cannot_take(device):
+    x = torch.randn(1, 8, 3, 5, 5, device=device)  # NCDHW
+    w = torch.randn(4, 8, 3, 3, 3, device=device)
+    with pytest.raises(ValueError, match="not dense NDHWC"):
+        ops.conv3d(x, w, padding=1, config=TMA, route="kernel")
+    with pytest.raises(ValueError, match="H and W at stride 1"):
+        ops.conv3d(x.contiguous(memory_format=CL3), w, stride=(1, 2, 2), padding=1, config=TMA, route="kernel")
+
+
 def test_conv3d_int64_offsets(device, exact_fp32):
     check(CASES[8], torch.float32, device, force_int64=True)
 

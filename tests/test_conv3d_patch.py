@@ -267,9 +267,31 @@ def test_conv3d_table_entries_are_validated():
     from conv_patch import config_tables
     good = {"route": "igemm", "BLOCK_M": 64, "BLOCK_N": 16, "BLOCK_K": 16, "ours_ms": 1.0, "cudnn_ms": 2.0}
     config_tables.validate_table({"conv3d": {"exact": {"k": good}}}, "t")
-    for bad, why in (({"conv3d": {"exact": {"k": dict(good, route="tma")}}}, "route must be one of igemm, cudnn"),
+    for bad, why in (({"conv3d": {"exact": {"k": dict(good, route="taps")}}}, "route must be one of igemm, tma, cudnn"),
                      ({"conv3d": {"exact": {"k": dict(good, ours_ms=None)}}}, "needs the measured ours_ms"),
                      ({"conv3d": {"any": good}}, "only an exact section"),
                      ({"conv3d": {"exact": {"k": dict(good, BLOCK_M=48)}}}, "BLOCK_M must be a power of two")):
         with pytest.raises(config_tables.TableError, match=why):
             config_tables.validate_table(bad, "t")
+
+
+def test_a_measured_tma_entry_takes_ndhwc_calls_it_can(monkeypatch):
+    """(Decisions only: on the fake sm90 target the kernel is not run; the
+    TMA kernel's answers are test_conv3d's.)"""
+    from conv_patch import config_tables
+    monkeypatch.setattr(conv3d_op, "target_for", lambda device: Target("sm90", True))
+    tile = {"route": "tma", "BLOCK_M": 64, "BLOCK_N": 16, "BLOCK_K": 16, "BLOCK_W": 8, "num_warps": 4,
+            "num_stages": 1, "ours_ms": 1.0, "cudnn_ms": 2.0}
+    for c_in, want in ((8, Route.CONV3D_TMA), (4, Route.FALLBACK)):  # 4 fp16 channels: 8-byte rows
+        spec = conv3d_op.Conv3dSpec(c_in, 4, (3, 3, 3), (1, 1, 1), (1, 1, 1), ((2, 0), (1, 1), (1, 1)), 1,
+                                    "zeros", True)
+        x = torch.randn(1, c_in, 2, 5, 6, dtype=torch.float16).contiguous(memory_format=torch.channels_last_3d)
+        w, b = torch.randn(4, c_in, 3, 3, 3, dtype=torch.float16), torch.randn(4, dtype=torch.float16)
+        key = config_tables.conv3d_shape_key(spec, tuple(x.shape), 0, "ndhwc", torch.float16)
+        table = config_tables.Table(config_tables.validate_table({"conv3d": {"exact": {key: tile}}}, "t"), "t")
+        decision, target, config = dispatch.conv3d_decide(spec, x, w, b, None, None, False, table)
+        assert decision.route is want, decision
+        if want is Route.CONV3D_TMA:
+            assert target is not None and config["route"] == "tma" and config["BLOCK_W"] == 8
+        else:
+            assert "cannot take this call" in decision.reason and target is None

@@ -21,6 +21,8 @@ ALLOWED_CONSTEXPR = {
     # PERSISTENT the tile loop (the grid size is a runtime value); X_NCHW the
     # NCHW input boxes and the transposed GEMM (a layout, not a shape).
     "conv2d_tma": SWITCHES | TILES | {"BLOCK_W", "STRIDED", "TMA_IO", "PERSISTENT", "X_NCHW"},
+    # BLOCK_W as for conv2d_tma; HAS_CACHE as for conv3d.
+    "conv3d_tma": SWITCHES | TILES | {"BLOCK_W", "HAS_CACHE"},
 }
 SHAPE_ARGS = {"N", "C_in", "H", "W", "C_out", "OH", "OW", "KH", "KW", "PH", "PW",
               "DH", "DW", "son", "soc", "soh", "sow"}
@@ -28,6 +30,11 @@ SHAPE_ARGS = {"N", "C_in", "H", "W", "C_out", "OH", "OW", "KH", "KW", "PH", "PW"
 # runtime fields of it); its conv stride is SH/SW.
 POINTER_SHAPE_ARGS = {"STH", "STW", "sxn", "sxc", "sxh", "sxw"}
 TMA_SHAPE_ARGS = {"SH", "SW"}
+# The Conv3d kernels' time axis (the TMA one reads the input through
+# descriptors too, and H and W only at stride 1).
+CONV3D_ARGS = {"T", "Tc", "OD", "KT", "PT", "DT"}
+EXTRA_SHAPE_ARGS = {"conv2d_tma": TMA_SHAPE_ARGS, "conv3d": POINTER_SHAPE_ARGS | CONV3D_ARGS | {"STT"},
+                    "conv3d_tma": CONV3D_ARGS | {"ST", "sot", "srt"}}
 
 
 @pytest.mark.parametrize("name", sorted(KERNELS))
@@ -35,5 +42,5 @@ def test_only_switches_and_tiles_are_constexpr(name):
     params = inspect.signature(KERNELS[name].fn).parameters
     constexpr = {n for n, p in params.items() if p.annotation is tl.constexpr}
     assert constexpr == ALLOWED_CONSTEXPR[name]
-    shape_args = SHAPE_ARGS | (TMA_SHAPE_ARGS if name == "conv2d_tma" else POINTER_SHAPE_ARGS)
+    shape_args = SHAPE_ARGS | EXTRA_SHAPE_ARGS.get(name, POINTER_SHAPE_ARGS)
     assert shape_args <= set(params) and not (shape_args & constexpr)

@@ -195,6 +195,22 @@ def test_rms_norms_alone_and_the_upsample_chain(exact_fp32):
         assert rel_err(net["norm"](x5), ref["norm"](x5.double())) <= TOL[torch.float32]
 
 
+@pytest.mark.parametrize("cls", [dwan.WanAttentionBlock, qwen.QwenImageAttentionBlock])
+def test_mid_block_attention_per_frame(cls, exact_fp32, no_fallback):
+    block = _seeded(cls(12), 5)
+    ref = copy.deepcopy(block).double()
+    report = conv_patch.apply(block)
+    assert report.fused[""].startswith("wan.AttentionBlock")
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(2, 12, 3, 4, 5, generator=g)
+    with torch.no_grad():
+        want = ref(x.double())
+        for fmt in (torch.contiguous_format, torch.channels_last_3d):
+            y = block(x.contiguous(memory_format=fmt))
+            assert rel_err(y, want) <= TOL[torch.float32]
+            assert y.is_contiguous(memory_format=fmt)
+
+
 def test_tiny_wan_and_qwen_image_vaes_fuse_and_match(exact_fp32):
     """Whole decodes with every block fused; the Conv3d layers left to
     PyTorch here (their kernel under the interpreter is test_conv3d_patch's:
@@ -207,6 +223,7 @@ def test_tiny_wan_and_qwen_image_vaes_fuse_and_match(exact_fp32):
         ref = copy.deepcopy(vae).double()
         report = conv_patch.apply(vae, filter_fn=lambda m, name: not isinstance(m, nn.Conv3d))
         assert sum(v.startswith("wan.ResidualBlock") for v in report.fused.values()) == 10
+        assert sum(v.startswith("wan.AttentionBlock") for v in report.fused.values()) == 2
         z = torch.randn(1, 4, 2, 3, 4)
         with torch.no_grad():
             assert rel_err(vae.decode(z).sample, ref.decode(z.double()).sample) <= TOL[torch.float32]

@@ -1,0 +1,188 @@
+"""conv3d forward for Hopper (sm90): TMA tensor descriptors feeding wgmma.
+
+Layer 1 (``conv3d_tma_kernel``): the @triton.jit kernel.
+Layer 2 (``launch_conv3d_tma``): the descriptors, the grid and the launch;
+``conv3d_tma_problem`` says which calls it takes. The torch-facing function
+is ``conv_patch.ops.conv3d``, shared with the portable kernel.
+
+Design (the 2-D TMA kernel's, kernels/conv2d_tma.py, one axis up):
+  * An output tile is ``BLOCK_H x BLOCK_W`` pixels of one output frame
+    ``(n, ot)`` times ``BLOCK_N`` output channels, so every time tap of the
+    tile reads one input frame, ``t = ot * ST - PT + kt * DT`` (any time
+    stride and dilation; H and W at stride 1).
+  * The input is described as the 5-D [N, T, H, W, C] of a dense NDHWC
+    tensor with box [1, 1, BH, BW, BK]: boxes over a spatial edge, and the
+    frames before the first and after the last, are zero-filled by the TMA
+    unit, which *is* the zero padding.
+  * A causal conv's cached frames are a second descriptor of the same
+    shape over the cache: frame ``t < Tc`` is the cache's, ``t >= Tc`` the
+    input's at ``t - Tc``; the concatenation is never written. Each frame's
+    taps are one pipelined loop over (spatial tap, channel block); a frame
+    that is all padding costs nothing.
+  * The weight ([C_out, C_in, KT, KH, KW] in channels_last_3d, i.e. dense
+    [C_out, KT, KH, KW, C_in]) is described as [C_out, KT*KH*KW, C_in] with
+    box [BN, 1, BK]: a channel block past C_in reads TMA zeros.
+  * The epilogue is the shared pointer epilogue (``epilogue_store``) at the
+    output frame's base, in whatever layout the output has.
+"""
+
+import triton
+import triton.language as tl
+
+from ._common import epilogue_store, grouped_tile, wide
+from ._launch import MIN_DOT_BLOCK, cdiv, launch, needs_int64, next_pow2
+
+TMA_ALIGN = 16
+
+
+@triton.jit
+def frame_reduction(acc, desc, n, t, oh0, ow0, n0, w_desc, kt, C_in, KH, KW, PH, PW, DH, DW,
+                    UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr):
+    """acc += the KH x KW taps of input frame ``t`` of ``desc`` (time tap
+    ``kt`` of the weight), one flat loop over (tap, channel block) so the
+    pipeliner keeps loads in flight across taps."""
+    k_blocks = tl.cdiv(C_in, BLOCK_K)
+    for it in range(0, KH * KW * k_blocks):
+        tap = it // k_blocks
+        c0 = (it - tap * k_blocks) * BLOCK_K
+        kh = tap // KW
+        kw = tap - kh * KW
+        a = tl.reshape(desc.load([n, t, oh0 - PH + kh * DH, ow0 - PW + kw * DW, c0]), (BLOCK_M, BLOCK_K))
+        b = tl.reshape(w_desc.load([n0, kt * KH * KW + tap, c0]), (BLOCK_N, BLOCK_K))
+        if UPCAST:
+            # The interpreter's tl.dot is wrong on bf16 operands; compiled out on hardware.
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, tl.trans(b), acc)
+    return acc
+
+
+@triton.jit
+def conv3d_tma_kernel(
+    x_desc, c_desc, w_desc, bias_ptr, res_ptr, out_ptr,
+    N, C_in, T, H, W, Tc, C_out, OD, OH, OW,
+    srn, src, srt, srh, srw,
+    son, soc, sot, soh, sow,
+    KT, KH, KW, ST, PT, PH, PW, DT, DH, DW,
+    beta, out_scale,
+    HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, HAS_CACHE: tl.constexpr, ACT: tl.constexpr,
+    IDX64: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_W: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    BLOCK_H: tl.constexpr = BLOCK_M // BLOCK_W
+    tiles_w = tl.cdiv(OW, BLOCK_W)
+    tiles_h = tl.cdiv(OH, BLOCK_H)
+    pid_m, pid_n = grouped_tile(tl.program_id(0), N * OD * tiles_h * tiles_w, tl.cdiv(C_out, BLOCK_N), GROUP_M)
+    ow0 = (pid_m % tiles_w) * BLOCK_W
+    r = pid_m // tiles_w
+    oh0 = (r % tiles_h) * BLOCK_H
+    r = r // tiles_h
+    ot = r % OD
+    n = r // OD
+    n0 = pid_n * BLOCK_N
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kt in range(0, KT):
+        t = ot * ST - PT + kt * DT
+        if HAS_CACHE:
+            if (t >= 0) & (t < Tc):
+                acc = frame_reduction(acc, c_desc, n, t, oh0, ow0, n0, w_desc, kt, C_in, KH, KW, PH, PW, DH, DW,
+                                      UPCAST, BLOCK_M, BLOCK_N, BLOCK_K)
+        if (t >= Tc) & (t < Tc + T):
+            acc = frame_reduction(acc, x_desc, n, t - Tc, oh0, ow0, n0, w_desc, kt, C_in, KH, KW, PH, PW, DH,
+                                  DW, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K)
+
+    offs = tl.arange(0, BLOCK_M)
+    oh = oh0 + offs // BLOCK_W
+    ow = ow0 + offs % BLOCK_W
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    frame = wide(ot, IDX64)
+    epilogue_store(acc, wide(n, IDX64), oh, ow, (oh < OH) & (ow < OW), offs_n, offs_n < C_out,
+                   out_ptr + frame * sot, son, soc, soh, sow, bias_ptr, res_ptr + frame * srt, srn, src, srh, srw,
+                   beta, out_scale, HAS_BIAS, HAS_RES, ACT, IDX64)
+
+
+def _dense_channels_last(t) -> bool:
+    """5-D ``t`` is dense with its dimension 1 innermost, then 4, 3, 2, 0
+    (NDHWC for an activation, [C_out, KT, KH, KW, C_in] for a weight), with
+    a 16-byte aligned base and rows. Size-1 dimensions may carry any stride
+    (PyTorch reports several): the descriptors write the dense ones out."""
+    want = 1
+    for d in (1, 4, 3, 2, 0):
+        if t.shape[d] != 1 and t.stride(d) != want:
+            return False
+        want *= t.shape[d]
+    return (t.shape[1] * t.element_size()) % TMA_ALIGN == 0 and t.data_ptr() % TMA_ALIGN == 0
+
+
+def dense_ndhwc(t) -> bool:
+    """[N, C, T, H, W] ``t`` is dense NDHWC, 16-byte aligned: a TMA box source."""
+    return _dense_channels_last(t)
+
+
+def dense_weight(w) -> bool:
+    """[C_out, C_in, KT, KH, KW] ``w`` is dense [C_out, KT, KH, KW, C_in]
+    (channels_last_3d), 16-byte aligned."""
+    return _dense_channels_last(w)
+
+
+def conv3d_tma_problem(x, cache, w, stride, interpreter: bool) -> str:
+    """Why the TMA kernel cannot take this call, or "" (``w`` None: the
+    weight is not checked, its repack is the caller's)."""
+    if tuple(stride[1:]) != (1, 1):
+        return f"stride {tuple(stride)}: the TMA kernel takes H and W at stride 1"
+    if x.element_size() != 2 and not interpreter:
+        return "the TMA kernel takes fp16/bf16"
+    if not (dense_ndhwc(x) and (cache is None or dense_ndhwc(cache))):
+        return "input or cache not dense NDHWC with 16-byte aligned channel rows"
+    if w is not None and not dense_weight(w):
+        return "weight not dense channels_last_3d with 16-byte aligned rows"
+    return ""
+
+
+def tile_sizes(config, c_in, c_out, ow):
+    """The table's tile narrowed to the problem (BLOCK_M stays: wgmma wants
+    M >= 64; BLOCK_W shrinks to the frame's width)."""
+    bm = int(config["BLOCK_M"])
+    bn = min(int(config["BLOCK_N"]), max(MIN_DOT_BLOCK, next_pow2(c_out)))
+    bk = min(int(config["BLOCK_K"]), max(MIN_DOT_BLOCK, next_pow2(c_in)))
+    bw = min(int(config.get("BLOCK_W", 16)), next_pow2(ow), bm)
+    return bm, bn, bk, bw
+
+
+def launch_conv3d_tma(x, cache, w, bias, out, residual, *, stride, padding, dilation, beta, activation,
+                      out_scale, config, precision, upcast, force_int64=False):
+    """The portable launcher's call (kernels/conv3d.py) for the calls
+    ``conv3d_tma_problem`` lets through; ``precision`` is unused (wgmma
+    takes fp16/bf16 only)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    N, C_in, T, H, W = x.shape
+    C_out, _, KT, KH, KW = w.shape
+    OD, OH, OW = out.shape[2:]
+    bm, bn, bk, bw = tile_sizes(config, C_in, C_out, OW)
+    bh = bm // bw
+
+    def frames(t):
+        return TensorDescriptor(t, [t.shape[0], t.shape[2], H, W, C_in],
+                                [t.shape[2] * H * W * C_in, H * W * C_in, W * C_in, C_in, 1], [1, 1, bh, bw, bk])
+    x_desc = frames(x)
+    c_desc = frames(cache) if cache is not None else x_desc
+    taps = KT * KH * KW
+    w_desc = TensorDescriptor(w, [C_out, taps, C_in], [taps * C_in, C_in, 1], [bn, 1, bk])
+    res = residual if residual is not None else out
+    grid = (N * OD * cdiv(OH, bh) * cdiv(OW, bw) * cdiv(C_out, bn),)
+    launch(conv3d_tma_kernel, grid,
+        x_desc, c_desc, w_desc, bias if bias is not None else out, res, out,
+        N, C_in, T, H, W, 0 if cache is None else cache.shape[2], C_out, OD, OH, OW,
+        *res.stride(), *out.stride(),
+        KT, KH, KW, stride[0], *padding, *dilation,
+        float(beta), float(out_scale),
+        HAS_BIAS=bias is not None, HAS_RES=residual is not None, HAS_CACHE=cache is not None,
+        ACT=int(activation), IDX64=bool(force_int64 or needs_int64(out, residual)), UPCAST=bool(upcast),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_W=bw, GROUP_M=int(config.get("GROUP_M", 8)),
+        num_warps=int(config.get("num_warps", 4)), num_stages=int(config.get("num_stages", 3)),
+    )
+    return out

@@ -171,10 +171,11 @@ class Table:
             hit = self._memo[key] = lookup(self.data, spec, shape, layout, dtype, m, routes)
         return hit
 
-    def exact(self, key: str) -> Optional[dict]:
-        """The exact entry of a shape key (``shape_key``), a 16-bit dtype's
-        falling back to the other's (``SHARED_EXACT_DTYPE``), or None."""
-        exact = (self.data.get("conv2d") or {}).get("exact") or {}
+    def exact(self, key: str, kind: str = "conv2d") -> Optional[dict]:
+        """The exact entry of a shape key of ``kind`` (``shape_key``;
+        ``conv3d_shape_key`` for "conv3d"), a 16-bit dtype's falling back to
+        the other's (``SHARED_EXACT_DTYPE``), or None."""
+        exact = (self.data.get(kind) or {}).get("exact") or {}
         cfg = exact.get(key)
         if cfg is None:
             stem, dname = key.rsplit(".", 1)
@@ -188,15 +189,8 @@ class Table:
         return bool((self.data.get("conv3d") or {}).get("exact"))
 
     def conv3d_exact(self, key: str) -> Optional[dict]:
-        """The conv3d entry of a ``conv3d_shape_key``, a 16-bit dtype's
-        falling back to the other's, or None."""
-        exact = (self.data.get("conv3d") or {}).get("exact") or {}
-        cfg = exact.get(key)
-        if cfg is None:
-            stem, dname = key.rsplit(".", 1)
-            other = SHARED_EXACT_DTYPE.get(dname)
-            cfg = exact.get(f"{stem}.{other}") if other else None
-        return cfg
+        """The conv3d entry of a ``conv3d_shape_key`` (``exact``), or None."""
+        return self.exact(key, "conv3d")
 
     def __repr__(self) -> str:
         return f"Table({self.name!r})"

@@ -172,22 +172,29 @@ def measure(call: ConvCall, layout: str, dtype: torch.dtype, device: torch.devic
         if route_problem(cfg.get("route", "igemm"), spec, desc, shape, target):
             continue
         out = torch.empty(ref.shape, dtype=dtype, device=device, memory_format=fmt)
-        fn = lambda: ops.conv2d(x, packed, b, spec.stride, pad, spec.dilation, out=out, config=cfg)  # noqa: E731
-        try:
-            out.fill_(float("nan"))
-            fn()
-            err = ((out.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-            if not math.isfinite(err) or err > tol:
-                rejected[lab] = f"wrong output (rel err {err:.3g})"
-                continue
-            times[lab] = timer(fn)
-        except kernel_errors() as e:
-            rejected[lab] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:120]}"
+        _try_candidate(lab, lambda: ops.conv2d(x, packed, b, spec.stride, pad, spec.dilation, out=out, config=cfg),
+                       out, ref, tol, timer, times, rejected)
     cudnn_ms = None
     if device.type == "cuda":
         cudnn_ms = timer(lambda: spec.torch_conv2d(x, w_torch, b))
     key = config_tables.shape_key(spec, shape, layout, dtype)
     return Measurement(key, call, layout, shape[0] * oh * ow, tma_ok, times, rejected, cudnn_ms, configs)
+
+
+def _try_candidate(label, fn, out, ref, tol, timer, times, rejected):
+    """Run candidate ``fn`` (writing ``out``, poisoned first) once; into
+    ``times`` its time where its output is within ``tol`` of ``ref``, else
+    into ``rejected`` why not (wrong output, or the kernel cannot be built)."""
+    try:
+        out.fill_(float("nan"))
+        fn()
+        err = ((out.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+        if not math.isfinite(err) or err > tol:
+            rejected[label] = f"wrong output (rel err {err:.3g})"
+            return
+        times[label] = timer(fn)
+    except kernel_errors() as e:
+        rejected[label] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:120]}"
 
 
 def exact_entry(m: Measurement) -> Optional[dict]:
@@ -435,18 +442,9 @@ def measure_conv3d(spec, x, cache, weight, bias, pads, module_forward: Callable,
         if cfg.get("route") == "tma" and k.conv3d_tma_problem(x, cache, None, spec.stride, not x.is_cuda):
             continue  # (an NCDHW call, say: the TMA kernel's own rule)
         out = torch.empty(ref.shape, dtype=x.dtype, device=x.device, memory_format=fmt)
-        fn = lambda: ops.conv3d(x, weight, bias, spec.stride, pads, spec.dilation, cache=cache,  # noqa: E731
-                                out=out, route="kernel", config=cfg)
-        try:
-            out.fill_(float("nan"))
-            fn()
-            err = ((out.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-            if not math.isfinite(err) or err > tol:
-                rejected[lab] = f"wrong output (rel err {err:.3g})"
-                continue
-            times[lab] = timer(fn)
-        except kernel_errors() as e:
-            rejected[lab] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:120]}"
+        _try_candidate(lab, lambda: ops.conv3d(x, weight, bias, spec.stride, pads, spec.dilation, cache=cache,
+                                               out=out, route="kernel", config=cfg),
+                       out, ref, tol, timer, times, rejected)
     tc = 0 if cache is None else cache.shape[2]
     layout = "ndhwc" if fmt is torch.channels_last_3d else "ncdhw"
     key = config_tables.conv3d_shape_key(spec, tuple(x.shape), tc, layout, x.dtype)

@@ -703,7 +703,7 @@ def conv3d_decide(spec, x, weight, bias, cache, residual, cast, table=None, epil
             return RouteDecision(Route.FALLBACK, f"the measured tma tile cannot take this call ({problem})",
                                  tier="exact"), None, None
     choice = costs.conv3d_choice(entry["ours_ms"], entry["cudnn_ms"], epilogue, graph,
-                                 out_bytes=math.prod(shape) * x.element_size())
+                                 out_bytes=math.prod(shape) * x.element_size(), repack=route == "tma")
     if not choice.kernel:
         return RouteDecision(Route.FALLBACK, choice.why, tier="exact"), None, None
     config = {k: v for k, v in entry.items() if k not in ("ours_ms", "cudnn_ms")}
@@ -908,7 +908,9 @@ def rms_norm(norm, x, params, eager_forward, activation="none"):
     grad = torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad)
                                         or (isinstance(bias, torch.Tensor) and bias.requires_grad))
     cast = cuda and torch.is_autocast_enabled("cuda")
-    key = ("rms", x.shape, x.stride(), x.dtype, x.device, activation,
+    # (The pointer's alignment too: a replayed launch is the kernel compiled
+    # for the first call's, which Triton specialises on 16-byte alignment.)
+    key = ("rms", x.shape, x.stride(), x.dtype, x.device, x.data_ptr() & 15, activation,
            None if weight is None else (weight.data_ptr(), weight.dtype),
            None if bias is None else (bias.data_ptr(), bias.dtype), scale, eps, grad, cast,
            cuda and pack.on_graph_path(x))

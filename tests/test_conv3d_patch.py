@@ -295,3 +295,19 @@ def test_a_measured_tma_entry_takes_ndhwc_calls_it_can(monkeypatch):
             assert target is not None and config["route"] == "tma" and config["BLOCK_W"] == 8
         else:
             assert "cannot take this call" in decision.reason and target is None
+
+
+def test_conv3d_cost_rule_counts_host_time_where_launched():
+    from conv_patch import costs
+    # GPU-bound: the measured times decide, launched or replayed.
+    assert costs.conv3d_choice(1.0, 2.0, 0, False).kernel and costs.conv3d_choice(1.0, 2.0, 0, True).kernel
+    assert not costs.conv3d_choice(2.0, 2.0, 0, False).kernel
+    # Host-bound: the module's forward is three launches (cat, pad, conv)
+    # against the kernel's one, so a kernel slower on the GPU still wins
+    # launched, and loses in a graph.
+    assert costs.conv3d_choice(0.02, 0.012, 0, False).kernel
+    assert not costs.conv3d_choice(0.02, 0.012, 0, True).kernel
+    # The weight repack of the TMA route is host time too.
+    host = dict(costs.HOST_US, unplanned=45.0)
+    assert costs.conv3d_choice(0.02, 0.012, 0, False, host=host).kernel
+    assert not costs.conv3d_choice(0.02, 0.012, 0, False, repack=True, host=host).kernel

@@ -93,10 +93,16 @@ def _residual(x, norm1, conv1, norm2, conv2, shortcut, feat_cache, feat_idx):
 
 
 def _shortcut(m):
-    """None for an identity shortcut, the 1x1 causal conv, or False."""
+    """None for an identity shortcut, the 1x1 causal conv, or False (what
+    ``match`` checks; a call takes ``_identity_or``, which reads no
+    signature)."""
     if isinstance(m, nn.Identity):
         return None
     return m if _causal(m, 1) else False
+
+
+def _identity_or(m):
+    return None if isinstance(m, nn.Identity) else m
 
 
 class ResidualBlock(Recipe):
@@ -121,7 +127,7 @@ class ResidualBlock(Recipe):
         if ((feat_cache is not None and feat_idx is None) or x.dim() != 5 or not dropout_is_identity(drop)
                 or not inference(x, norm1, conv1, norm2, conv2, sc) or not plain(norm1, act, norm2, drop, sc)):
             return base(m, *own)
-        return _residual(x, norm1, conv1, norm2, conv2, _shortcut(sc), feat_cache, feat_idx)
+        return _residual(x, norm1, conv1, norm2, conv2, _identity_or(sc), feat_cache, feat_idx)
 
 
 class ComfyResidualBlock(Recipe):
@@ -151,7 +157,7 @@ class ComfyResidualBlock(Recipe):
                 or not plain(res, *children[:2], *children[3:6], sc)):
             return base(m, *own)
         n1, _, c1, n2, _, _, c2 = children
-        return _residual(x, n1, c1, n2, c2, _shortcut(sc), feat_cache, feat_idx)
+        return _residual(x, n1, c1, n2, c2, _identity_or(sc), feat_cache, feat_idx)
 
 
 class AttentionBlock(Recipe):

@@ -14,6 +14,11 @@ if not HAS_CUDA:
 
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
 
+if os.environ.get("PYTEST_XDIST_WORKER") and not HAS_CUDA:
+    # One thread per test worker: the workers already use every core, and
+    # each one's intra-op threads on top oversubscribe them.
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+
 
 def pytest_collection_modifyitems(config, items):
     if HAS_CUDA:

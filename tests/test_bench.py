@@ -90,6 +90,15 @@ def test_bench_group_norm_rows(tmp_path):
     assert all(ROW_KEYS | {"tbs", "rel_err"} <= set(r) and r["rel_err"] < tol for r in rows)
 
 
+def test_bench_rms_norm_rows(tmp_path):
+    from bench import rms_norm
+    rms_norm.main(["--shapes", "1x12x3x5x7", "--rounds", "1", "--out", str(tmp_path)])
+    rows = _result(tmp_path, "rms_norm")["rows"]
+    assert [r["name"] for r in rows] == ["rms_norm+silu 1x12x3x5x7 ncdhw", "rms_norm+silu 1x12x3x5x7 ndhwc"]
+    tol = 1e-5 if rows[0]["dtype"] == "float32" else 1e-2  # bf16 on a GPU
+    assert all(ROW_KEYS | {"tbs", "rel_err"} <= set(r) and r["rel_err"] < tol for r in rows)
+
+
 def test_bench_attention_rows(tmp_path):
     from bench import attention
     attention.main(["--tokens", "37", "--dim", "20", "--rounds", "1", "--out", str(tmp_path)])

@@ -105,6 +105,13 @@ def _identity_or(m):
     return None if isinstance(m, nn.Identity) else m
 
 
+def _own_args(x, feat_cache, feat_idx) -> tuple:
+    """The residual blocks' call as made, for their own forward: an argument
+    left out stays out (``feat_idx`` defaults to a list the block keeps)."""
+    return (x,) if feat_cache is None and feat_idx is None else (x, feat_cache) if feat_idx is None \
+        else (x, feat_cache, feat_idx)
+
+
 class ResidualBlock(Recipe):
     """diffusers' ``WanResidualBlock`` / ``QwenImageResidualBlock``:
     ``forward(x, feat_cache=None, feat_idx=[0])``."""
@@ -122,8 +129,7 @@ class ResidualBlock(Recipe):
     def forward(self, m, x, feat_cache=None, feat_idx=None):
         norm1, conv1, norm2, conv2, sc, act, drop = parts(
             m, "norm1", "conv1", "norm2", "conv2", "conv_shortcut", "nonlinearity", "dropout")
-        own = (x,) if feat_cache is None and feat_idx is None else (x, feat_cache) if feat_idx is None \
-            else (x, feat_cache, feat_idx)
+        own = _own_args(x, feat_cache, feat_idx)
         if ((feat_cache is not None and feat_idx is None) or x.dim() != 5 or not dropout_is_identity(drop)
                 or not inference(x, norm1, conv1, norm2, conv2, sc) or not plain(norm1, act, norm2, drop, sc)):
             return base(m, *own)
@@ -149,8 +155,7 @@ class ComfyResidualBlock(Recipe):
 
     def forward(self, m, x, feat_cache=None, feat_idx=None):
         res, sc = parts(m, "residual", "shortcut")
-        own = (x,) if feat_cache is None and feat_idx is None else (x, feat_cache) if feat_idx is None \
-            else (x, feat_cache, feat_idx)
+        own = _own_args(x, feat_cache, feat_idx)
         children = tuple(res.__dict__["_modules"].values())
         if ((feat_cache is not None and feat_idx is None) or x.dim() != 5 or len(children) != 7
                 or not dropout_is_identity(children[5]) or not inference(x, *children, sc)

@@ -152,10 +152,8 @@ def layer_measurements(vae, z, device, limit: int = 0) -> list:
         calls = sorted(calls, key=lambda c: c[2] is None)[:limit]
     out, keys = [], set()
     for m, x, cache, pads in calls:
-        layout = "ndhwc" if x.is_contiguous(memory_format=torch.channels_last_3d) and not x.is_contiguous() \
-            else "ncdhw"
-        key = config_tables.conv3d_shape_key(dataclasses.replace(m.spec, pads=pads), tuple(x.shape),
-                                             0 if cache is None else cache.shape[2], layout, x.dtype)
+        spec = dataclasses.replace(m.spec, pads=pads)  # the call's padding: what the dispatch core keys
+        key = config_tables.conv3d_call_key(spec, x, cache)
         if key in keys:
             continue  # another module of the same geometry on the same input: one table key
         keys.add(key)
@@ -165,7 +163,7 @@ def layer_measurements(vae, z, device, limit: int = 0) -> list:
             return m._cp_fallback_forward(m, x, cache) if cache is not None else m._cp_fallback_forward(m, x)
 
         with torch.no_grad():
-            meas = tune.measure_conv3d(m.spec, x, cache, w, b, pads, theirs, cands)
+            meas = tune.measure_conv3d(spec, x, cache, w, b, theirs, cands)
         out.append(meas)
         best = meas.times.get(meas.best) if meas.best else None
         print(f"{meas.name}: module {meas.cudnn_ms:.3f} ms, best tile {meas.best} "

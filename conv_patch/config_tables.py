@@ -68,6 +68,16 @@ def conv3d_shape_key(spec, shape: tuple, cache_frames: int, layout: str, dtype: 
             f".p{pads}.d{d[0]}x{d[1]}x{d[2]}.cache{cache_frames}.{layout}.{dtype_name(dtype)}")
 
 
+def conv3d_layout(x: torch.Tensor) -> str:
+    """"ndhwc" for a channels_last_3d activation, else "ncdhw"."""
+    return "ndhwc" if x.is_contiguous(memory_format=torch.channels_last_3d) and not x.is_contiguous() else "ncdhw"
+
+
+def conv3d_call_key(spec, x: torch.Tensor, cache: Optional[torch.Tensor]) -> str:
+    """``conv3d_shape_key`` of a call: input ``x`` after ``cache``'s frames."""
+    return conv3d_shape_key(spec, tuple(x.shape), 0 if cache is None else cache.shape[2], conv3d_layout(x), x.dtype)
+
+
 # Routes a conv3d exact entry may name: the portable kernel, the sm90 TMA
 # kernel, or cuDNN where that was measured faster.
 CONV3D_ROUTES = ("igemm", "tma", "cudnn")

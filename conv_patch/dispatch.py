@@ -362,19 +362,15 @@ def _build(m, graph, x, weight, bias, residual, out, beta, activation, out_scale
             if not pack.is_kernel_layout(pack.kernel_view(weight.detach(), spec.transposed)):
                 plan.pack_entry = m.__dict__.get("_cp_pack")
         b = None if no_bias else bias
-        k = kernels()
         try:
-            with k.recording() as rec:
-                y = _run_kernel(plan, x, w, b, residual, out, beta, activation, out_scale, output_padding)
+            y, plan.program = recorded(
+                lambda: _run_kernel(plan, x, w, b, residual, out, beta, activation, out_scale, output_padding),
+                (x, w, b, residual, out))
         except kernel_errors() as e:
             # Raised while compiling or launching, before anything ran.
             reason = kernel_failure(e, stacklevel=6)
             plan = ConvPlan(MODULE, RouteDecision(Route.FALLBACK, reason), spec, graph=graph, padding=padding)
         else:
-            try:
-                plan.program = k.Program(rec, (x, w, b, residual, out), y)
-            except k.Unrecordable:
-                plan.program = None
             return plan, ((y, bias) if no_bias else y)
     plain = plan.kind == MODULE and plan.direct is not None and residual is None and out is None and (
         out_scale == 1.0 and not no_bias)
@@ -451,6 +447,20 @@ def _direct(m, spec, padding, fallback_args):
         left, right, top, bottom = (int(v) for v in padding)
         return (m.stride, (top, left), m.dilation, m.groups) if (left, top) == (right, bottom) else None
     return (m.stride, m.padding, m.dilation, m.groups)
+
+
+def recorded(fn, roles):
+    """``(fn(), program)``: the result and its launches recorded as a
+    ``Program`` that replays them with another call's tensors in ``roles``
+    (None where they cannot be recorded). Kernel errors propagate, raised
+    before anything ran."""
+    k = kernels()
+    with k.recording() as rec:
+        y = fn()
+    try:
+        return y, k.Program(rec, roles, y)
+    except k.Unrecordable:
+        return y, None
 
 
 def _store(m, key, plan):
@@ -686,9 +696,7 @@ def conv3d_decide(spec, x, weight, bias, cache, residual, cast, table=None, epil
         return RouteDecision(Route.FALLBACK, why), None, None
     if target.interpreter:
         return RouteDecision(Route.CONV3D_IGEMM, "interpreter", tier="default"), target, None
-    layout = "ndhwc" if x.is_contiguous(memory_format=torch.channels_last_3d) and not x.is_contiguous() else "ncdhw"
-    key = config_tables.conv3d_shape_key(spec, tuple(x.shape), 0 if cache is None else cache.shape[2], layout,
-                                         x.dtype)
+    key = config_tables.conv3d_call_key(spec, x, cache)
     entry = table.conv3d_exact(key)
     if entry is None:
         return RouteDecision(Route.FALLBACK, f"conv3d {key} not measured on {target.arch}: PyTorch's conv3d "
@@ -866,13 +874,7 @@ def _gn_build(norm, key, x, activation, out, input_bias, roles):
     if not ok:
         _store(norm, key, plan)
         return group_norm_eager(norm, x, activation, out, input_bias)
-    k = kernels()
-    with k.recording() as rec:
-        y = _gn_kernel(norm, x, activation, out, input_bias)
-    try:
-        plan.program = k.Program(rec, roles, y)
-    except k.Unrecordable:
-        plan.program = None
+    y, plan.program = recorded(lambda: _gn_kernel(norm, x, activation, out, input_bias), roles)
     # Stored complete: another thread may replay it as soon as it is seen.
     _store(norm, key, plan)
     return y
@@ -921,17 +923,12 @@ def rms_norm(norm, x, params, eager_forward, activation="none"):
             ok, why = rms_norm_decision(x, weight, bias, activation, grad or cast, key[-1])
             plan = NormPlan(ok, why)
             if ok:
-                k = kernels()
                 try:
-                    with k.recording() as rec:
-                        y = rms_norm_op.rms_norm(x, weight, bias, scale, eps, activation)
+                    y, plan.program = recorded(lambda: rms_norm_op.rms_norm(x, weight, bias, scale, eps, activation),
+                                               (x, weight, bias))
                 except kernel_errors() as e:
                     plan.kernel, plan.why = False, kernel_failure(e)
                 else:
-                    try:
-                        plan.program = k.Program(rec, (x, weight, bias), y)
-                    except k.Unrecordable:
-                        plan.program = None
                     _store(norm, key, plan)
                     norm.__dict__["_cp_norm_plan"] = plan
                     return y

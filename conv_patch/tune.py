@@ -413,10 +413,11 @@ class Conv3dMeasurement:
         return min(self.times, key=self.times.get) if self.times else None
 
 
-def measure_conv3d(spec, x, cache, weight, bias, pads, module_forward: Callable, cands: List[dict],
+def measure_conv3d(spec, x, cache, weight, bias, module_forward: Callable, cands: List[dict],
                    timer=None) -> Conv3dMeasurement:
-    """Run, check and time every candidate on one Conv3d call (``spec`` a
-    ``conv3d.Conv3dSpec``, ``pads`` the call's (front, back) per axis,
+    """Run, check and time every candidate on one Conv3d call (``spec`` the
+    call's ``conv3d.Conv3dSpec``: its ``pads`` this call's (front, back) per
+    axis, as the dispatch core keys the call, not the module's own;
     ``module_forward()`` the module's own computation of it). A candidate
     whose output is further from exact fp32 than the dtype's tolerance
     (and than 1.5x PyTorch's own error on a GPU) or that fails to build is
@@ -425,15 +426,15 @@ def measure_conv3d(spec, x, cache, weight, bias, pads, module_forward: Callable,
     timer = timer or _timer(x.device)
     with conv_tf32(False):
         ref = conv3d_op.torch_conv3d(x.float(), weight.float(), None if bias is None else bias.float(),
-                                     None if cache is None else cache.float(), pads, spec.stride, spec.dilation)
+                                     None if cache is None else cache.float(), spec.pads, spec.stride,
+                                     spec.dilation)
     tol = TOLERANCE[x.dtype]
     theirs = module_forward().float()
     if x.is_cuda:
         tol = min(tol, CUDNN_ERR_FACTOR * ((theirs - ref).norm() / ref.norm().clamp_min(1e-30)).item()
                   + CUDNN_ERR_SLACK)
     del theirs
-    fmt = (torch.channels_last_3d if x.is_contiguous(memory_format=torch.channels_last_3d) and not x.is_contiguous()
-           else torch.contiguous_format)
+    fmt = torch.channels_last_3d if config_tables.conv3d_layout(x) == "ndhwc" else torch.contiguous_format
     times, rejected, configs = {}, {}, {}
     k = kernels()
     for cfg in cands:
@@ -442,13 +443,12 @@ def measure_conv3d(spec, x, cache, weight, bias, pads, module_forward: Callable,
         if cfg.get("route") == "tma" and k.conv3d_tma_problem(x, cache, None, spec.stride, not x.is_cuda):
             continue  # (an NCDHW call, say: the TMA kernel's own rule)
         out = torch.empty(ref.shape, dtype=x.dtype, device=x.device, memory_format=fmt)
-        _try_candidate(lab, lambda: ops.conv3d(x, weight, bias, spec.stride, pads, spec.dilation, cache=cache,
-                                               out=out, route="kernel", config=cfg),
+        _try_candidate(lab, lambda: ops.conv3d(x, weight, bias, spec.stride, spec.pads, spec.dilation,
+                                               cache=cache, out=out, route="kernel", config=cfg),
                        out, ref, tol, timer, times, rejected)
     tc = 0 if cache is None else cache.shape[2]
-    layout = "ndhwc" if fmt is torch.channels_last_3d else "ncdhw"
-    key = config_tables.conv3d_shape_key(spec, tuple(x.shape), tc, layout, x.dtype)
-    return Conv3dMeasurement(key, f"conv3d {spec.describe()} on {tuple(x.shape)} cache {tc}", times, rejected,
+    return Conv3dMeasurement(config_tables.conv3d_call_key(spec, x, cache),
+                             f"conv3d {spec.describe()} on {tuple(x.shape)} cache {tc}", times, rejected,
                              timer(module_forward), configs)
 
 

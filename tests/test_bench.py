@@ -246,6 +246,10 @@ def test_bench_video_tiny_rows(tmp_path):
     assert any(not r["name"].endswith("cache 0") for r in layers)  # the causal convs' cached frames
     for r in layers:
         assert ROW_KEYS <= set(r) and not r["rejected"] and r["times"]  # (the TMA tile skips NCDHW calls)
+    # Keyed by the call's padding, as the dispatch core looks calls up: a
+    # causal 3x3x3 conv after one cached frame pads time by 1 in front.
+    cached = [r for r in layers if r["name"].endswith("cache 1") and "k3x3x3" in r["name"]]
+    assert cached and all(".p1/0x1x1." in r["key"] for r in cached)
     written = config_tables.load_user_table(str(table))
     assert written.data["conv2d"] == packaged["conv2d"]
     for r in layers:

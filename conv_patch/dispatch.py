@@ -372,11 +372,10 @@ def _build(m, graph, x, weight, bias, residual, out, beta, activation, out_scale
             plan = ConvPlan(MODULE, RouteDecision(Route.FALLBACK, reason), spec, graph=graph, padding=padding)
         else:
             return plan, ((y, bias) if no_bias else y)
-    plain = plan.kind == MODULE and plan.direct is not None and residual is None and out is None and (
-        out_scale == 1.0 and not no_bias)
-    plan.bare = plain and activation == "none"
-    if plain and padding is None and output_padding is None and not fallback_args:
-        _remember_bare(m, x, plan, activation)
+    eager_only = plan.kind == MODULE and plan.direct is not None and out is None and not no_bias
+    plan.bare = eager_only and residual is None and out_scale == 1.0 and activation == "none"
+    if eager_only and padding is None and output_padding is None and not fallback_args:
+        _remember_bare(m, x, plan, residual, activation, beta, out_scale)
     return plan, plan.run(m, x, weight, bias, residual, out, beta, activation, out_scale, output_padding,
                           fallback_args, no_bias)
 
@@ -474,29 +473,38 @@ def _store(m, key, plan):
 
 # -- the bare fast path ----------------------------------------------------------
 # A plan of PyTorch's route whose conv is exactly ``F.conv2d`` (``direct``)
-# with at most an activation after it computes what the module and the
-# activation compute from the module's current weight, bias and geometry,
-# whatever the weight's identity, autograd or autocast. So such a call (no
-# residual, scale or ``out``) whose input was seen before needs none of
+# followed by the epilogue as eager ops computes what the module and those
+# ops compute from the module's current weight, bias and geometry, whatever
+# the weight's identity, autograd or autocast. So such a call (no ``out``,
+# no padding of its own) whose input was seen before needs none of
 # ``conv_key``: ``bare_key`` (the input's geometry, dtype, device and
 # alignment, and whether a CUDA graph is being captured, the things that can
-# turn PyTorch's route into a kernel's) and the activation find it, and the
-# call costs less host time than the module's own forward (no attribute
-# lookups through ``nn.Module.__getattr__``). ``clear`` and a full plan
-# cache drop these with the plans.
+# turn PyTorch's route into a kernel's), the residual's layout, dtype and
+# alignment (which decide whether a kernel could take it) and the epilogue's
+# constants find it, and the call costs no more host time than the module's
+# own forward and the eager ops (no attribute lookups through
+# ``nn.Module.__getattr__``). A UNet's resnet convs (the time embedding and
+# the shortcut in their epilogues) run on PyTorch this way. ``clear`` and a
+# full plan cache drop these with the plans.
 def bare_key(x) -> tuple:
     return (x.shape, x.stride(), x.dtype, x.device, x.data_ptr() & 15, x.is_cuda and pack.on_graph_path(x))
 
 
-def bare_call(m, x, activation="none"):
-    """``act(m(x))`` by the plan ``bare_key(x)`` and ``activation`` found,
-    else None (the caller takes ``conv``). Not while torch.compile traces
-    (the caller checks: a traced call is the compiled op's)."""
+def _bare_slot(x, residual, activation, beta, out_scale) -> tuple:
+    res = None if residual is None else (residual.stride(), residual.dtype, residual.data_ptr() & 15)
+    return (activation, res, beta, out_scale, bare_key(x))
+
+
+def bare_call(m, x, activation="none", residual=None, beta=1.0, out_scale=1.0):
+    """``out_scale * act(m(x) + beta * residual)`` by the plan found for
+    this call's slot (``_bare_slot``), else None (the caller takes
+    ``conv``). Not while torch.compile traces (the caller checks: a traced
+    call is the compiled op's)."""
     d = m.__dict__
     bare = d.get("_cp_bare")
     if bare is None:
         return None
-    hit = bare.get((activation, bare_key(x)))
+    hit = bare.get(_bare_slot(x, residual, activation, beta, out_scale))
     if hit is None:
         return None
     params = d["_parameters"]
@@ -505,14 +513,19 @@ def bare_call(m, x, activation="none"):
         return None
     d["_cp_last"] = hit[1]
     y = _conv2d(x, weight, params.get("bias"), *hit[0])
-    return y if hit[2] is None else hit[2](y)
+    if residual is None and out_scale == 1.0:
+        return y if hit[2] is None else hit[2](y)
+    if residual is not None:
+        conv_op.check_residual(residual, y.shape)
+    return eager_epilogue(y, residual, beta, activation, out_scale)
 
 
-def _remember_bare(m, x, plan, activation):
+def _remember_bare(m, x, plan, residual, activation, beta, out_scale):
     bare = m.__dict__.get("_cp_bare")
     if bare is None:
         bare = m.__dict__["_cp_bare"] = {}
-    bare[(activation, bare_key(x))] = (plan.direct, plan.decision, ACTIVATIONS[activation][1])
+    bare[_bare_slot(x, residual, activation, beta, out_scale)] = (plan.direct, plan.decision,
+                                                                 ACTIVATIONS[activation][1])
 
 
 def conv(m, x, residual=None, beta=1.0, activation="none", out_scale=1.0, output_padding=None,

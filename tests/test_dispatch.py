@@ -234,6 +234,48 @@ def test_bare_plan_fast_path_is_the_module_whatever_changes(device, exact_fp32, 
         assert rel_err(net(x), twin(x)) <= TOL[torch.float32]
 
 
+def test_bare_fast_path_takes_the_epilogue_eagerly(device, exact_fp32, monkeypatch):
+    """A call with a residual, scale and activation whose plan is PyTorch's
+    route is found again without ``conv_key`` (a UNet resnet's conv1 adds
+    the time embedding, conv2 the shortcut): the same result as the module
+    and eager ops, a residual of another layout or dtype gets a plan of its
+    own, and a residual of the wrong shape is still refused."""
+    real_decide = dispatch.decide
+
+    def pytorch_route(*a, **k):
+        decision, spec = real_decide(*a, **k)
+        return RouteDecision(Route.FALLBACK, "test: PyTorch's route"), spec
+
+    monkeypatch.setattr(dispatch, "decide", pytorch_route)
+    net, twin = _net(device)
+    conv = net[0]
+    keys = []
+    real_key = dispatch.conv_key
+    monkeypatch.setattr(dispatch, "conv_key", lambda *a, **k: keys.append(1) or real_key(*a, **k))
+    torch.manual_seed(3)
+    x = torch.randn(2, 6, 7, 9, device=device)
+    ref_y = twin(x)
+    res = torch.randn_like(ref_y)
+    shift = torch.randn(2, ref_y.shape[1], 1, 1, device=device).expand_as(ref_y)
+    with torch.no_grad():
+        for _ in range(3):
+            got = conv(x, residual=res, beta=0.5, activation="silu", out_scale=0.25)
+            assert rel_err(got, 0.25 * F.silu(twin(x) + 0.5 * res)) <= TOL[torch.float32]
+        assert len(keys) == 1
+        for _ in range(2):  # a zero-stride residual: its own slot, then the fast path
+            assert rel_err(conv(x, residual=shift), twin(x) + shift) <= TOL[torch.float32]
+        assert len(keys) == 2
+        res_nhwc = res.contiguous(memory_format=torch.channels_last)
+        assert rel_err(conv(x, residual=res_nhwc, beta=0.5, activation="silu", out_scale=0.25),
+                       0.25 * F.silu(twin(x) + 0.5 * res)) <= TOL[torch.float32]
+        assert len(keys) == 3
+        # Another beta is another call: planned again.
+        assert rel_err(conv(x, residual=res, beta=2.0), twin(x) + 2.0 * res) <= TOL[torch.float32]
+        assert len(keys) == 4
+        with pytest.raises(ValueError):
+            conv(x, residual=res[:, :, :-1], beta=0.5, activation="silu", out_scale=0.25)
+
+
 def test_group_norm_plan_replays(device):
     torch.manual_seed(0)
     # On a GPU the kernels take a GroupNorm only from costs.GROUP_NORM_MIN_ELEMENTS on.

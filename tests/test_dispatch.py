@@ -364,6 +364,28 @@ def test_lean_route_only_where_the_host_hides_its_gpu_time():
     assert not costs.choose_lean(_problem(size=256, c_in=256, c_out=256), fitted, None, ops=0).kernel
 
 
+def test_lean_route_needs_a_real_host_saving():
+    """cuDNN's 1x1 call costs about as much host time as the lean kernel's
+    launch, so a 1x1 conv stays on PyTorch however host-bound; a 3x3 conv
+    of the same size, whose cuDNN call costs more, takes the lean route."""
+    fitted = _fit(c0=0.002)
+    one = _problem(size=16, c_in=16, c_out=16, k=1)
+    three = _problem(size=16, c_in=16, c_out=16)
+    assert (costs.conv_host_ms(three) - costs.host_ms(1)) * 1e3 >= costs.LEAN_MIN_SAVING_US
+    assert costs.choose_lean(three, fitted, None, ops=0).kernel
+    got = costs.choose_lean(one, fitted, None, ops=0)
+    assert not got.kernel and "would save" in got.why
+    # Where cuDNN's 1x1 call were dearer, the same rule would take it.
+    host = dict(costs.HOST_US, conv_1x1=costs.HOST_US["conv"])
+    assert costs.choose_lean(one, fitted, None, ops=0, host=host).kernel
+    # A call whose cuDNN GPU time exceeds its host time is not the lean
+    # route's, even where its model says the lean kernel is faster still.
+    measured = {"cudnn_ms": costs.conv_host_ms(three) * 1.5}
+    assert costs.lean_ms(three) < measured["cudnn_ms"]
+    got = costs.choose_lean(three, fitted, measured, ops=0)
+    assert not got.kernel and "GPU-bound" in got.why
+
+
 def test_lean_gpu_time_counts_waves_of_tiles():
     """The lean kernel's time is its waves of 128x64 tiles times their K
     steps: a deep conv on a small image (a UNet's 16x16 level: 40 tiles of

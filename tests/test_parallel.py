@@ -306,3 +306,20 @@ def test_band_hook_decides_per_call_and_remembers_the_estimate(vae):
         finally:
             h.remove()
         assert tight(dec, (z,), {"latent_embeds": None}) is None  # not the call it knows
+
+
+def test_per_call_budget_check_reads_the_allocator_only_where_free_memory_does_not_settle_it(monkeypatch):
+    """A decode that fits the driver's free memory alone is let through at
+    one driver query; the allocator's counters (PyTorch builds its whole
+    statistics dictionary for them) are read only where it does not, and
+    the full budget is never below that lower bound."""
+    from conv_patch.parallel import budget as bd
+    reads = []
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (1000, 4000))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d=None: reads.append(1) or 600)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d=None: 200)
+    dev = torch.device("cuda")
+    assert bd.fits_free(dev, 900) and not reads
+    assert not bd.fits_free(dev, 901) and not reads
+    assert bd.auto_budget(dev) == pytest.approx(0.9 * (1000 + 400)) and reads
+    assert not bd.fits_free(torch.device("cpu"), 1)

@@ -224,12 +224,14 @@ class BandHook:
             return None
         if self.max_activation_gib is None and not x.is_cuda:
             return None
-        budget = (self.max_activation_gib * bd.GIB if self.max_activation_gib is not None
-                  else bd.auto_budget(x.device))
         key = (tuple(x.shape), x.dtype, id(module))
         plain = self._plain.get(key)
-        if plain is not None and plain <= budget:
+        if plain is not None and self.max_activation_gib is None and bd.fits_free(x.device, plain):
             return None  # (the report of the call that measured it stands)
+        budget = (self.max_activation_gib * bd.GIB if self.max_activation_gib is not None
+                  else bd.auto_budget(x.device))
+        if plain is not None and plain <= budget:
+            return None
         try:
             program = program_of(module)
         except UnsupportedModel:

@@ -133,6 +133,15 @@ def auto_budget(device: torch.device) -> Optional[float]:
     return 0.9 * (free + cached)
 
 
+def fits_free(device: torch.device, need: float) -> bool:
+    """Whether ``need`` bytes fit 90% of the driver's free memory alone: a
+    lower bound of ``auto_budget`` at one driver query. The allocator's
+    counters ``auto_budget`` adds (PyTorch builds its whole statistics
+    dictionary for them, about half a millisecond on the H200's host) are
+    only read where this says no."""
+    return device.type == "cuda" and 0.9 * torch.cuda.mem_get_info(device)[0] >= need
+
+
 def plan(program: Program, shape, elsize: int, latent_height: int, budget: Optional[float],
          bands: Optional[int] = None, staged: Optional[bool] = None) -> BandReport:
     """The bands for this call: ``bands`` where given (staged where asked,

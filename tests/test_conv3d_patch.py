@@ -145,14 +145,20 @@ def test_what_the_kernel_does_not_take_runs_pytorch_and_says_why(monkeypatch):
         assert rel_err(m(x.double()), twin(x.double())) <= 1e-12
         assert "float64" in m._cp_last.reason
         net.float(), twin.float()
-        # A GPU target: no measured conv3d entries, so cuDNN's conv3d runs.
-        monkeypatch.setattr(conv3d_op, "target_for", lambda device: Target("sm90", True))
-        dispatch.clear(m)  # (the device's decision is kept with the plans)
+        # A GPU target whose table measured no conv3d: cuDNN's conv3d runs.
         launched = []
         monkeypatch.setattr(kernels, "launch_conv3d", lambda *a, **k: launched.append(1))
+        monkeypatch.setattr(conv3d_op, "target_for", lambda device: Target("sm80", True))
+        dispatch.clear(m)  # (the device's decision is kept with the plans)
         assert rel_err(m(x), twin(x)) <= TOL[torch.float32]
         assert not launched and m._cp_last.route is Route.FALLBACK
-        assert m._cp_last.reason.startswith("no measured conv3d entries for sm90")
+        assert m._cp_last.reason.startswith("no measured conv3d entries for sm80")
+        # One that measured others (sm90's Wan decoder shapes): this shape is not among them.
+        monkeypatch.setattr(conv3d_op, "target_for", lambda device: Target("sm90", True))
+        dispatch.clear(m)
+        assert rel_err(m(x), twin(x)) <= TOL[torch.float32]
+        assert not launched and m._cp_last.route is Route.FALLBACK
+        assert "not measured on sm90" in m._cp_last.reason
 
 
 def test_a_kernel_that_fails_to_build_falls_back_once(monkeypatch, exact_fp32):

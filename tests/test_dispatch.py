@@ -179,11 +179,9 @@ def test_kernel_failure_falls_back_once_for_every_caller(device, exact_fp32, mon
     assert "kernel failed here" in net[0]._cp_last.reason
 
 
-def test_bare_plan_fast_path_is_the_module_whatever_changes(device, exact_fp32, monkeypatch):
-    """A plain call whose plan is one F.conv2d is found by ``bare_key``
-    without ``conv_key``; it still computes what the module computes after
-    in-place and ``.data`` edits, a parametrization registered later, an
-    attribute change and under autograd."""
+def _pytorch_route_counting_keys(device, monkeypatch):
+    """``_net``'s pair with every call planned on PyTorch's route, and the
+    list that grows by one at each ``conv_key`` (each full signature built)."""
     real_decide = dispatch.decide
 
     def pytorch_route(*a, **k):
@@ -191,11 +189,20 @@ def test_bare_plan_fast_path_is_the_module_whatever_changes(device, exact_fp32, 
         return RouteDecision(Route.FALLBACK, "test: PyTorch's route"), spec
 
     monkeypatch.setattr(dispatch, "decide", pytorch_route)
-    net, twin = _net(device)
-    conv = net[0]
     keys = []
     real_key = dispatch.conv_key
     monkeypatch.setattr(dispatch, "conv_key", lambda *a, **k: keys.append(1) or real_key(*a, **k))
+    net, twin = _net(device)
+    return net, twin, keys
+
+
+def test_bare_plan_fast_path_is_the_module_whatever_changes(device, exact_fp32, monkeypatch):
+    """A plain call whose plan is one F.conv2d is found by ``bare_key``
+    without ``conv_key``; it still computes what the module computes after
+    in-place and ``.data`` edits, a parametrization registered later, an
+    attribute change and under autograd."""
+    net, twin, keys = _pytorch_route_counting_keys(device, monkeypatch)
+    conv = net[0]
     x = torch.randn(2, 6, 7, 9, device=device)
     with torch.no_grad():
         for _ in range(3):
@@ -240,18 +247,8 @@ def test_bare_fast_path_takes_the_epilogue_eagerly(device, exact_fp32, monkeypat
     the time embedding, conv2 the shortcut): the same result as the module
     and eager ops, a residual of another layout or dtype gets a plan of its
     own, and a residual of the wrong shape is still refused."""
-    real_decide = dispatch.decide
-
-    def pytorch_route(*a, **k):
-        decision, spec = real_decide(*a, **k)
-        return RouteDecision(Route.FALLBACK, "test: PyTorch's route"), spec
-
-    monkeypatch.setattr(dispatch, "decide", pytorch_route)
-    net, twin = _net(device)
+    net, twin, keys = _pytorch_route_counting_keys(device, monkeypatch)
     conv = net[0]
-    keys = []
-    real_key = dispatch.conv_key
-    monkeypatch.setattr(dispatch, "conv_key", lambda *a, **k: keys.append(1) or real_key(*a, **k))
     torch.manual_seed(3)
     x = torch.randn(2, 6, 7, 9, device=device)
     ref_y = twin(x)

@@ -47,7 +47,8 @@ def main(rank: int, world: int, port: int, out: str) -> None:
             y_all, report = parallel.decode(vae, z, gather="all", return_report=True)
             y_0 = parallel.decode(vae, z, gather=0)
             moments = parallel.encode(vae, x, gather="all")
-        torch.save({"all": y_all, "to0": y_0, "enc": moments, "mode": report.mode, "rows": report.rows},
+        torch.save({"all": y_all, "to0": y_0, "enc": moments, "mode": report.mode, "rows": report.rows,
+                    "sent": report.sent_bytes},
                    os.path.join(out, f"{rank}.pt"))
     finally:
         dist.destroy_process_group()

@@ -160,7 +160,8 @@ def _distributed(core: nn.Module, x: torch.Tensor, group, gather):
     comm = DistComm(group, x.device)
     with torch.no_grad():
         y = comm.output(run(program, x, comm, first), gather)
-    report = bd.BandReport("distributed", world, rows=_latent_rows(program, x.shape[2], world), world_size=world)
+    report = bd.BandReport("distributed", world, rows=_latent_rows(program, x.shape[2], world), world_size=world,
+                           sent_bytes=comm.sent_bytes)
     return (None if y is None else _like_input(y, x)), report
 
 

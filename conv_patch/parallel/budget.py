@@ -36,7 +36,9 @@ class BandReport:
     memory (``staged_layers`` of them; ``device_layers`` stayed on the
     device);
     ``peak_estimate_gib``: the activation memory the plan assumed;
-    ``fallback``: why the plain forward ran instead of bands, if it did."""
+    ``fallback``: why the plain forward ran instead of bands, if it did;
+    ``sent_bytes`` (distributed): what this rank sent the others (halo rows,
+    GroupNorm moments, whole tensors, its band of the output)."""
 
     mode: str
     bands: int
@@ -50,6 +52,7 @@ class BandReport:
     # Staged runs: layers whose output stayed on the device / went to host.
     device_layers: int = 0
     staged_layers: int = 0
+    sent_bytes: int = 0
 
 
 def _walk(program: Program, shape, elsize: int):

@@ -211,7 +211,9 @@ class LocalComm(Comm):
 class DistComm(Comm):
     """One band per rank of ``group`` (band ``i`` on the group's rank ``i``):
     halo rows by send/recv between neighbours, moments and whole tensors by
-    all-gather (NCCL on GPUs, gloo on the CPU)."""
+    all-gather (NCCL on GPUs, gloo on the CPU). ``sent_bytes`` counts what
+    this rank hands to the others (a tensor all-gathered counts once per
+    peer that receives it)."""
 
     def __init__(self, group, device: torch.device):
         import torch.distributed as dist
@@ -219,6 +221,10 @@ class DistComm(Comm):
         self.rank, self.nbands = dist.get_rank(group), dist.get_world_size(group)
         self.held = [self.rank]
         self.device = torch.device(device)
+        self.sent_bytes = 0
+
+    def _sent(self, t: torch.Tensor, peers: int = 1) -> None:
+        self.sent_bytes += t.numel() * t.element_size() * peers
 
     def _peer(self, r: int) -> int:
         return r if self.group is None else self.dist.get_global_rank(self.group, r)
@@ -252,6 +258,8 @@ class DistComm(Comm):
             if need:
                 sends.append((part[:, :, part.shape[2] - need:].contiguous(), r + 1))
         ops += [dist.P2POp(dist.isend, t, self._peer(p), self.group) for t, p in sends]
+        for t, _ in sends:
+            self._sent(t)
         if ops:
             for req in dist.batch_isend_irecv(ops):
                 req.wait()
@@ -267,6 +275,7 @@ class DistComm(Comm):
         (mine,) = local
         out = [torch.empty_like(mine) for _ in range(self.nbands)]
         self.dist.all_gather(out, mine.contiguous(), group=self.group)
+        self._sent(mine, self.nbands - 1)
         return out
 
     def _padded(self, act):
@@ -286,6 +295,7 @@ class DistComm(Comm):
         mine = self._padded(act)
         got = [torch.empty_like(mine) for _ in range(self.nbands)]
         self.dist.all_gather(got, mine, group=self.group)
+        self._sent(mine, self.nbands - 1)
         lv = act.level
         rows = [t[:, :, :b - a] for t, (a, b) in zip(got, zip(lv.edges[:-1], lv.edges[1:]))]
         return torch.cat(rows, dim=2).contiguous(memory_format=memory_format(act.parts[self.rank]))
@@ -297,6 +307,7 @@ class DistComm(Comm):
         part = act.parts[self.rank]
         if self.rank != dst:
             self.dist.send(part.contiguous(), self._peer(dst), group=self.group)
+            self._sent(part)
             return None
         n, c, _, w = part.shape
         out = torch.empty((n, c, lv.height, w), dtype=part.dtype, device=part.device)

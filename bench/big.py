@@ -18,8 +18,13 @@ channel-mean absolute error, brightest = the variant's max) is saved as a PNG
 beside the JSON for each variant with an error.
 
 ``--world N`` runs ``conv_patch.parallel.decode`` over N GPUs under torchrun
-(started here when not already under it): rank 0 writes the JSON, whose rows
-carry ``gpus`` and ``world_size``. ``--tiny`` runs a tiny config on the CPU
+(started here when not already under it, with ``NCCL_NVLS_ENABLE=0`` unless
+set): the patched model and, beside it, the unpatched one
+(``parallel-N-kernels-off``), each against rank 0's one-GPU patched decode
+(``baseline_ms`` and the error reference; ``one_gpu_peak_gib`` its peak);
+rows carry ``gpus``, ``world_size``, ``exchanged_bytes`` (what all ranks
+sent each other per decode), ``peak_gib`` (the largest rank's) and
+``vs_kernels_off``. Rank 0 writes the JSON. ``--tiny`` runs a tiny config on the CPU
 (the test of this script's logic, with nothing patched; times mean nothing).
 """
 
@@ -192,7 +197,12 @@ def bench_size(vae, size: int, args, device, dtype, out_dir: Path) -> list:
 
 def _distributed(args, out_dir: Path) -> list:
     """Rows of ``parallel.decode`` over the torchrun world (every rank runs
-    this; rank 0's rows are written)."""
+    this; rank 0's rows are written): the patched model, and beside it the
+    same parallel decode of the unpatched model (PyTorch's convs and
+    GroupNorm, what a parallel VAE without conv-patch runs), both against
+    rank 0's one-GPU patched decode (the baseline and the reference)."""
+    import copy
+
     import torch.distributed as dist
 
     from conv_patch import parallel
@@ -204,33 +214,51 @@ def _distributed(args, out_dir: Path) -> list:
         torch.cuda.set_device(device)
     dtype = torch.bfloat16 if cuda else torch.float32
     vae = build_vae(args.tiny, device, dtype)
+    plain = copy.deepcopy(vae)
     patch(vae, args.tiny)
     rows = []
+
+    def reduced(v, op):
+        t = torch.tensor([float(v or 0.0)], dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=op)
+        return t.item()
+
     for size in args.sizes:
         s = size // scale_of(vae)
         g = torch.Generator(device="cpu").manual_seed(size)
         z = torch.randn(1, vae.config.latent_channels, s, s, generator=g).to(device=device, dtype=dtype)
+        runs = {}
+        for variant, model in ((f"parallel-{world}", vae), (f"parallel-{world}-kernels-off", plain)):
+            report = {}
 
-        def step():
-            with torch.no_grad():
-                y = parallel.decode(vae, z, gather=0)
-            dist.barrier()
-            return y
+            def step():
+                with torch.no_grad():
+                    y, report["r"] = parallel.decode(model, z, gather=0, return_report=True)
+                dist.barrier()
+                return y
 
-        y, ms, peak = measure(step, device, args.runs, args.warmup)
-        peak_t = torch.tensor([peak or 0.0], dtype=torch.float64, device=device)
-        dist.all_reduce(peak_t, op=dist.ReduceOp.MAX)
+            y, ms, peak = measure(step, device, args.runs, args.warmup)
+            sent = reduced(report["r"].sent_bytes if "r" in report else 0, dist.ReduceOp.SUM)
+            runs[variant] = (y, ms, reduced(peak, dist.ReduceOp.MAX) if cuda else None, sent)
         if rank == 0:
-            err, ref_name = None, None
-            # The reference: rank 0's own un-banded patched decode, where it fits.
-            ref, _, _ = measure(lambda: vae.decode(z).sample, device, 1, 0) if y is not None else (None, 0, 0)
-            if ref is not None and y is not None:
-                err, ref_name = errors(y, ref), "un-banded patched (1 GPU)"
-                error_map(y, ref, out_dir / f"big-{size}-world{world}-errmap.png")
+            # The baseline and the reference: this rank's one-GPU patched
+            # decode (the other ranks wait at the barrier).
+            ref, one_ms, one_peak = measure(lambda: vae.decode(z).sample, device, args.runs, args.warmup)
             name = f"flux-vae-decode {size}x{size} b1 {'bf16' if cuda else 'fp32'}"
-            rows.append(_row(name, f"parallel-{world}", ms, peak_t.item() if cuda else None, None, None, err,
-                             ref_name, gpus=world if cuda else 0, world_size=world, oom=y is None))
-            print(rows[-1], flush=True)
+            off_ms = runs[f"parallel-{world}-kernels-off"][1]
+            for variant, (y, ms, peak, sent) in runs.items():
+                err = None
+                if ref is not None and y is not None:
+                    err = errors(y, ref)
+                    error_map(y, ref, out_dir / f"big-{size}-{variant}-errmap.png")
+                row = _row(name, variant, ms, peak, None, None, err, "one-GPU patched" if ref is not None else None,
+                           gpus=world if cuda else 0, world_size=world, oom=y is None, exchanged_bytes=sent,
+                           one_gpu_peak_gib=one_peak)
+                row.update(baseline="one-GPU patched decode", baseline_ms=one_ms,
+                           speedup=(one_ms / ms) if (one_ms and ms) else None,
+                           vs_kernels_off=(off_ms / ms) if (off_ms and ms) else None)
+                rows.append(row)
+                print(row, flush=True)
         dist.barrier()
     dist.destroy_process_group()
     return rows if rank == 0 else []
@@ -260,9 +288,12 @@ def main(argv=None):
     if args.world > 1 and not _under_torchrun():
         # Start this same command under torchrun, one process per GPU.
         import subprocess
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.world}", "-m", "bench.big",
-               *(argv if argv is not None else sys.argv[1:])]
-        return subprocess.run(cmd, check=True)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.world}",
+               "-m", "bench.big", *(argv if argv is not None else sys.argv[1:])]
+        # NVLink multicast stays off in every rank (the lent machines' rule).
+        env = dict(os.environ)
+        env.setdefault("NCCL_NVLS_ENABLE", "0")
+        return subprocess.run(cmd, check=True, env=env)
     if args.world > 1:
         rows = _distributed(args, out_dir)
         if not rows:

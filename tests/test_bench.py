@@ -210,6 +210,26 @@ def test_bench_big_tiny_rows(tmp_path):
     assert len(list(tmp_path.glob("big-16-*-errmap.png"))) == 3
 
 
+def test_bench_big_world_rows_under_torchrun(tmp_path, monkeypatch):
+    """bench.big --world 2 --tiny: torchrun started here (gloo on the CPU),
+    a row for the patched and the kernels-off parallel decode, each against
+    rank 0's one-GPU decode (equal to it here), with the bytes the ranks
+    exchanged."""
+    pytest.importorskip("diffusers")
+    from bench import big
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+    big.main(["--tiny", "--world", "2", "--sizes", "16", "--runs", "1", "--warmup", "0", "--out", str(tmp_path)])
+    doc = _result(tmp_path, "big")
+    rows = doc["rows"]
+    assert doc["world_size"] == 2 and [r["variant"] for r in rows] == ["parallel-2", "parallel-2-kernels-off"]
+    for r in rows:
+        assert ROW_KEYS | {"exchanged_bytes", "vs_kernels_off", "one_gpu_peak_gib", "world_size"} <= set(r)
+        assert r["world_size"] == 2 and r["baseline"] == "one-GPU patched decode" and not r["oom"]
+        assert r["max_rel"] < 1e-5 and r["exchanged_bytes"] > 0
+
+
 def test_interleaving_rotates_the_order_every_round(monkeypatch):
     """Each variant runs first, and right after each other variant, as
     often as any: a fixed A B C order made B always inherit A's state."""

@@ -317,3 +317,32 @@ def test_conv3d_cost_rule_counts_host_time_where_launched():
     host = dict(costs.HOST_US, unplanned=55.0)
     assert costs.conv3d_choice(0.02, 0.012, 0, False, host=host).kernel
     assert not costs.conv3d_choice(0.02, 0.012, 0, False, repack=True, host=host).kernel
+
+
+def test_the_packaged_sm90_table_routes_a_wan_decoders_conv3d_as_measured(monkeypatch):
+    """The H200's measured entries (bench.video --layers): a 1x1x1 shortcut
+    and the few-channel first conv take the kernel, a wide 3x3x3 conv stays
+    on cuDNN, an unmeasured shape runs PyTorch. (Decisions only: the fake
+    sm90 target runs nothing.)"""
+    from conv_patch import config_tables
+    monkeypatch.setattr(conv3d_op, "target_for", lambda device: Target("sm90", True))
+    table = config_tables.packaged_table("sm90")
+    causal = ((2, 0), (1, 1), (1, 1))
+    cases = [  # (c_in, c_out, kernel, pads, (T, H, W), want)
+        (192, 384, (1, 1, 1), ((0, 0),) * 3, (1, 120, 208), Route.CONV3D_IGEMM),
+        (16, 384, (3, 3, 3), causal, (1, 60, 104), Route.CONV3D_IGEMM),
+        (384, 384, (3, 3, 3), causal, (1, 60, 104), Route.FALLBACK),
+        (384, 384, (3, 3, 3), causal, (1, 60, 100), Route.FALLBACK),  # not measured
+    ]
+    for c_in, c_out, k, pads, (t, h, w), want in cases:
+        spec = conv3d_op.Conv3dSpec(c_in, c_out, k, (1, 1, 1), (1, 1, 1), pads, 1, "zeros", True)
+        x = torch.zeros(1, c_in, t, h, w, dtype=torch.bfloat16)
+        wt, b = torch.zeros(c_out, c_in, *k, dtype=torch.bfloat16), torch.zeros(c_out, dtype=torch.bfloat16)
+        decision, target, config = dispatch.conv3d_decide(spec, x, wt, b, None, None, False, table)
+        assert decision.route is want, (c_in, c_out, k, h, w, decision)
+        if want is Route.CONV3D_IGEMM:
+            assert decision.tier == "exact" and config["route"] == "igemm" and target is not None
+        elif w == 104:
+            assert "cuDNN measured faster" in decision.reason
+        else:
+            assert "not measured on sm90" in decision.reason

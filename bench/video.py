@@ -43,7 +43,8 @@ TINY = dict(base_dim=8, z_dim=4, dim_mult=[1, 2], num_res_blocks=1, attn_scales=
 # (diffusers class, config, default clip (frames, height, width)). Wan 2.1
 # and Qwen-Image are their classes' defaults; Wan 2.2 is the TI2V-5B VAE
 # (48 latent channels, 2x2 patches, 16x spatial compression, residual
-# up/down blocks).
+# up/down blocks), the architecture keys of Wan-AI/Wan2.2-TI2V-5B-Diffusers'
+# vae/config.json (the others are AutoencoderKLWan's defaults there too).
 MODELS = {
     "wan2.1": ("AutoencoderKLWan", {}, (81, 480, 832)),
     "wan2.2": ("AutoencoderKLWan", dict(base_dim=160, decoder_base_dim=256, z_dim=48, dim_mult=[1, 2, 4, 4],

@@ -2,13 +2,17 @@
 against patched (and patched with ``PatchConfig(cuda_graphs=True)``), each
 call launched eagerly the way diffusers and ComfyUI run it.
 
-    python -m bench.zoo [--only NAME ...] [--runs 7] [--set quick|full] [--tiny]
+    python -m bench.zoo [--only NAME ...] [--runs 7] [--min-seconds 0.5] [--set quick|full] [--tiny]
 
 Per (model, size, batch, dtype) one row: ``baseline_ms`` (the unpatched
 model), ``ours_ms`` (after ``conv_patch.apply``), ``graph_ms`` (with CUDA
 graphs), ``speedup``, ``host_ms`` (how long the patched call takes to
-return, before its GPU work is waited for), and ``noise`` (the spread of the
-unpatched model's own timed calls, (max - min) / median). Variants run
+return, before its GPU work is waited for), ``noise`` (the spread of the
+unpatched model's own timed calls, (max - min) / median), ``noise_iqr``
+(their quartiles over the median) and ``speedup_round_iqr`` (the quartiles
+of the per-round speedups). The timed rounds are ``--runs`` at least and
+more for fast models, until they span ``--min-seconds`` of the unpatched
+model's time (``runs`` says how many). Variants run
 interleaved, A B C A B C ..., each call timed from a synchronised GPU to
 its finished output (wall clock: host and GPU time as the user waits for
 them), medians after warm-up (the first calls compile the kernels). UNets,
@@ -300,7 +304,27 @@ def _inputs(make, size, batch, device, dtype, n=3):
     return out
 
 
-def bench_row(name, size, batch, dtype_name, runs, warmup, tiny, device):
+# The timed rounds of a row span at least MIN_SECONDS of the unpatched
+# model's time (a 4 ms TAEF2 call gets many more than a 400 ms decode, whose
+# rounds barely vary), at most MAX_RUNS.
+MIN_SECONDS = 0.5
+MAX_RUNS = 51
+
+
+def runs_for(one_ms: float, runs: int, min_seconds: float) -> int:
+    """Timed rounds for a model whose call takes ``one_ms``: ``runs`` at
+    least, more until they span ``min_seconds``, never above ``MAX_RUNS``."""
+    if min_seconds <= 0 or one_ms <= 0:
+        return runs
+    return max(runs, min(MAX_RUNS, math.ceil(min_seconds * 1e3 / one_ms)))
+
+
+def _quartiles(xs) -> list:
+    q = statistics.quantiles(xs, n=4, method="inclusive") if len(xs) > 1 else [xs[0]] * 3
+    return [q[0], q[2]]
+
+
+def bench_row(name, size, batch, dtype_name, runs, warmup, tiny, device, min_seconds=0.0):
     build, default_dtype = MODELS[name]
     dtype = DTYPES[dtype_name or default_dtype]
     with torch.device(device):
@@ -334,6 +358,7 @@ def bench_row(name, size, batch, dtype_name, runs, warmup, tiny, device):
                 fn()
                 state["i"] += 1
             return f
+        runs = runs_for(min(_timed(variants["unpatched"])[0] for _ in range(2)), runs, min_seconds)
         res = interleaved({k: rotating(v) for k, v in variants.items()}, runs, warmup)
         ref = _out(model, inputs[0])
         err = {k: _rel_err(_out(m, inputs[0]), ref) for k, m in (("patched", patched), ("graphed", graphed))}
@@ -346,6 +371,11 @@ def bench_row(name, size, batch, dtype_name, runs, warmup, tiny, device):
         "graph_speedup": base["ms"] / res["graphed"]["ms"], "host_ms": res["patched"]["host_ms"],
         "baseline_host_ms": base["host_ms"],
         "noise": (max(base["samples"]) - min(base["samples"])) / base["ms"], "runs": runs,
+        # The quartiles of the unpatched samples over their median, and of the
+        # per-round speedups (the variants of a round run back to back, so a
+        # slow stretch of the host hits both sides of each ratio).
+        "noise_iqr": [q / base["ms"] for q in _quartiles(base["samples"])],
+        "speedup_round_iqr": _quartiles([u / p for u, p in zip(base["samples"], res["patched"]["samples"])]),
         "first_call_s": first, "rel_err_vs_unpatched": err["patched"], "graph_rel_err_vs_unpatched": err["graphed"],
         "patched_convs": len(report.patched), "fused_blocks": len(report.fused),
         "kernel_convs": _kernel_convs(patched), "routes": _routes(patched),
@@ -400,18 +430,22 @@ def main(argv=None):
     ap.add_argument("--only", nargs="+", choices=sorted(MODELS), default=None)
     ap.add_argument("--runs", type=int, default=7)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--min-seconds", type=float, default=None,
+                    help=f"more rounds until they span this much of the unpatched model's time "
+                         f"(default {MIN_SECONDS}; 0 with --tiny), at most {MAX_RUNS}")
     ap.add_argument("--tiny", action="store_true", help="tiny configs on the CPU (the tests)")
     ap.add_argument("--out", default=None, help="results folder (default bench/results)")
     ap.add_argument("--name", default="zoo", help="result file stem")
     args = ap.parse_args(argv)
     device = bench_device()
     cases = TINY if args.tiny else (FULL if args.set == "full" else QUICK)
+    min_seconds = args.min_seconds if args.min_seconds is not None else (0.0 if args.tiny else MIN_SECONDS)
     if args.only:
         cases = [c for c in cases if c[0] in args.only]
     rows = []
     for name, size, batch, dt in cases:
         try:
-            row = bench_row(name, size, batch, dt, args.runs, args.warmup, args.tiny, device)
+            row = bench_row(name, size, batch, dt, args.runs, args.warmup, args.tiny, device, min_seconds)
         except torch.cuda.OutOfMemoryError:
             print(f"{name} {_size_name(size)} b{batch}: out of memory, skipped", flush=True)
             torch.cuda.empty_cache()

@@ -178,6 +178,8 @@ def test_bench_zoo_rows(tmp_path):
     assert [r["model"] for r in doc["rows"]] == ["rrdb-x4", "taef2"] and len(rows) == 2
     for r in doc["rows"]:
         assert ROW_KEYS | {"graph_ms", "graph_speedup", "host_ms", "noise", "routes"} <= set(r)
+        lo, hi = r["speedup_round_iqr"]
+        assert 0 < lo <= hi and r["noise_iqr"][0] <= 1.0 <= r["noise_iqr"][1] and r["runs"] == 1
         assert r["speedup"] == pytest.approx(r["baseline_ms"] / r["ours_ms"])
         assert r["rel_err_vs_unpatched"] < 1e-5 and r["graph_rel_err_vs_unpatched"] < 1e-5
         # (convs a recipe runs as the folded upsample are not counted: ops.upsample_conv2d)
@@ -228,6 +230,17 @@ def test_bench_big_world_rows_under_torchrun(tmp_path, monkeypatch):
         assert ROW_KEYS | {"exchanged_bytes", "vs_kernels_off", "one_gpu_peak_gib", "world_size"} <= set(r)
         assert r["world_size"] == 2 and r["baseline"] == "one-GPU patched decode" and not r["oom"]
         assert r["max_rel"] < 1e-5 and r["exchanged_bytes"] > 0
+
+
+def test_fast_models_get_more_rounds():
+    """A row's rounds span ``MIN_SECONDS`` of the unpatched model's time:
+    a 4 ms model gets many more than a 400 ms one, never above MAX_RUNS,
+    never fewer than asked."""
+    from bench import zoo
+    assert zoo.runs_for(400.0, 7, 0.5) == 7
+    assert zoo.runs_for(20.0, 7, 0.5) == 25
+    assert zoo.runs_for(4.0, 7, 0.5) == zoo.MAX_RUNS
+    assert zoo.runs_for(4.0, 7, 0.0) == 7
 
 
 def test_interleaving_rotates_the_order_every_round(monkeypatch):

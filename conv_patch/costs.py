@@ -336,12 +336,12 @@ def choose_lean(p: Problem, fitted: Optional[Fit], exact: Optional[dict], *, ops
     if gpu_c is None:
         return Choice(False, "no measurement or model of this shape on this GPU")
     theirs = torch_ms(p, gpu_c, ops, False, host)
-    ours_host = host_ms(1, False, 0, host)
-    saving_us = (conv_host_ms(p, host) - ours_host) * 1e3
+    ours_host, theirs_host = host_ms(1, False, 0, host), conv_host_ms(p, host)
+    saving_us = (theirs_host - ours_host) * 1e3
     if saving_us < LEAN_MIN_SAVING_US:
         return Choice(False, f"PyTorch: the lean kernel would save {saving_us:.0f} us of host time per call "
                              f"(under {LEAN_MIN_SAVING_US:.0f})")
-    if gpu_c > conv_host_ms(p, host):
+    if gpu_c > theirs_host:
         # Only where PyTorch's own call is host-bound: its GPU time is then
         # hidden and the lean route's, modelled, only has to hide as well. On
         # a GPU-bound call an error of that model is time lost (in the H200

@@ -374,7 +374,7 @@ def _build(m, graph, x, weight, bias, residual, out, beta, activation, out_scale
             return plan, ((y, bias) if no_bias else y)
     eager_only = plan.kind == MODULE and plan.direct is not None and out is None and not no_bias
     plan.bare = eager_only and residual is None and out_scale == 1.0 and activation == "none"
-    if eager_only and padding is None and output_padding is None and not fallback_args:
+    if eager_only and padding is None and output_padding is None and not fallback_args and not graph:
         _remember_bare(m, x, plan, residual, activation, beta, out_scale)
     return plan, plan.run(m, x, weight, bias, residual, out, beta, activation, out_scale, output_padding,
                           fallback_args, no_bias)
@@ -477,45 +477,46 @@ def _store(m, key, plan):
 # ops compute from the module's current weight, bias and geometry, whatever
 # the weight's identity, autograd or autocast. So such a call (no ``out``,
 # no padding of its own) whose input was seen before needs none of
-# ``conv_key``: ``bare_key`` (the input's geometry, dtype, device and
-# alignment, and whether a CUDA graph is being captured, the things that can
-# turn PyTorch's route into a kernel's), the residual's layout, dtype and
-# alignment (which decide whether a kernel could take it) and the epilogue's
-# constants find it, and the call costs no more host time than the module's
-# own forward and the eager ops (no attribute lookups through
-# ``nn.Module.__getattr__``). A UNet's resnet convs (the time embedding and
-# the shortcut in their epilogues) run on PyTorch this way. ``clear`` and a
-# full plan cache drop these with the plans.
-def bare_key(x) -> tuple:
-    return (x.shape, x.stride(), x.dtype, x.device, x.data_ptr() & 15, x.is_cuda and pack.on_graph_path(x))
-
-
-def _bare_slot(x, residual, activation, beta, out_scale) -> tuple:
+# ``conv_key``: ``bare_slot`` (the input's geometry, dtype, device and
+# alignment, the things that can turn PyTorch's route into a kernel's; the
+# residual's layout, dtype and alignment, which decide whether a kernel
+# could take it; the epilogue's constants) finds it, and the call costs no
+# more host time than the module's own forward and the eager ops: a few
+# frames and no attribute lookups through ``nn.Module.__getattr__``. A
+# UNet's resnet convs (the time embedding and the shortcut in their
+# epilogues) run on PyTorch this way.
+# Only plans made off the graph path are remembered, and a call on it
+# (``pack.GRAPH_PATH``: conv-patch's own graph warm-up and capture) does not
+# look here: there a launch costs GPU time only and the kernels may win. A
+# CUDA graph the caller captures records what this path runs, PyTorch's
+# ops, as the unpatched model would: asking CUDA whether the stream is
+# capturing would cost every eager call more than a microsecond.
+# ``clear`` and a full plan cache drop these with the plans.
+def bare_slot(x, residual, activation, beta, out_scale) -> tuple:
     res = None if residual is None else (residual.stride(), residual.dtype, residual.data_ptr() & 15)
-    return (activation, res, beta, out_scale, bare_key(x))
+    return (x.shape, x.stride(), x.dtype, x.device, x.data_ptr() & 15, activation, res, beta, out_scale)
 
 
 def bare_call(m, x, activation="none", residual=None, beta=1.0, out_scale=1.0):
     """``out_scale * act(m(x) + beta * residual)`` by the plan found for
-    this call's slot (``_bare_slot``), else None (the caller takes
-    ``conv``). Not while torch.compile traces (the caller checks: a traced
-    call is the compiled op's)."""
-    d = m.__dict__
-    bare = d.get("_cp_bare")
-    if bare is None:
+    this call's slot (``bare_slot``), else None (the caller takes
+    ``conv``). Not while torch.compile traces (a traced call is the
+    compiled op's) nor for ComfyUI's classes (the caller checks)."""
+    bare = m.__dict__.get("_cp_bare")
+    if bare is None or pack.GRAPH_PATH or torch.compiler.is_compiling():
         return None
-    hit = bare.get(_bare_slot(x, residual, activation, beta, out_scale))
+    hit = bare.get(bare_slot(x, residual, activation, beta, out_scale))
     if hit is None:
         return None
-    params = d["_parameters"]
+    params = m.__dict__["_parameters"]
     weight = params.get("weight")
     if weight is None:  # parametrized since (see conv): its own forward computes
         return None
-    d["_cp_last"] = hit[1]
+    m.__dict__["_cp_last"] = hit[1]
     y = _conv2d(x, weight, params.get("bias"), *hit[0])
     if residual is None and out_scale == 1.0:
         return y if hit[2] is None else hit[2](y)
-    if residual is not None:
+    if residual is not None and residual.shape != y.shape:  # the kernels' refusal, without a call
         conv_op.check_residual(residual, y.shape)
     return eager_epilogue(y, residual, beta, activation, out_scale)
 
@@ -524,8 +525,8 @@ def _remember_bare(m, x, plan, residual, activation, beta, out_scale):
     bare = m.__dict__.get("_cp_bare")
     if bare is None:
         bare = m.__dict__["_cp_bare"] = {}
-    bare[_bare_slot(x, residual, activation, beta, out_scale)] = (plan.direct, plan.decision,
-                                                                 ACTIVATIONS[activation][1])
+    bare[bare_slot(x, residual, activation, beta, out_scale)] = (plan.direct, plan.decision,
+                                                                ACTIVATIONS[activation][1])
 
 
 def conv(m, x, residual=None, beta=1.0, activation="none", out_scale=1.0, output_padding=None,

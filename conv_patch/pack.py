@@ -46,8 +46,9 @@ _LIVE: "weakref.WeakSet[PackEntry]" = weakref.WeakSet()
 # Set by conv_patch.graphs for the eager warm-up call before a capture, so
 # that it takes the capture's path and launches (so compiles and loads)
 # every kernel the capture records: a Triton kernel's first launch inside a
-# capture can invalidate it.
-_GRAPH_PATH = False
+# capture can invalidate it. Public to read (the bare fast path reads it
+# without a call); set only through ``graph_path``.
+GRAPH_PATH = False
 _STATS = {"allocations": 0, "refreshes": 0}
 
 
@@ -116,19 +117,19 @@ def packed_weight(holder, weight: torch.Tensor, transposed: bool) -> torch.Tenso
 @contextlib.contextmanager
 def graph_path():
     """Calls inside run as inside a CUDA graph capture (``on_graph_path``)."""
-    global _GRAPH_PATH
-    before, _GRAPH_PATH = _GRAPH_PATH, True
+    global GRAPH_PATH
+    before, GRAPH_PATH = GRAPH_PATH, True
     try:
         yield
     finally:
-        _GRAPH_PATH = before
+        GRAPH_PATH = before
 
 
 def on_graph_path(t: torch.Tensor) -> bool:
     """Whether work on ``t`` is being captured into a CUDA graph (or is the
     eager warm-up of that capture): launches then cost no host time at
     replay, only GPU time."""
-    return t.is_cuda and (_GRAPH_PATH or torch.cuda.is_current_stream_capturing())
+    return t.is_cuda and (GRAPH_PATH or torch.cuda.is_current_stream_capturing())
 
 
 def release(holder) -> None:

@@ -130,19 +130,11 @@ class PatchedConvMixin:
         business): the bare fast path where PyTorch's route was planned for
         such a call (no ``out``, no padding of its own), else the planned
         call. The one body of ``forward`` and of the recipes' conv steps."""
-        if out is None and padding is None:
-            y = self._cp_bare_call(x, activation, residual, beta, out_scale)
+        if out is None and padding is None and not (self._cp_comfy_class and comfy_active(self)):
+            y = dispatch.bare_call(self, x, activation, residual, beta, out_scale)
             if y is not None:
                 return y
         return self._cp_call(x, residual, beta, activation, out_scale, out=out, padding=padding)
-
-    def _cp_bare_call(self, x, activation="none", residual=None, beta=1.0, out_scale=1.0):
-        """``out_scale * act(self(x) + beta * residual)`` through
-        ``dispatch.bare_call``, or None: the checks ``_cp_call`` makes
-        first, the cheap way round."""
-        if torch.compiler.is_compiling() or (self._cp_comfy_class and comfy_active(self)):
-            return None
-        return dispatch.bare_call(self, x, activation, residual, beta, out_scale)
 
     def _cp_eager(self, x, residual, beta, activation, out_scale, fallback_args, out, padding, no_bias):
         """The original forward plus the epilogue as PyTorch ops."""

@@ -143,7 +143,7 @@ def parts(m: nn.Module, *names: str) -> tuple:
     and ``m.name`` of a submodule goes through ``nn.Module.__getattr__``
     (about a microsecond each on a GPU host, a dozen per block)."""
     mods, d = m.__dict__["_modules"], m.__dict__
-    return tuple(mods[n] if n in mods else d.get(n) for n in names)
+    return tuple([mods[n] if n in mods else d.get(n) for n in names])  # a list: no generator frame
 
 
 def inference(x: torch.Tensor, *modules: Optional[nn.Module]) -> bool:
@@ -370,7 +370,11 @@ def resnet(x: torch.Tensor, norm1, conv1, norm2, conv2, shortcut=None, out_scale
     if shortcut is None:
         return like_input(conv(conv2, h, residual=x, out_scale=out_scale), x)
     sc = conv(shortcut, x)
-    return like_input(conv(conv2, h, residual=sc, out_scale=out_scale, out=sc if plain(shortcut) else None), x)
+    # Into the shortcut's output where the block runs on the kernels (the
+    # memory the large blocks need); where its norms are PyTorch's, its
+    # convs are too, and there ``out`` would cost a copy of its own.
+    into_sc = plain(shortcut) and not _norm_is_eager(h)
+    return like_input(conv(conv2, h, residual=sc, out_scale=out_scale, out=sc if into_sc else None), x)
 
 
 def upsample_conv(m: nn.Conv2d, x: torch.Tensor, *, residual=None, activation: str = "none") -> torch.Tensor:

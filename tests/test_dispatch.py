@@ -197,7 +197,7 @@ def _pytorch_route_counting_keys(device, monkeypatch):
 
 
 def test_bare_plan_fast_path_is_the_module_whatever_changes(device, exact_fp32, monkeypatch):
-    """A plain call whose plan is one F.conv2d is found by ``bare_key``
+    """A plain call whose plan is one F.conv2d is found by ``bare_slot``
     without ``conv_key``; it still computes what the module computes after
     in-place and ``.data`` edits, a parametrization registered later, an
     attribute change and under autograd."""
@@ -239,6 +239,68 @@ def test_bare_plan_fast_path_is_the_module_whatever_changes(device, exact_fp32, 
     torch.nn.utils.parametrizations.weight_norm(twin[0])
     with torch.no_grad():
         assert rel_err(net(x), twin(x)) <= TOL[torch.float32]
+
+
+def _python_calls(fn) -> list:
+    """The Python functions one call of ``fn`` enters (sys.setprofile)."""
+    import sys
+    names = []
+
+    def prof(frame, event, arg):
+        if event == "call":
+            names.append(frame.f_code.co_name)
+
+    sys.setprofile(prof)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return names
+
+
+def test_bare_fast_path_costs_no_more_python_than_the_module(device, exact_fp32, monkeypatch):
+    """Host cost counted, not timed: a planned call of PyTorch's route
+    enters at most two Python functions more than the unpatched module's
+    own call and none of ``nn.Module.__getattr__``'s lookups; with an
+    epilogue (a UNet resnet's conv2: shortcut and 1/output_scale_factor)
+    no more than the module followed by the same eager ops."""
+    net, twin, keys = _pytorch_route_counting_keys(device, monkeypatch)
+    conv, ref = net[0], twin[0]
+    x = torch.randn(2, 6, 7, 9, device=device)
+    res = torch.randn(2, ref.out_channels, 7, 9, device=device)
+    with torch.no_grad():
+        for _ in range(2):
+            conv(x)
+            conv(x, residual=res, out_scale=0.5)
+        assert len(keys) == 2
+        ours, theirs = _python_calls(lambda: conv(x)), _python_calls(lambda: ref(x))
+        assert "__getattr__" not in ours and len(ours) <= len(theirs) + 2, (ours, theirs)
+        ours = _python_calls(lambda: conv(x, residual=res, out_scale=0.5))
+        theirs = _python_calls(lambda: (ref(x) + res) * 0.5)
+        assert len(ours) <= len(theirs) + 3, (ours, theirs)
+        assert len(keys) == 2
+
+
+def test_bare_fast_path_stays_off_conv_patchs_graph_path(device, exact_fp32, monkeypatch):
+    """On conv-patch's own graph path (warm-up and capture, where a launch
+    costs GPU time only) a call is never found on the bare path, and on a
+    GPU (where the graph path is costed by GPU time) a plan made there is
+    not remembered for eager calls."""
+    from conv_patch import pack
+    net, twin, keys = _pytorch_route_counting_keys(device, monkeypatch)
+    conv = net[0]
+    x = torch.randn(2, 6, 7, 9, device=device)
+    with torch.no_grad():
+        with pack.graph_path():
+            for _ in range(2):
+                assert rel_err(conv(x), twin[0](x)) <= TOL[torch.float32]
+        assert len(keys) == 2 and bool(conv.__dict__.get("_cp_bare")) == (not x.is_cuda)
+        for _ in range(3):
+            assert rel_err(conv(x), twin[0](x)) <= TOL[torch.float32]
+        assert len(keys) == 2 + x.is_cuda and len(conv._cp_bare) == 1
+        with pack.graph_path():
+            conv(x)
+        assert len(keys) == 3 + x.is_cuda
 
 
 def test_bare_fast_path_takes_the_epilogue_eagerly(device, exact_fp32, monkeypatch):

@@ -200,7 +200,7 @@ def test_cuda_graph_capture_and_replay_of_a_patched_decode(monkeypatch):
     # that replay and eager are bitwise comparable.
     from conv_patch import pack
     monkeypatch.setattr(ops, "SUBPIXEL_MIN_MACS", 0)
-    monkeypatch.setattr(pack, "_GRAPH_PATH", True)
+    monkeypatch.setattr(pack, "GRAPH_PATH", True)
     static_in = torch.randn(1, 16, 16, 16, device="cuda", dtype=torch.float16)
     with torch.no_grad():
         for _ in range(2):  # compile and warm up outside the capture

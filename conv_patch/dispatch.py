@@ -900,21 +900,12 @@ def _gn_kernel(norm, x, activation, out, input_bias):
 
 
 def group_norm_eager(norm, x, activation="none", out=None, input_bias=None):
-    """The norm's own forward and the activation as PyTorch ops, in ``x``'s
-    layout (as the kernels' pass): PyTorch's CUDA GroupNorm returns a
-    channels-last input's result in NCHW, and inside a block that runs in
-    NHWC every op after it would then run in NCHW, its convs at twice
-    cuDNN's host time per call and its adds across two layouts."""
+    """The norm's own forward and the activation as PyTorch ops."""
     if input_bias is not None:
         x = x + input_bias.view(-1, *([1] * (x.dim() - 2)))
     own = getattr(type(norm), "_cp_base", type(norm)).forward
-    y = own(norm, x)
-    if out is not None:
-        return out.copy_(eager_epilogue(y, None, 1.0, activation, 1.0))
-    if x.dim() == 4 and not y.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous() \
-            and x.is_contiguous(memory_format=torch.channels_last):
-        y = y.contiguous(memory_format=torch.channels_last)
-    return eager_epilogue(y, None, 1.0, activation, 1.0)
+    y = eager_epilogue(own(norm, x), None, 1.0, activation, 1.0)
+    return y if out is None else out.copy_(y)
 
 
 # -- RMS norm ------------------------------------------------------------------------

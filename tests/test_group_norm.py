@@ -6,9 +6,8 @@ group, with and without affine."""
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-from conv_patch import dispatch, ops
+from conv_patch import ops
 from conv_patch.target import target_for
 from _util import TOL, act64, poisoned, randn, rel_err
 
@@ -122,31 +121,3 @@ def test_group_norm_past_int32_offsets():
     ref = F.silu(F.group_norm(x, 32, w, b, 1e-6))
     assert rel_err(out[:, :, -64:], ref[:, :, -64:]) <= 2e-2
     assert rel_err(out[:, :, :64], ref[:, :, :64]) <= 2e-2
-
-
-class _NCHWGroupNorm(nn.GroupNorm):
-    """A GroupNorm that returns NCHW whatever its input's layout, as
-    PyTorch's CUDA kernel does (its CPU kernel keeps channels-last)."""
-
-    def forward(self, x):
-        return super().forward(x).contiguous()
-
-
-@pytest.mark.parametrize("activation", ["none", "silu"])
-def test_group_norm_eager_keeps_the_inputs_layout(activation):
-    """The eager step of a recipe's GroupNorm returns a channels-last input's
-    result in channels-last (the block's convs after it stay NHWC), an NCHW
-    input's in NCHW, the values the norm and activation compute."""
-    torch.manual_seed(0)
-    norm = _NCHWGroupNorm(3, 12).double()
-    with torch.no_grad():
-        norm.weight.normal_()
-        norm.bias.normal_()
-    x = (torch.randn(2, 12, 5, 7, dtype=torch.float64) * 4 + 30)
-    ref = norm(x)
-    ref = F.silu(ref) if activation == "silu" else ref
-    for layout in (torch.contiguous_format, torch.channels_last):
-        xl = x.contiguous(memory_format=layout)
-        y = dispatch.group_norm_eager(norm, xl, activation)
-        assert y.is_contiguous(memory_format=layout)
-        assert rel_err(y, ref) <= 1e-12

@@ -44,13 +44,8 @@ from typing import Dict, Optional, Tuple
 # allocation, "desc" one TMA descriptor rebuilt. "unplanned" is the cuDNN
 # route's epilogue pass, launched through its launcher with its output
 # allocated (measured as that route's host time over the module's call).
-# A channels-last input (the module's weight still NCHW, as inside a block
-# that runs in NHWC) costs cuDNN less: it needs no layout transposes of its
-# own; NHWC_CONV_HOST is that call's share of the NCHW one, measured on one
-# host in one process and applied to the conv entries above.
 HOST_US = {"conv": 43.0, "conv_1x1": 29.0, "op": 10.0, "base": 5.5, "refresh": 12.0, "launch": 19.0,
            "alloc": 3.0, "desc": 4.0, "unplanned": 40.0}
-NHWC_CONV_HOST = 0.72
 # The lean route is taken for its host time only where it saves at least
 # this much of it per call: in the UNets' A/B on the H200 1x1 convs on the
 # lean route (about 7 us of host time less than cuDNN's call in a loop of
@@ -260,10 +255,9 @@ def host_ms(launches: int, packed: bool = False, descriptors: int = 0, host: Opt
 def conv_host_ms(p: Problem, host: Optional[dict] = None) -> float:
     """Host time of PyTorch's conv call on the planned path: the wrapper's
     own Python ("base", paid on PyTorch's route too) and F.conv2d's, by
-    kernel class and input layout."""
+    kernel class."""
     h = HOST_US if host is None else host
-    conv = h["conv_1x1" if p.one_by_one else "conv"] * (NHWC_CONV_HOST if p.layout == "nhwc" else 1.0)
-    return (h["base"] + conv) / 1e3
+    return (h["base"] + h["conv_1x1" if p.one_by_one else "conv"]) / 1e3
 
 
 def torch_ms(p: Problem, gpu_cudnn: float, ops: int, graph: bool, host: Optional[dict] = None) -> float:

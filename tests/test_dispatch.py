@@ -445,19 +445,6 @@ def test_lean_route_needs_a_real_host_saving():
     assert not got.kernel and "GPU-bound" in got.why
 
 
-def test_a_channels_last_input_makes_cudnns_call_cheaper_on_the_host():
-    """cuDNN's call on a channels-last input costs less host time than on
-    an NCHW one (NHWC_CONV_HOST): a small packed kernel call that beats the
-    NCHW call on the host loses to the NHWC one, launched eagerly; in a
-    graph (GPU time only) the layout's host cost plays no part."""
-    measured = {"cudnn_ms": 0.006, "ours_ms": 0.005}
-    nchw, nhwc = _problem(size=16, c_in=16, c_out=16), _problem(size=16, c_in=16, c_out=16, layout="nhwc")
-    assert costs.conv_host_ms(nhwc) < costs.conv_host_ms(nchw)
-    assert costs.choose(nchw, None, measured, launches=1, ops=0, graph=False).kernel
-    assert not costs.choose(nhwc, None, measured, launches=1, ops=0, graph=False).kernel
-    assert costs.choose(nhwc, None, measured, launches=1, ops=0, graph=True).kernel
-
-
 def test_lean_gpu_time_counts_waves_of_tiles():
     """The lean kernel's time is its waves of 128x64 tiles times their K
     steps: a deep conv on a small image (a UNet's 16x16 level: 40 tiles of

@@ -8,6 +8,7 @@ anything.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -68,6 +69,23 @@ def conv3d_shape_key(spec, shape: tuple, cache_frames: int, layout: str, dtype: 
             f".p{pads}.d{d[0]}x{d[1]}x{d[2]}.cache{cache_frames}.{layout}.{dtype_name(dtype)}")
 
 
+def conv3d_keys(spec, shape: tuple, cache_frames: int, layout: str, dtype: torch.dtype) -> list:
+    """The call's ``conv3d_shape_key`` first, then the keys of the same
+    GEMM with its cached frames and front time padding traded (their sum
+    kept): a causal conv's chunk reads that many frames before its own, and
+    whether they are cached frames or the zero fill changes no arithmetic,
+    only where they are read from. A clip's steady-state chunks (two cached
+    frames, no padding) are found where the tuner measured its second chunk
+    (one cached frame and one of padding) or its first (padding only)."""
+    keys = [conv3d_shape_key(spec, shape, cache_frames, layout, dtype)]
+    (front, back), rest = spec.pads[0], spec.pads[1:]
+    for cached in range(cache_frames + front, -1, -1):
+        if cached != cache_frames:
+            other = dataclasses.replace(spec, pads=((cache_frames + front - cached, back),) + tuple(rest))
+            keys.append(conv3d_shape_key(other, shape, cached, layout, dtype))
+    return keys
+
+
 def conv3d_layout(x: torch.Tensor) -> str:
     """"ndhwc" for a channels_last_3d activation, else "ncdhw"."""
     return "ndhwc" if x.is_contiguous(memory_format=torch.channels_last_3d) and not x.is_contiguous() else "ncdhw"
@@ -76,6 +94,11 @@ def conv3d_layout(x: torch.Tensor) -> str:
 def conv3d_call_key(spec, x: torch.Tensor, cache: Optional[torch.Tensor]) -> str:
     """``conv3d_shape_key`` of a call: input ``x`` after ``cache``'s frames."""
     return conv3d_shape_key(spec, tuple(x.shape), 0 if cache is None else cache.shape[2], conv3d_layout(x), x.dtype)
+
+
+def conv3d_call_keys(spec, x: torch.Tensor, cache: Optional[torch.Tensor]) -> list:
+    """``conv3d_keys`` of a call (its own key first)."""
+    return conv3d_keys(spec, tuple(x.shape), 0 if cache is None else cache.shape[2], conv3d_layout(x), x.dtype)
 
 
 # Routes a conv3d exact entry may name: the portable kernel, the sm90 TMA

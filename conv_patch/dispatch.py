@@ -710,10 +710,10 @@ def conv3d_decide(spec, x, weight, bias, cache, residual, cast, table=None, epil
         return RouteDecision(Route.FALLBACK, why), None, None
     if target.interpreter:
         return RouteDecision(Route.CONV3D_IGEMM, "interpreter", tier="default"), target, None
-    key = config_tables.conv3d_call_key(spec, x, cache)
-    entry = table.conv3d_exact(key)
+    keys = config_tables.conv3d_call_keys(spec, x, cache)
+    entry = next((e for e in map(table.conv3d_exact, keys) if e is not None), None)
     if entry is None:
-        return RouteDecision(Route.FALLBACK, f"conv3d {key} not measured on {target.arch}: PyTorch's conv3d "
+        return RouteDecision(Route.FALLBACK, f"conv3d {keys[0]} not measured on {target.arch}: PyTorch's conv3d "
                                              "(cuDNN)"), None, None
     if config_tables.route_of(entry) == "cudnn":
         return RouteDecision(Route.FALLBACK, f"cuDNN measured faster ({entry['cudnn_ms']:.4g} ms vs "

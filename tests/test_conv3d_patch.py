@@ -227,7 +227,8 @@ def test_causal_convs_recognised_by_structure_and_others_skipped(exact_fp32):
 def test_a_gpu_takes_the_kernel_only_for_shapes_its_table_measured_faster(monkeypatch, exact_fp32):
     """On a GPU target the Conv3d kernel runs exactly the calls whose exact
     shape the table measured faster than the module's forward as called, with
-    the measured tile; a shape measured slower, a shape never measured and a
+    the measured tile; a shape measured slower (or a chunk of the same GEMM
+    with its cached and padded frames traded), a shape never measured and a
     table without conv3d entries run PyTorch, each saying why."""
     from conv_patch import config_tables
     from conv_patch.patcher import PatchConfig
@@ -258,7 +259,11 @@ def test_a_gpu_takes_the_kernel_only_for_shapes_its_table_measured_faster(monkey
         assert seen and seen[0]["BLOCK_M"] == 64
         assert rel_err(conv(x, cache), twin(x, cache)) <= TOL[torch.float32]
         assert conv._cp_last.route is Route.FALLBACK and "cuDNN measured faster" in conv._cp_last.reason
+        # One cached frame and one of padding: the same GEMM as two cached frames.
         assert rel_err(conv(x, cache[:, :, :1]), twin(x, cache[:, :, :1])) <= TOL[torch.float32]
+        assert conv._cp_last.route is Route.FALLBACK and "cuDNN measured faster" in conv._cp_last.reason
+        narrow, narrow_cache = x[..., :5].contiguous(), cache[..., :5].contiguous()
+        assert rel_err(conv(narrow, narrow_cache), twin(narrow, narrow_cache)) <= TOL[torch.float32]
         assert conv._cp_last.route is Route.FALLBACK and "not measured on sm90" in conv._cp_last.reason
     assert len(seen) == 1
     # A table without conv3d entries: decided by the device alone.
@@ -346,3 +351,36 @@ def test_the_packaged_sm90_table_routes_a_wan_decoders_conv3d_as_measured(monkey
             assert "cuDNN measured faster" in decision.reason
         else:
             assert "not measured on sm90" in decision.reason
+
+
+def test_a_steady_state_chunk_is_routed_by_the_measured_chunk_of_the_same_gemm(monkeypatch):
+    """A causal conv's later chunks read two cached frames and no padding;
+    the tuner's short clip measured the first chunk (two frames of padding)
+    and the second (one cached, one padding): the same GEMM, so the
+    measurement of those routes it. Keys with another sum of cached and
+    padded frames are not looked at."""
+    from conv_patch import config_tables
+    monkeypatch.setattr(conv3d_op, "target_for", lambda device: Target("sm90", True))
+    table = config_tables.packaged_table("sm90")
+    steady = ((0, 0), (1, 1), (1, 1))
+    spec = conv3d_op.Conv3dSpec(16, 384, (3, 3, 3), (1, 1, 1), (1, 1, 1), steady, 1, "zeros", True)
+    keys = config_tables.conv3d_keys(spec, (1, 16, 1, 60, 104), 2, "ncdhw", torch.bfloat16)
+    assert [k.split(".")[8:11] for k in keys] == [["p0x1x1", "d1x1x1", "cache2"], ["p1/0x1x1", "d1x1x1", "cache1"],
+                                                 ["p2/0x1x1", "d1x1x1", "cache0"]]
+    assert table.conv3d_exact(keys[0]) is None
+    for c_in, want in ((16, Route.CONV3D_IGEMM), (384, Route.FALLBACK)):
+        spec = conv3d_op.Conv3dSpec(c_in, 384, (3, 3, 3), (1, 1, 1), (1, 1, 1), steady, 1, "zeros", True)
+        x = torch.zeros(1, c_in, 1, 60, 104, dtype=torch.bfloat16)
+        cache = torch.zeros(1, c_in, 2, 60, 104, dtype=torch.bfloat16)
+        wt, b = torch.zeros(384, c_in, 3, 3, 3, dtype=torch.bfloat16), torch.zeros(384, dtype=torch.bfloat16)
+        decision, _, _ = dispatch.conv3d_decide(spec, x, wt, b, cache, None, False, table)
+        assert decision.route is want, (c_in, decision)
+        if want is Route.FALLBACK:
+            assert "cuDNN measured faster" in decision.reason
+    # Three cached frames and no padding: no measured chunk reads three.
+    x = torch.zeros(1, 16, 1, 60, 104, dtype=torch.bfloat16)
+    cache = torch.zeros(1, 16, 3, 60, 104, dtype=torch.bfloat16)
+    wt, b = torch.zeros(384, 16, 3, 3, 3, dtype=torch.bfloat16), torch.zeros(384, dtype=torch.bfloat16)
+    spec = conv3d_op.Conv3dSpec(16, 384, (3, 3, 3), (1, 1, 1), (1, 1, 1), steady, 1, "zeros", True)
+    decision, _, _ = dispatch.conv3d_decide(spec, x, wt, b, cache, None, False, table)
+    assert decision.route is Route.FALLBACK and "not measured on sm90" in decision.reason

@@ -29,6 +29,16 @@ def bench_device():
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def kernel_device(bench: str):
+    """``bench_device()`` where conv-patch's kernels can run there (a GPU, or
+    the CPU under TRITON_INTERPRET=1); else a one-line exit: on a plain CPU
+    every route is PyTorch's and the kernel rows have nothing to time."""
+    dev = bench_device()
+    if dev.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise SystemExit(f"{bench}: no GPU here; its kernel rows run on the CPU only under TRITON_INTERPRET=1")
+    return dev
+
+
 def side_by_side_setup(ap, argv):
     """The options the side-by-side op benchmarks share (``--rounds``,
     ``--out``), parsed; plus the device and the dtype they time in: bf16 on

@@ -23,7 +23,7 @@ import conv_patch
 from conv_patch import config_tables, dispatch, kernels, ops
 from conv_patch.specs import ConvSpec
 
-from .common import bench_device, print_table, write_results
+from .common import kernel_device, print_table, write_results
 
 KERNEL_TABLE = {"conv2d": {"any": {"BLOCK_M": 64, "BLOCK_N": 16, "BLOCK_K": 16}}}
 TMA_TABLE = {"conv2d": {"any": {"route": "tma", "BLOCK_M": 64, "BLOCK_N": 16, "BLOCK_K": 16, "BLOCK_W": 8}}}
@@ -49,7 +49,7 @@ def per_call_us(fn, n=400, rounds=5, warmup=50):
 
 
 def main(argv=None, n=400, rounds=5, warmup=50):
-    dev = bench_device()
+    dev = kernel_device("bench.overhead")
     dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
     x = torch.randn(1, 16, 8, 8, device=dev, dtype=dt)
     conv = nn.Conv2d(16, 16, 3, padding=1).to(dev, dt)

@@ -288,3 +288,12 @@ def test_bench_video_tiny_rows(tmp_path):
     for r in layers:
         entry = written.conv3d_exact(r["key"])
         assert entry["cudnn_ms"] == round(r["baseline_ms"], 5) and entry["ours_ms"] == round(r["ours_ms"], 5)
+
+
+def test_bench_overhead_without_kernels_exits_with_one_line(monkeypatch):
+    """On a CPU without the interpreter no kernel row can run: a one-line
+    exit, not a traceback from the first kernel row."""
+    from bench import overhead
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(SystemExit, match="no GPU here"):
+        overhead.main(n=1, rounds=1, warmup=0)

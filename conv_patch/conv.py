@@ -1,7 +1,7 @@
 """The convolution op's torch-facing layer: output shape and allocation,
 the launch of a routed kernel (``run_kernel``), the cuDNN route with its
 fused epilogue pass (``cudnn_conv2d``, ``epilogue``), and the NHWC staging
-copy. Plans (conv_patch/dispatch.py) call these once per signature and
+copy. Plans (conv_patch/dispatch/) call these once per signature and
 replay what they launched."""
 
 from __future__ import annotations

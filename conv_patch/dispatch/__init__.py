@@ -12,48 +12,36 @@ dictionary lookup, the pack refresh and a replay of the recorded launches
 (``kernels.Program``), or the original module's forward where PyTorch is
 the faster route. A kernel that fails to build or launch here falls back in
 this one place, for every caller, and the plan remembers it.
+
+Here the 2-D convs (plans, the bare fast path, call sites, the folded
+upsample); ``conv3d_plans`` the Conv3d entry, ``norm_plans`` the GroupNorm
+and RMS-norm entries, ``plans`` what they all share (failure reports, plan
+storage, the build lock, recorded launches). Callers reach every entry here.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
-import threading
-import warnings
 from typing import Optional
 
 import torch
 
-from . import config_tables, costs, pack
-from . import conv as conv_op
-from . import conv3d as conv3d_op
-from . import norm as norm_op
-from . import rms_norm as rms_norm_op
-from .conv import kernel_errors, kernels
-from .epilogue import ACTIVATIONS, eager_epilogue
-from .routing import Route, RouteDecision, select_route
-from .specs import CallDesc, ConvSpec, resolve_padding
-from .subpixel import PARITIES, parity_padding, parity_view, parity_weight, subpixel_weights
-from .target import gpu_sms, target_for
+from .. import config_tables, costs, pack
+from .. import conv as conv_op
+from ..conv import kernel_errors
+from ..epilogue import ACTIVATIONS, eager_epilogue
+from ..routing import Route, RouteDecision, select_route
+from ..specs import CallDesc, ConvSpec, resolve_padding
+from ..subpixel import PARITIES, parity_padding, parity_view, parity_weight, subpixel_weights
+from ..target import gpu_sms, target_for
+# Every entry is reached as ``dispatch.<name>``, the Conv3d and norm ones too:
+# the one place callers (wrappers, recipes, benchmarks) look.
+from .conv3d_plans import Conv3dPlan, conv3d, conv3d_decide, conv3d_gate, conv3d_table  # noqa: F401
+from .norm_plans import (NormPlan, group_norm, group_norm_decision, group_norm_eager, rms_norm,  # noqa: F401
+                         rms_norm_decision)
+from .plans import (BUILD_LOCK, MAX_PLANS, UNREGISTERED, KernelFailureWarning, kernel_failure,  # noqa: F401
+                    recorded, store_plan, tensor_sig)
 
-
-class KernelFailureWarning(RuntimeWarning):
-    """A kernel could not be built or launched here (e.g. a tile needing more
-    shared memory than this GPU has); that call ran on PyTorch instead."""
-
-
-def kernel_failure(e: Exception, stacklevel: int = 3) -> str:
-    """The reason a call whose kernel failed to build or launch (one of
-    ``kernel_errors()``) gives for running on PyTorch, warned as a
-    ``KernelFailureWarning``: callers remember it and do not try again."""
-    reason = f"kernel failed here: {type(e).__name__}: {str(e).strip().splitlines()[0][:160]}"
-    warnings.warn(f"conv-patch: {reason}; this call ran on PyTorch", KernelFailureWarning, stacklevel=stacklevel)
-    return reason
-
-
-# Plans kept per module; a model that sees more signatures than this (a
-# stream of resolutions) starts over rather than growing without bound.
-MAX_PLANS = 64
 
 # Plan kinds.
 KERNEL, CUDNN, MODULE = "kernel", "cudnn", "module"
@@ -63,10 +51,6 @@ KERNEL, CUDNN, MODULE = "kernel", "cudnn", "module"
 LEAN = "lean"
 LEAN_CONFIG = {"route": "igemm", "BLOCK_M": costs.LEAN_TILE[0], "BLOCK_N": costs.LEAN_TILE[1],
                "BLOCK_K": costs.LEAN_TILE[2], "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
-
-
-def _tensor_sig(t):
-    return None if t is None else (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 15)
 
 
 def conv_key(x, weight, bias, residual, out, beta, activation, out_scale, output_padding, padding, no_bias):
@@ -94,7 +78,7 @@ def conv_key(x, weight, bias, residual, out, beta, activation, out_scale, output
     # keeps both, and the pack is refreshed from it at every call).
     # build() reads the last two entries: the autocast dtype and the graph flag.
     return (x.shape, x.stride(), x.dtype, device, x.data_ptr() & 15, weight.data_ptr(), weight.shape,
-            None if bias is None else bias.data_ptr(), _tensor_sig(residual), _tensor_sig(out), alias, beta,
+            None if bias is None else bias.data_ptr(), tensor_sig(residual), tensor_sig(out), alias, beta,
             activation, out_scale, output_padding, padding, no_bias, grad, cast, graph)
 
 
@@ -305,15 +289,6 @@ def decide(m, x, weight, bias, residual, beta, activation, out_scale, output_pad
                  graph), spec
 
 
-# Plans are built one at a time, every module's, in every thread: two
-# threads building one module's plans at once compiled its kernels twice and
-# swapped its weight pack (``_cp_pack``) under each other, and a full plan
-# dict could be replaced under a concurrent store. Only a miss takes the
-# lock: a lookup is a plain dict read (a plan is stored complete, and a
-# replay only reads it). Reentrant: a build runs the module's forward.
-BUILD_LOCK = threading.RLock()
-
-
 def build(m, key, x, weight, bias, residual, out, beta, activation, out_scale, output_padding,
           fallback_args, padding, no_bias):
     """(plan, result of this call): the plan of ``key``, built and stored,
@@ -337,7 +312,7 @@ def build(m, key, x, weight, bias, residual, out, beta, activation, out_scale, o
             else:
                 y = plan.run(m, x, weight, bias, residual, out, beta, activation, out_scale, output_padding,
                              fallback_args, no_bias)
-        _store(m, key, plan)
+        store_plan(m, key, plan)
         return plan, y
 
 
@@ -446,29 +421,6 @@ def _direct(m, spec, padding, fallback_args):
         left, right, top, bottom = (int(v) for v in padding)
         return (m.stride, (top, left), m.dilation, m.groups) if (left, top) == (right, bottom) else None
     return (m.stride, m.padding, m.dilation, m.groups)
-
-
-def recorded(fn, roles):
-    """``(fn(), program)``: the result and its launches recorded as a
-    ``Program`` that replays them with another call's tensors in ``roles``
-    (None where they cannot be recorded). Kernel errors propagate, raised
-    before anything ran."""
-    k = kernels()
-    with k.recording() as rec:
-        y = fn()
-    try:
-        return y, k.Program(rec, roles, y)
-    except k.Unrecordable:
-        return y, None
-
-
-def _store(m, key, plan):
-    plans = m.__dict__.get("_cp_plans")
-    if plans is None or len(plans) >= MAX_PLANS:
-        if plans is not None:
-            m.__dict__["_cp_bare"] = None  # (bounded with the plans)
-        plans = m.__dict__["_cp_plans"] = {}
-    plans[key] = plan
 
 
 # -- the bare fast path ----------------------------------------------------------
@@ -608,10 +560,6 @@ def call_site(spec: ConvSpec, weight, bias) -> CallSite:
     return site
 
 
-UNREGISTERED = RouteDecision(Route.FALLBACK, "weight or bias is not a registered Parameter (parametrized, or a "
-                                             "buffer)")
-
-
 def clear(m) -> None:
     """Drop ``m``'s plans (its attributes or parameters changed)."""
     m.__dict__["_cp_plans"] = None
@@ -658,313 +606,3 @@ def upsample_conv(m, x, residual=None, activation="none"):
         conv_with(site, w_ab, bias, x, None if residual is None else parity_view(residual, a, b), 1.0,
                   activation, 1.0, None, (w_ab, bias), parity_view(out, a, b), parity_padding(a, b))
     return out
-
-
-# -- Conv3d --------------------------------------------------------------------------
-@dataclasses.dataclass(eq=False)
-class Conv3dPlan:
-    """A Conv3d call's plan: the kernel (kernels/conv3d.py, with ``config``
-    its tiles) or the module's own forward, with the epilogue as PyTorch
-    ops."""
-
-    kernel: bool
-    decision: RouteDecision
-    spec: object
-    target: Optional[object] = None
-    config: Optional[dict] = None
-
-
-def conv3d_table(m, target):
-    """The table a Conv3d module's calls on ``target`` read: PatchConfig's,
-    else the architecture's own."""
-    table = m.__dict__.get("_cp_table") if m is not None else None
-    return table if table is not None else config_tables.packaged_table(target.arch)
-
-
-def conv3d_decide(spec, x, weight, bias, cache, residual, cast, table=None, epilogue=0, graph=False) -> tuple:
-    """(decision, target, config) for one Conv3d call: the kernel where it
-    can run and is known to pay, else PyTorch and why. On a GPU "known to
-    pay" means the table's exact entry of the shape (``conv3d.exact``,
-    measured against the module's own forward) says so as called
-    (``costs.conv3d_choice``; ``epilogue``: the eager ops the kernel would
-    fuse); a shape the table does not have runs PyTorch."""
-    problem = spec.problem()
-    if problem is None:
-        try:
-            shape = conv3d_op.output_shape(x, weight, bias, cache, spec.stride, spec.pads, spec.dilation)
-        except ValueError as e:
-            problem = str(e)  # the module's own forward raises PyTorch's error, or computes
-        else:
-            conv_op.check_residual(residual, shape)
-    if problem is None and cast:
-        problem = "autocast: PyTorch's conv3d computes in autocast's dtype"
-    if problem is not None:
-        return RouteDecision(Route.FALLBACK, problem), None, None
-    target = conv3d_op.target_for(x.device)
-    table = table if table is not None else config_tables.packaged_table(target.arch)
-    gate = conv3d_gate(target, table)
-    if gate is not None:
-        return gate, None, None
-    target, why = conv3d_op.kernel_target(x, weight, bias, cache, residual, None)
-    if target is None:
-        return RouteDecision(Route.FALLBACK, why), None, None
-    if target.interpreter:
-        return RouteDecision(Route.CONV3D_IGEMM, "interpreter", tier="default"), target, None
-    keys = config_tables.conv3d_call_keys(spec, x, cache)
-    entry = next((e for e in map(table.conv3d_exact, keys) if e is not None), None)
-    if entry is None:
-        return RouteDecision(Route.FALLBACK, f"conv3d {keys[0]} not measured on {target.arch}: PyTorch's conv3d "
-                                             "(cuDNN)"), None, None
-    if config_tables.route_of(entry) == "cudnn":
-        return RouteDecision(Route.FALLBACK, f"cuDNN measured faster ({entry['cudnn_ms']:.4g} ms vs "
-                                             f"{entry['ours_ms']:.4g} ms)", tier="exact"), None, None
-    route = config_tables.route_of(entry)
-    if route == "tma":
-        problem = kernels().conv3d_tma_problem(x, cache, None, spec.stride, target.interpreter)
-        if problem:
-            return RouteDecision(Route.FALLBACK, f"the measured tma tile cannot take this call ({problem})",
-                                 tier="exact"), None, None
-    choice = costs.conv3d_choice(entry["ours_ms"], entry["cudnn_ms"], epilogue, graph,
-                                 out_bytes=math.prod(shape) * x.element_size(), repack=route == "tma")
-    if not choice.kernel:
-        return RouteDecision(Route.FALLBACK, choice.why, tier="exact"), None, None
-    config = {k: v for k, v in entry.items() if k not in ("ours_ms", "cudnn_ms")}
-    return (RouteDecision(Route.CONV3D_TMA if route == "tma" else Route.CONV3D_IGEMM, choice.why, tier="exact"),
-            target, config)
-
-
-def conv3d_gate(target, table) -> Optional[RouteDecision]:
-    """PyTorch for every Conv3d call on ``target``, whatever the call, or
-    None (the call is planned). The never-slower rule: on a GPU whose table
-    has no measured conv3d entry nothing says the kernel beats cuDNN, so
-    such a call needs no signature; under the interpreter the kernel runs
-    (that is where it is tested)."""
-    if target.interpreter and target.kernels:
-        return None
-    if target.kernels:
-        if table.has_conv3d:
-            return None
-        return RouteDecision(Route.FALLBACK, f"no measured conv3d entries for {target.arch}: PyTorch's conv3d "
-                                             "(cuDNN)")
-    return RouteDecision(Route.FALLBACK, target.reason or "no kernels here")
-
-
-def conv3d(m, x, eager_forward, cache=None, pads=None, residual=None, beta=1.0, activation="none",
-           out_scale=1.0):
-    """``out_scale * act(conv3d(cat([cache, x], 2)) + beta * residual)`` for a
-    patched Conv3d ``m`` (``pads``: its (front, back) padding per axis for
-    this call, default the module's own): one kernel where it can run and
-    pays, else ``eager_forward()`` (the module's own computation of this
-    call) and the epilogue as PyTorch ops. Planned per signature in
-    ``m._cp_plans`` like the 2-D convs; a kernel that fails to build falls
-    back here and the plan remembers it."""
-    held = m.__dict__.get("_cp_gate")
-    if held is None or held[0] != x.device:
-        # Per device, kept with the plans (target_for costs microseconds).
-        target = conv3d_op.target_for(x.device)
-        held = m.__dict__["_cp_gate"] = (x.device, conv3d_gate(target, conv3d_table(m, target)))
-    gate = held[1]
-    if gate is not None:
-        # Decided by the device alone: no signature to build.
-        m.__dict__["_cp_last"] = gate
-        return eager_epilogue(eager_forward(), residual, beta, activation, out_scale)
-    params = m.__dict__["_parameters"]
-    weight, bias = params.get("weight"), params.get("bias")
-    if weight is None or "bias" not in params:
-        m.__dict__["_cp_last"] = UNREGISTERED
-        return eager_epilogue(eager_forward(), residual, beta, activation, out_scale)
-    grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
-                                        or (bias is not None and bias.requires_grad)
-                                        or (cache is not None and cache.requires_grad)
-                                        or (residual is not None and residual.requires_grad))
-    kind = "cuda" if x.is_cuda else x.device.type
-    cast = (x.is_cuda or torch.amp.is_autocast_available(kind)) and torch.is_autocast_enabled(kind)
-    graph = x.is_cuda and pack.on_graph_path(x)
-    # (The module's attributes are not in the key: a wrapper's change of
-    # them clears its plans.)
-    key = ("conv3d", pads, x.shape, x.stride(), x.dtype, x.device, weight.data_ptr(),
-           weight.shape, weight.dtype, None if bias is None else bias.data_ptr(), _tensor_sig(cache),
-           _tensor_sig(residual), beta, activation, out_scale, grad, cast, graph)
-    plans = m.__dict__.get("_cp_plans")
-    plan = plans.get(key) if plans is not None else None
-    if plan is None:
-        with BUILD_LOCK:
-            spec = m.spec if pads is None else dataclasses.replace(m.spec, pads=pads)
-            target = conv3d_op.target_for(x.device)
-            decision, target, config = conv3d_decide(
-                spec, x, weight, bias, cache, residual, cast, conv3d_table(m, target),
-                costs.epilogue_ops(residual is not None, beta, activation, out_scale), graph)
-            plan = Conv3dPlan(target is not None, decision, spec, target, config)
-            if plan.kernel:
-                try:
-                    y = _conv3d_kernel(plan, x, weight, bias, cache, residual, beta, activation, out_scale)
-                except kernel_errors() as e:
-                    plan = Conv3dPlan(False, RouteDecision(Route.FALLBACK, kernel_failure(e, stacklevel=4)), spec)
-                else:
-                    _store(m, key, plan)
-                    m.__dict__["_cp_last"] = plan.decision
-                    return y
-            _store(m, key, plan)
-    m.__dict__["_cp_last"] = plan.decision
-    if plan.kernel:
-        return _conv3d_kernel(plan, x, weight, bias, cache, residual, beta, activation, out_scale)
-    return eager_epilogue(eager_forward(), residual, beta, activation, out_scale)
-
-
-def _conv3d_kernel(plan, x, weight, bias, cache, residual, beta, activation, out_scale):
-    s = plan.spec
-    return conv3d_op.run_kernel(x, weight.detach(), None if bias is None else bias.detach(), cache, s.pads,
-                                s.stride, s.dilation, plan.target, residual=residual, beta=beta,
-                                activation=activation, out_scale=out_scale, config=plan.config)
-
-
-# -- GroupNorm ---------------------------------------------------------------------
-def _gn_key(norm, x, activation, out, input_bias):
-    w, b = norm.weight, norm.bias
-    grad = torch.is_grad_enabled() and (x.requires_grad or (w is not None and w.requires_grad))
-    cuda = x.is_cuda  # (device.type costs more than the whole flag)
-    # CUDA autocast runs group_norm in float32 (its fp32 list): the plan of a
-    # half-precision input under it is PyTorch's own (see group_norm).
-    cast = cuda and torch.is_autocast_enabled("cuda")
-    return (x.shape, x.stride(), x.dtype, x.device, x.data_ptr() & 15, activation, _tensor_sig(out),
-            out is not None and out is x, _tensor_sig(input_bias),
-            None if w is None else (w.data_ptr(), w.dtype, w.device), None if b is None else (b.data_ptr(), b.dtype),
-            norm.num_groups, norm.eps, grad, cast, cuda and pack.on_graph_path(x))
-
-
-@dataclasses.dataclass(eq=False)
-class NormPlan:
-    """A GroupNorm call's plan: the kernels (``program``: their recorded
-    launches) or PyTorch's own GroupNorm and activation."""
-
-    kernel: bool
-    why: str
-    program: Optional[object] = None
-
-
-def group_norm_decision(x, num_groups, weight, bias, graph) -> tuple:
-    """(kernels?, why) for one GroupNorm call (``costs.group_norm_pays``)."""
-    if norm_op.group_norm_target(x, num_groups, weight, bias) is None:
-        return False, "the kernels do not take this call"
-    if target_for(x.device).interpreter:
-        return True, "interpreter"
-    if costs.group_norm_pays(x.numel()):
-        return True, "large enough to pay"
-    return False, f"{x.numel()} elements: PyTorch's GroupNorm is faster at this size"
-
-
-def group_norm(norm, x, activation="none", out=None, input_bias=None):
-    """``act(norm(x + input_bias))`` into ``out`` when given (may be ``x``),
-    for a GroupNorm module whose forward is the torch one's: planned per
-    signature like the convs (kept in the norm's ``_cp_plans``). Under
-    torch.compile tracing, the op's own expression (Inductor fuses it)."""
-    if torch.compiler.is_compiling():
-        return _gn_kernel(norm, x, activation, out, input_bias)
-    key = _gn_key(norm, x, activation, out, input_bias)
-    plans = norm.__dict__.get("_cp_plans")
-    plan = plans.get(key) if plans is not None else None
-    roles = (x, out, norm.weight, norm.bias, input_bias)
-    if plan is not None:
-        if plan.kernel and plan.program is not None:
-            return plan.program(roles)
-    else:
-        with BUILD_LOCK:
-            plans = norm.__dict__.get("_cp_plans")
-            plan = plans.get(key) if plans is not None else None
-            if plan is None:
-                return _gn_build(norm, key, x, activation, out, input_bias, roles)
-    if plan.kernel:
-        return _gn_kernel(norm, x, activation, out, input_bias)
-    return group_norm_eager(norm, x, activation, out, input_bias)
-
-
-def _gn_build(norm, key, x, activation, out, input_bias, roles):
-    """This call's result, its plan built and stored (under BUILD_LOCK)."""
-    if key[-2] and x.dtype in (torch.float16, torch.bfloat16):
-        ok, why = False, "CUDA autocast computes GroupNorm in float32"
-    else:
-        ok, why = group_norm_decision(x, norm.num_groups, norm.weight, norm.bias, key[-1])
-    plan = NormPlan(ok, why)
-    if not ok:
-        _store(norm, key, plan)
-        return group_norm_eager(norm, x, activation, out, input_bias)
-    y, plan.program = recorded(lambda: _gn_kernel(norm, x, activation, out, input_bias), roles)
-    # Stored complete: another thread may replay it as soon as it is seen.
-    _store(norm, key, plan)
-    return y
-
-
-def _gn_kernel(norm, x, activation, out, input_bias):
-    return norm_op.group_norm(x, norm.num_groups, norm.weight, norm.bias, norm.eps, activation, out=out,
-                             input_bias=input_bias)
-
-
-def group_norm_eager(norm, x, activation="none", out=None, input_bias=None):
-    """The norm's own forward and the activation as PyTorch ops."""
-    if input_bias is not None:
-        x = x + input_bias.view(-1, *([1] * (x.dim() - 2)))
-    own = getattr(type(norm), "_cp_base", type(norm)).forward
-    y = eager_epilogue(own(norm, x), None, 1.0, activation, 1.0)
-    return y if out is None else out.copy_(y)
-
-
-# -- RMS norm ------------------------------------------------------------------------
-def rms_norm(norm, x, params, eager_forward, activation="none"):
-    """``act(norm(x))`` for an RMS-norm module over channels (the Wan-family
-    VAEs'): ``params`` its (weight, bias, scale, eps) as the recipe read
-    them, ``eager_forward()`` the module's own computation of this call.
-    One pass of the kernel where it takes the call and pays
-    (``costs.rms_norm_pays``), else ``eager_forward()`` and the activation
-    as PyTorch ops; planned per signature in the norm's ``_cp_plans``; a
-    kernel that fails to build falls back here and the plan remembers it."""
-    weight, bias, scale, eps = params
-    if torch.compiler.is_compiling():
-        return eager_epilogue(eager_forward(), None, 1.0, activation, 1.0)
-    cuda = x.is_cuda
-    grad = torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad)
-                                        or (isinstance(bias, torch.Tensor) and bias.requires_grad))
-    cast = cuda and torch.is_autocast_enabled("cuda")
-    # (The pointer's alignment too: a replayed launch is the kernel compiled
-    # for the first call's, which Triton specialises on 16-byte alignment.)
-    key = ("rms", x.shape, x.stride(), x.dtype, x.device, x.data_ptr() & 15, activation,
-           None if weight is None else (weight.data_ptr(), weight.dtype),
-           None if bias is None else (bias.data_ptr(), bias.dtype), scale, eps, grad, cast,
-           cuda and pack.on_graph_path(x))
-    plans = norm.__dict__.get("_cp_plans")
-    plan = plans.get(key) if plans is not None else None
-    if plan is None:
-        with BUILD_LOCK:
-            ok, why = rms_norm_decision(x, weight, bias, activation, grad or cast, key[-1])
-            plan = NormPlan(ok, why)
-            if ok:
-                try:
-                    y, plan.program = recorded(lambda: rms_norm_op.rms_norm(x, weight, bias, scale, eps, activation),
-                                               (x, weight, bias))
-                except kernel_errors() as e:
-                    plan.kernel, plan.why = False, kernel_failure(e)
-                else:
-                    _store(norm, key, plan)
-                    norm.__dict__["_cp_norm_plan"] = plan
-                    return y
-            _store(norm, key, plan)
-    norm.__dict__["_cp_norm_plan"] = plan
-    if not plan.kernel:
-        return eager_epilogue(eager_forward(), None, 1.0, activation, 1.0)
-    if plan.program is not None:
-        return plan.program((x, weight, bias))
-    return rms_norm_op.rms_norm(x, weight, bias, scale, eps, activation)
-
-
-def rms_norm_decision(x, weight, bias, activation, eager_only, graph) -> tuple:
-    """(kernel?, why) for one RMS-norm call."""
-    if eager_only:
-        return False, "autograd or autocast: the module's own computation"
-    if bias is not None and not isinstance(bias, torch.Tensor):
-        return False, "a bias that is not a tensor"
-    if rms_norm_op.rms_norm_target(x, weight, bias) is None:
-        return False, "the kernel does not take this call"
-    if target_for(x.device).interpreter:
-        return True, "interpreter"
-    if costs.rms_norm_pays(x.numel(), x.element_size(), activation != "none", graph):
-        return True, "one pass against PyTorch's eight or more (costs.rms_norm_pays)"
-    return False, "PyTorch's passes are predicted faster at this size"

@@ -3,7 +3,7 @@ weights, bf16) un-banded patched, in bands within ``max_activation_gib``,
 eager PyTorch and diffusers' ``enable_tiling()``, each against an un-tiled
 reference.
 
-    python -m bench.big [--sizes 2048 4096 8192] [--gib 20] [--runs 3] [--world N] [--tiny]
+    python -m bench.big [--sizes 2048 4096 8192] [--gib 20 3] [--runs 3] [--world N] [--tiny]
 
 Per size and variant one row: ``ours_ms`` (median of ``--runs`` after a
 warm-up call), ``baseline_ms`` (eager PyTorch bf16, None where it ran out of
@@ -160,30 +160,34 @@ def bench_size(vae, size: int, args, device, dtype, out_dir: Path) -> list:
     whole, whole_ms, whole_peak = measure(lambda: decode(vae, zd), device, runs, warmup)
     if ref is None and whole is not None:
         ref, ref_name = whole, "un-banded patched"
-    gib = args.gib
+    budgets = list(args.gib)
     if args.tiny:
-        # A budget of 3/4 of the plain decode's estimate: a few bands.
+        # The largest budget 3/4 of the plain decode's estimate (a few
+        # bands), the others in proportion.
         from conv_patch.parallel.budget import GIB, plain_peak
         from conv_patch.parallel.walker import program_of
-        gib = 0.75 * plain_peak(program_of(vae.decoder), tuple(zd.shape), zd.element_size()) / GIB
-    last = {}
+        plain = plain_peak(program_of(vae.decoder), tuple(zd.shape), zd.element_size()) / GIB
+        budgets = [0.75 * plain * g / max(args.gib) for g in args.gib]
+    variants = [("patched", whole, whole_ms, whole_peak, {})]
+    for gib in budgets:
+        # Each budget its own row: a small one (a few GiB at 2048^2) stages
+        # the large layers to pinned host memory, and its report says so.
+        last = {}
 
-    def banded():
-        with torch.no_grad():
-            y, last["report"] = parallel.decode_in_bands(vae, zd, max_activation_gib=gib, return_report=True)
-        return y
+        def banded():
+            with torch.no_grad():
+                y, last["report"] = parallel.decode_in_bands(vae, zd, max_activation_gib=gib, return_report=True)
+            return y
 
-    bands, bands_ms, bands_peak = measure(banded, device, runs, warmup)
-    report = last.get("report")
+        bands, bands_ms, bands_peak = measure(banded, device, runs, warmup)
+        report = last.get("report")
+        variants.append((f"bands-{gib:.3g}gib", bands, bands_ms, bands_peak,
+                         {} if report is None else {"bands": report.bands, "staged": report.staged,
+                                                    "staged_layers": report.staged_layers,
+                                                    "peak_estimate_gib": report.peak_estimate_gib}))
     conv_patch.remove(vae)
     rows = []
-    for variant, y, ms, peak, extra in (
-            ("patched", whole, whole_ms, whole_peak, {}),
-            (f"bands-{gib:.3g}gib", bands, bands_ms, bands_peak,
-             {} if report is None else {"bands": report.bands, "staged": report.staged,
-                                        "staged_layers": report.staged_layers,
-                                        "peak_estimate_gib": report.peak_estimate_gib}),
-            ("diffusers-tiling", tiled, tiled_ms, tiled_peak, {})):
+    for variant, y, ms, peak, extra in variants + [("diffusers-tiling", tiled, tiled_ms, tiled_peak, {})]:
         err = None
         if y is not None and ref is not None and y is not ref:
             err = errors(y, ref)
@@ -271,7 +275,8 @@ def _under_torchrun() -> bool:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", type=int, nargs="+", default=None)
-    ap.add_argument("--gib", type=float, default=20.0, help="max_activation_gib of the banded variant")
+    ap.add_argument("--gib", type=float, nargs="+", default=[20.0],
+                    help="max_activation_gib of the banded variants, a row each (default 20)")
     ap.add_argument("--fp32-ref-max", type=int, default=4096,
                     help="largest size whose reference is the fp32 eager decode (above: the un-banded patched one)")
     ap.add_argument("--runs", type=int, default=3)

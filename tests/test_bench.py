@@ -212,6 +212,18 @@ def test_bench_big_tiny_rows(tmp_path):
     assert len(list(tmp_path.glob("big-16-*-errmap.png"))) == 3
 
 
+def test_bench_big_takes_a_row_per_budget(tmp_path):
+    """``--gib 20 10``: a banded row per budget (the smaller one in more
+    bands), each exact against the fp32 reference."""
+    pytest.importorskip("diffusers")
+    from bench import big
+    big.main(["--tiny", "--sizes", "16", "--runs", "1", "--warmup", "0", "--gib", "20", "10", "--out", str(tmp_path)])
+    rows = _result(tmp_path, "big")["rows"]
+    assert [r["variant"].split("-")[0] for r in rows] == ["patched", "bands", "bands", "diffusers"]
+    assert rows[1]["variant"] != rows[2]["variant"] and rows[2]["bands"] >= rows[1]["bands"] > 1
+    assert all(r["max_rel"] < 1e-5 for r in rows[1:3])
+
+
 def test_bench_big_world_rows_under_torchrun(tmp_path, monkeypatch):
     """bench.big --world 2 --tiny: torchrun started here (gloo on the CPU),
     a row for the patched and the kernels-off parallel decode, each against

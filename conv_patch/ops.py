@@ -364,10 +364,9 @@ def subpixel_pays(x: torch.Tensor, weight: torch.Tensor) -> bool:
     a replay costs no host time per launch)."""
     if torch.compiler.is_compiling() or target_for(x.device).interpreter:
         return True
-    if pack.on_graph_path(x):
-        return True
     n, _, h, w = x.shape
-    return n * h * w * weight.shape[0] * weight.shape[1] >= SUBPIXEL_MIN_MACS
+    # (The size first: the graph question asks CUDA.)
+    return n * h * w * weight.shape[0] * weight.shape[1] >= SUBPIXEL_MIN_MACS or pack.on_graph_path(x)
 
 
 def upsample_conv2d(x, weight, bias=None, *, residual=None, beta=1.0, activation="none",

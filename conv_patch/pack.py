@@ -132,6 +132,25 @@ def on_graph_path(t: torch.Tensor) -> bool:
     return t.is_cuda and (GRAPH_PATH or torch.cuda.is_current_stream_capturing())
 
 
+def graph_flag(t: torch.Tensor) -> bool:
+    """The graph flag of a plan's signature: conv-patch's own graph path
+    (``graph_path``: the warm-up and capture of ``PatchConfig(cuda_graphs=True)``).
+    A capture made by someone else (a user's ``torch.cuda.graph``,
+    torch.compile's cudagraphs) is not in the signature: asking CUDA whether
+    the stream is capturing cost every planned call microseconds of host
+    time. A plan built during such a capture is weighed as on the graph
+    path and not kept (``foreign_capture``); a plan built eagerly and
+    replayed inside one records the same launches, its kernels loaded by
+    the eager call that built it."""
+    return GRAPH_PATH and t.is_cuda
+
+
+def foreign_capture(t: torch.Tensor) -> bool:
+    """A CUDA graph is being captured on ``t``'s device outside
+    conv-patch's graph path (asked only where a plan is built)."""
+    return t.is_cuda and not GRAPH_PATH and torch.cuda.is_current_stream_capturing()
+
+
 def release(holder) -> None:
     holder.__dict__["_cp_pack"] = None
 

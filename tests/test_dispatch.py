@@ -303,6 +303,67 @@ def test_bare_fast_path_stays_off_conv_patchs_graph_path(device, exact_fp32, mon
         assert len(keys) == 3 + x.is_cuda
 
 
+def test_a_plan_built_inside_someone_elses_capture_is_weighed_for_it_and_not_kept(device, exact_fp32,
+                                                                                   monkeypatch):
+    """A plan's signature holds conv-patch's own graph path, not a CUDA
+    query per call: a call made while another party captures a CUDA graph
+    (``pack.foreign_capture``, asked only when a plan is built) is weighed
+    as on the graph path and its plan is not kept, so the eager calls
+    after it build their own."""
+    from conv_patch import pack
+    net, twin = _net(device)
+    conv = net[0]
+    graphs = []
+    real_decide = dispatch.decide
+    monkeypatch.setattr(dispatch, "decide", lambda *a: graphs.append(a[-1]) or real_decide(*a))
+    monkeypatch.setattr(pack, "foreign_capture", lambda t: True)
+    x = torch.randn(2, 6, 7, 9, device=device)
+    with torch.no_grad():
+        for _ in range(2):
+            assert rel_err(conv(x), twin(x)) <= TOL[torch.float32]
+        assert graphs == [True, True] and not _plans(conv) and not conv.__dict__.get("_cp_bare")
+        monkeypatch.setattr(pack, "foreign_capture", lambda t: False)
+        for _ in range(2):
+            assert rel_err(conv(x), twin(x)) <= TOL[torch.float32]
+        assert graphs == [True, True, False] and len(_plans(conv)) == 1
+
+
+@pytest.mark.gpu
+def test_eager_plans_replay_inside_a_users_cuda_graph():
+    """A user's own ``torch.cuda.graph`` capture of a patched model (its
+    plans built eagerly before) records the plans' launches, and the
+    replays compute what the unpatched model computes on new data; a
+    shape first seen inside the capture is built there and not kept."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(16, 64, 3, padding=1), nn.SiLU(), nn.Conv2d(64, 32, 1), nn.Conv2d(32, 8, 3))
+    net = net.cuda().half().eval()
+    twin = copy.deepcopy(net)
+    conv_patch.apply(net)
+    x = torch.randn(2, 16, 96, 80, device="cuda", dtype=torch.half)
+    with torch.no_grad():
+        for _ in range(3):
+            net(x)
+        torch.cuda.synchronize()
+        kept = [len(_plans(m)) for m in net if conv_patch.is_patched(m)]
+        g = torch.cuda.CUDAGraph()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            with torch.cuda.graph(g):
+                y = net(x)
+                z = net[0](x[:, :, :40])  # a shape first seen inside the capture
+        torch.cuda.current_stream().wait_stream(s)
+        for _ in range(2):
+            x.copy_(torch.randn_like(x))
+            g.replay()
+            torch.cuda.synchronize()
+            assert rel_err(y, twin(x)) <= TOL[torch.float16]
+            assert rel_err(z, twin[0](x[:, :, :40])) <= TOL[torch.float16]
+        assert [len(_plans(m)) for m in net if conv_patch.is_patched(m)] == kept
+
+
 def test_bare_fast_path_takes_the_epilogue_eagerly(device, exact_fp32, monkeypatch):
     """A call with a residual, scale and activation whose plan is PyTorch's
     route is found again without ``conv_key`` (a UNet resnet's conv1 adds

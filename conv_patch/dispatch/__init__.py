@@ -3,7 +3,7 @@ forward, a recipe's fused step or ``forward_without_bias``, runs here.
 
 A call's *signature* (``conv_key``: the tensors' shapes, strides, dtypes,
 devices and alignment, the weight's identity, the epilogue, aliasing between
-the arguments, autograd and whether a CUDA graph is being captured) selects a
+the arguments, autograd and whether conv-patch's own CUDA-graph path is on) selects a
 cached ``ConvPlan``. Building the plan is the slow, tested part: route the
 call (``routing.select_route``), weigh the route against PyTorch as called
 (``costs.choose``), launch the kernels once while recording the launches
@@ -61,7 +61,7 @@ def conv_key(x, weight, bias, residual, out, beta, activation, out_scale, output
                                         or (residual is not None and residual.requires_grad))
     device = x.device
     cuda = x.is_cuda  # (device.type costs more than the whole flag)
-    graph = cuda and pack.on_graph_path(x)
+    graph = cuda and pack.GRAPH_PATH  # (pack.graph_flag, without its call)
     # The dtype torch.autocast casts the convolution to (None: autocast is
     # off for this device type), read here once so that the plan, not every
     # call, decides what that cast means (AutocastPlan).
@@ -300,6 +300,9 @@ def build(m, key, x, weight, bias, residual, out, beta, activation, out_scale, o
             return plan, plan.run(m, x, weight, bias, residual, out, beta, activation, out_scale,
                                   output_padding, fallback_args, no_bias)
         cast, graph = key[-2], key[-1]
+        # Built inside someone else's CUDA graph capture: weighed for it, not kept.
+        foreign = not graph and pack.foreign_capture(x)
+        graph = graph or foreign
         if cast is None:
             plan, y = _build(m, graph, x, weight, bias, residual, out, beta, activation, out_scale,
                              output_padding, fallback_args, padding, no_bias)
@@ -312,7 +315,7 @@ def build(m, key, x, weight, bias, residual, out, beta, activation, out_scale, o
             else:
                 y = plan.run(m, x, weight, bias, residual, out, beta, activation, out_scale, output_padding,
                              fallback_args, no_bias)
-        store_plan(m, key, plan)
+        store_plan(m, key, plan, keep=not foreign)
         return plan, y
 
 

@@ -138,7 +138,7 @@ def conv3d(m, x, eager_forward, cache=None, pads=None, residual=None, beta=1.0, 
                                         or (residual is not None and residual.requires_grad))
     kind = "cuda" if x.is_cuda else x.device.type
     cast = (x.is_cuda or torch.amp.is_autocast_available(kind)) and torch.is_autocast_enabled(kind)
-    graph = x.is_cuda and pack.on_graph_path(x)
+    graph = pack.graph_flag(x)
     # (The module's attributes are not in the key: a wrapper's change of
     # them clears its plans.)
     key = ("conv3d", pads, x.shape, x.stride(), x.dtype, x.device, weight.data_ptr(),
@@ -148,11 +148,12 @@ def conv3d(m, x, eager_forward, cache=None, pads=None, residual=None, beta=1.0, 
     plan = plans.get(key) if plans is not None else None
     if plan is None:
         with BUILD_LOCK:
+            foreign = pack.foreign_capture(x)  # (not kept: pack.graph_flag says why)
             spec = m.spec if pads is None else dataclasses.replace(m.spec, pads=pads)
             target = conv3d_op.target_for(x.device)
             decision, target, config = conv3d_decide(
                 spec, x, weight, bias, cache, residual, cast, conv3d_table(m, target),
-                costs.epilogue_ops(residual is not None, beta, activation, out_scale), graph)
+                costs.epilogue_ops(residual is not None, beta, activation, out_scale), graph or foreign)
             plan = Conv3dPlan(target is not None, decision, spec, target, config)
             if plan.kernel:
                 try:
@@ -160,10 +161,10 @@ def conv3d(m, x, eager_forward, cache=None, pads=None, residual=None, beta=1.0, 
                 except kernel_errors() as e:
                     plan = Conv3dPlan(False, RouteDecision(Route.FALLBACK, kernel_failure(e, stacklevel=4)), spec)
                 else:
-                    store_plan(m, key, plan)
+                    store_plan(m, key, plan, keep=not foreign)
                     m.__dict__["_cp_last"] = plan.decision
                     return y
-            store_plan(m, key, plan)
+            store_plan(m, key, plan, keep=not foreign)
     m.__dict__["_cp_last"] = plan.decision
     if plan.kernel:
         return _conv3d_kernel(plan, x, weight, bias, cache, residual, beta, activation, out_scale)

@@ -29,7 +29,7 @@ def _gn_key(norm, x, activation, out, input_bias):
     return (x.shape, x.stride(), x.dtype, x.device, x.data_ptr() & 15, activation, tensor_sig(out),
             out is not None and out is x, tensor_sig(input_bias),
             None if w is None else (w.data_ptr(), w.dtype, w.device), None if b is None else (b.data_ptr(), b.dtype),
-            norm.num_groups, norm.eps, grad, cast, cuda and pack.on_graph_path(x))
+            norm.num_groups, norm.eps, grad, cast, pack.graph_flag(x))
 
 
 @dataclasses.dataclass(eq=False)
@@ -80,17 +80,18 @@ def group_norm(norm, x, activation="none", out=None, input_bias=None):
 
 def _gn_build(norm, key, x, activation, out, input_bias, roles):
     """This call's result, its plan built and stored (under BUILD_LOCK)."""
+    foreign = pack.foreign_capture(x)  # (not kept: pack.graph_flag says why)
     if key[-2] and x.dtype in (torch.float16, torch.bfloat16):
         ok, why = False, "CUDA autocast computes GroupNorm in float32"
     else:
-        ok, why = group_norm_decision(x, norm.num_groups, norm.weight, norm.bias, key[-1])
+        ok, why = group_norm_decision(x, norm.num_groups, norm.weight, norm.bias, key[-1] or foreign)
     plan = NormPlan(ok, why)
     if not ok:
-        store_plan(norm, key, plan)
+        store_plan(norm, key, plan, keep=not foreign)
         return group_norm_eager(norm, x, activation, out, input_bias)
     y, plan.program = recorded(lambda: _gn_kernel(norm, x, activation, out, input_bias), roles)
     # Stored complete: another thread may replay it as soon as it is seen.
-    store_plan(norm, key, plan)
+    store_plan(norm, key, plan, keep=not foreign)
     return y
 
 
@@ -129,12 +130,13 @@ def rms_norm(norm, x, params, eager_forward, activation="none"):
     key = ("rms", x.shape, x.stride(), x.dtype, x.device, x.data_ptr() & 15, activation,
            None if weight is None else (weight.data_ptr(), weight.dtype),
            None if bias is None else (bias.data_ptr(), bias.dtype), scale, eps, grad, cast,
-           cuda and pack.on_graph_path(x))
+           pack.graph_flag(x))
     plans = norm.__dict__.get("_cp_plans")
     plan = plans.get(key) if plans is not None else None
     if plan is None:
         with BUILD_LOCK:
-            ok, why = rms_norm_decision(x, weight, bias, activation, grad or cast, key[-1])
+            foreign = pack.foreign_capture(x)  # (not kept: pack.graph_flag says why)
+            ok, why = rms_norm_decision(x, weight, bias, activation, grad or cast, key[-1] or foreign)
             plan = NormPlan(ok, why)
             if ok:
                 try:
@@ -143,10 +145,10 @@ def rms_norm(norm, x, params, eager_forward, activation="none"):
                 except kernel_errors() as e:
                     plan.kernel, plan.why = False, kernel_failure(e)
                 else:
-                    store_plan(norm, key, plan)
+                    store_plan(norm, key, plan, keep=not foreign)
                     norm.__dict__["_cp_norm_plan"] = plan
                     return y
-            store_plan(norm, key, plan)
+            store_plan(norm, key, plan, keep=not foreign)
     norm.__dict__["_cp_norm_plan"] = plan
     if not plan.kernel:
         return eager_epilogue(eager_forward(), None, 1.0, activation, 1.0)

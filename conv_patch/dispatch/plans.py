@@ -61,9 +61,13 @@ def recorded(fn, roles):
         return y, None
 
 
-def store_plan(m, key, plan):
+def store_plan(m, key, plan, keep: bool = True):
     """``plan`` kept in ``m._cp_plans`` under ``key``; a full dict starts
-    over (with the bare fast path's slots, which it bounds)."""
+    over (with the bare fast path's slots, which it bounds). Not where
+    ``keep`` is false: a plan built inside someone else's CUDA graph
+    capture (``pack.graph_flag`` says why)."""
+    if not keep:
+        return
     plans = m.__dict__.get("_cp_plans")
     if plans is None or len(plans) >= MAX_PLANS:
         if plans is not None:

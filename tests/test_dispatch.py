@@ -260,8 +260,8 @@ def _python_calls(fn) -> list:
 
 def test_bare_fast_path_costs_no_more_python_than_the_module(device, exact_fp32, monkeypatch):
     """Host cost counted, not timed: a planned call of PyTorch's route
-    enters at most two Python functions more than the unpatched module's
-    own call and none of ``nn.Module.__getattr__``'s lookups; with an
+    enters no more Python functions than the unpatched module's own call
+    and none of ``nn.Module.__getattr__``'s lookups; with an
     epilogue (a UNet resnet's conv2: shortcut and 1/output_scale_factor)
     no more than the module followed by the same eager ops."""
     net, twin, keys = _pytorch_route_counting_keys(device, monkeypatch)
@@ -274,7 +274,7 @@ def test_bare_fast_path_costs_no_more_python_than_the_module(device, exact_fp32,
             conv(x, residual=res, out_scale=0.5)
         assert len(keys) == 2
         ours, theirs = _python_calls(lambda: conv(x)), _python_calls(lambda: ref(x))
-        assert "__getattr__" not in ours and len(ours) <= len(theirs) + 2, (ours, theirs)
+        assert "__getattr__" not in ours and len(ours) <= len(theirs), (ours, theirs)
         ours = _python_calls(lambda: conv(x, residual=res, out_scale=0.5))
         theirs = _python_calls(lambda: (ref(x) + res) * 0.5)
         assert len(ours) <= len(theirs) + 3, (ours, theirs)

@@ -448,6 +448,10 @@ def _direct(m, spec, padding, fallback_args):
 # capturing would cost every eager call more than a microsecond.
 # ``clear`` and a full plan cache drop these with the plans.
 def bare_slot(x, residual, activation, beta, out_scale) -> tuple:
+    """The slot a plan of the bare path is remembered under (``_remember_bare``).
+    ``bare_call`` builds the same tuple inline, one Python frame less per
+    call of every conv; were the two to differ, every call would build its
+    plan again, which the bare-path tests count (``conv_key`` calls)."""
     res = None if residual is None else (residual.stride(), residual.dtype, residual.data_ptr() & 15)
     return (x.shape, x.stride(), x.dtype, x.device, x.data_ptr() & 15, activation, res, beta, out_scale)
 
@@ -456,11 +460,14 @@ def bare_call(m, x, activation="none", residual=None, beta=1.0, out_scale=1.0):
     """``out_scale * act(m(x) + beta * residual)`` by the plan found for
     this call's slot (``bare_slot``), else None (the caller takes
     ``conv``). Not while torch.compile traces (a traced call is the
-    compiled op's) nor for ComfyUI's classes (the caller checks)."""
+    compiled op's) nor for ComfyUI's classes (the caller checks).
+    The one body a wrapper's forward runs for a planned PyTorch-route call:
+    it enters no more Python functions than ``nn.Conv2d``'s own forward."""
     bare = m.__dict__.get("_cp_bare")
     if bare is None or pack.GRAPH_PATH or torch.compiler.is_compiling():
         return None
-    hit = bare.get(bare_slot(x, residual, activation, beta, out_scale))
+    res = None if residual is None else (residual.stride(), residual.dtype, residual.data_ptr() & 15)
+    hit = bare.get((x.shape, x.stride(), x.dtype, x.device, x.data_ptr() & 15, activation, res, beta, out_scale))
     if hit is None:
         return None
     params = m.__dict__["_parameters"]

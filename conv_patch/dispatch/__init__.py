@@ -37,8 +37,8 @@ from ..target import gpu_sms, target_for
 # Every entry is reached as ``dispatch.<name>``, the Conv3d and norm ones too:
 # the one place callers (wrappers, recipes, benchmarks) look.
 from .conv3d_plans import Conv3dPlan, conv3d, conv3d_decide, conv3d_gate, conv3d_table  # noqa: F401
-from .norm_plans import (NormPlan, group_norm, group_norm_decision, group_norm_eager, rms_norm,  # noqa: F401
-                         rms_norm_decision)
+from .norm_plans import (NormPlan, group_norm, group_norm_decision, group_norm_eager,  # noqa: F401
+                         own_group_norm, rms_norm, rms_norm_decision)
 from .plans import (BUILD_LOCK, MAX_PLANS, UNREGISTERED, KernelFailureWarning, kernel_failure,  # noqa: F401
                     recorded, store_plan, tensor_sig)
 

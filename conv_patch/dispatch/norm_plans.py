@@ -9,6 +9,7 @@ import dataclasses
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 from .. import costs, pack
 from .. import norm as norm_op
@@ -104,9 +105,24 @@ def group_norm_eager(norm, x, activation="none", out=None, input_bias=None):
     """The norm's own forward and the activation as PyTorch ops."""
     if input_bias is not None:
         x = x + input_bias.view(-1, *([1] * (x.dim() - 2)))
-    own = getattr(type(norm), "_cp_base", type(norm)).forward
-    y = eager_epilogue(own(norm, x), None, 1.0, activation, 1.0)
+    y = eager_epilogue(own_group_norm(norm, x), None, 1.0, activation, 1.0)
     return y if out is None else out.copy_(y)
+
+
+_TORCH_GROUP_NORM = torch.nn.GroupNorm.forward
+
+
+def own_group_norm(norm, x):
+    """``norm``'s own forward on ``x``. Where that is ``nn.GroupNorm``'s, its
+    one line, ``F.group_norm``, with the parameters read from the module's
+    dictionaries: the small GroupNorms of a UNet run here at every call,
+    and each ``norm.weight`` goes through ``nn.Module.__getattr__``."""
+    cls = getattr(type(norm), "_cp_base", type(norm))
+    if cls.forward is not _TORCH_GROUP_NORM:
+        return cls.forward(norm, x)
+    d = norm.__dict__
+    params = d["_parameters"]
+    return F.group_norm(x, d["num_groups"], params["weight"], params["bias"], d["eps"])
 
 
 # -- RMS norm ------------------------------------------------------------------------

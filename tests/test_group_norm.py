@@ -121,3 +121,35 @@ def test_group_norm_past_int32_offsets():
     ref = F.silu(F.group_norm(x, 32, w, b, 1e-6))
     assert rel_err(out[:, :, -64:], ref[:, :, -64:]) <= 2e-2
     assert rel_err(out[:, :, :64], ref[:, :, :64]) <= 2e-2
+
+
+def test_own_group_norm_is_the_modules_forward():
+    """``dispatch.own_group_norm`` (the small GroupNorms' path) computes
+    what the module's own forward computes: ``F.group_norm`` of its current
+    parameters for torch's class (patched or not), the override for a
+    class with a forward of its own."""
+    import copy
+    from torch import nn
+    import conv_patch
+    from conv_patch import dispatch
+
+    class Doubled(nn.GroupNorm):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 12, 5, 7)
+    for norm in (nn.GroupNorm(3, 12), Doubled(3, 12)):
+        with torch.no_grad():
+            norm.weight.normal_()
+            norm.bias.normal_()
+        ref = norm(x)
+        assert torch.equal(dispatch.own_group_norm(norm, x), ref)
+        net = nn.Sequential(copy.deepcopy(norm), nn.Conv2d(12, 4, 3))
+        conv_patch.apply(net)
+        # (A class with a forward of its own is not fused: is_group_norm.)
+        assert type(net[0]).__name__.startswith("Fused") == (type(norm) is nn.GroupNorm)
+        assert torch.equal(dispatch.own_group_norm(net[0], x), ref)
+        with torch.no_grad():
+            net[0].weight.data.mul_(-1.0)  # read at every call, through .data too
+        assert not torch.equal(dispatch.own_group_norm(net[0], x), ref)

@@ -3,7 +3,7 @@ weights, bf16) un-banded patched, in bands within ``max_activation_gib``,
 eager PyTorch and diffusers' ``enable_tiling()``, each against an un-tiled
 reference.
 
-    python -m bench.big [--sizes 2048 4096 8192] [--gib 20 3] [--runs 3] [--world N] [--tiny]
+    python -m bench.big [--sizes 2048 4096 8192] [--gib 20 3] [--runs 3] [--skip eager tiling] [--world N] [--tiny]
 
 Per size and variant one row: ``ours_ms`` (median of ``--runs`` after a
 warm-up call), ``baseline_ms`` (eager PyTorch bf16, None where it ran out of
@@ -34,6 +34,7 @@ import argparse
 import os
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -139,6 +140,16 @@ def bench_size(vae, size: int, args, device, dtype, out_dir: Path) -> list:
         with torch.no_grad():
             return m.decode(x).sample
 
+    def timed(label, fn):
+        # Each variant says when it starts and how long it took: at 8192^2
+        # one decode takes seconds, and a run cut short by its time limit
+        # still shows how far it got.
+        t = time.perf_counter()
+        print(f"{name}: {label} ...", flush=True)
+        res = measure(fn, device, runs, warmup)
+        print(f"{name}: {label}: {time.perf_counter() - t:.1f} s, {res[1]} ms per decode", flush=True)
+        return res
+
     # Unpatched first: the fp32 reference, eager bf16, diffusers' tiling.
     conv_patch.remove(vae)
     ref, ref_name = None, None
@@ -149,15 +160,19 @@ def bench_size(vae, size: int, args, device, dtype, out_dir: Path) -> list:
         ref_name = "fp32 eager" if ref is not None else None
     vae.to(dtype)
     zd = z.to(dtype)
-    eager, eager_ms, eager_peak = measure(lambda: decode(vae, zd), device, runs, warmup)
-    eager_oom = eager is None
-    vae.enable_tiling()
-    tiled, tiled_ms, tiled_peak = measure(lambda: decode(vae, zd), device, runs, warmup)
-    vae.disable_tiling()
+    eager, eager_ms, eager_peak = None, None, None
+    if "eager" not in args.skip:
+        eager, eager_ms, eager_peak = timed("eager PyTorch", lambda: decode(vae, zd))
+    eager_oom = eager is None and "eager" not in args.skip
+    tiled = None
+    if "tiling" not in args.skip:
+        vae.enable_tiling()
+        tiled, tiled_ms, tiled_peak = timed("diffusers enable_tiling()", lambda: decode(vae, zd))
+        vae.disable_tiling()
     del eager
     # Patched: un-banded (no budget may band it), then banded within --gib.
     patch(vae, args.tiny)
-    whole, whole_ms, whole_peak = measure(lambda: decode(vae, zd), device, runs, warmup)
+    whole, whole_ms, whole_peak = timed("patched, un-banded", lambda: decode(vae, zd))
     if ref is None and whole is not None:
         ref, ref_name = whole, "un-banded patched"
     budgets = list(args.gib)
@@ -179,7 +194,7 @@ def bench_size(vae, size: int, args, device, dtype, out_dir: Path) -> list:
                 y, last["report"] = parallel.decode_in_bands(vae, zd, max_activation_gib=gib, return_report=True)
             return y
 
-        bands, bands_ms, bands_peak = measure(banded, device, runs, warmup)
+        bands, bands_ms, bands_peak = timed(f"patched, max_activation_gib={gib:.3g}", banded)
         report = last.get("report")
         variants.append((f"bands-{gib:.3g}gib", bands, bands_ms, bands_peak,
                          {} if report is None else {"bands": report.bands, "staged": report.staged,
@@ -187,13 +202,15 @@ def bench_size(vae, size: int, args, device, dtype, out_dir: Path) -> list:
                                                     "peak_estimate_gib": report.peak_estimate_gib}))
     conv_patch.remove(vae)
     rows = []
-    for variant, y, ms, peak, extra in variants + [("diffusers-tiling", tiled, tiled_ms, tiled_peak, {})]:
+    if "tiling" not in args.skip:
+        variants.append(("diffusers-tiling", tiled, tiled_ms, tiled_peak, {}))
+    for variant, y, ms, peak, extra in variants:
         err = None
         if y is not None and ref is not None and y is not ref:
             err = errors(y, ref)
             error_map(y, ref, out_dir / f"big-{size}-{variant}-errmap.png")
         rows.append(_row(name, variant, ms, peak, eager_ms, eager_oom, err, ref_name,
-                         eager_peak_gib=eager_peak, oom=y is None, **extra))
+                         eager_peak_gib=eager_peak, oom=y is None, eager_run="eager" not in args.skip, **extra))
         print(f"{rows[-1]['name']}: {ms if ms is None else round(ms, 2)} ms, peak {peak} GiB, "
               f"eager {eager_ms} ms, err {err}", flush=True)
     return rows
@@ -282,6 +299,8 @@ def main(argv=None):
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--world", type=int, default=1, help="GPUs for conv_patch.parallel.decode (torchrun)")
+    ap.add_argument("--skip", nargs="+", choices=("eager", "tiling"), default=[],
+                    help="leave out eager PyTorch (its rows' baseline then None) or diffusers' tiling")
     ap.add_argument("--tiny", action="store_true", help="a tiny config on the CPU (the tests)")
     ap.add_argument("--out", default=None, help="results folder (default bench/results)")
     ap.add_argument("--name", default="big", help="result file stem")

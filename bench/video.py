@@ -141,10 +141,13 @@ def conv_calls(vae, z) -> list:
     return calls
 
 
-def layer_measurements(vae, z, device, limit: int = 0) -> list:
+def layer_measurements(vae, z, device, limit: int = 0, layout: str = "ncdhw") -> list:
     """``tune.measure_conv3d`` of the distinct Conv3d calls (``limit`` > 0:
     those with cached frames first, then the others, at most ``limit``):
-    each candidate tile of the kernel against the module's own forward."""
+    each candidate tile of the kernel against the module's own forward.
+    ``layout="ndhwc"``: each call's input and cached frames as
+    channels_last_3d copies (what a decoder running NDHWC inside would
+    pass: the TMA kernel's layout, and cuDNN's without its transposes)."""
     from conv_patch import config_tables, routes, tune
     from conv_patch.target import target_for
     cands = routes.conv3d_candidates(target_for(device))
@@ -153,6 +156,9 @@ def layer_measurements(vae, z, device, limit: int = 0) -> list:
         calls = sorted(calls, key=lambda c: c[2] is None)[:limit]
     out, keys = [], set()
     for m, x, cache, pads in calls:
+        if layout == "ndhwc":
+            x = x.contiguous(memory_format=torch.channels_last_3d)
+            cache = None if cache is None else cache.contiguous(memory_format=torch.channels_last_3d)
         spec = dataclasses.replace(m.spec, pads=pads)  # the call's padding: what the dispatch core keys
         key = config_tables.conv3d_call_key(spec, x, cache)
         if key in keys:
@@ -193,6 +199,9 @@ def main(argv=None):
                     help="merge the --layers measurements into this config table as conv3d entries "
                          "(e.g. configs/sm90.json)")
     ap.add_argument("--max-layers", type=int, default=0, help="at most this many --layers rows (0: all)")
+    ap.add_argument("--layout", choices=("ncdhw", "ndhwc"), default="ncdhw",
+                    help="the --layers inputs' layout (ndhwc: channels_last_3d copies, the TMA kernel's)")
+    ap.add_argument("--no-decode", action="store_true", help="--layers alone, without the end-to-end row")
     ap.add_argument("--tiny", action="store_true", help="a tiny config on the CPU (the tests)")
     ap.add_argument("--out", default=None, help="results folder (default bench/results)")
     ap.add_argument("--name", default=None, help="result file stem (default video-<model>)")
@@ -205,14 +214,16 @@ def main(argv=None):
         args.frames, args.height, args.width, args.layer_frames = 3, 8, 8, 3
         args.max_layers = args.max_layers or 6
     vae = build_vae(args.model, args.tiny, device, dtype)
-    rows = [model_row(vae, latents(vae, args.frames, args.height, args.width, device, dtype), args.runs,
-                      args.warmup, device)]
-    print(f"{rows[0]['name']}: unpatched {rows[0]['baseline_ms']:.1f} ms, patched {rows[0]['ours_ms']:.1f} ms "
-          f"(x{rows[0]['speedup']:.2f}), peak {rows[0]['peak_gib']} / {rows[0]['baseline_peak_gib']} GiB",
-          flush=True)
+    rows = []
+    if not args.no_decode:
+        rows.append(model_row(vae, latents(vae, args.frames, args.height, args.width, device, dtype), args.runs,
+                              args.warmup, device))
+        print(f"{rows[0]['name']}: unpatched {rows[0]['baseline_ms']:.1f} ms, patched {rows[0]['ours_ms']:.1f} "
+              f"ms (x{rows[0]['speedup']:.2f}), peak {rows[0]['peak_gib']} / {rows[0]['baseline_peak_gib']} GiB",
+              flush=True)
     if args.layers or args.write_table:
         z = latents(vae, args.layer_frames, args.height, args.width, device, dtype)
-        measured = layer_measurements(vae, z, device, args.max_layers)
+        measured = layer_measurements(vae, z, device, args.max_layers, args.layout)
         rows += [layer_row(m) for m in measured]
         if args.write_table:
             from conv_patch import tune
@@ -222,8 +233,9 @@ def main(argv=None):
                                                f"calls of a {args.layer_frames}-frame {args.height}x{args.width} "
                                                f"decode, {str(dtype).split('.')[-1]}"), args.write_table)
             print("conv3d entries written to", args.write_table)
-    layer = [r["speedup"] for r in rows[1:] if r.get("speedup")]
-    extra = {"model": args.model, "frames": args.frames, "height": args.height, "width": args.width}
+    layer = [r["speedup"] for r in rows[0 if args.no_decode else 1:] if r.get("speedup")]
+    extra = {"model": args.model, "frames": args.frames, "height": args.height, "width": args.width,
+             "layers_layout": args.layout}
     if layer:
         extra["layer_geomean_speedup"] = statistics.geometric_mean(layer)
     path = write_results(args.name or f"video-{args.model}", rows, extra, args.out)

@@ -2,7 +2,7 @@
 against patched (and patched with ``PatchConfig(cuda_graphs=True)``), each
 call launched eagerly the way diffusers and ComfyUI run it.
 
-    python -m bench.zoo [--only NAME ...] [--runs 7] [--min-seconds 0.5] [--set quick|full] [--tiny]
+    python -m bench.zoo [--only NAME ...] [--runs 7] [--min-seconds 0.5] [--set quick|full|host] [--tiny]
 
 Per (model, size, batch, dtype) one row: ``baseline_ms`` (the unpatched
 model), ``ours_ms`` (after ``conv_patch.apply``), ``graph_ms`` (with CUDA
@@ -245,6 +245,12 @@ FULL = QUICK + [
     ("sd-vae-encode", 512, 4, None), ("flux-vae-decode", 512, 4, None), ("flux-vae-decode", 1024, 1, "fp16"),
     ("flux-vae-encode", 512, 1, None), ("flux-vae-encode", 2048, 1, None), ("flux-vae-decode", (832, 1216), 1, None),
 ]
+# The rows that are host-bound when launched eagerly (their GPU work is
+# shorter than the Python and launches around it): where host-time changes
+# show, and where a run of the full set takes too long to repeat.
+HOST = [("sd15-unet", 512, 2, None), ("sd15-unet", 512, 1, None), ("controlnet", 512, 2, None),
+        ("rrdb-x4", 256, 1, None), ("autoencoder-tiny", 512, 1, None), ("taef2", 256, 1, None),
+        ("taef2", 512, 1, None), ("flux-vae-decode", 512, 1, None)]
 TINY = [("sd15-unet", 16, 1, "fp32"), ("rrdb-x4", 8, 1, "fp32"), ("taef2", 16, 1, "fp32"),
         ("flux-vae-decode", 16, 1, "fp32")]
 
@@ -426,7 +432,8 @@ def geomean(xs):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--set", choices=("quick", "full"), default="quick")
+    ap.add_argument("--set", choices=("quick", "full", "host"), default="quick",
+                    help="host: the host-bound rows alone")
     ap.add_argument("--only", nargs="+", choices=sorted(MODELS), default=None)
     ap.add_argument("--runs", type=int, default=7)
     ap.add_argument("--warmup", type=int, default=2)
@@ -438,7 +445,7 @@ def main(argv=None):
     ap.add_argument("--name", default="zoo", help="result file stem")
     args = ap.parse_args(argv)
     device = bench_device()
-    cases = TINY if args.tiny else (FULL if args.set == "full" else QUICK)
+    cases = TINY if args.tiny else {"full": FULL, "quick": QUICK, "host": HOST}[args.set]
     min_seconds = args.min_seconds if args.min_seconds is not None else (0.0 if args.tiny else MIN_SECONDS)
     if args.only:
         cases = [c for c in cases if c[0] in args.only]

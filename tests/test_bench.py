@@ -212,6 +212,21 @@ def test_bench_big_tiny_rows(tmp_path):
     assert len(list(tmp_path.glob("big-16-*-errmap.png"))) == 3
 
 
+def test_bench_big_skips_eager_and_tiling(tmp_path, capsys):
+    """``--skip eager tiling`` (an 8192^2 run within a device call's limit):
+    the patched rows alone, no eager baseline and not counted as out of
+    memory; each variant reports its start and its time as it goes."""
+    pytest.importorskip("diffusers")
+    from bench import big
+    big.main(["--tiny", "--sizes", "16", "--runs", "1", "--warmup", "0", "--skip", "eager", "tiling",
+              "--out", str(tmp_path)])
+    rows = _result(tmp_path, "big")["rows"]
+    assert [r["variant"].split("-")[0] for r in rows] == ["patched", "bands"]
+    assert all(r["baseline_ms"] is None and not r["eager_oom"] and not r["eager_run"] for r in rows)
+    printed = capsys.readouterr().out
+    assert "patched, un-banded ..." in printed and "eager PyTorch" not in printed and "tiling" not in printed
+
+
 def test_bench_big_takes_a_row_per_budget(tmp_path):
     """``--gib 20 10``: a banded row per budget (the smaller one in more
     bands), each exact against the fp32 reference."""
@@ -309,3 +324,49 @@ def test_bench_overhead_without_kernels_exits_with_one_line(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(SystemExit, match="no GPU here"):
         overhead.main(n=1, rounds=1, warmup=0)
+
+
+def test_bench_video_ndhwc_layers_alone(tmp_path):
+    """bench.video --layers --layout ndhwc --no-decode: the Conv3d calls'
+    rows alone, each measured on channels_last_3d inputs (keyed ndhwc, the
+    TMA kernel's layout), checked against exact fp32."""
+    pytest.importorskip("diffusers")
+    from bench import video
+    video.main(["--tiny", "--layers", "--no-decode", "--layout", "ndhwc", "--max-layers", "3", "--out", str(tmp_path),
+                "--name", "v"])
+    doc = _result(tmp_path, "v")
+    assert doc["layers_layout"] == "ndhwc" and doc["rows"]
+    for r in doc["rows"]:
+        assert ROW_KEYS <= set(r) and not r["rejected"] and r["times"]
+    # (A 1x1-pixel frame is both layouts at once; the key says NCDHW there.)
+    assert any(r["key"].endswith(".ndhwc.float32") for r in doc["rows"])
+
+
+def test_bench_host_ops_rows(tmp_path, monkeypatch):
+    """bench.host_ops --tiny: per model the host time, the PyTorch ops and
+    Python calls of the unpatched and patched model per call, and the
+    entries that differ (conv-patch's own functions on the patched side
+    only). Without the interpreter, as on a GPU host's CPU side: every
+    conv on PyTorch's route."""
+    pytest.importorskip("diffusers")
+    from bench import host_ops
+    from conv_patch import target
+    monkeypatch.setattr(target, "interpreter_enabled", lambda: False)
+    rows = host_ops.main(["--tiny", "--only", "taef2", "--calls", "2", "--out", str(tmp_path)])
+    doc = _result(tmp_path, "host-ops")
+    assert [r["name"] for r in doc["rows"]] == [r["name"] for r in rows] == ["taef2 16x16 b1 fp32"]
+    row = doc["rows"][0]
+    assert set(row["host_ms"]) == {"unpatched", "patched"} and all(v > 0 for v in row["host_ms"].values())
+    for side in ("unpatched", "patched"):
+        assert row["totals"][side]["ops"] > 0 and row["totals"][side]["python_calls"] > 0
+    names = {r["name"] for r in row["ops"]}
+    assert "aten::convolution" in names or any(n.startswith("aten::") for n in names)
+    assert row["routes"] == {"fallback": row["routes"]["fallback"]}
+    ours = [r for r in row["functions"] if "bare_call" in r["name"]]
+    assert ours and ours[0]["unpatched_n"] == 0 and ours[0]["patched_n"] > 0
+
+
+def test_zoo_host_set_is_the_host_bound_rows():
+    """--set host: rows of the full set, each a model the zoo builds."""
+    from bench import zoo
+    assert zoo.HOST and all(c in zoo.FULL and c[0] in zoo.MODELS for c in zoo.HOST)

@@ -153,3 +153,11 @@ def test_own_group_norm_is_the_modules_forward():
         with torch.no_grad():
             net[0].weight.data.mul_(-1.0)  # read at every call, through .data too
         assert not torch.equal(dispatch.own_group_norm(net[0], x), ref)
+
+    class Half(nn.Module):
+        def forward(self, w):
+            return 0.5 * w
+
+    norm = nn.GroupNorm(3, 12)
+    torch.nn.utils.parametrize.register_parametrization(norm, "weight", Half())
+    assert torch.equal(dispatch.own_group_norm(norm, x), norm(x))

@@ -118,10 +118,10 @@ def own_group_norm(norm, x):
     dictionaries: the small GroupNorms of a UNet run here at every call,
     and each ``norm.weight`` goes through ``nn.Module.__getattr__``."""
     cls = getattr(type(norm), "_cp_base", type(norm))
-    if cls.forward is not _TORCH_GROUP_NORM:
-        return cls.forward(norm, x)
     d = norm.__dict__
     params = d["_parameters"]
+    if cls.forward is not _TORCH_GROUP_NORM or "weight" not in params or "bias" not in params:
+        return cls.forward(norm, x)  # (a parametrized weight is no registered Parameter)
     return F.group_norm(x, d["num_groups"], params["weight"], params["bias"], d["eps"])
 
 

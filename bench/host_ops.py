@@ -123,6 +123,9 @@ def case_row(name, size, batch, dtype_name, calls, tiny, device, top=25) -> dict
                                                                        "cuLaunchKernel", "cudaLaunchKernelExC")),
                  "python_calls": sum(n for n, _ in funcs[k].values())} for k, v in ops.items()}
     row = {"name": f"{name} {zoo._size_name(size)} b{batch} {dtype_name or default_dtype}",
+           "baseline": "unpatched, host time per call (GPU work not waited for)",
+           "baseline_ms": host["unpatched"], "ours_ms": host["patched"],
+           "speedup": host["unpatched"] / host["patched"],
            "host_ms": host, "totals": total, "routes": zoo._routes(patched),
            "ops": diff(ops["unpatched"], ops["patched"], top),
            "functions": diff(funcs["unpatched"], funcs["patched"], top)}

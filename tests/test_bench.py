@@ -356,6 +356,7 @@ def test_bench_host_ops_rows(tmp_path, monkeypatch):
     doc = _result(tmp_path, "host-ops")
     assert [r["name"] for r in doc["rows"]] == [r["name"] for r in rows] == ["taef2 16x16 b1 fp32"]
     row = doc["rows"][0]
+    assert ROW_KEYS <= set(row) and row["ours_ms"] == row["host_ms"]["patched"]
     assert set(row["host_ms"]) == {"unpatched", "patched"} and all(v > 0 for v in row["host_ms"].values())
     for side in ("unpatched", "patched"):
         assert row["totals"][side]["ops"] > 0 and row["totals"][side]["python_calls"] > 0

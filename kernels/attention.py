@@ -22,7 +22,11 @@ and read once, in the input dtype:
   * ``attention_pv_kernel``: ``O = sum_t w_t (E_t V_t)``, one score tile per
     K step, so E feeds the MMA from shared memory as it arrived and the
     weight scales each step's fp32 product. (Scaling E in registers before
-    the MMA instead ran at 150-200 TF/s on the H200, against 420.)
+    the MMA instead ran at 150-200 TF/s on the H200, against 420.) Where a
+    block's output tiles would leave most of the GPU idle (few query rows
+    per block: the rows are bounded by the scores' bytes, so at a million
+    keys a block holds 512 rows, 16 output tiles), the keys are split
+    among programs (``pv_splits``) whose fp32 partial outputs are summed.
 
 Layer 1: the kernels; layer 2: ``launch_attention_block`` (descriptors,
 grids); the torch-facing layer is ``conv_patch.ops.attention``.
@@ -32,7 +36,7 @@ import triton
 import triton.language as tl
 
 from ._common import grouped_tile
-from ._launch import cdiv, launch
+from ._launch import cdiv, launch, sm_count
 
 LOG2E = 1.4426950408889634
 
@@ -100,7 +104,7 @@ def attention_combine_kernel(mx_ptr, sm_ptr, R, T, stride_p, BLOCK_R: tl.constex
 
 
 @triton.jit
-def attention_pv_kernel(e_desc, v_desc, w_ptr, out_ptr, R, M, DV, stride_p, so_r, so_c,
+def attention_pv_kernel(e_desc, v_desc, w_ptr, out_ptr, R, M, DV, stride_p, so_r, so_c, so_s, split_steps,
                         UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr):
     # The output-column blocks of one row block run side by side, so the
@@ -108,6 +112,11 @@ def attention_pv_kernel(e_desc, v_desc, w_ptr, out_ptr, R, M, DV, stride_p, so_r
     num_pid_n = tl.cdiv(DV, BLOCK_N)
     pid_m = tl.program_id(0) // num_pid_n
     pid_n = tl.program_id(0) % num_pid_n
+    # Axis 1: this program's share of the keys, ``split_steps`` score tiles
+    # (all of them where the keys are not split), written at ``so_s``.
+    split = tl.program_id(1)
+    k_lo = split * split_steps * BLOCK_K
+    k_hi = tl.minimum(M, k_lo + split_steps * BLOCK_K)
     row0 = pid_m * BLOCK_M
     n0 = pid_n * BLOCK_N
     rows = row0 + tl.arange(0, BLOCK_M)
@@ -118,10 +127,11 @@ def attention_pv_kernel(e_desc, v_desc, w_ptr, out_ptr, R, M, DV, stride_p, so_r
     # scales the product. The next tile's weights are loaded one step ahead:
     # an L2 round trip on every step would stall the MMA. E's columns and
     # V's rows past M are TMA zeros.
-    w_next = tl.load(w_ptr + rows, mask=ok, other=0.0)
-    for k0 in range(0, M, BLOCK_K):
+    w_next = tl.load(w_ptr + (k_lo // BLOCK_K) * stride_p + rows, mask=ok, other=0.0)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         w = w_next
-        # The last step reads the partials' spare row: unused, in bounds.
+        # The last step reads the next tile's row (the partials' spare row
+        # after the last tile): unused, in bounds.
         w_next = tl.load(w_ptr + (k0 // BLOCK_K + 1) * stride_p + rows, mask=ok, other=0.0)
         p = e_desc.load([row0, k0])
         v = v_desc.load([k0, n0])
@@ -132,7 +142,7 @@ def attention_pv_kernel(e_desc, v_desc, w_ptr, out_ptr, R, M, DV, stride_p, so_r
             v = v.to(tl.float32)
         acc += tl.dot(p, v) * w[:, None]
     cols = n0 + tl.arange(0, BLOCK_N)
-    dst = out_ptr + rows.to(tl.int64)[:, None] * so_r + cols[None, :] * so_c
+    dst = out_ptr + split.to(tl.int64) * so_s + rows.to(tl.int64)[:, None] * so_r + cols[None, :] * so_c
     tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=ok[:, None] & (cols < DV)[None, :])
 
 
@@ -150,13 +160,35 @@ def partial_columns(m, config):
     return cdiv(m, tiles(config)[0][1]) + 1
 
 
-def launch_attention_block(q, k, v, out, e, mx, sm, scale, config, upcast):
+# Keys are split among P V programs only where a block's output tiles fill
+# less than this fraction of the SMs (a 2048^2 FLUX decode's 65536-key
+# blocks, 256 tiles, and a 512^2 one's 128, are not split: the partial sum
+# would add launches to host-bound calls), into at most two programs per SM
+# and at least PV_MIN_SPLIT_STEPS score tiles each.
+PV_SPLIT_BELOW = 0.5
+PV_MIN_SPLIT_STEPS = 16
+
+
+def pv_splits(r, dv, m, config, sms):
+    """How many programs share each P V output tile's keys (1: unsplit) for
+    ``r`` query rows, ``dv`` output channels and ``m`` keys on ``sms`` SMs
+    (None: unknown, unsplit)."""
+    (_, sbn, _), (pbm, pbn) = tiles(config)
+    t = cdiv(r, pbm) * cdiv(dv, pbn)
+    if not sms or t >= PV_SPLIT_BELOW * sms:
+        return 1
+    return max(1, min(cdiv(2 * sms, t), cdiv(m, sbn) // PV_MIN_SPLIT_STEPS))
+
+
+def launch_attention_block(q, k, v, out, e, mx, sm, scale, config, upcast, splits=None):
     """``out = softmax(scale * q k^T) v`` for 2-D ``q`` [R, D], ``k`` [M, D],
     ``v`` [M, DV] (dense rows, TMA-aligned: 16-byte base and row stride) and
     ``out`` [R, DV] (any strides). ``e`` [>=R, >=M] is the score scratch, in
     V's dtype, with a 16-byte aligned row stride; ``mx`` and ``sm`` are fp32
     [partial_columns(M), >=R] scratch with one row stride (tile-major, so
-    that a tile's per-row values are one contiguous run)."""
+    that a tile's per-row values are one contiguous run). ``splits``: the
+    programs sharing each output tile's keys (default ``pv_splits`` on the
+    device's SMs; 1 under the interpreter)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     R, D = q.shape
@@ -181,8 +213,16 @@ def launch_attention_block(q, k, v, out, e, mx, sm, scale, config, upcast):
            BLOCK_R=block_r, BLOCK_T=int(c_cfg["BLOCK_T"]), num_warps=int(c_cfg.get("num_warps", 4)))
     e_load = TensorDescriptor(e, [R, M], [e.stride(0), 1], [pbm, sbn])
     v_desc = TensorDescriptor(v, [M, DV], [v.stride(0), 1], [sbn, pbn])
-    launch(attention_pv_kernel, (cdiv(R, pbm) * cdiv(DV, pbn),), e_load, v_desc, mx, out, R, M, DV,
-           mx.stride(0), out.stride(0), out.stride(1),
+    if splits is None:
+        splits = pv_splits(R, DV, M, config, sm_count(q.device) if q.is_cuda else None)
+    steps = cdiv(T, splits)
+    splits = cdiv(T, steps)  # (no program without keys)
+    dst = out if splits == 1 else mx.new_empty((splits, R, DV))  # (fp32, as mx)
+    launch(attention_pv_kernel, (cdiv(R, pbm) * cdiv(DV, pbn), splits), e_load, v_desc, mx, dst, R, M, DV,
+           mx.stride(0), dst.stride(-2), dst.stride(-1), dst.stride(0) if splits > 1 else 0, steps,
            UPCAST=bool(upcast), BLOCK_M=pbm, BLOCK_N=pbn, BLOCK_K=sbn,
            num_warps=int(p_cfg.get("num_warps", 8)), num_stages=int(p_cfg.get("num_stages", 3)))
+    if splits > 1:
+        out.copy_(dst.sum(0))
     return out
+

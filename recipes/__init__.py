@@ -20,7 +20,7 @@ from ._fuse import REGISTRY, FusedBlock, Recipe, fused_class, is_fused
 ORDER = [
     diffusers.RESNET, diffusers.UPSAMPLE, diffusers.DOWNSAMPLE, diffusers.ATTENTION, diffusers.DECODER,
     diffusers.ENCODER, diffusers.TINY_BLOCK, ldm.RESNET, ldm.ATTN, ldm.UPSAMPLE, ldm.DOWNSAMPLE, ldm.DECODER,
-    ldm.ENCODER, wan.RESIDUAL, wan.COMFY_RESIDUAL, wan.ATTENTION, wan.RMS_NORM,
+    ldm.ENCODER, wan.RESIDUAL, wan.COMFY_RESIDUAL, wan.ATTENTION, wan.RMS_NORM, wan.DECODER, wan.RESAMPLE,
     common.SEQUENTIAL, common.GROUP_NORM,
 ]
 

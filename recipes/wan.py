@@ -9,12 +9,21 @@ in custom nodes) are recognised alike.
   the cached frames read in place by the causal convs (the chunk-by-chunk
   cache bookkeeping exactly as the block does it), the shortcut added in
   conv2's epilogue;
-* the mid-block's per-frame attention (``AttentionBlock``).
+* the mid-block's per-frame attention (``AttentionBlock``);
+* the decoder (``*Decoder3d``) in NDHWC inside: its input converted once,
+  its output handed back in the caller's layout. In NCDHW cuDNN transposes
+  every conv's input and output, and the sm90 Conv3d kernel (TMA boxes of
+  channels) takes NDHWC only;
+* the up-sampling resample (``*Resample``, ``upsample3d``): the time conv's
+  two output halves interleaved into frames in NDHWC (the block's own
+  ``torch.stack`` hands back NCDHW, which would leave the rest of the
+  decoder there).
 
 The resample blocks' nearest x2 upsampling + 3x3 conv per frame is the
 ``nn.Sequential`` chain recipe's (``common.py``). Convs run on conv-patch's
-kernels only where ``dispatch.conv3d`` plans them there; elsewhere (today
-every GPU: no Conv3d shape is measured yet) they are PyTorch's.
+kernels only where ``dispatch.conv3d`` plans them there (the architecture's
+table measured the kernel faster for that call); elsewhere they are
+PyTorch's.
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ from torch import nn
 
 from ._fuse import (Recipe, attention, base, causal_conv3d, conv, dropout_is_identity, from_tokens, inference,
                     is_conv, is_silu, parts, plain, register, rms_norm, rms_norm_params, to_tokens)
+from conv_patch.target import target_for
 from conv_patch.wrappers import causal_conv3d_problem
 
 # The frames a block keeps from each chunk for the next one's causal convs.
@@ -202,7 +212,113 @@ class AttentionBlock(Recipe):
         return y.contiguous() if x.is_contiguous() else y
 
 
+def ndhwc(x: torch.Tensor) -> torch.Tensor:
+    """[N, C, T, H, W] ``x`` as dense NDHWC (channels_last_3d)."""
+    return x if x.is_contiguous(memory_format=torch.channels_last_3d) else \
+        x.contiguous(memory_format=torch.channels_last_3d)
+
+
+def like_input_3d(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``y`` as the unpatched decoder hands it back for ``x``: NDHWC for an
+    NDHWC input, dense NCDHW for anything else (a chunk sliced out of an
+    NCDHW latent included)."""
+    if x.is_contiguous(memory_format=torch.channels_last_3d) and not x.is_contiguous():
+        return y
+    return y.contiguous()
+
+
+def _ndhwc_pays(x) -> bool:
+    """NDHWC inside only where a kernel may run: on a CPU model (or with
+    kernels off) it would only add copies."""
+    return (isinstance(x, torch.Tensor) and x.dim() == 5 and not torch.compiler.is_compiling()
+            and target_for(x.device).kernels)
+
+
+class Decoder3d(Recipe):
+    """diffusers' ``WanDecoder3d`` / ``QwenImageDecoder3d`` in NDHWC inside:
+    its own forward on an NDHWC chunk (the blocks' recipes, the RMS norm
+    kernel, the causal caches and the convs all keep NDHWC), the output in
+    the caller's layout."""
+
+    name = "wan.Decoder3d"
+    what = "NDHWC inside, caller's layout at the boundary"
+
+    def match(self, m):
+        conv_in, conv_out, ups = parts(m, "conv_in", "conv_out", "up_blocks")
+        return (_cls(m).__name__.endswith("Decoder3d") and _family_cache_t(m) and ups is not None
+                and conv_in is not None and _causal(conv_in) and conv_out is not None and _causal(conv_out))
+
+    def forward(self, m, x, *args, **kwargs):
+        if not _ndhwc_pays(x):
+            return base(m, x, *args, **kwargs)
+        # The block's own forward, fed NDHWC: not a fallback.
+        return like_input_3d(m._cp_base.forward(m, ndhwc(x), *args, **kwargs), x)
+
+
+def interleave_frames(y: torch.Tensor) -> torch.Tensor:
+    """[B, 2C, T, H, W] -> [B, C, 2T, H, W], frame 2t+j taking channels
+    j*C..(j+1)*C of frame t (the upsampling time conv's two output halves,
+    what the block's reshape + ``torch.stack`` compute), in NDHWC: one copy,
+    as the block's stack makes one."""
+    b, c2, t, h, w = y.shape
+    c = c2 // 2
+    z = ndhwc(y).permute(0, 2, 3, 4, 1).reshape(b, t, h, w, 2, c).permute(0, 1, 4, 2, 3, 5)
+    # (.contiguous: with one frame the reshape is a view, frames interleaved
+    # within each pixel, which no kernel reads as NDHWC.)
+    return z.reshape(b, 2 * t, h, w, c).contiguous().permute(0, 4, 1, 2, 3)
+
+
+class Resample(Recipe):
+    """diffusers' ``WanResample`` / ``QwenImageResample`` in ``upsample3d``
+    mode on an NDHWC input: the time conv's cache bookkeeping exactly as the
+    block does it (its ``"Rep"`` marker on the first chunk included), the
+    cached frames read in place, the two output halves interleaved in NDHWC
+    (``interleave_frames``), then the per-frame resample chain on NHWC frame
+    views. Any other input runs the block's own forward."""
+
+    name = "wan.Resample"
+    what = "time up-sampling in NDHWC, cached frames read in place"
+
+    def match(self, m):
+        mode, tconv, res = parts(m, "mode", "time_conv", "resample")
+        return (_cls(m).__name__.endswith("Resample") and _family_cache_t(m) and mode == "upsample3d"
+                and tconv is not None and _causal(tconv) and tuple(tconv.kernel_size) == (3, 1, 1)
+                and tuple(tconv.stride) == (1, 1, 1) and tconv.out_channels == 2 * tconv.in_channels
+                and isinstance(res, nn.Module))
+
+    def forward(self, m, x, feat_cache=None, feat_idx=None):
+        tconv, res = parts(m, "time_conv", "resample")
+        own = _own_args(x, feat_cache, feat_idx)
+        if (feat_cache is None or feat_idx is None or not isinstance(x, torch.Tensor) or x.dim() != 5
+                or x.is_contiguous() or not x.is_contiguous(memory_format=torch.channels_last_3d)
+                or x.shape[1] != tconv.in_channels or not inference(x, tconv) or not plain(tconv)):
+            return base(m, *own)
+        b, c, t, h, w = x.shape
+        idx = feat_idx[0]
+        prev = feat_cache[idx]
+        if prev is None:
+            # The first chunk: no time conv, the marker for the second.
+            feat_cache[idx] = "Rep"
+            feat_idx[0] += 1
+        else:
+            rep = isinstance(prev, str)
+            cache_x = x[:, :, -CACHE_T:].clone()
+            if cache_x.shape[2] < 2:
+                front = torch.zeros_like(cache_x) if rep else prev[:, :, -1:].to(cache_x.device)
+                cache_x = torch.cat([front, cache_x], dim=2)
+            y = causal_conv3d(tconv, x) if rep else causal_conv3d(tconv, x, prev)
+            feat_cache[idx] = cache_x
+            feat_idx[0] += 1
+            x = interleave_frames(y)
+            t = x.shape[2]
+        frames = x.permute(0, 2, 1, 3, 4).reshape(b * t, c, h, w)  # NHWC frame views of an NDHWC x
+        f = res(frames)
+        return f.view(b, t, f.shape[1], f.shape[2], f.shape[3]).permute(0, 2, 1, 3, 4)
+
+
 RMS_NORM = register(RMSNorm())
 ATTENTION = register(AttentionBlock())
 RESIDUAL = register(ResidualBlock())
 COMFY_RESIDUAL = register(ComfyResidualBlock())
+DECODER = register(Decoder3d())
+RESAMPLE = register(Resample())

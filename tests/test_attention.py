@@ -61,12 +61,15 @@ def test_attention_blocks_match_float64(device, monkeypatch, route, q_shape, m, 
     assert rel_err(out, ref) <= TOL[dtype]
 
 
-def test_fused_attention_kernels_write_every_output_and_nothing_else(device):
+@pytest.mark.parametrize("splits", [None, 2, 3])
+def test_fused_attention_kernels_write_every_output_and_nothing_else(device, splits):
     """The two kernels launched directly: poisoned scores scratch (its
     columns past M must never be read), poisoned partials wider than needed,
     a strided output window that must be written exactly; scores spread
     widely (score tiles whose maxima differ by ~100, whose weights underflow
-    to zero) and keys not a multiple of the score tile."""
+    to zero) and keys not a multiple of the score tile. ``splits``: the keys
+    shared among P V programs (3 score tiles: 2 splits of 2 and 1 tiles,
+    3 of one each), their fp32 partials summed."""
     from conv_patch import kernels
     interp = device.type == "cpu"
     cfg = ops.FUSED_ATTENTION_TILES["interpreter" if interp else "gpu"]
@@ -84,7 +87,8 @@ def test_fused_attention_kernels_write_every_output_and_nothing_else(device):
     big = poisoned((r + 4, dv + 5), dtype, device)
     win = big[2:2 + r, 3:3 + dv]
     q, k, v = (x.to(dtype) for x in (q, k, v))
-    kernels.launch_attention_block(q.to(device), k.to(device), v.to(device), win, e, mx, sm, 0.7, cfg, interp)
+    kernels.launch_attention_block(q.to(device), k.to(device), v.to(device), win, e, mx, sm, 0.7, cfg, interp,
+                                   splits=splits)
     # Against the rounded inputs: sharp scores amplify bf16's input rounding
     # to ~1% on their own, which is not the kernels' error.
     ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), scale=0.7)
@@ -92,6 +96,21 @@ def test_fused_attention_kernels_write_every_output_and_nothing_else(device):
     outside = torch.ones_like(big, dtype=torch.bool)
     outside[2:2 + r, 3:3 + dv] = False
     assert torch.isnan(big[outside]).all()
+
+
+def test_pv_splits_fill_the_gpu_only_where_a_block_leaves_it_idle():
+    from conv_patch.kernels import attention as kattn
+    cfg = ops.FUSED_ATTENTION_TILES["gpu"]  # 128x128 P V tiles, 128-key score tiles
+    # 8192^2 decode: 1M keys, 512-row blocks (16 tiles) -> 2 programs per SM.
+    assert kattn.pv_splits(512, 512, 1 << 20, cfg, 132) == 17
+    # 4096^2: 2048-row blocks (64 tiles, under half the SMs) -> split.
+    assert kattn.pv_splits(2048, 512, 1 << 18, cfg, 132) == 5
+    # 512^2 and 2048^2 decodes: 128 and 256 tiles -> unsplit, as are a few
+    # keys (each split keeps >= 16 score tiles) and an unknown SM count.
+    assert kattn.pv_splits(4096, 512, 4096, cfg, 132) == 1
+    assert kattn.pv_splits(8192, 512, 65536, cfg, 132) == 1
+    assert kattn.pv_splits(512, 512, 1024, cfg, 132) == 1
+    assert kattn.pv_splits(512, 512, 1 << 20, cfg, None) == 1
 
 
 def test_attention_route_can_be_asked_for_where_it_is_available(device):

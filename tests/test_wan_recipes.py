@@ -270,3 +270,118 @@ def test_other_video_vaes_patch_and_keep_their_answer(family, exact_fp32):
     z = torch.randn(1, 4, 2, 3, 3)
     with torch.no_grad():
         assert rel_err(vae.decode(z).sample, ref.decode(z.double()).sample) <= TOL[torch.float32]
+
+
+WAN21_TINY = dict(base_dim=4, z_dim=4, dim_mult=[1, 2, 2], num_res_blocks=1, attn_scales=[],
+                  temperal_downsample=[True, True])
+# Wan 2.2's TI2V-5B layout: residual up blocks (DupUp3D shortcuts), 2x2 patches.
+WAN22_TINY = dict(WAN21_TINY, decoder_base_dim=8, temperal_downsample=[False, True], is_residual=True,
+                  in_channels=12, out_channels=12, patch_size=2)
+
+
+@pytest.mark.parametrize("cfg", [WAN21_TINY, WAN22_TINY], ids=["wan2.1", "wan2.2"])
+def test_decoder_runs_ndhwc_inside_and_hands_back_ncdhw(cfg, exact_fp32, monkeypatch):
+    """The decoder recipe feeds its own forward NDHWC chunks: every block
+    (the time up-sampling resample included, whose own ``torch.stack`` would
+    hand back NCDHW) sees NDHWC, the decode's answer and layout are the
+    unpatched ones, and the resample's cache bookkeeping ("Rep" on the first
+    chunk, then its cached frames) matches the block's own."""
+    torch.manual_seed(3)
+    vae = _seeded(diffusers.AutoencoderKLWan(**cfg), 4)
+    ref = copy.deepcopy(vae).double()
+    report = conv_patch.apply(vae, filter_fn=lambda m, name: not isinstance(m, nn.Conv3d))
+    assert report.fused["decoder"].startswith("wan.Decoder3d")
+    ups = [k for k, v in report.fused.items() if v.startswith("wan.Resample")]
+    assert len(ups) == sum(cfg["temperal_downsample"]) and all(".upsample" in k for k in ups), report.fused
+    seen = []
+    real = wan.ResidualBlock.forward
+
+    def spy(self, m, x, *a, **k):
+        seen.append(x.is_contiguous(memory_format=torch.channels_last_3d) and not x.is_contiguous())
+        return real(self, m, x, *a, **k)
+
+    def refuse(m, *a, **k):
+        raise AssertionError(f"{type(m).__name__} ran its own forward")
+
+    conv3d = nn.Conv3d.forward
+
+    def like_cudnn(self, x):
+        # PyTorch's CPU conv3d hands back NCDHW for an NDHWC input; cuDNN
+        # (and the Conv3d kernels) keep NDHWC, as here.
+        y = conv3d(self, x)
+        cl = x.is_contiguous(memory_format=torch.channels_last_3d) and not x.is_contiguous()
+        return y.contiguous(memory_format=torch.channels_last_3d) if cl else y
+
+    monkeypatch.setattr(nn.Conv3d, "forward", like_cudnn)
+    monkeypatch.setattr(wan.ResidualBlock, "forward", spy)
+    monkeypatch.setattr(wan, "base", refuse)
+    z = torch.randn(1, 4, 3, 3, 5)
+    with torch.no_grad():
+        y = vae.decode(z).sample
+        want = ref.decode(z.double()).sample
+    assert rel_err(y, want) <= TOL[torch.float32]
+    assert y.is_contiguous() and y.shape == want.shape
+    assert seen and all(seen), seen
+
+
+def test_interleave_frames_is_the_blocks_stack():
+    g = torch.Generator().manual_seed(5)
+    for shape in ((2, 6, 3, 4, 5), (1, 6, 1, 4, 5)):  # (one frame of one sample: a view would do)
+        y = torch.randn(shape, generator=g)
+        b, c2, t, h, w = y.shape
+        r = y.reshape(b, 2, c2 // 2, t, h, w)
+        want = torch.stack((r[:, 0], r[:, 1]), 3).reshape(b, c2 // 2, t * 2, h, w)
+        for fmt in (torch.contiguous_format, torch.channels_last_3d):
+            z = wan.interleave_frames(y.contiguous(memory_format=fmt))
+            assert torch.equal(z, want) and z.is_contiguous(memory_format=torch.channels_last_3d)
+
+
+def test_decoder_and_resample_run_their_own_forward_without_kernels(monkeypatch):
+    """Where no kernel may run (a CPU model without the interpreter), NDHWC
+    would only add copies: the decoder runs its own forward, and so does a
+    resample handed NCDHW."""
+    from conv_patch import target
+    torch.manual_seed(3)
+    cfg = dict(base_dim=4, z_dim=4, dim_mult=[1, 2], num_res_blocks=1, attn_scales=[], temperal_downsample=[True])
+    vae = _seeded(diffusers.AutoencoderKLWan(**cfg), 4)
+    ref = copy.deepcopy(vae)
+    conv_patch.apply(vae, filter_fn=lambda m, name: not isinstance(m, nn.Conv3d))
+    monkeypatch.setattr(target, "interpreter_enabled", lambda: False)
+    calls = []
+    real = wan.base
+
+    def spy(m, *a, **k):
+        calls.append(type(m).__name__)
+        return real(m, *a, **k)
+
+    monkeypatch.setattr(wan, "base", spy)
+    z = torch.randn(1, 4, 2, 3, 4)
+    with torch.no_grad():
+        y = vae.decode(z).sample
+        assert rel_err(y, ref.decode(z).sample) <= TOL[torch.float32]
+    assert "FusedWanDecoder3d" in calls and "FusedWanResample" in calls
+
+
+@pytest.mark.gpu
+def test_wan21_decode_ndhwc_inside_bf16_gpu(exact_fp32):
+    """A Wan 2.1 decode (the default config, seeded weights) of 5 frames at
+    480x832 in bf16: NDHWC inside, the table's Conv3d kernels taking the
+    shapes it measured faster, the answer no further from the fp32 decode
+    than 1.5x the unpatched bf16 decode's, handed back in NCDHW."""
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    vae32 = diffusers.AutoencoderKLWan().to(dev).eval()
+    vae16 = copy.deepcopy(vae32).bfloat16()
+    patched = copy.deepcopy(vae16)
+    report = conv_patch.apply(patched)
+    assert report.fused["decoder"].startswith("wan.Decoder3d")
+    g = torch.Generator().manual_seed(1)
+    z = torch.randn(1, 16, 2, 60, 104, generator=g).to(dev)
+    with torch.no_grad():
+        r32 = vae32.decode(z).sample
+        r16 = vae16.decode(z.bfloat16()).sample
+        y = patched.decode(z.bfloat16()).sample
+    assert y.shape == r32.shape and y.is_contiguous()
+    assert rel_err(y, r32) <= 1.5 * rel_err(r16, r32) + 1e-4
+    routes = {m._cp_last.label() for m in patched.modules() if m.__dict__.get("_cp_last") is not None}
+    assert any(r.startswith("conv3d_tma") for r in routes), routes

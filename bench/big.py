@@ -3,7 +3,7 @@ weights, bf16) un-banded patched, in bands within ``max_activation_gib``,
 eager PyTorch and diffusers' ``enable_tiling()``, each against an un-tiled
 reference.
 
-    python -m bench.big [--sizes 2048 4096 8192] [--gib 20 3] [--runs 3] [--skip eager tiling] [--world N] [--tiny]
+    python -m bench.big [--sizes 2048 4096 8192] [--gib [20 3 ...]] [--runs 3] [--skip eager tiling] [--world N] [--tiny]
 
 Per size and variant one row: ``ours_ms`` (median of ``--runs`` after a
 warm-up call), ``baseline_ms`` (eager PyTorch bf16, None where it ran out of
@@ -176,7 +176,7 @@ def bench_size(vae, size: int, args, device, dtype, out_dir: Path) -> list:
     if ref is None and whole is not None:
         ref, ref_name = whole, "un-banded patched"
     budgets = list(args.gib)
-    if args.tiny:
+    if args.tiny and budgets:
         # The largest budget 3/4 of the plain decode's estimate (a few
         # bands), the others in proportion.
         from conv_patch.parallel.budget import GIB, plain_peak
@@ -292,8 +292,8 @@ def _under_torchrun() -> bool:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", type=int, nargs="+", default=None)
-    ap.add_argument("--gib", type=float, nargs="+", default=[20.0],
-                    help="max_activation_gib of the banded variants, a row each (default 20)")
+    ap.add_argument("--gib", type=float, nargs="*", default=[20.0],
+                    help="max_activation_gib of the banded variants, a row each (default 20; none: no banded rows)")
     ap.add_argument("--fp32-ref-max", type=int, default=4096,
                     help="largest size whose reference is the fp32 eager decode (above: the un-banded patched one)")
     ap.add_argument("--runs", type=int, default=3)

@@ -229,9 +229,10 @@ def main(argv=None):
             from conv_patch import tune
             with open(args.write_table) as f:
                 table = json.load(f)
-            tune.write_table(tune.merge_conv3d(table, measured, f"bench.video --layers {len(measured)} Conv3d "
-                                               f"calls of a {args.layer_frames}-frame {args.height}x{args.width} "
-                                               f"decode, {str(dtype).split('.')[-1]}"), args.write_table)
+            tune.write_table(tune.merge_conv3d(table, measured, f"bench.video --model {args.model} --layers "
+                                               f"--layout {args.layout}: {len(measured)} Conv3d calls of a "
+                                               f"{args.layer_frames}-frame {args.height}x{args.width} decode, "
+                                               f"{str(dtype).split('.')[-1]}"), args.write_table)
             print("conv3d entries written to", args.write_table)
     layer = [r["speedup"] for r in rows[0 if args.no_decode else 1:] if r.get("speedup")]
     extra = {"model": args.model, "frames": args.frames, "height": args.height, "width": args.width,

@@ -212,16 +212,18 @@ def test_bench_big_tiny_rows(tmp_path):
     assert len(list(tmp_path.glob("big-16-*-errmap.png"))) == 3
 
 
-def test_bench_big_skips_eager_and_tiling(tmp_path, capsys):
+@pytest.mark.parametrize("gib", [None, []], ids=["default-budget", "no-budget"])
+def test_bench_big_skips_eager_and_tiling(tmp_path, capsys, gib):
     """``--skip eager tiling`` (an 8192^2 run within a device call's limit):
     the patched rows alone, no eager baseline and not counted as out of
-    memory; each variant reports its start and its time as it goes."""
+    memory; each variant reports its start and its time as it goes.
+    ``--gib`` with no value: no banded row either."""
     pytest.importorskip("diffusers")
     from bench import big
     big.main(["--tiny", "--sizes", "16", "--runs", "1", "--warmup", "0", "--skip", "eager", "tiling",
-              "--out", str(tmp_path)])
+              "--out", str(tmp_path)] + ([] if gib is None else ["--gib"]))
     rows = _result(tmp_path, "big")["rows"]
-    assert [r["variant"].split("-")[0] for r in rows] == ["patched", "bands"]
+    assert [r["variant"].split("-")[0] for r in rows] == (["patched", "bands"] if gib is None else ["patched"])
     assert all(r["baseline_ms"] is None and not r["eager_oom"] and not r["eager_run"] for r in rows)
     printed = capsys.readouterr().out
     assert "patched, un-banded ..." in printed and "eager PyTorch" not in printed and "tiling" not in printed

@@ -1,7 +1,8 @@
 """Video VAE decode: a Wan-family VAE (``--model``: ``wan2.1``, diffusers'
 default ``AutoencoderKLWan``; ``wan2.2``, the TI2V-5B VAE's config;
 ``qwen-image``, the default ``AutoencoderKLQwenImage`` on single frames;
-random seeded weights, bf16) unpatched vs patched, and the decoder's Conv3d
+``hunyuan-video`` and ``ltx-video``, diffusers' default HunyuanVideo and
+LTX-Video VAEs, which conv-patch only wraps; random seeded weights, bf16) unpatched vs patched, and the decoder's Conv3d
 calls one by one: the Conv3d kernel against what the module runs (the cached
 frames concatenated, ``F.pad``, cuDNN's conv3d).
 
@@ -52,6 +53,17 @@ MODELS = {
                                         is_residual=True, in_channels=12, out_channels=12, patch_size=2,
                                         scale_factor_temporal=4, scale_factor_spatial=16), (121, 704, 1280)),
     "qwen-image": ("AutoencoderKLQwenImage", {}, (1, 1024, 1024)),
+    # Not accelerated beyond their Conv3d wrappers (no recipe, no conv3d
+    # entries): the rows that show them never slower.
+    "hunyuan-video": ("AutoencoderKLHunyuanVideo", {}, (17, 320, 512)),
+    "ltx-video": ("AutoencoderKLLTXVideo", {}, (25, 512, 768)),
+}
+TINY_CLIPS = {"hunyuan-video": (5, 32, 32, 5), "ltx-video": (9, 32, 32, 9)}
+# --tiny configs of the classes whose Wan-family TINY does not fit.
+TINY_OTHER = {
+    "hunyuan-video": dict(block_out_channels=(8, 8, 8, 8), latent_channels=4, layers_per_block=1, norm_num_groups=4),
+    "ltx-video": dict(block_out_channels=(8, 8, 8, 8), decoder_block_out_channels=(8, 8, 8, 8), latent_channels=4,
+                      layers_per_block=(1,) * 5, decoder_layers_per_block=(1,) * 5),
 }
 
 
@@ -59,7 +71,7 @@ def build_vae(model: str, tiny: bool, device, dtype):
     import diffusers
     cls, cfg, _ = MODELS[model]
     torch.manual_seed(0)
-    vae = getattr(diffusers, cls)(**(TINY if tiny else cfg))
+    vae = getattr(diffusers, cls)(**((TINY_OTHER.get(model, TINY)) if tiny else cfg))
     return vae.to(device=device, dtype=dtype).eval()
 
 
@@ -71,10 +83,14 @@ def _sync(device):
 def latents(vae, frames: int, height: int, width: int, device, dtype):
     """The latent of a ``frames``-frame clip (1 + 4k frames: the causal VAE
     keeps the first frame apart)."""
-    t_down = 2 ** sum(vae.config.temperal_downsample)
-    s = vae.config.get("scale_factor_spatial") or 2 ** (len(vae.config.dim_mult) - 1)
+    if "z_dim" in vae.config:  # the Wan family
+        t_down = 2 ** sum(vae.config.temperal_downsample)
+        s = vae.config.get("scale_factor_spatial") or 2 ** (len(vae.config.dim_mult) - 1)
+        ch = vae.config.z_dim
+    else:  # HunyuanVideo, LTX-Video
+        t_down, s, ch = vae.temporal_compression_ratio, vae.spatial_compression_ratio, vae.config.latent_channels
     g = torch.Generator(device="cpu").manual_seed(frames)
-    shape = (1, vae.config.z_dim, 1 + (frames - 1) // t_down, height // s, width // s)
+    shape = (1, ch, 1 + (frames - 1) // t_down, height // s, width // s)
     return torch.randn(shape, generator=g).to(device=device, dtype=dtype)
 
 
@@ -211,7 +227,10 @@ def main(argv=None):
     frames, height, width = MODELS[args.model][2]
     args.frames, args.height, args.width = args.frames or frames, args.height or height, args.width or width
     if args.tiny:
-        args.frames, args.height, args.width, args.layer_frames = 3, 8, 8, 3
+        # Latents of a few pixels (LTX-Video compresses 32x in space and 8x
+        # in time; HunyuanVideo's GroupNorms over a 1-pixel latent amplify
+        # rounding without bound).
+        args.frames, args.height, args.width, args.layer_frames = TINY_CLIPS.get(args.model, (3, 8, 8, 3))
         args.max_layers = args.max_layers or 6
     vae = build_vae(args.model, args.tiny, device, dtype)
     rows = []

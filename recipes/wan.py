@@ -35,6 +35,7 @@ from torch import nn
 
 from ._fuse import (Recipe, attention, base, causal_conv3d, conv, dropout_is_identity, from_tokens, inference,
                     is_conv, is_silu, parts, plain, register, rms_norm, rms_norm_params, to_tokens)
+from conv_patch import config_tables
 from conv_patch.target import target_for
 from conv_patch.wrappers import causal_conv3d_problem
 
@@ -228,10 +229,19 @@ def like_input_3d(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 def _ndhwc_pays(x) -> bool:
-    """NDHWC inside only where a kernel may run: on a CPU model (or with
-    kernels off) it would only add copies."""
-    return (isinstance(x, torch.Tensor) and x.dim() == 5 and not torch.compiler.is_compiling()
-            and target_for(x.device).kernels)
+    """NDHWC inside only where it was measured to pay: fp16/bf16 on a GPU
+    whose table has measured Conv3d calls (the H200's: cuDNN itself faster
+    on NDHWC, and the sm90 kernel reads only NDHWC), and under the
+    interpreter (where it is tested). Elsewhere (a CPU model, fp32, a GPU
+    nobody measured) the decoder keeps its caller's layout."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 5 or torch.compiler.is_compiling():
+        return False
+    target = target_for(x.device)
+    if not target.kernels:
+        return False
+    if target.interpreter:
+        return True
+    return x.dtype in (torch.float16, torch.bfloat16) and config_tables.packaged_table(target.arch).has_conv3d
 
 
 class Decoder3d(Recipe):

@@ -385,3 +385,18 @@ def test_wan21_decode_ndhwc_inside_bf16_gpu(exact_fp32):
     assert rel_err(y, r32) <= 1.5 * rel_err(r16, r32) + 1e-4
     routes = {m._cp_last.label() for m in patched.modules() if m.__dict__.get("_cp_last") is not None}
     assert any(r.startswith("conv3d_tma") for r in routes), routes
+
+
+def test_ndhwc_inside_only_where_measured(monkeypatch):
+    """The decoder goes NDHWC where that was measured to pay: fp16/bf16 on a
+    GPU whose table holds measured Conv3d calls (sm90's); an fp32 decode, a
+    GPU nobody measured (sm80 reads the curated default) and a CPU without
+    kernels keep the caller's layout; the interpreter (the tests) takes it."""
+    from conv_patch.target import Target
+    x16, x32 = torch.zeros(1, 2, 1, 2, 2, dtype=torch.bfloat16), torch.zeros(1, 2, 1, 2, 2)
+    assert wan._ndhwc_pays(x32) and wan._ndhwc_pays(x16)  # the interpreter
+    for arch, kernels, want16 in (("sm90", True, True), ("sm80", True, False), ("cpu", False, False)):
+        monkeypatch.setattr(wan, "target_for", lambda d, a=arch, k=kernels: Target(a, k))
+        assert wan._ndhwc_pays(x16) is want16, arch
+        assert not wan._ndhwc_pays(x32), arch
+    assert not wan._ndhwc_pays(torch.zeros(1, 2, 2, 2))  # not a video tensor

@@ -157,10 +157,13 @@ CONV3D_CANDIDATES = [
     _cfg("igemm", 64, 128, 64, 4, 4),
 ]
 # The sm90 Conv3d kernel: the 2-D TMA kernel's tile shapes that a Wan
-# decoder's frames (60x104 to 480x832 pixels) fill.
+# decoder's frames (60x104 to 480x832 pixels) fill, and one 32-deep K step:
+# 96 and 192 input channels (the decoder's two widest levels) are 1.5 and 3
+# 64-deep blocks, a quarter of the MMA work padding at 96.
 CONV3D_TMA_CANDIDATES = [
     _cfg("tma", 128, 128, 64, 4, 4, bw=64), _cfg("tma", 128, 128, 64, 4, 3, bw=128),
     _cfg("tma", 128, 256, 64, 8, 3, bw=128), _cfg("tma", 128, 64, 64, 4, 4, bw=32),
+    _cfg("tma", 128, 128, 32, 4, 4, bw=64),
 ]
 CONV3D_INTERPRETER_CANDIDATES = [_cfg("igemm", 1024, 128, 128, 4, 1), _cfg("tma", 256, 64, 64, 4, 1, bw=16)]
 INTERPRETER_CANDIDATES = [

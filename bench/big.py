@@ -340,3 +340,12 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()
+    if _under_torchrun():
+        # Every rank has written what it had to and destroyed its process
+        # group; the interpreter's own teardown after that once aborted a
+        # gloo rank on a loaded 2-core CI machine ("terminate called without
+        # an active exception", the run's results already written), failing
+        # the whole torchrun. Leave without it.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)

@@ -81,17 +81,22 @@ class RMSNorm(Recipe):
 
 
 def _cached_conv(conv, x, feat_cache, feat_idx, residual=None):
-    """The residual block's causal conv step as the block writes it: the
-    last CACHE_T frames of the conv's input (with the previous chunk's last
-    frame in front where this chunk has one) become the conv's cache for the
-    next chunk; this chunk's conv reads the cache left by the previous one."""
+    """A block's causal conv step as the family writes it: the last CACHE_T
+    frames of the conv's input (with the previous chunk's last frame in
+    front where this chunk has one) become the conv's cache for the next
+    chunk; this chunk's conv reads the cache left by the previous one. A
+    slot holding the up-sampling resample's ``"Rep"`` marker (its first
+    chunk ran no time conv) means no cache yet, and zeros in front."""
     if feat_cache is None:
         return causal_conv3d(conv, x, residual=residual)
     idx = feat_idx[0]
+    prev = feat_cache[idx]
+    rep = isinstance(prev, str)
     cache_x = x[:, :, -CACHE_T:].clone()
-    if cache_x.shape[2] < 2 and feat_cache[idx] is not None:
-        cache_x = torch.cat([feat_cache[idx][:, :, -1:].to(cache_x.device), cache_x], dim=2)
-    y = causal_conv3d(conv, x, feat_cache[idx], residual=residual)
+    if cache_x.shape[2] < 2 and prev is not None:
+        front = torch.zeros_like(cache_x) if rep else prev[:, :, -1:].to(cache_x.device)
+        cache_x = torch.cat([front, cache_x], dim=2)
+    y = causal_conv3d(conv, x, None if rep else prev, residual=residual)
     feat_cache[idx] = cache_x
     feat_idx[0] += 1
     return y
@@ -223,9 +228,7 @@ def like_input_3d(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """``y`` as the unpatched decoder hands it back for ``x``: NDHWC for an
     NDHWC input, dense NCDHW for anything else (a chunk sliced out of an
     NCDHW latent included)."""
-    if x.is_contiguous(memory_format=torch.channels_last_3d) and not x.is_contiguous():
-        return y
-    return y.contiguous()
+    return y if config_tables.conv3d_layout(x) == "ndhwc" else y.contiguous()
 
 
 def _ndhwc_pays(x) -> bool:
@@ -300,26 +303,15 @@ class Resample(Recipe):
         tconv, res = parts(m, "time_conv", "resample")
         own = _own_args(x, feat_cache, feat_idx)
         if (feat_cache is None or feat_idx is None or not isinstance(x, torch.Tensor) or x.dim() != 5
-                or x.is_contiguous() or not x.is_contiguous(memory_format=torch.channels_last_3d)
-                or x.shape[1] != tconv.in_channels or not inference(x, tconv) or not plain(tconv)):
+                or config_tables.conv3d_layout(x) != "ndhwc" or x.shape[1] != tconv.in_channels or not inference(x, tconv) or not plain(tconv)):
             return base(m, *own)
         b, c, t, h, w = x.shape
-        idx = feat_idx[0]
-        prev = feat_cache[idx]
-        if prev is None:
+        if feat_cache[feat_idx[0]] is None:
             # The first chunk: no time conv, the marker for the second.
-            feat_cache[idx] = "Rep"
+            feat_cache[feat_idx[0]] = "Rep"
             feat_idx[0] += 1
         else:
-            rep = isinstance(prev, str)
-            cache_x = x[:, :, -CACHE_T:].clone()
-            if cache_x.shape[2] < 2:
-                front = torch.zeros_like(cache_x) if rep else prev[:, :, -1:].to(cache_x.device)
-                cache_x = torch.cat([front, cache_x], dim=2)
-            y = causal_conv3d(tconv, x) if rep else causal_conv3d(tconv, x, prev)
-            feat_cache[idx] = cache_x
-            feat_idx[0] += 1
-            x = interleave_frames(y)
+            x = interleave_frames(_cached_conv(tconv, x, feat_cache, feat_idx))
             t = x.shape[2]
         frames = x.permute(0, 2, 1, 3, 4).reshape(b * t, c, h, w)  # NHWC frame views of an NDHWC x
         f = res(frames)

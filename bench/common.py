@@ -106,8 +106,34 @@ def write_results(name, rows, extra=None, out_dir=None):
     return path
 
 
+def profile_top(fn, device, top: int = 25) -> list:
+    """One call of ``fn`` under ``torch.profiler``: its GPU kernels grouped
+    by name, the ``top`` largest by total device time, as rows
+    ``{"kernel", "calls", "ms", "share"}`` (``share`` of the call's kernel
+    time). On the CPU: the CPU ops instead (the logic's test)."""
+    from torch.profiler import ProfilerActivity, profile
+    cuda = device.type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+    totals = {}
+    for e in prof.events():
+        if cuda and e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        if not cuda and e.cpu_parent is not None:
+            continue  # top-level CPU ops only: a child's time is inside its parent's
+        us = e.device_time if cuda else e.cpu_time
+        calls, t = totals.get(e.name, (0, 0.0))
+        totals[e.name] = (calls + 1, t + us)
+    whole = sum(t for _, t in totals.values()) or 1.0
+    rows = sorted(totals.items(), key=lambda kv: -kv[1][1])[:top]
+    return [{"kernel": k[:120], "calls": c, "ms": t / 1e3, "share": t / whole} for k, (c, t) in rows]
+
+
 def print_table(rows, cols):
-    widths = [max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in cols]
+    widths = [max([len(c)] + [len(_fmt(r.get(c))) for r in rows]) for c in cols]
     print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
     for r in rows:
         print("  ".join(_fmt(r.get(c)).ljust(w) for c, w in zip(cols, widths)))

@@ -7,7 +7,7 @@ calls one by one: the Conv3d kernel against what the module runs (the cached
 frames concatenated, ``F.pad``, cuDNN's conv3d).
 
     python -m bench.video [--model wan2.1] [--frames F --height H --width W] [--runs 3]
-                          [--layers] [--write-table configs/sm90.json] [--tiny]
+                          [--layers] [--write-table configs/sm90.json] [--profile N] [--tiny]
 
 Model rows: ``baseline_ms`` (unpatched, launched eagerly), ``ours_ms``
 (patched), ``speedup``, ``peak_gib`` / ``baseline_peak_gib``
@@ -37,7 +37,7 @@ import statistics
 
 import torch
 
-from .common import bench_device, launched_call, print_table, rotated, write_results
+from .common import bench_device, launched_call, print_table, profile_top, rotated, write_results
 
 TINY = dict(base_dim=8, z_dim=4, dim_mult=[1, 2], num_res_blocks=1, attn_scales=[], temperal_downsample=[True],
             dropout=0.0)
@@ -120,6 +120,19 @@ def model_row(vae, z, runs: int, warmup: int, device) -> dict:
             "rel_err_vs_unpatched": ((y - ref).norm() / ref.norm().clamp_min(1e-30)).item(),
             "patched_convs": len(report.patched), "skipped_convs": len(report.skipped),
             "fused_blocks": len(report.fused), "conv_routes": _routes(patched)}
+
+
+def profile_decode(vae, z, device, top: int) -> list:
+    """The ``top`` largest GPU kernels of one patched decode (after one
+    unprofiled warm-up), printed as a table and returned."""
+    import conv_patch
+    patched = copy.deepcopy(vae)
+    conv_patch.apply(patched)
+    with torch.no_grad():
+        patched.decode(z)
+        rows = profile_top(lambda: patched.decode(z), device, top)
+    print_table(rows, ["kernel", "calls", "ms", "share"])
+    return rows
 
 
 def _routes(model) -> dict:
@@ -218,6 +231,8 @@ def main(argv=None):
     ap.add_argument("--layout", choices=("ncdhw", "ndhwc"), default="ncdhw",
                     help="the --layers inputs' layout (ndhwc: channels_last_3d copies, the TMA kernel's)")
     ap.add_argument("--no-decode", action="store_true", help="--layers alone, without the end-to-end row")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="also profile one patched decode: its N largest GPU kernels by total time")
     ap.add_argument("--tiny", action="store_true", help="a tiny config on the CPU (the tests)")
     ap.add_argument("--out", default=None, help="results folder (default bench/results)")
     ap.add_argument("--name", default=None, help="result file stem (default video-<model>)")
@@ -240,6 +255,9 @@ def main(argv=None):
         print(f"{rows[0]['name']}: unpatched {rows[0]['baseline_ms']:.1f} ms, patched {rows[0]['ours_ms']:.1f} "
               f"ms (x{rows[0]['speedup']:.2f}), peak {rows[0]['peak_gib']} / {rows[0]['baseline_peak_gib']} GiB",
               flush=True)
+    if args.profile:
+        extra_profile = profile_decode(vae, latents(vae, args.frames, args.height, args.width, device, dtype),
+                                       device, args.profile)
     if args.layers or args.write_table:
         z = latents(vae, args.layer_frames, args.height, args.width, device, dtype)
         measured = layer_measurements(vae, z, device, args.max_layers, args.layout)
@@ -256,6 +274,8 @@ def main(argv=None):
     layer = [r["speedup"] for r in rows[0 if args.no_decode else 1:] if r.get("speedup")]
     extra = {"model": args.model, "frames": args.frames, "height": args.height, "width": args.width,
              "layers_layout": args.layout}
+    if args.profile:
+        extra["profile"] = extra_profile
     if layer:
         extra["layer_geomean_speedup"] = statistics.geometric_mean(layer)
     path = write_results(args.name or f"video-{args.model}", rows, extra, args.out)

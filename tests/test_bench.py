@@ -387,3 +387,18 @@ def test_bench_video_other_families_model_row(tmp_path, model, exact_fp32):
     (row,) = _result(tmp_path, f"video-{model}")["rows"]
     assert ROW_KEYS <= set(row) and row["rel_err_vs_unpatched"] < 1e-5 and row["patched_convs"] > 0
     assert not row["skipped_convs"] and row["conv_routes"]
+
+
+def test_bench_video_profile_rows(tmp_path):
+    """bench.video --profile N --no-decode: the profile of one patched decode
+    in the result's ``profile`` (at most N entries, largest first, shares of
+    the profiled time), and no model or layer rows."""
+    pytest.importorskip("diffusers")
+    from bench import video
+    video.main(["--tiny", "--no-decode", "--profile", "4", "--out", str(tmp_path), "--name", "p"])
+    doc = _result(tmp_path, "p")
+    prof = doc["profile"]
+    assert doc["rows"] == [] and 0 < len(prof) <= 4
+    assert all({"kernel", "calls", "ms", "share"} <= set(r) and r["calls"] > 0 for r in prof)
+    assert [r["ms"] for r in prof] == sorted((r["ms"] for r in prof), reverse=True)
+    assert 0 < sum(r["share"] for r in prof) <= 1.0 + 1e-9

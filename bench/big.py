@@ -125,6 +125,19 @@ def _row(name, variant, ms, peak, eager_ms, eager_oom, err, ref_name, **extra):
     return row
 
 
+def band_fields(reports, first_ms) -> dict:
+    """A banded row's report fields: the last call's bands and staging, and
+    the first call's time and pinning (the host buffers a staged decode
+    pins once and reuses)."""
+    if not reports:
+        return {}
+    r = reports[-1]
+    return {"bands": r.bands, "staged": r.staged, "staged_layers": r.staged_layers,
+            "device_layers": r.device_layers, "peak_estimate_gib": r.peak_estimate_gib,
+            "staged_gib": r.staged_gib, "host_peak_gib": r.host_peak_gib,
+            "first_call_ms": first_ms[0] if first_ms else None, "first_call_pin_s": reports[0].pin_seconds}
+
+
 def bench_size(vae, size: int, args, device, dtype, out_dir: Path) -> list:
     """Rows of one size on one device."""
     import conv_patch
@@ -187,19 +200,21 @@ def bench_size(vae, size: int, args, device, dtype, out_dir: Path) -> list:
     for gib in budgets:
         # Each budget its own row: a small one (a few GiB at 2048^2) stages
         # the large layers to pinned host memory, and its report says so.
-        last = {}
+        reports, first_ms = [], []
 
         def banded():
+            t0 = time.perf_counter()
             with torch.no_grad():
-                y, last["report"] = parallel.decode_in_bands(vae, zd, max_activation_gib=gib, return_report=True)
+                y, report = parallel.decode_in_bands(vae, zd, max_activation_gib=gib, return_report=True)
+            reports.append(report)
+            if len(first_ms) == 0:
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                first_ms.append((time.perf_counter() - t0) * 1e3)
             return y
 
         bands, bands_ms, bands_peak = timed(f"patched, max_activation_gib={gib:.3g}", banded)
-        report = last.get("report")
-        variants.append((f"bands-{gib:.3g}gib", bands, bands_ms, bands_peak,
-                         {} if report is None else {"bands": report.bands, "staged": report.staged,
-                                                    "staged_layers": report.staged_layers,
-                                                    "peak_estimate_gib": report.peak_estimate_gib}))
+        variants.append((f"bands-{gib:.3g}gib", bands, bands_ms, bands_peak, band_fields(reports, first_ms)))
     conv_patch.remove(vae)
     rows = []
     if "tiling" not in args.skip:

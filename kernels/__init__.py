@@ -21,7 +21,8 @@ from .layout import launch_nchw_to_nhwc, nchw_to_nhwc_kernel  # noqa: E402
 from .epilogue import epilogue_kernel, launch_epilogue  # noqa: E402
 from .group_norm import (group_norm_apply_nchw_kernel, group_norm_apply_nhwc_kernel,  # noqa: E402
                          group_norm_finalize_kernel, group_norm_stats_kernel, group_norm_stats_nhwc_kernel,
-                         launch_group_norm, launch_group_norm_apply, launch_group_norm_stats)
+                         launch_group_norm, launch_group_norm_apply, launch_group_norm_partials,
+                         launch_group_norm_stats)
 from .rms_norm import launch_rms_norm, rms_norm_kernel  # noqa: E402
 from .softmax import launch_softmax_rows, softmax_rows_kernel  # noqa: E402
 from .attention import (attention_combine_kernel, attention_pv_kernel, attention_scores_kernel,  # noqa: E402
@@ -54,5 +55,6 @@ WEIGHT_KERNELS = {"weight_pack": weight_pack_kernel, "subpixel_fold": subpixel_f
 
 __all__ = ["Program", "Unrecordable", "empty", "recording", "ATTENTION_KERNELS", "attention_partial_columns", "launch_attention_block", "EPILOGUE_KERNELS", "INTERPRET", "KERNELS", "LAYOUT_KERNELS", "NORM_KERNELS",
            "TAPS_KERNELS", "WEIGHT_KERNELS", "launch_conv2d", "launch_conv3d", "launch_conv3d_tma", "conv3d_tma_problem", "launch_conv2d_flat", "launch_conv2d_taps", "launch_conv2d_tma", "launch_conv_transpose2d", "reads_nchw_in_place",
-           "launch_epilogue", "launch_group_norm", "launch_group_norm_apply", "launch_group_norm_stats",
+           "launch_epilogue", "launch_group_norm", "launch_group_norm_apply", "launch_group_norm_partials",
+           "launch_group_norm_stats",
            "launch_nchw_to_nhwc", "launch_rms_norm", "launch_softmax_rows", "launch_subpixel_fold", "launch_weight_pack"]

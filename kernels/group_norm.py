@@ -15,7 +15,10 @@ with the affine into a per-(sample, channel) scale and shift) and
 ``group_norm_apply_{nhwc,nchw}_kernel`` (one FMA and the activation per
 element, in the input's layout). Layer 2: ``launch_group_norm`` (both
 passes), ``launch_group_norm_stats`` and ``launch_group_norm_apply`` (apart,
-for a caller that normalises a tensor piece by piece).
+for a caller that normalises a tensor piece by piece), and
+``launch_group_norm_partials`` (the statistics pass's raw per-split moments,
+for a caller that merges them across tensors: the row bands of
+``conv_patch.parallel``).
 
 Numerics: fp32 throughout, never a raw sum of squares (a large mean would
 cancel the variance away): the NCHW programs accumulate (count, mean, M2)
@@ -255,42 +258,55 @@ def nhwc_stats_split(N, C, HW, stats_block, target_programs):
     return block_p, cdiv(HW, chunk), chunk
 
 
-def launch_group_norm_stats(x, groups, weight, bias, eps, channels_last, stats_block, target_programs,
-                            input_bias=None):
-    """Statistics of dense [N, C, H, W] ``x`` (plus ``input_bias`` [C] per
-    channel, NHWC only), as the apply pass's per-(sample, channel) fp32
-    (scale, shift) [N, C, 2]."""
+def launch_group_norm_partials(x, groups, channels_last, stats_block, target_programs, input_bias=None,
+                               extra=0):
+    """The statistics pass alone over dense [N, C, H, W] ``x`` (plus
+    ``input_bias`` [C] per channel, NHWC only): per (sample, split, group)
+    fp32 (count, mean, M2) partials. Returns (workspace, partials, (psn, pss,
+    psc)): ``partials`` is the workspace past its first ``extra`` floats (a
+    caller's own result shares the allocation), its triples at
+    ``n * psn + s * pss + g * psc``."""
     import torch
 
     if input_bias is not None and not channels_last:
         raise ValueError("group_norm: input_bias is only taken with NHWC input")
-
     N, C, H, W = x.shape
     Cg, HW = C // groups, H * W
-    # One allocation for the partials and the result: each torch.empty is
-    # microseconds of host time, and a decode runs ~30 GroupNorms.
+    # One allocation for the partials and the caller's result: each
+    # torch.empty is microseconds of host time, and a decode runs ~30
+    # GroupNorms.
     if channels_last:
         block_c = next_pow2(C)
         block_p, splits, chunk = nhwc_stats_split(N, C, HW, stats_block, target_programs)
-        ws = empty(N * C * 2 + N * splits * groups * 3, dtype=torch.float32, device=x.device)
-        part = ws[N * C * 2:]
+        ws = empty(extra + N * splits * groups * 3, dtype=torch.float32, device=x.device)
+        part = ws[extra:]
         pow2 = Cg & (Cg - 1) == 0
         launch(group_norm_stats_nhwc_kernel, (N, splits), x, x if input_bias is None else input_bias, part,
                C, HW, chunk, splits, groups, Cg,
                BLOCK_P=block_p, BLOCK_C=block_c, BLOCK_G=block_c // Cg if pow2 else next_pow2(groups),
                BLOCK_R=min(block_p, 32), CG_POW2=Cg if pow2 else 0, HAS_IB=input_bias is not None)
-        psn, pss, psc = splits * groups * 3, groups * 3, 3
-    else:
-        # Enough programs to fill the GPU, each reading at least a few blocks.
-        per_group = Cg * HW
-        splits = max(1, min(cdiv(per_group, 4 * stats_block), cdiv(target_programs, N * groups)))
-        chunk = cdiv(per_group, splits)
-        splits = cdiv(per_group, chunk)
-        ws = empty(N * C * 2 + N * groups * splits * 3, dtype=torch.float32, device=x.device)
-        part = ws[N * C * 2:]
-        launch(group_norm_stats_kernel, (N * groups, splits), x, part, per_group, chunk, splits,
-               BLOCK=stats_block)
-        psn, pss, psc = groups * splits * 3, 3, splits * 3
+        return ws, part, (splits * groups * 3, groups * 3, 3)
+    # Enough programs to fill the GPU, each reading at least a few blocks.
+    per_group = Cg * HW
+    splits = max(1, min(cdiv(per_group, 4 * stats_block), cdiv(target_programs, N * groups)))
+    chunk = cdiv(per_group, splits)
+    splits = cdiv(per_group, chunk)
+    ws = empty(extra + N * groups * splits * 3, dtype=torch.float32, device=x.device)
+    part = ws[extra:]
+    launch(group_norm_stats_kernel, (N * groups, splits), x, part, per_group, chunk, splits, BLOCK=stats_block)
+    return ws, part, (groups * splits * 3, 3, splits * 3)
+
+
+def launch_group_norm_stats(x, groups, weight, bias, eps, channels_last, stats_block, target_programs,
+                            input_bias=None):
+    """Statistics of dense [N, C, H, W] ``x`` (plus ``input_bias`` [C] per
+    channel, NHWC only), as the apply pass's per-(sample, channel) fp32
+    (scale, shift) [N, C, 2]."""
+    N, C = x.shape[:2]
+    ws, part, (psn, pss, psc) = launch_group_norm_partials(x, groups, channels_last, stats_block, target_programs,
+                                                          input_bias, extra=N * C * 2)
+    splits = part.numel() // (N * groups * 3)
+    Cg = C // groups
     scale_shift = ws[:N * C * 2].view(N, C, 2)
     launch(group_norm_finalize_kernel, (N * groups,),
            part, weight if weight is not None else x, bias if bias is not None else x,

@@ -209,6 +209,8 @@ def test_bench_big_tiny_rows(tmp_path):
         assert r["ref"] == "fp32 eager" and not r["oom"]
     banded = rows[1]
     assert banded["bands"] > 1 and banded["max_rel"] < 1e-5
+    assert {"staged", "staged_gib", "host_peak_gib", "first_call_ms", "first_call_pin_s"} <= set(banded)
+    assert banded["first_call_ms"] > 0 and (banded["staged_gib"] > 0) == banded["staged"]
     assert len(list(tmp_path.glob("big-16-*-errmap.png"))) == 3
 
 

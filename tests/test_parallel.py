@@ -114,6 +114,78 @@ def test_unsupported_calls_fall_back_or_raise(vae):
         assert report.mode == "plain" and torch.equal(y, vae.decode(z).sample)
 
 
+def test_staging_pool_reuses_exact_size_buffers_and_refuses_what_the_host_lacks(monkeypatch):
+    """A staged band's host tensor lies in a buffer of its own size (not a
+    power of two), NCHW or channels_last; a dropped tensor's buffer serves
+    the next band of about its size; a buffer the host's available memory
+    cannot hold is a one-line MemoryError, not a swap."""
+    from conv_patch.parallel import staging
+    pool = staging.HostStaging(pinned=False)
+    a = pool.take((1, 3, 5, 7), torch.bfloat16, channels_last=True)
+    assert a.shape == (1, 3, 5, 7) and a.is_contiguous(memory_format=torch.channels_last)
+    assert pool.held_bytes == 3 * 5 * 7 * 2 and pool.peak_bytes == pool.held_bytes
+    ptr = a.data_ptr()
+    a.copy_(torch.randn(1, 3, 5, 7))
+    del a
+    b = pool.take((1, 3, 5, 6), torch.bfloat16, channels_last=False)  # 180 bytes in the 210-byte buffer
+    assert b.data_ptr() == ptr and b.is_contiguous() and pool.held_bytes == 210
+    c = pool.take((1, 3, 5, 7), torch.bfloat16, channels_last=False)  # b still held: a new buffer
+    assert c.data_ptr() != ptr and pool.held_bytes == 420 and pool.peak_bytes == 420
+    del b, c
+    small = pool.take((1, 1, 1, 10), torch.float32, channels_last=False)  # 40 bytes: no 210-byte buffer
+    assert pool.held_bytes == 460 and small.numel() == 10
+    monkeypatch.setattr(staging, "available_host_bytes", lambda: staging.HOST_RESERVE + 1000)
+    with pytest.raises(MemoryError, match=r"bands: staging a band needs .* GiB more host memory"):
+        pool.take((1, 8, 64, 64), torch.float32, channels_last=False)
+    pool.release()
+    assert pool.held_bytes == 0
+
+
+def test_staged_bands_take_statistics_as_they_are_made(vae, monkeypatch):
+    """A staged layer's GroupNorm moments are taken of each band on the
+    device as it is made, before it goes to the host: the next layer's
+    statistics read nothing back from the staged copies. The report says
+    what was staged."""
+    from conv_patch.parallel import staging, walker
+    pool = staging.pool_for(torch.device("cpu"))
+    seen = []
+    real = walker.band_moments
+
+    def spy(band, groups, use_kernels=False):
+        # Whether the band read lies in a staged (host pool) buffer now.
+        seen.append(band.untyped_storage().data_ptr() in {b.data_ptr() for b in pool._all})
+        return real(band, groups, use_kernels)
+
+    monkeypatch.setattr(walker, "band_moments", spy)
+    z = torch.randn(1, 4, 7, 9, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        ref = vae.decode(z).sample
+        y, report = parallel.decode_in_bands(vae, z, bands=3, staged=True, return_report=True)
+    assert rel_err(y, ref) <= 1e-5 and seen and not any(seen)
+    assert report.staged_gib > 0 and report.host_peak_gib > 0 and report.pin_seconds >= 0
+    assert report.host_peak_gib <= report.staged_gib
+
+
+def test_kernel_band_moments_match_float64(exact_fp32):
+    """The GroupNorm kernels' statistics pass as a band's moments (the path
+    of half-precision bands where the kernels run), NCHW and NHWC, a large
+    mean and an outlier: merged over bands, the float64 statistics of the
+    whole tensor to fp32 accuracy."""
+    g = torch.Generator().manual_seed(1)
+    x = (1000 + 2 * torch.randn(2, 12, 13, 7, generator=g)).bfloat16()
+    x[1, 5, 9, 3] = 9000
+    var64, mean64 = torch.var_mean(x.double().view(2, 3, -1), dim=2, correction=0)
+    for fmt in (torch.contiguous_format, torch.channels_last):
+        xf = x.contiguous(memory_format=fmt)
+        bands = [xf[:, :, a:b].contiguous(memory_format=fmt) for a, b in ((0, 5), (5, 6), (6, 13))]
+        got = [stats.kernel_moments(b, 3) for b in bands]
+        assert all(m is not None for m in got)
+        count, mean, m2 = stats.merge(got)
+        assert torch.equal(count, torch.full_like(count, 4 * 13 * 7))
+        assert torch.allclose(mean, mean64, rtol=1e-6) and torch.allclose(m2 / count, var64, rtol=1e-4)
+    assert stats.kernel_moments(x.float(), 3) is None  # fp32 bands keep the float64 chunks
+
+
 def test_group_norm_moments_exact_with_large_mean_and_outlier():
     g = torch.Generator().manual_seed(0)
     x = 1e4 + torch.randn(2, 8, 13, 5, generator=g)
@@ -264,6 +336,25 @@ def test_flux_decoder_bands_at_1024_bf16():
     e_whole, e_band = rel_err(whole, ref), rel_err(banded, ref)
     assert e_band <= 1.5 * e_whole + 2e-3, (e_band, e_whole)
     assert rel_err(banded, whole) <= 3 * e_whole + 2e-3
+
+
+@pytest.mark.gpu
+def test_staging_pool_pins_on_cuda():
+    """On CUDA the pool's host tensors are pinned (registered at their exact
+    size), so a band's copies to and from the device are asynchronous; a
+    round trip through one keeps every bit."""
+    from conv_patch.parallel import staging
+    pool = staging.HostStaging(pinned=True)
+    x = torch.randn(2, 5, 33, 17, device="cuda", dtype=torch.bfloat16).contiguous(memory_format=torch.channels_last)
+    h = pool.take(tuple(x.shape), x.dtype, channels_last=True)
+    assert h.is_pinned() and pool.held_bytes == x.numel() * 2
+    h.copy_(x, non_blocking=True)
+    back = h.to("cuda", non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(back, x)
+    del h, back
+    pool.release()
+    assert pool.held_bytes == 0
 
 
 @pytest.mark.gpu

@@ -14,8 +14,9 @@ and holds the ``BandReport``. docs/design.md ("Bands") describes the scheme.
 """
 
 from .api import BandHook, decode, decode_in_bands, encode, encode_in_bands, last_report
+from .staging import release_host_staging
 from .budget import BandReport
 from .walker import UnsupportedModel
 
 __all__ = ["decode", "encode", "decode_in_bands", "encode_in_bands", "BandReport", "BandHook", "UnsupportedModel",
-           "last_report"]
+           "last_report", "release_host_staging"]

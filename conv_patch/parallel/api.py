@@ -79,7 +79,7 @@ def _banded(core: nn.Module, x: torch.Tensor, *, bands, max_activation_gib, stag
     comm = LocalComm(report.bands, x.device, staged=report.staged, keep_bytes=bd.keep_bytes(budget))
     with torch.no_grad():
         y = comm.output(run(program, x, comm, first), "all")
-    report.device_layers, report.staged_layers = comm.device_layers, comm.staged_layers
+    bd.record_staging(report, comm)
     return _like_input(y, x), report
 
 
@@ -252,7 +252,7 @@ class BandHook:
         comm = LocalComm(report.bands, x.device, staged=report.staged, keep_bytes=bd.keep_bytes(budget))
         with torch.no_grad():
             y = _like_input(comm.output(run(program, x, comm, first), "all"), x)
-        report.device_layers, report.staged_layers = comm.device_layers, comm.staged_layers
+        bd.record_staging(report, comm)
         return y
 
 

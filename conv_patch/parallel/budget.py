@@ -33,8 +33,9 @@ class BandReport:
     band: the ordinary forward), ``"bands"`` (sequential bands in this
     process), ``"distributed"`` (one band per rank); ``rows``: latent rows
     per band; ``staged``: finished bands of the large layers kept in host
-    memory (``staged_layers`` of them; ``device_layers`` stayed on the
-    device);
+    memory (``staged_layers`` of them, ``staged_gib`` copied there,
+    ``host_peak_gib`` held at once, ``pin_seconds`` spent pinning new host
+    buffers; ``device_layers`` stayed on the device);
     ``peak_estimate_gib``: the activation memory the plan assumed;
     ``fallback``: why the plain forward ran instead of bands, if it did;
     ``sent_bytes`` (distributed): what this rank sent the others (halo rows,
@@ -49,9 +50,15 @@ class BandReport:
     world_size: int = 1
     over_budget: bool = False
     fallback: Optional[str] = None
-    # Staged runs: layers whose output stayed on the device / went to host.
+    # Staged runs: layers whose output stayed on the device / went to host;
+    # GiB copied to the host, the most of it held there at once, and the
+    # seconds this call spent pinning new host buffers (the pool keeps them
+    # for the next call: conv_patch.parallel.release_host_staging()).
     device_layers: int = 0
     staged_layers: int = 0
+    staged_gib: float = 0.0
+    host_peak_gib: float = 0.0
+    pin_seconds: float = 0.0
     sent_bytes: int = 0
 
 
@@ -105,7 +112,9 @@ def banded_peak(program: Program, shape, elsize: int, bands: int, staged: bool, 
         if isinstance(s, Whole):
             continue
         if staged:
-            need = frac * (2 * i + 2 * o) * (2 if isinstance(s, Resnet) else 1)
+            # (plus the next band's window on its way in and the last band's
+            # output on its way out: the copies overlap the compute)
+            need = frac * (2 * i + 2 * o) * (2 if isinstance(s, Resnet) else 1) + frac * (i + o)
         else:
             whole = i + (3 * o if isinstance(s, Resnet) else o)
             need = whole + frac * 2 * max(i, o)
@@ -119,6 +128,15 @@ def banded_peak(program: Program, shape, elsize: int, bands: int, staged: bool, 
 # this share of the budget (the low-resolution ones): staging them would cost
 # transfers and save little.
 KEEP_SHARE = 0.125
+
+
+def record_staging(report: BandReport, comm) -> None:
+    """What a ``LocalComm`` run did, into its report."""
+    report.device_layers, report.staged_layers = comm.device_layers, comm.staged_layers
+    if comm.staged_bytes:
+        report.staged_gib = comm.staged_bytes / GIB
+        report.host_peak_gib = comm.pool.peak_bytes / GIB
+        report.pin_seconds = comm.pin_seconds
 
 
 def keep_bytes(budget: Optional[float]) -> float:

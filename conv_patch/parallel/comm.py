@@ -32,6 +32,10 @@ class Banded:
         self.level, self.parts, self.whole = level, parts, whole
         # Halo rows received from other ranks for the next layer: band -> (above, below).
         self.halo = {}
+        # GroupNorm moments of each band, computed as the band was made
+        # (groups -> [3, N, G] per band, None for bands not held): a staged
+        # band's statistics without reading it back from the host.
+        self.moments = {}
 
     @classmethod
     def of_whole(cls, level: Level, x: torch.Tensor) -> "Banded":
@@ -86,8 +90,11 @@ class Comm:
         """Make the halo rows of ``wins`` available to ``window`` (a
         distributed exchange; nothing to do in one process)."""
 
-    def begin(self, level: Level) -> "Output":
-        return Output(self, level)
+    def begin(self, level: Level, stats=None) -> "Output":
+        """A layer's output, band by band. ``stats``: (groups, fn) where the
+        next layer normalises it: ``fn(band)`` is taken of every band not
+        written into a whole tensor, before it is kept."""
+        return Output(self, level, stats)
 
     def keep(self, y: torch.Tensor, height: int) -> torch.Tensor:
         """How a finished band of a layer of ``height`` rows is kept: on
@@ -121,9 +128,10 @@ class Output:
     at the first band, each band's result written straight into its rows
     (``target`` is the view to pass as the step's ``out``)."""
 
-    def __init__(self, comm: Comm, level: Level):
-        self.comm, self.level = comm, level
+    def __init__(self, comm: Comm, level: Level, stats=None):
+        self.comm, self.level, self.stats = comm, level, stats
         self.parts: List[Optional[torch.Tensor]] = [None] * level.bands
+        self.moments: List[Optional[torch.Tensor]] = [None] * level.bands
         self.whole: Optional[torch.Tensor] = None
 
     def target(self, i: int, like: torch.Tensor, channels: int, width: int) -> Optional[torch.Tensor]:
@@ -146,42 +154,113 @@ class Output:
                 dst.copy_(y)
             self.parts[i] = dst
         else:
+            if self.stats is not None:
+                self.moments[i] = self.stats[1](y)
             self.parts[i] = self.comm.keep(y, self.level.height)
 
     def done(self) -> Banded:
         self.comm.finished(self)
-        return Banded(self.level, self.parts, self.whole)
+        out = Banded(self.level, self.parts, self.whole)
+        if self.stats is not None and any(m is not None for m in self.moments):
+            out.moments[self.stats[0]] = self.moments
+        return out
 
 
 class LocalComm(Comm):
     """Every band in this process, run one after the other. ``staged``:
     the finished bands of a layer whose whole output exceeds ``keep_bytes``
-    are copied to (pinned, on CUDA) host memory and brought back for the
-    layers that read them, so the device holds a few bands of such layers at
-    a time; smaller layers (the low resolutions) stay on the device.
-    ``device_layers`` / ``staged_layers`` count which happened."""
+    are copied to host memory (``staging.HostStaging``: pinned on CUDA,
+    exact-size buffers reused band to band and kept for the next call) and
+    brought back for the layers that read them, so the device holds a few
+    bands of such layers at a time; smaller layers (the low resolutions)
+    stay on the device. On CUDA the copies to the host run on a side stream,
+    behind the next band's compute, and a staged band's window for the next
+    band is brought back on another while the current one computes; a layer
+    is complete when its copies are. ``device_layers`` / ``staged_layers``
+    count which happened, ``staged_bytes`` what went to the host."""
 
     def __init__(self, nbands: int, device: torch.device, staged: bool = False, keep_bytes: float = 0):
         self.nbands, self.device, self.staged, self.keep_bytes = nbands, torch.device(device), staged, keep_bytes
         self.held = list(range(nbands))
-        self.pinned = self.device.type == "cuda"
+        self.cuda = self.device.type == "cuda"
         self.device_layers = self.staged_layers = 0
+        self.staged_bytes = 0
         self._staging = False  # a band of the layer being written went to host
+        self._pool = None
+        self._to_host = self._to_device = None  # the copy streams (CUDA, staged)
+        self._wins = {}  # id(act) -> the windows of the layer reading it
+        self._ahead = None  # (id(act), band, window tensor, event): the next band's window, on its way
+
+    @property
+    def pool(self):
+        if self._pool is None:
+            from .staging import pool_for
+            self._pool = pool_for(self.device)
+            self._pool.peak_bytes = self._pool.in_use
+            self._pin0 = self._pool.pin_seconds
+        return self._pool
+
+    @property
+    def pin_seconds(self) -> float:
+        """Seconds this run spent pinning new host buffers."""
+        return 0.0 if self._pool is None else self._pool.pin_seconds - self._pin0
+
+    def _streams(self):
+        if self._to_host is None:
+            self._to_host = torch.cuda.Stream(self.device)
+            self._to_device = torch.cuda.Stream(self.device)
+        return self._to_host, self._to_device
 
     def keep(self, y, height):
         if not self.staged or y.numel() * y.element_size() * height <= self.keep_bytes * max(1, y.shape[2]):
             return y
         self._staging = True
-        host = torch.empty(y.shape, dtype=y.dtype, pin_memory=self.pinned, memory_format=memory_format(y))
-        # Stream-ordered: the copy back to the device later runs after this one.
-        return host.copy_(y, non_blocking=self.pinned)
+        nhwc = memory_format(y) == torch.channels_last
+        host = self.pool.take(tuple(y.shape), y.dtype, nhwc)
+        self.staged_bytes += y.numel() * y.element_size()
+        if not self.cuda:
+            return host.copy_(y)
+        to_host, _ = self._streams()
+        to_host.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(to_host):
+            host.copy_(y, non_blocking=True)
+        y.record_stream(to_host)  # its memory is not reused before the copy is done
+        return host
 
     def finished(self, out):
         if self._staging:
             self.staged_layers += 1
+            if self.cuda:
+                # The layer's bands are on the host before any layer reads them.
+                torch.cuda.current_stream(self.device).wait_stream(self._streams()[0])
         else:
             self.device_layers += 1
         self._staging = False
+
+    def prepare(self, act, wins):
+        if self.staged and self.cuda and act.whole is None:
+            self._wins = {id(act): list(wins)}
+
+    def window(self, act, i, win):
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead[0] == id(act) and ahead[1] == i:
+            buf, ready = ahead[2], ahead[3]
+            torch.cuda.current_stream(self.device).wait_event(ready)
+        else:
+            buf = super().window(act, i, win)
+        wins = self._wins.get(id(act))
+        if wins is not None and i + 1 < len(wins) and act.parts[i + 1] is not None \
+                and act.parts[i + 1].device.type == "cpu":
+            # The next band's rows, brought back while this band computes.
+            _, to_device = self._streams()
+            to_device.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(to_device):
+                nxt = super().window(act, i + 1, wins[i + 1])
+                ready = torch.cuda.Event()
+                ready.record(to_device)
+            nxt.record_stream(torch.cuda.current_stream(self.device))
+            self._ahead = (id(act), i + 1, nxt, ready)
+        return buf
 
     def _above(self, act, i, rows):
         return act.parts[i - 1][:, :, -rows:]

@@ -48,19 +48,53 @@ def channel_moments(x: torch.Tensor):
     return tuple(total)
 
 
-def band_moments(x: torch.Tensor, groups: int) -> torch.Tensor:
+def band_moments(x: torch.Tensor, groups: int, use_kernels: bool = False) -> torch.Tensor:
     """[3, N, G] float64 (count, mean, M2) of band ``x`` [N, C, h, W] per
     (sample, group): per-channel moments (``channel_moments``), then the
-    group's channels merged (the same closed form as Chan's update)."""
+    group's channels merged (the same closed form as Chan's update).
+    ``use_kernels``: a dense half-precision band on a device where the
+    GroupNorm kernels run takes their statistics pass instead (one launch;
+    the chunks above are a dozen PyTorch ops each, thousands of launches
+    for a band of a 8192^2 layer), the same fp32 moments the un-banded
+    GroupNorm kernel computes, merged here in float64."""
     n, c, h, w = x.shape
     cg = c // groups
     if x.numel() == 0:
         return torch.zeros(3, n, groups, dtype=torch.float64, device=x.device)
+    if use_kernels:
+        got = kernel_moments(x, groups)
+        if got is not None:
+            return got
     count, mean, m2 = channel_moments(x)
     count, mean, m2 = (t.view(n, groups, cg) for t in (count, mean, m2))
     gmean = mean.mean(dim=2)
     gm2 = m2.sum(dim=2) + (h * w) * ((mean - gmean.unsqueeze(2)) ** 2).sum(dim=2)
     return torch.stack([count.sum(dim=2), gmean, gm2])
+
+
+def kernel_moments(x: torch.Tensor, groups: int) -> Optional[torch.Tensor]:
+    """``band_moments`` from the GroupNorm kernels' statistics pass (its
+    per-split fp32 partials Chan-merged in float64), or None where it does
+    not run (not half precision, not dense NCHW/NHWC, no kernels here)."""
+    nhwc = x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
+    if x.dtype not in (torch.float16, torch.bfloat16) or not (nhwc or x.is_contiguous()):
+        return None
+    from ..conv import kernels
+    from ..norm import launch_sizes
+    from ..target import target_for
+    target = target_for(x.device)
+    if not target.kernels:
+        return None
+    _, stats_block, programs = launch_sizes(target)
+    n = x.shape[0]
+    _, part, _ = kernels().launch_group_norm_partials(x, groups, nhwc, stats_block, programs)
+    splits = part.numel() // (n * groups * 3)
+    # NHWC partials lie (sample, split, group), NCHW (sample, group, split).
+    p = (part.view(n, splits, groups, 3) if nhwc else part.view(n, groups, splits, 3).transpose(1, 2)).double()
+    cnt, mean, m2 = p.unbind(-1)
+    tot = cnt.sum(dim=1)
+    mu = (cnt * mean).sum(dim=1) / tot.clamp_min(1)
+    return torch.stack([tot, mu, (m2 + cnt * (mean - mu.unsqueeze(1)) ** 2).sum(dim=1)])
 
 
 def merge(parts: Sequence[torch.Tensor]) -> torch.Tensor:

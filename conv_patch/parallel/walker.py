@@ -49,7 +49,7 @@ class Conv:
         return (h + t + b - kh) // sh + 1, (w + l + r - kw) // sw + 1
 
     def run(self, ctx, x):
-        return conv_layer(ctx, self.m, self.pad, x)
+        return conv_layer(ctx, self.m, self.pad, x, next_norm=ctx.next_norm)
 
 
 @dataclasses.dataclass
@@ -65,10 +65,10 @@ class Resnet:
         return h, w
 
     def run(self, ctx, x):
-        h = conv_layer(ctx, self.conv1, own_pad(self.conv1), x, pre=self.norm1)
+        h = conv_layer(ctx, self.conv1, own_pad(self.conv1), x, pre=self.norm1, next_norm=self.norm2)
         sc = x if self.shortcut is None else conv_layer(ctx, self.shortcut, own_pad(self.shortcut), x)
         return conv_layer(ctx, self.conv2, own_pad(self.conv2), h, pre=self.norm2, residual=sc,
-                          out_scale=self.out_scale)
+                          out_scale=self.out_scale, next_norm=ctx.next_norm)
 
 
 @dataclasses.dataclass
@@ -81,7 +81,7 @@ class Up:
         return 2 * h, 2 * w
 
     def run(self, ctx, x):
-        return up_layer(ctx, self.conv, x)
+        return up_layer(ctx, self.conv, x, next_norm=ctx.next_norm)
 
 
 @dataclasses.dataclass
@@ -111,7 +111,7 @@ class NormConv:
         return Conv(self.conv, own_pad(self.conv)).out_hw(h, w)
 
     def run(self, ctx, x):
-        return conv_layer(ctx, self.conv, own_pad(self.conv), x, pre=self.norm)
+        return conv_layer(ctx, self.conv, own_pad(self.conv), x, pre=self.norm, next_norm=ctx.next_norm)
 
 
 @dataclasses.dataclass
@@ -141,6 +141,14 @@ class Program:
 class Context:
     comm: Comm
     kernels: bool  # the model is patched and its kernels run here: the GroupNorm apply kernel too
+    # The GroupNorm the next step begins with (its output's statistics are
+    # taken band by band as they are made).
+    next_norm: Optional[nn.GroupNorm] = None
+
+
+def first_norm(step) -> Optional[nn.GroupNorm]:
+    """The GroupNorm a step applies to its input first, if any."""
+    return getattr(step, "norm1", None) or getattr(step, "norm", None)
 
 
 def own_pad(m: nn.Conv2d) -> Tuple[int, int, int, int]:
@@ -155,14 +163,26 @@ def _on_device(ctx, t: torch.Tensor) -> torch.Tensor:
 
 def statistics(ctx, norm: nn.GroupNorm, x: Banded) -> torch.Tensor:
     """The whole image's GroupNorm (scale, shift) [N, C, 2] of ``x``: each
-    band's moments, merged exactly across bands and processes."""
-    local = [band_moments(_on_device(ctx, x.parts[i]), norm.num_groups) for i in ctx.comm.held]
+    band's moments (taken as the band was made where they were, else now),
+    merged exactly across bands and processes."""
+    made = x.moments.get(norm.num_groups)
+    local = [made[i] if made is not None and made[i] is not None
+             else band_moments(_on_device(ctx, x.parts[i]), norm.num_groups, ctx.kernels) for i in ctx.comm.held]
     moments = merge(ctx.comm.all_moments(local))
     return scale_shift(moments, norm, x.like().shape[1])
 
 
+def stats_hint(ctx, norm: Optional[nn.GroupNorm]):
+    """``Comm.begin``'s ``stats`` for an output ``norm`` normalises next."""
+    if norm is None:
+        return None
+    groups = norm.num_groups
+    return groups, lambda band: band_moments(band, groups, ctx.kernels)
+
+
 def conv_layer(ctx, m: nn.Conv2d, pad, x: Banded, *, pre: Optional[nn.GroupNorm] = None,
-               residual: Optional[Banded] = None, out_scale: float = 1.0) -> Banded:
+               residual: Optional[Banded] = None, out_scale: float = 1.0,
+               next_norm: Optional[nn.GroupNorm] = None) -> Banded:
     """``out_scale * (m(silu(pre(x))) + residual)`` over the bands of ``x``
     (``pre``: a GroupNorm and SiLU before the conv, with the whole image's
     statistics; the normalised band plus halo is made band by band, never
@@ -185,7 +205,7 @@ def conv_layer(ctx, m: nn.Conv2d, pad, x: Banded, *, pre: Optional[nn.GroupNorm]
     wins = [window(level.rows(i), kh, sh, t, h_in) for i in range(level.bands)]
     check_halo(x.level, wins)
     comm.prepare(x, wins)
-    out = comm.begin(level)
+    out = comm.begin(level, stats_hint(ctx, next_norm))
     for i in comm.held:
         w = wins[i]
         xv = comm.window(x, i, w)
@@ -198,7 +218,7 @@ def conv_layer(ctx, m: nn.Conv2d, pad, x: Banded, *, pre: Optional[nn.GroupNorm]
     return out.done()
 
 
-def up_layer(ctx, m: nn.Conv2d, x: Banded) -> Banded:
+def up_layer(ctx, m: nn.Conv2d, x: Banded, next_norm: Optional[nn.GroupNorm] = None) -> Banded:
     """Nearest x2 then ``m`` (3x3, padding 1) over the bands of ``x``: each
     band with one low-resolution halo row on each inner side goes through
     ``steps.upsample_conv`` (the subpixel fold where it runs), whose output
@@ -210,7 +230,7 @@ def up_layer(ctx, m: nn.Conv2d, x: Banded) -> Banded:
     wins = [window(x.level.rows(i), 3, 1, 1, h_in) for i in range(x.level.bands)]
     check_halo(x.level, wins)
     comm.prepare(x, wins)
-    out = comm.begin(level)
+    out = comm.begin(level, stats_hint(ctx, next_norm))
     for i in comm.held:
         w = wins[i]
         a, b = x.level.rows(i)
@@ -227,7 +247,8 @@ def run(program: Program, x: torch.Tensor, comm: Comm, first: Level) -> Banded:
     if program.patched and ctx.kernels:
         x = steps.channels_last(x)
     act = Banded.of_whole(first, x)
-    for step in program.steps:
+    for k, step in enumerate(program.steps):
+        ctx.next_norm = first_norm(program.steps[k + 1]) if k + 1 < len(program.steps) else None
         act = step.run(ctx, act)
     return act
 

@@ -17,7 +17,9 @@ in custom nodes) are recognised alike.
 * the up-sampling resample (``*Resample``, ``upsample3d``): the time conv's
   two output halves interleaved into frames in NDHWC (the block's own
   ``torch.stack`` hands back NCDHW, which would leave the rest of the
-  decoder there).
+  decoder there);
+* Wan 2.2's residual up block (``WanResidualUpBlock``): its ``DupUp3D``
+  shortcut gathered straight into the block's output in NDHWC.
 
 The resample blocks' nearest x2 upsampling + 3x3 conv per frame is the
 ``nn.Sequential`` chain recipe's (``common.py``). Convs run on conv-patch's
@@ -318,9 +320,80 @@ class Resample(Recipe):
         return f.view(b, t, f.shape[1], f.shape[2], f.shape[3]).permute(0, 2, 1, 3, 4)
 
 
+def _dup_up(m) -> bool:
+    """diffusers' ``DupUp3D`` (Wan 2.2's up-block shortcut): channels
+    repeated, then spread over ``factor_t`` frames and ``factor_s`` x
+    ``factor_s`` pixels."""
+    d = getattr(m, "__dict__", {})
+    return (_cls(m).__name__ == "DupUp3D" and all(isinstance(d.get(k), int) for k in
+                                                     ("factor_t", "factor_s", "repeats", "out_channels"))
+            and d["out_channels"] * d["factor_t"] * d["factor_s"] ** 2 == d["repeats"] * d.get("in_channels", -1))
+
+
+def add_dup_up(y: torch.Tensor, x: torch.Tensor, dup, first_chunk: bool) -> torch.Tensor:
+    """``y += dup(x, first_chunk)`` in place, ``y`` and ``x`` NDHWC, as one
+    gather per sub-position: output frame ``t*ft + i`` (less ``ft - 1`` in
+    the first chunk), pixel ``(h*fs + j, w*fs + k)``, channel ``o`` takes
+    input channel ``(o*F + i*fs*fs + j*fs + k) // repeats`` of frame ``t``,
+    pixel ``(h, w)`` (``F = ft*fs*fs``: what ``repeat_interleave`` and the
+    8-D permute compute). The block's own way makes the repeated tensor,
+    its permuted copy and an add of NDHWC to NCDHW (PyTorch's slow
+    non-vectorised path). Returns None where the shapes are not the ones
+    this expects (the caller adds the module's own output)."""
+    ft, fs, rep, cout = dup.factor_t, dup.factor_s, dup.repeats, dup.out_channels
+    b, c, t, h, w = x.shape
+    off = ft - 1 if first_chunk else 0
+    if y.shape != (b, cout, t * ft - off, h * fs, w * fs):
+        return None
+    xm, ym = x.permute(0, 2, 3, 4, 1), y.permute(0, 2, 3, 4, 1)  # [B, T, H, W, C] views
+    o = torch.arange(cout, device=x.device) * (ft * fs * fs)
+    for i in range(ft):
+        t0 = max(0, -(-(off - i) // ft))  # the first input frame whose sub-frame i is kept
+        yt = ym[:, t0 * ft + i - off::ft]
+        xt = xm[:, t0:t0 + yt.shape[1]]
+        for j in range(fs):
+            for k in range(fs):
+                yt[:, :, j::fs, k::fs].add_(xt.index_select(4, (o + (i * fs * fs + j * fs + k)) // rep))
+    return y
+
+
+class ResidualUpBlock(Recipe):
+    """diffusers' ``WanResidualUpBlock`` (Wan 2.2) on an NDHWC input: its
+    resnets and upsampler as the block calls them (their own recipes), then
+    the ``DupUp3D`` shortcut added into the upsampler's output in place by
+    ``add_dup_up`` (the block's ``clone()`` of its input is not needed: no
+    step writes into it). Anything else runs the block's own forward."""
+
+    name = "wan.ResidualUpBlock"
+    what = "DupUp3D shortcut gathered into the output in place, NDHWC"
+
+    def match(self, m):
+        resnets, dup = parts(m, "resnets", "avg_shortcut")
+        return (_cls(m).__name__ == "WanResidualUpBlock" and isinstance(resnets, nn.ModuleList)
+                and dup is not None and _dup_up(dup))
+
+    def forward(self, m, x, feat_cache=None, feat_idx=None, first_chunk=False):
+        resnets, up, dup = parts(m, "resnets", "upsampler", "avg_shortcut")
+        own = _own_args(x, feat_cache, feat_idx)
+        if ((feat_cache is not None and feat_idx is None) or not isinstance(x, torch.Tensor) or x.dim() != 5
+                or config_tables.conv3d_layout(x) != "ndhwc" or not plain(dup)
+                or (torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in m.parameters())))):
+            return base(m, *own, first_chunk=first_chunk)
+        y = x
+        for r in resnets:
+            y = r(y) if feat_cache is None else r(y, feat_cache=feat_cache, feat_idx=feat_idx)
+        if up is not None:
+            y = up(y) if feat_cache is None else up(y, feat_cache=feat_cache, feat_idx=feat_idx)
+        if y is x or config_tables.conv3d_layout(y) != "ndhwc":
+            return y + dup(x, first_chunk=first_chunk)
+        out = add_dup_up(y, x, dup, first_chunk)
+        return y + dup(x, first_chunk=first_chunk) if out is None else out
+
+
 RMS_NORM = register(RMSNorm())
 ATTENTION = register(AttentionBlock())
 RESIDUAL = register(ResidualBlock())
 COMFY_RESIDUAL = register(ComfyResidualBlock())
 DECODER = register(Decoder3d())
 RESAMPLE = register(Resample())
+RESIDUAL_UP = register(ResidualUpBlock())

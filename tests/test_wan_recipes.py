@@ -293,6 +293,8 @@ def test_decoder_runs_ndhwc_inside_and_hands_back_ncdhw(cfg, exact_fp32, monkeyp
     assert report.fused["decoder"].startswith("wan.Decoder3d")
     ups = [k for k, v in report.fused.items() if v.startswith("wan.Resample")]
     assert len(ups) == sum(cfg["temperal_downsample"]) and all(".upsample" in k for k in ups), report.fused
+    dup_ups = [k for k, v in report.fused.items() if v.startswith("wan.ResidualUpBlock")]
+    assert len(dup_ups) == (len(cfg["dim_mult"]) - 1 if cfg.get("is_residual") else 0), report.fused
     seen = []
     real = wan.ResidualBlock.forward
 
@@ -322,6 +324,27 @@ def test_decoder_runs_ndhwc_inside_and_hands_back_ncdhw(cfg, exact_fp32, monkeyp
     assert rel_err(y, want) <= TOL[torch.float32]
     assert y.is_contiguous() and y.shape == want.shape
     assert seen and all(seen), seen
+
+
+@pytest.mark.parametrize("ft,fs,cin,cout", [(2, 2, 6, 3), (1, 2, 4, 4), (2, 2, 3, 6), (2, 1, 5, 5)])
+@pytest.mark.parametrize("first", [False, True])
+def test_add_dup_up_is_the_modules_shortcut(ft, fs, cin, cout, first):
+    """Wan 2.2's up-block shortcut added in place in NDHWC equals the
+    block's ``y + DupUp3D(x)`` exactly (a copy of values, one add), in and
+    past the first chunk (which drops ``ft - 1`` frames), channel counts
+    that repeat each input channel across sub-positions or spread them."""
+    dup = dwan.DupUp3D(cin, cout, factor_t=ft, factor_s=fs)
+    assert wan._dup_up(dup)
+    g = torch.Generator().manual_seed(ft * 10 + fs + cin)
+    for t in (1, 3):
+        x = torch.randn(2, cin, t, 3, 5, generator=g).contiguous(memory_format=torch.channels_last_3d)
+        tt = t * ft - (ft - 1 if first else 0)
+        y = torch.randn(2, cout, tt, 3 * fs, 5 * fs, generator=g).contiguous(memory_format=torch.channels_last_3d)
+        want = y + dup(x, first_chunk=first)
+        got = wan.add_dup_up(y.clone(), x, dup, first)
+        assert torch.equal(got, want)
+    # A shape it does not expect: None (the block adds the module's own).
+    assert wan.add_dup_up(y[:, :, :1].clone(), x, dup, first) is None or tt == 1
 
 
 def test_interleave_frames_is_the_blocks_stack():

@@ -206,6 +206,46 @@ def torch_conv3d(x, weight, bias, cache, pads, stride, dilation):
     return F.conv3d(full, weight, bias, stride, 0, dilation)
 
 
+def cudnn_conv3d(x, weight, bias, cache, pads, stride, dilation, *, residual=None, beta=1.0, activation="none",
+                 out_scale=1.0):
+    """The call through PyTorch's conv3d with fewer copies than a causal
+    module's own forward (``torch_conv3d``'s three: the concatenation, F.pad
+    writing the whole padded input, cuDNN's separate bias add): the frames of
+    time padding, the cached frames and the input in one concatenation (none
+    where there is only the input), the padding both sides share passed to
+    the conv (cuDNN pads without a copy), only an odd remainder F.pad's. On
+    a channels_last_3d output the bias, residual, activation and scale run as
+    one pass of the epilogue kernel (PyTorch's own bias add is an
+    unvectorised pass on NDHWC); elsewhere PyTorch's ops."""
+    from .conv import epilogue
+    (t0, t1), (h0, h1), (w0, w1) = pads
+    sym = (min(t0, t1), min(h0, h1), min(w0, w1))
+    t0, t1 = t0 - sym[0], t1 - sym[0]
+    ndhwc = x.is_contiguous(memory_format=torch.channels_last_3d) and not x.is_contiguous()
+    fmt = torch.channels_last_3d if ndhwc else torch.contiguous_format
+    n, c, _, h, w = x.shape
+    pieces = [x] if cache is None else [cache, x]
+    if t0:
+        pieces.insert(0, torch.empty((n, c, t0, h, w), dtype=x.dtype, device=x.device, memory_format=fmt).zero_())
+    if t1:
+        pieces.append(torch.empty((n, c, t1, h, w), dtype=x.dtype, device=x.device, memory_format=fmt).zero_())
+    full = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=2)
+    rest = (w0 - sym[2], w1 - sym[2], h0 - sym[1], h1 - sym[1])
+    if any(rest):
+        full = F.pad(full, rest)
+    if not ndhwc or (bias is None and residual is None and activation == "none" and out_scale == 1.0):
+        return eager_epilogue(F.conv3d(full, weight, bias, stride, sym, dilation), residual, beta, activation,
+                              out_scale)
+    y = F.conv3d(full, weight, None, stride, sym, dilation)
+    if not y.is_contiguous(memory_format=torch.channels_last_3d):
+        y = y if bias is None else y + bias.view(-1, 1, 1, 1)
+        return eager_epilogue(y, residual, beta, activation, out_scale)
+    # [N, C, T*H, W] channels_last views: the epilogue kernel's layout.
+    y4 = y.flatten(2, 3)
+    epilogue(y4, bias, None if residual is None else residual.flatten(2, 3), beta, activation, out_scale, out=y4)
+    return y
+
+
 def conv3d(x, weight, bias=None, stride=1, padding=0, dilation=1, *, cache=None, time_padding=None,
            residual=None, beta=1.0, activation="none", out_scale=1.0, out=None, route=None, config=None,
            force_int64=False):

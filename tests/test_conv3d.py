@@ -7,6 +7,7 @@ of 8, per-axis kernel sizes, strides, dilations and front/back paddings,
 causal time padding with and without cached frames, both layouts.
 """
 
+import copy
 from typing import NamedTuple, Optional
 
 import pytest
@@ -310,3 +311,57 @@ def test_gpu_default_route_is_pytorch_until_measured(monkeypatch):
     assert launched
     with pytest.raises(ValueError, match="route"):
         ops.conv3d(x, w, route="cudnn")
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_cudnn_route_equals_the_padded_concatenation(case, exact_fp32):
+    """The cuDNN route (``cudnn_conv3d``: time padding and cached frames in
+    one concatenation, the symmetric padding given to the conv, bias and
+    epilogue as one pass on NDHWC) computes what the module's own forward
+    does (the concatenation, F.pad, F.conv3d, eager epilogue ops), in both
+    layouts, with every padding, stride, cache and epilogue of the matrix."""
+    gen = torch.Generator().manual_seed(7)
+    x, cache, w, b = _inputs(case, torch.float32, "cpu", gen)
+    ref = _reference(case, x, cache, w, b)
+    r, beta, scale = None, 1.0, 1.0
+    if case.residual is not None:
+        r = randn(gen, *ref.shape, dtype=torch.float32, device="cpu")
+        if case.residual == "ndhwc":
+            r = r.contiguous(memory_format=CL3)
+        beta, scale = 0.7, 0.5
+        ref = ref + beta * r.double()
+    ref = scale * act64(ref, case.act)
+    pads = ops.conv3d_padding(case.padding, case.time_padding)
+    y = conv3d_mod.cudnn_conv3d(x, w, b, cache, pads, case.stride, case.dilation, residual=r, beta=beta,
+                                activation=case.act, out_scale=scale)
+    assert y.shape == ref.shape and rel_err(y, ref) <= TOL[torch.float32], case
+
+
+def test_dispatch_takes_the_cudnn_route_for_unmeasured_calls_on_a_gpu(monkeypatch, exact_fp32):
+    """On a GPU whose table has conv3d entries, a causal conv call the table
+    never measured runs the cuDNN route (its label says so) and equals the
+    module's own forward, with and without cached frames, in NDHWC; with
+    autograd it is the module's own forward."""
+    pytest.importorskip("diffusers")
+    from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d
+    import conv_patch
+    from conv_patch.routing import Route
+    from conv_patch.target import Target
+    torch.manual_seed(0)
+    holder = torch.nn.Module()
+    holder.conv = WanCausalConv3d(5, 7, 3, padding=1)
+    twin = copy.deepcopy(holder.conv)
+    conv_patch.apply(holder)
+    m = holder.conv
+    monkeypatch.setattr(conv3d_mod, "target_for", lambda device: Target("sm90", True))
+    g = torch.Generator().manual_seed(1)
+    x = randn(g, 1, 5, 3, 6, 7).contiguous(memory_format=CL3)
+    cache = randn(g, 1, 5, 2, 6, 7).contiguous(memory_format=CL3)
+    with torch.no_grad():
+        for args in ((x,), (x, cache)):
+            y = m(*args)
+            assert rel_err(y, twin(*args)) <= TOL[torch.float32]
+            assert m._cp_last.route is Route.CUDNN and "not measured on sm90" in m._cp_last.label()
+    x.requires_grad_(True)
+    m(x).sum().backward()
+    assert m._cp_last.route is Route.FALLBACK and x.grad is not None

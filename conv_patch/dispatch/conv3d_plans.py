@@ -23,8 +23,10 @@ from .plans import BUILD_LOCK, UNREGISTERED, kernel_failure, store_plan, tensor_
 @dataclasses.dataclass(eq=False)
 class Conv3dPlan:
     """A Conv3d call's plan: the kernel (kernels/conv3d.py, with ``config``
-    its tiles) or the module's own forward, with the epilogue as PyTorch
-    ops."""
+    its tiles); the cuDNN route (``conv3d.cudnn_conv3d``: PyTorch's conv3d
+    with fewer copies than the module's own forward, the bias and epilogue
+    as one pass on NDHWC); or the module's own forward, with the epilogue as
+    PyTorch ops."""
 
     kernel: bool
     decision: RouteDecision
@@ -71,22 +73,25 @@ def conv3d_decide(spec, x, weight, bias, cache, residual, cast, table=None, epil
         return RouteDecision(Route.CONV3D_IGEMM, "interpreter", tier="default"), target, None
     keys = config_tables.conv3d_call_keys(spec, x, cache)
     entry = next((e for e in map(table.conv3d_exact, keys) if e is not None), None)
+    # From here the spec describes the call: where the kernel does not take
+    # it, the cuDNN route computes it (on a GPU: what the module's own
+    # forward computes, with fewer copies), and the reason says why.
     if entry is None:
-        return RouteDecision(Route.FALLBACK, f"conv3d {keys[0]} not measured on {target.arch}: PyTorch's conv3d "
-                                             "(cuDNN)"), None, None
+        return RouteDecision(Route.CUDNN, f"conv3d {keys[0]} not measured on {target.arch}: PyTorch's conv3d "
+                                          "(cuDNN)"), None, None
     if config_tables.route_of(entry) == "cudnn":
-        return RouteDecision(Route.FALLBACK, f"cuDNN measured faster ({entry['cudnn_ms']:.4g} ms vs "
-                                             f"{entry['ours_ms']:.4g} ms)", tier="exact"), None, None
+        return RouteDecision(Route.CUDNN, f"cuDNN measured faster ({entry['cudnn_ms']:.4g} ms vs "
+                                          f"{entry['ours_ms']:.4g} ms)", tier="exact"), None, None
     route = config_tables.route_of(entry)
     if route == "tma":
         problem = kernels().conv3d_tma_problem(x, cache, None, spec.stride, target.interpreter)
         if problem:
-            return RouteDecision(Route.FALLBACK, f"the measured tma tile cannot take this call ({problem})",
+            return RouteDecision(Route.CUDNN, f"the measured tma tile cannot take this call ({problem})",
                                  tier="exact"), None, None
     choice = costs.conv3d_choice(entry["ours_ms"], entry["cudnn_ms"], epilogue, graph,
                                  out_bytes=math.prod(shape) * x.element_size(), repack=route == "tma")
     if not choice.kernel:
-        return RouteDecision(Route.FALLBACK, choice.why, tier="exact"), None, None
+        return RouteDecision(Route.CUDNN, choice.why, tier="exact"), None, None
     config = {k: v for k, v in entry.items() if k not in ("ours_ms", "cudnn_ms")}
     return (RouteDecision(Route.CONV3D_TMA if route == "tma" else Route.CONV3D_IGEMM, choice.why, tier="exact"),
             target, config)
@@ -154,6 +159,9 @@ def conv3d(m, x, eager_forward, cache=None, pads=None, residual=None, beta=1.0, 
             decision, target, config = conv3d_decide(
                 spec, x, weight, bias, cache, residual, cast, conv3d_table(m, target),
                 costs.epilogue_ops(residual is not None, beta, activation, out_scale), graph or foreign)
+            if decision.route is Route.CUDNN and grad:
+                # (autograd: the module's own forward, whose backward PyTorch records as it always does)
+                decision = RouteDecision(Route.FALLBACK, decision.reason, tier=decision.tier)
             plan = Conv3dPlan(target is not None, decision, spec, target, config)
             if plan.kernel:
                 try:
@@ -168,6 +176,10 @@ def conv3d(m, x, eager_forward, cache=None, pads=None, residual=None, beta=1.0, 
     m.__dict__["_cp_last"] = plan.decision
     if plan.kernel:
         return _conv3d_kernel(plan, x, weight, bias, cache, residual, beta, activation, out_scale)
+    if plan.decision.route is Route.CUDNN:
+        s = plan.spec
+        return conv3d_op.cudnn_conv3d(x, weight, bias, cache, s.pads, s.stride, s.dilation, residual=residual,
+                                      beta=beta, activation=activation, out_scale=out_scale)
     return eager_epilogue(eager_forward(), residual, beta, activation, out_scale)
 
 

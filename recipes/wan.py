@@ -10,16 +10,17 @@ in custom nodes) are recognised alike.
   cache bookkeeping exactly as the block does it), the shortcut added in
   conv2's epilogue;
 * the mid-block's per-frame attention (``AttentionBlock``);
-* the decoder (``*Decoder3d``) in NDHWC inside: its input converted once,
-  its output handed back in the caller's layout. In NCDHW cuDNN transposes
+* the decoder (``*Decoder3d``: diffusers' and ComfyUI's) in NDHWC inside:
+  its input converted once, its output handed back in the caller's layout. In NCDHW cuDNN transposes
   every conv's input and output, and the sm90 Conv3d kernel (TMA boxes of
   channels) takes NDHWC only;
 * the up-sampling resample (``*Resample``, ``upsample3d``): the time conv's
   two output halves interleaved into frames in NDHWC (the block's own
   ``torch.stack`` hands back NCDHW, which would leave the rest of the
   decoder there);
-* Wan 2.2's residual up block (``WanResidualUpBlock``): its ``DupUp3D``
-  shortcut gathered straight into the block's output in NDHWC.
+* Wan 2.2's residual up block (diffusers' ``WanResidualUpBlock``, ComfyUI's
+  ``Up_ResidualBlock``): its ``DupUp3D`` shortcut gathered straight into the
+  block's output in NDHWC.
 
 The resample blocks' nearest x2 upsampling + 3x3 conv per frame is the
 ``nn.Sequential`` chain recipe's (``common.py``). Convs run on conv-patch's
@@ -31,6 +32,7 @@ PyTorch's.
 from __future__ import annotations
 
 import sys
+from typing import Optional
 
 import torch
 from torch import nn
@@ -250,8 +252,9 @@ def _ndhwc_pays(x) -> bool:
 
 
 class Decoder3d(Recipe):
-    """diffusers' ``WanDecoder3d`` / ``QwenImageDecoder3d`` in NDHWC inside:
-    its own forward on an NDHWC chunk (the blocks' recipes, the RMS norm
+    """diffusers' ``WanDecoder3d`` / ``QwenImageDecoder3d`` and ComfyUI's
+    WanVAE ``Decoder3d`` (Wan 2.1's and 2.2's) in NDHWC inside: its own
+    forward on an NDHWC chunk (the blocks' recipes, the RMS norm
     kernel, the causal caches and the convs all keep NDHWC), the output in
     the caller's layout."""
 
@@ -259,9 +262,16 @@ class Decoder3d(Recipe):
     what = "NDHWC inside, caller's layout at the boundary"
 
     def match(self, m):
+        if not (_cls(m).__name__.endswith("Decoder3d") and _family_cache_t(m)):
+            return False
         conv_in, conv_out, ups = parts(m, "conv_in", "conv_out", "up_blocks")
-        return (_cls(m).__name__.endswith("Decoder3d") and _family_cache_t(m) and ups is not None
-                and conv_in is not None and _causal(conv_in) and conv_out is not None and _causal(conv_out))
+        if ups is not None and conv_in is not None and _causal(conv_in) and conv_out is not None \
+                and _causal(conv_out):
+            return True
+        # ComfyUI's WanVAE decoders (Wan 2.1's and 2.2's): conv1, upsamples, a head ending in the conv.
+        conv1, head, ups = parts(m, "conv1", "head", "upsamples")
+        return (conv1 is not None and _causal(conv1) and isinstance(ups, nn.Sequential)
+                and isinstance(head, nn.Sequential) and len(head) > 0 and _causal(head[-1]))
 
     def forward(self, m, x, *args, **kwargs):
         if not _ndhwc_pays(x):
@@ -357,33 +367,47 @@ def add_dup_up(y: torch.Tensor, x: torch.Tensor, dup, first_chunk: bool) -> torc
     return y
 
 
+def _up_steps(m) -> Optional[list]:
+    """The main path of a Wan 2.2 residual up block, in order: diffusers'
+    ``WanResidualUpBlock`` (``resnets``, then ``upsampler``), ComfyUI's
+    ``Up_ResidualBlock`` (``upsamples``); None for anything else."""
+    name = _cls(m).__name__
+    if name == "WanResidualUpBlock":
+        resnets, up = parts(m, "resnets", "upsampler")
+        if isinstance(resnets, nn.ModuleList):
+            return list(resnets) + ([] if up is None else [up])
+    elif name == "Up_ResidualBlock":
+        ups = parts(m, "upsamples")[0]
+        if isinstance(ups, nn.Sequential):
+            return list(ups)
+    return None
+
+
 class ResidualUpBlock(Recipe):
-    """diffusers' ``WanResidualUpBlock`` (Wan 2.2) on an NDHWC input: its
-    resnets and upsampler as the block calls them (their own recipes), then
-    the ``DupUp3D`` shortcut added into the upsampler's output in place by
-    ``add_dup_up`` (the block's ``clone()`` of its input is not needed: no
-    step writes into it). Anything else runs the block's own forward."""
+    """Wan 2.2's residual up block (diffusers' ``WanResidualUpBlock``,
+    ComfyUI's ``Up_ResidualBlock``) on an NDHWC input: its resnets and
+    upsampler called as the block calls them (their own recipes), then the
+    ``DupUp3D`` shortcut added into the upsampler's output in place by
+    ``add_dup_up`` (diffusers' ``clone()`` of the block input is not needed:
+    no step writes into it). Anything else runs the block's own forward."""
 
     name = "wan.ResidualUpBlock"
     what = "DupUp3D shortcut gathered into the output in place, NDHWC"
 
     def match(self, m):
-        resnets, dup = parts(m, "resnets", "avg_shortcut")
-        return (_cls(m).__name__ == "WanResidualUpBlock" and isinstance(resnets, nn.ModuleList)
-                and dup is not None and _dup_up(dup))
+        dup = parts(m, "avg_shortcut")[0]
+        return _up_steps(m) is not None and dup is not None and _dup_up(dup)
 
     def forward(self, m, x, feat_cache=None, feat_idx=None, first_chunk=False):
-        resnets, up, dup = parts(m, "resnets", "upsampler", "avg_shortcut")
+        dup = parts(m, "avg_shortcut")[0]
         own = _own_args(x, feat_cache, feat_idx)
         if ((feat_cache is not None and feat_idx is None) or not isinstance(x, torch.Tensor) or x.dim() != 5
                 or config_tables.conv3d_layout(x) != "ndhwc" or not plain(dup)
                 or (torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in m.parameters())))):
             return base(m, *own, first_chunk=first_chunk)
         y = x
-        for r in resnets:
-            y = r(y) if feat_cache is None else r(y, feat_cache=feat_cache, feat_idx=feat_idx)
-        if up is not None:
-            y = up(y) if feat_cache is None else up(y, feat_cache=feat_cache, feat_idx=feat_idx)
+        for step in _up_steps(m):
+            y = step(y) if feat_cache is None else step(y, feat_cache, feat_idx)
         if y is x or config_tables.conv3d_layout(y) != "ndhwc":
             return y + dup(x, first_chunk=first_chunk)
         out = add_dup_up(y, x, dup, first_chunk)

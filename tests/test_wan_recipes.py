@@ -347,6 +347,100 @@ def test_add_dup_up_is_the_modules_shortcut(ft, fs, cin, cout, first):
     assert wan.add_dup_up(y[:, :, :1].clone(), x, dup, first) is None or tt == 1
 
 
+def _cached_step(conv, x, feat_cache, feat_idx):
+    """A ComfyUI WanVAE decoder's causal conv step outside its blocks (conv1, the head's conv)."""
+    idx = feat_idx[0]
+    cache_x = x[:, :, -CACHE_T:].clone()
+    if cache_x.shape[2] < 2 and feat_cache[idx] is not None:
+        cache_x = torch.cat([feat_cache[idx][:, :, -1:], cache_x], dim=2)
+    y = conv(x, feat_cache[idx])
+    feat_cache[idx] = cache_x
+    feat_idx[0] += 1
+    return y
+
+
+class Up_ResidualBlock(nn.Module):
+    """ComfyUI's Wan 2.2 up block contract: ``upsamples`` (residual blocks,
+    then a resample where it upsamples) beside a ``DupUp3D`` shortcut."""
+
+    def __init__(self, cin, cout, mult, t_up, up):
+        super().__init__()
+        self.avg_shortcut = dwan.DupUp3D(cin, cout, factor_t=2 if t_up else 1, factor_s=2) if up else None
+        layers = [ResidualBlock(cin if i == 0 else cout, cout) for i in range(mult)]
+        if up:
+            layers.append(dwan.WanResample(cout, "upsample3d" if t_up else "upsample2d", upsample_out_dim=cout))
+        self.upsamples = nn.Sequential(*layers)
+
+    def forward(self, x, feat_cache=None, feat_idx=[0], first_chunk=False):
+        y = x
+        for layer in self.upsamples:
+            y = layer(y, feat_cache, feat_idx)
+        return y if self.avg_shortcut is None else y + self.avg_shortcut(x, first_chunk)
+
+
+class Decoder3d(nn.Module):
+    """ComfyUI's WanVAE decoder contract: ``conv1``, ``middle``,
+    ``upsamples``, a ``head`` ending in the causal conv."""
+
+    def __init__(self, z, dims):
+        super().__init__()
+        self.conv1 = CausalConv3d(z, dims[0], 3, padding=1)
+        self.middle = nn.Sequential(ResidualBlock(dims[0], dims[0]), ResidualBlock(dims[0], dims[0]))
+        self.upsamples = nn.Sequential(Up_ResidualBlock(dims[0], dims[1], 2, True, True),
+                                       Up_ResidualBlock(dims[1], dims[2], 2, False, True),
+                                       Up_ResidualBlock(dims[2], dims[2], 1, False, False))
+        self.head = nn.Sequential(RMS_norm(dims[2], images=False), nn.SiLU(), CausalConv3d(dims[2], 3, 3, padding=1))
+
+    def forward(self, x, feat_cache=None, feat_idx=[0], first_chunk=False):
+        x = _cached_step(self.conv1, x, feat_cache, feat_idx)
+        for layer in self.middle:
+            x = layer(x, feat_cache, feat_idx)
+        for layer in self.upsamples:
+            x = layer(x, feat_cache, feat_idx, first_chunk)
+        for layer in self.head:
+            x = _cached_step(layer, x, feat_cache, feat_idx) if isinstance(layer, nn.Conv3d) else layer(x)
+        return x
+
+
+def test_comfy_style_wan22_decoder_runs_ndhwc_inside(exact_fp32, monkeypatch):
+    """A ComfyUI-style Wan 2.2 decoder (conv1 / middle / upsamples / head;
+    ``Up_ResidualBlock`` with DupUp3D shortcuts, in time and space and in
+    space only) decoded chunk by chunk as ComfyUI's WanVAE does, first chunk
+    flagged: the decoder recipe runs it NDHWC inside, the up blocks add their
+    shortcut in place, no fused block falls back, and the frames, their
+    values and the caller's layout are the unpatched decoder's."""
+    dec = _seeded(Decoder3d(4, (8, 8, 4)), 11)
+    ref = copy.deepcopy(dec).double()
+    slots = sum(isinstance(m, nn.Conv3d) for m in dec.modules())
+    report = conv_patch.apply(dec, filter_fn=lambda m, name: not isinstance(m, nn.Conv3d))
+    assert report.fused[""].startswith("wan.Decoder3d")
+    assert {k for k, v in report.fused.items() if v.startswith("wan.ResidualUpBlock")} == {"upsamples.0",
+                                                                                        "upsamples.1"}
+    conv3d = nn.Conv3d.forward
+
+    def like_cudnn(self, x):
+        y = conv3d(self, x)
+        cl = x.is_contiguous(memory_format=torch.channels_last_3d) and not x.is_contiguous()
+        return y.contiguous(memory_format=torch.channels_last_3d) if cl else y
+
+    def refuse(m, *a, **k):
+        raise AssertionError(f"{type(m).__name__} ran its own forward")
+
+    monkeypatch.setattr(nn.Conv3d, "forward", like_cudnn)
+    monkeypatch.setattr(wan, "base", refuse)
+    z = torch.randn(1, 4, 3, 3, 5, generator=torch.Generator().manual_seed(2))
+    outs = []
+    for model, zz in ((dec, z), (ref, z.double())):
+        cache, frames = [None] * slots, []
+        with torch.no_grad():
+            for i in range(zz.shape[2]):
+                frames.append(model(zz[:, :, i:i + 1], cache, [0], i == 0))
+        outs.append(torch.cat(frames, 2))
+    y, want = outs
+    assert y.shape == want.shape == (1, 3, 1 + 2 * 2, 12, 20)
+    assert rel_err(y, want) <= TOL[torch.float32] and y.is_contiguous()
+
+
 def test_interleave_frames_is_the_blocks_stack():
     g = torch.Generator().manual_seed(5)
     for shape in ((2, 6, 3, 4, 5), (1, 6, 1, 4, 5)):  # (one frame of one sample: a view would do)

@@ -3,9 +3,9 @@
 Recognised: diffusers ``AutoencoderKL`` (SD1.5/SDXL/SD3/FLUX.1 layouts), the
 original single-file layout (ComfyUI, the SD repositories, FLUX ``ae``; bare
 or under ``first_stage_model.``/``vae.``), TAESD-format ``nn.Sequential``
-encoders/decoders, diffusers ``AutoencoderTiny``, and the Wan 2.1-family
-video VAE (diffusers ``AutoencoderKLWan``, in its own layout and in the
-original Wan repository's). Each recognised format knows how to build its
+encoders/decoders, diffusers ``AutoencoderTiny``, and the Wan-family video
+VAEs (diffusers ``AutoencoderKLWan``, Wan 2.1's and 2.2's, in its own layout
+and in the original Wan repository's). Each recognised format knows how to build its
 model (the diffusers class or the package's own TAESD module), how to
 decode/encode with it, and the geometry of each convolution weight (2-D and
 3-D) for the per-layer check. Anything else gets the per-layer check alone.
@@ -298,7 +298,7 @@ def _tiny_format(enc: list, dec: list) -> Format:
         image_range=(-1.0, 1.0))
 
 
-# -- Wan 2.1-family video VAE (diffusers AutoencoderKLWan) -------------------
+# -- Wan-family video VAEs (diffusers AutoencoderKLWan: Wan 2.1 and 2.2) -------
 
 # The original Wan repository's layout (wan/modules/vae.py: Wan2.1_VAE.pth,
 # ComfyUI's wan_2.1_vae.safetensors) to AutoencoderKLWan's names, written
@@ -326,9 +326,15 @@ _WAN_RENAMES = [(re.compile(a), b) for a, b in (
 _WAN_ORIGINAL = re.compile(r"(encoder\.downsamples|decoder\.upsamples|encoder\.middle|decoder\.middle|"
                            r"encoder\.head|decoder\.head)\.\d+\.")
 # Wan 2.2's residual up/down blocks (the TI2V-5B VAE: patchified 12-channel
-# input, avg/dup shortcuts, blocks nested in levels), in either layout.
-_WAN22 = re.compile(r"(.*\.avg_shortcut\.|encoder\.down_blocks\.\d+\.resnets\.|"
+# input, avg/dup shortcuts without weights, residual blocks nested in levels):
+# AutoencoderKLWan(is_residual=True) names them down_blocks.L.resnets.J /
+# .downsampler (up_blocks.L.resnets.J / .upsampler); the original layout
+# (Wan2.2_VAE.pth, ComfyUI's wan2.2_vae.safetensors) downsamples.L.downsamples.J
+# (upsamples.L.upsamples.J), the resample last in its level.
+_WAN22 = re.compile(r"(encoder\.down_blocks\.\d+\.resnets\.|decoder\.up_blocks\.\d+\.upsampler\.|"
                     r"(encoder\.downsamples|decoder\.upsamples)\.\d+\.(downsamples|upsamples)\.)")
+_WAN22_NESTED = re.compile(r"(encoder\.downsamples|decoder\.upsamples)\.(\d+)\.(?:downsamples|upsamples)\.(\d+)\."
+                           r"(.*)")
 
 
 def wan_original_names(keys) -> Dict[str, str]:
@@ -358,6 +364,28 @@ def wan_original_names(keys) -> Dict[str, str]:
     return out
 
 
+def wan22_original_names(keys) -> Dict[str, str]:
+    """Original Wan 2.2 layout name -> AutoencoderKLWan(is_residual=True)
+    name, for every key: a level's nested block is a resample where it has
+    ``resample.``/``time_conv.`` tensors, else its residual block J."""
+    samplers = {(m.group(1), m.group(2), m.group(3)) for k in keys for m in [_WAN22_NESTED.match(k)]
+                if m and m.group(4).startswith(("resample.", "time_conv."))}
+    out = {}
+    for k in keys:
+        m = _WAN22_NESTED.match(k)
+        new = k
+        if m:
+            part, level, j, rest = m.groups()
+            half, blocks, sampler = (("encoder", "down_blocks", "downsampler") if part.startswith("encoder")
+                                     else ("decoder", "up_blocks", "upsampler"))
+            new = (f"{half}.{blocks}.{level}.{sampler}.{rest}" if (part, level, j) in samplers
+                   else f"{half}.{blocks}.{level}.resnets.{j}.{rest}")
+        for pattern, repl in _WAN_RENAMES:
+            new = pattern.sub(repl, new)
+        out[k] = new
+    return out
+
+
 class _Unsupported(ValueError):
     """A Wan-family file of a variant AutoencoderKLWan is not built for here."""
 
@@ -369,7 +397,7 @@ def _wan_config(shapes: Shapes) -> dict:
     keys = list(shapes)
     has_enc, has_dec = "encoder.conv_in.weight" in shapes, "decoder.conv_in.weight" in shapes
     if any(_WAN22.match(k) for k in keys):
-        raise _Unsupported("Wan 2.2-style residual up/down blocks (the TI2V-5B VAE)")
+        return _wan22_config(shapes)
     if any(re.match(r"(encoder\.down_blocks|decoder\.up_blocks\.\d+\.resnets)\.\d+\.to_qkv\.", k) for k in keys):
         raise _Unsupported("attention blocks inside the levels (attn_scales)")
     widths, temporal, nrb, base = None, None, None, 0
@@ -416,6 +444,51 @@ def _wan_config(shapes: Shapes) -> dict:
     return config
 
 
+def _wan22_config(shapes: Shapes) -> dict:
+    """AutoencoderKLWan(is_residual=True)'s arguments from its names: level
+    widths from each level's first residual block, the temporal flags from
+    the encoder's time convs (or the decoder's, reversed), the patch size
+    from the 3 * p^2 input and output channels. As for Wan 2.1 only a
+    plausible config: ``_wan_problem`` decides."""
+    keys = list(shapes)
+    if any(re.match(r"(encoder\.down_blocks|decoder\.up_blocks)\.\d+\.resnets\.\d+\.to_qkv\.", k) for k in keys):
+        raise _Unsupported("attention blocks inside the levels (attn_scales)")
+    has_enc, has_dec = "encoder.conv_in.weight" in shapes, "decoder.conv_in.weight" in shapes
+    enc = _idx(keys, r"encoder\.down_blocks\.(\d+)\.")
+    dec = _idx(keys, r"decoder\.up_blocks\.(\d+)\.")
+    if has_enc:
+        widths = [shapes[f"encoder.down_blocks.{i}.resnets.0.conv2.weight"][0] for i in enc]
+        temporal = [f"encoder.down_blocks.{i}.downsampler.time_conv.weight" in shapes for i in enc[:-1]]
+        nrb = len(_idx(keys, r"encoder\.down_blocks\.0\.resnets\.(\d+)\."))
+        base = shapes["encoder.conv_in.weight"][0]
+        channels = shapes["encoder.conv_in.weight"][1]
+    if has_dec:
+        dec_widths = [shapes[f"decoder.up_blocks.{i}.resnets.0.conv2.weight"][0] for i in dec][::-1]
+        dec_temporal = [f"decoder.up_blocks.{i}.upsampler.time_conv.weight" in shapes for i in dec[:-1]][::-1]
+        if not has_enc:
+            # A decoder alone does not say how its widths split into base
+            # and multipliers; Wan's first multiplier is 1.
+            widths, temporal, base = dec_widths, dec_temporal, dec_widths[0]
+            nrb = len(_idx(keys, r"decoder\.up_blocks\.0\.resnets\.(\d+)\.")) - 1
+            channels = shapes["decoder.conv_out.weight"][0]
+    if not widths or base <= 0 or any(w % base for w in widths):
+        raise ValueError(f"level widths {widths} are not multiples of the base width {base}")
+    mult = [w // base for w in widths]
+    patch = int(round((channels / 3) ** 0.5))
+    if channels != 3 * patch * patch:
+        raise _Unsupported(f"{channels} image channels (not 3 x a square patch)")
+    z_dim = (shapes["post_quant_conv.weight"][0] if "post_quant_conv.weight" in shapes
+             else shapes["decoder.conv_in.weight"][1] if has_dec else shapes["encoder.conv_out.weight"][0] // 2)
+    config = dict(base_dim=base, z_dim=z_dim, dim_mult=mult, num_res_blocks=nrb, temperal_downsample=temporal,
+                  attn_scales=[], is_residual=True, in_channels=channels,
+                  out_channels=shapes["decoder.conv_out.weight"][0] if has_dec else channels, patch_size=patch,
+                  scale_factor_spatial=2 ** (len(mult) - 1) * patch, scale_factor_temporal=2 ** sum(temporal))
+    if has_dec:
+        # The decoder's first width is its base times the last multiplier.
+        config["decoder_base_dim"] = shapes["decoder.conv_in.weight"][0] // mult[-1]
+    return config
+
+
 # What a file holding one half of the model lacks: the other half's tensors.
 _WAN_HALVES = {"encoder": ("encoder.", "quant_conv."), "decoder": ("decoder.", "post_quant_conv.")}
 
@@ -459,7 +532,9 @@ def _describe_wan(config: dict) -> str:
     return (f"AutoencoderKLWan base_dim={config['base_dim']}, dim_mult={config['dim_mult']}, num_res_blocks="
             f"{config['num_res_blocks']}, z_dim={config['z_dim']}, temperal_downsample="
             f"{config['temperal_downsample']}"
-            + (f", decoder_base_dim={config['decoder_base_dim']}" if "decoder_base_dim" in config else ""))
+            + (f", decoder_base_dim={config['decoder_base_dim']}" if "decoder_base_dim" in config else "")
+            + (f", is_residual=True, patch_size={config['patch_size']} (Wan 2.2)" if config.get("is_residual")
+               else ""))
 
 
 def _wan_geometry(name, shape):
@@ -582,7 +657,8 @@ def recognise(shapes: Shapes) -> Format:
             return _wan_format(shapes, None)
         if rms and _is_5d(shapes, "encoder.conv1.weight", "decoder.conv1.weight") and any(
                 _WAN_ORIGINAL.match(k) for k in shapes):
-            return _wan_format(shapes, wan_original_names(list(shapes)))
+            nested = any(_WAN22_NESTED.match(k) for k in shapes)
+            return _wan_format(shapes, (wan22_original_names if nested else wan_original_names)(list(shapes)))
         if any(re.match(r"(encoder\.down_blocks|decoder\.up_blocks)\.\d+\.", k) for k in shapes):
             config = _kl_config(shapes, "diffusers")
             return _kl_format("diffusers-autoencoderkl", "diffusers " + _describe_kl(config), shapes, config)

@@ -471,7 +471,7 @@ def verify_files(paths, device, dtype=None, size=None, image=None, allow_pickle=
                 rep.notes.append(f"looks like {fmt.kind} but the model could not be built from it "
                                  f"({type(e).__name__}: {str(e).strip().splitlines()[0][:120]}): "
                                  "per-layer checks only")
-        if fmt.latent_frames and rep.end_to_end:
+        if fmt.latent_frames and rep.end_to_end and device.type != "cuda":
             rep.notes.append("end to end: conv-patch runs this video VAE's Conv2d layers (resample, attention); "
                              "its Conv3d layers run PyTorch's conv3d, patched and unpatched alike (the per-layer "
                              "checks cover the Conv3d kernel)")
@@ -526,11 +526,12 @@ def _video_end_to_end(rep, fmt, state, device, dtype, size, image, timing):
     g = torch.Generator().manual_seed(0)
     lo, hi = fmt.image_range
     lat = size // fmt.factor
-    # The Conv3d layers are checked per layer. End to end they run PyTorch's
-    # conv3d: on a GPU the dispatch core gives them to PyTorch anyway (no
-    # conv3d shape measured there yet), and under the interpreter the
-    # kernel over every frame chunk of a decode takes minutes.
-    no_conv3d = (lambda m, fqn: not isinstance(m, nn.Conv3d))
+    # The Conv3d layers are checked per layer. End to end on a GPU they are
+    # patched like the rest (the dispatch core's routes: the kernel where the
+    # table measured it faster, else the cuDNN route); under the interpreter
+    # they run PyTorch's conv3d (the kernel over every frame chunk of a
+    # decode takes minutes there).
+    no_conv3d = None if device.type == "cuda" else (lambda m, fqn: not isinstance(m, nn.Conv3d))
     if fmt.decode:
         z = torch.randn(1, fmt.latent_channels, fmt.latent_frames, lat, lat, generator=g)
         rep.end_to_end.append(check_end_to_end(f"decode {fmt.latent_frames} latent frames to {size}x{size}",

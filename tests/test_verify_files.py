@@ -602,20 +602,104 @@ def test_wan_truncated_and_absurd_files(tmp_path, capsys):
         assert _fingerprint(path) == before
 
 
-def test_wan_22_style_file_falls_back_to_per_layer(tmp_path, capsys):
-    """Wan 2.2's residual blocks (avg shortcuts, resnets nested in levels):
-    not built here, so per-layer checks alone, and the report says why."""
-    sd = {"encoder.conv_in.weight": torch.randn(4, 12, 3, 3, 3),
-          "encoder.down_blocks.0.resnets.0.norm1.gamma": torch.ones(4, 1, 1, 1),
-          "encoder.down_blocks.0.resnets.0.conv1.weight": torch.randn(4, 4, 3, 3, 3),
-          "encoder.down_blocks.0.avg_shortcut.weight": torch.randn(4, 4, 1, 1, 1)}
-    path = tmp_path / "wan22.safetensors"
+WAN22_TINY = dict(base_dim=4, decoder_base_dim=8, z_dim=4, dim_mult=[1, 2, 2], num_res_blocks=1,
+                  temperal_downsample=[False, True], is_residual=True, in_channels=12, out_channels=12, patch_size=2,
+                  scale_factor_spatial=8, scale_factor_temporal=2)
+
+
+def _small_wan22():
+    diffusers = pytest.importorskip("diffusers")
+    torch.manual_seed(0)
+    return diffusers.AutoencoderKLWan(**WAN22_TINY)
+
+
+def diffusers_to_wan22_original(sd, num_res_blocks):
+    """The original Wan 2.2 layout (wan/modules/vae2_2.py, as in
+    Wan2.2_VAE.pth and ComfyUI's wan2.2_vae.safetensors) from
+    AutoencoderKLWan(is_residual=True) keys: each level's residual blocks
+    then its resample nested as ``downsamples.L.downsamples.J`` /
+    ``upsamples.L.upsamples.J``; the rest as in Wan 2.1."""
+    inner = {"norm1": "residual.0", "conv1": "residual.2", "norm2": "residual.3", "conv2": "residual.6",
+             "conv_shortcut": "shortcut"}
+    nested, rest = {}, {}
+    for k, v in sd.items():
+        p = k.split(".")
+        if len(p) > 3 and p[1] in ("down_blocks", "up_blocks"):
+            half, outer = ("encoder", "downsamples") if p[1] == "down_blocks" else ("decoder", "upsamples")
+            if p[3] == "resnets":
+                tail = p[5:]
+                if tail[0] in inner:
+                    tail = inner[tail[0]].split(".") + tail[1:]
+                p = [half, outer, p[2], outer, p[4]] + tail
+            else:  # the level's downsampler / upsampler, after its residual blocks
+                j = num_res_blocks if half == "encoder" else num_res_blocks + 1
+                p = [half, outer, p[2], outer, str(j)] + p[4:]
+            nested[".".join(p)] = v.contiguous()
+        else:
+            rest[k] = v
+    out = diffusers_to_wan_original(rest, num_res_blocks)
+    out.update(nested)
+    return out
+
+
+def _wan22_file(tmp_path, layout, sd):
+    if layout == "original":
+        sd = diffusers_to_wan22_original(sd, WAN22_TINY["num_res_blocks"])
+    path = tmp_path / f"wan22_{layout}.safetensors"
     save_file(sd, str(path))
-    code, out, err = run_cli(["verify", str(path), "--size", "8"], capsys)
+    return path
+
+
+def test_wan22_original_mapping_names_the_real_modules():
+    names = set(diffusers_to_wan22_original({k: torch.zeros(1) for k in _small_wan22().state_dict()}, 1))
+    for k in ("conv1.weight", "conv2.weight", "encoder.conv1.weight", "decoder.conv1.weight",
+              "encoder.downsamples.0.downsamples.0.residual.0.gamma", "encoder.downsamples.0.downsamples.1.resample.1.weight",
+              "encoder.downsamples.1.downsamples.0.shortcut.weight", "encoder.downsamples.1.downsamples.1.time_conv.weight",
+              "decoder.upsamples.0.upsamples.2.time_conv.weight", "decoder.upsamples.1.upsamples.2.resample.1.bias",
+              "decoder.upsamples.2.upsamples.1.residual.6.weight", "decoder.middle.1.to_qkv.weight",
+              "decoder.head.0.gamma", "decoder.head.2.weight"):
+        assert k in names, k
+    assert not any("up_blocks" in k or "down_blocks" in k or "mid_block" in k for k in names)
+
+
+@pytest.mark.parametrize("layout", ["diffusers", "original"])
+def test_wan22_video_vae_layouts(layout, tmp_path, capsys):
+    """A Wan 2.2-style VAE (the TI2V-5B layout: residual up/down blocks,
+    2x2 patches) in either layout: recognised from names and shapes, rebuilt
+    as the same model, and verified end to end (decode and encode)."""
+    vae = _small_wan22()
+    path = _wan22_file(tmp_path, layout, {k: v.contiguous() for k, v in vae.state_dict().items()})
+    before = _fingerprint(path)
+    from conv_patch import checkpoint, formats
+    state = checkpoint.load(path)
+    fmt = formats.recognise({k: tuple(v.shape) for k, v in state.items()})
+    assert fmt.kind == "wan-vae" and not fmt.problem, (fmt.description, fmt.problem)
+    assert "is_residual=True, patch_size=2 (Wan 2.2)" in fmt.description and fmt.factor == 8
+    rebuilt = fmt.build(state).eval()
+    assert {k: v for k, v in rebuilt.config.items() if k in WAN22_TINY} == WAN22_TINY
+    torch.manual_seed(1)
+    z = torch.randn(1, 4, 2, 2, 2)
+    with torch.no_grad():
+        assert torch.equal(rebuilt.decode(z).sample, vae.decode(z).sample)
+    code, out, err = run_cli(["verify", str(path), "--size", "16", "--json", str(tmp_path / "r.json")], capsys)
     assert code == 0, out + err
-    assert "Wan 2.2-style residual up/down blocks (the TI2V-5B VAE): not supported end to end: per-layer checks " \
-           "only" in out
-    assert "end to end" not in out.replace("not supported end to end", "") and "k3x3x3" in out
+    assert _fingerprint(path) == before
+    report = json.loads((tmp_path / "r.json").read_text())["reports"][0]
+    assert [e["what"] for e in report["end_to_end"]] == ["decode 2 latent frames to 16x16",
+                                                         "encode 5 frames of 16x16"]
+    assert all(e["passed"] for e in report["end_to_end"]), report["end_to_end"]
+
+
+def test_wan22_file_with_a_wrong_tensor_is_one_line_exit_2(tmp_path, capsys):
+    """A plainly Wan 2.2 file whose tensor does not fit the model its other
+    tensors describe: one line naming the file and the tensor, exit 2."""
+    sd = {k: v.contiguous() for k, v in _small_wan22().state_dict().items()}
+    sd["decoder.up_blocks.1.resnets.0.conv1.weight"] = torch.randn(8, 16, 3, 3, 1)
+    path = _wan22_file(tmp_path, "original", sd)
+    code, out, err = run_cli(["verify", str(path), "--size", "16"], capsys)
+    lines = [ln for ln in (out + err).splitlines() if ln.strip()]
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, (out, err)
+    assert str(path) in lines[0] and "decoder.upsamples.1.upsamples.0.residual.2.weight" in lines[0], lines[0]
 
 
 def test_conv3d_probe_is_bounded(tmp_path, capsys):

@@ -183,14 +183,16 @@ def check_end_to_end(what: str, model: nn.Module, run: Callable[[nn.Module, torc
         ref = run(model, x.float())
     model.to(dtype)
     xd = x.to(dtype)
+    timed = timing_runs and x.device.type == "cuda"
+    # The unpatched twin is copied before patching: a patched model that ran
+    # holds plans of no use to a copy.
+    twin = copy.deepcopy(model) if timed else None
     with torch.no_grad():
         unpatched = run(model, xd)
         patcher.apply(model, filter_fn=filter_fn)
         patched = run(model, xd)
     ms_u = ms_p = None
-    if timing_runs and x.device.type == "cuda":
-        twin = copy.deepcopy(model)
-        patcher.remove(twin)
+    if timed:
         with torch.no_grad():
             ms_u, ms_p = _time_interleaved([lambda: run(twin, xd), lambda: run(model, xd)], timing_runs)
         del twin

@@ -79,9 +79,10 @@ class FusedBlock:
 
     def __getstate__(self):
         state = super().__getstate__()
-        if state.get("_cp_plans") is not None:
-            # Plans hold this process's kernels (conv_patch.dispatch).
-            state = dict(state, _cp_plans=None)
+        if state.get("_cp_plans") is not None or state.get("_cp_norm_plan") is not None:
+            # Plans hold this process's kernels and recorded launches
+            # (conv_patch.dispatch), which neither pickle nor deep-copy.
+            state = dict(state, _cp_plans=None, _cp_norm_plan=None)
         return state
 
 

@@ -517,3 +517,28 @@ def test_ndhwc_inside_only_where_measured(monkeypatch):
         assert wan._ndhwc_pays(x16) is want16, arch
         assert not wan._ndhwc_pays(x32), arch
     assert not wan._ndhwc_pays(torch.zeros(1, 2, 2, 2))  # not a video tensor
+
+
+def test_a_patched_vae_that_ran_deep_copies(exact_fp32):
+    """A patched Wan VAE whose norms and convs hold plans (on a GPU their
+    recorded launches hold Triton objects that cannot be copied: a lock
+    stands in for them here) deep-copies (``convpatch verify`` times a copy),
+    its copy without the plans and computing the same."""
+    import threading
+    torch.manual_seed(0)
+    vae = _seeded(diffusers.AutoencoderKLWan(**WAN21_TINY), 4)
+    conv_patch.apply(vae)
+    z = torch.randn(1, 4, 2, 2, 2)
+    with torch.no_grad():
+        want = vae.decode(z).sample
+    held = [m for m in vae.modules() if m.__dict__.get("_cp_norm_plan") is not None]
+    assert held
+    for m in vae.modules():
+        if m.__dict__.get("_cp_norm_plan") is not None:
+            m.__dict__["_cp_norm_plan"].program = threading.RLock()
+        if m.__dict__.get("_cp_plans"):
+            m.__dict__["_cp_plans"] = {"k": threading.RLock()}
+    twin = copy.deepcopy(vae)
+    assert all(m.__dict__.get("_cp_norm_plan") is None and not m.__dict__.get("_cp_plans") for m in twin.modules())
+    with torch.no_grad():
+        assert rel_err(twin.decode(z).sample, want) <= TOL[torch.float32]

@@ -293,12 +293,25 @@ def check_layer3d(name: str, weight: torch.Tensor, bias: Optional[torch.Tensor],
                                 (1, 1, 1), tuple(pads), 1, "zeros", bias is not None).describe()
     if not torch.isfinite(weight).all() or (bias is not None and not torch.isfinite(bias).all()):
         return LayerResult(name, desc, "-", None, None, tol, True, NAN_NOTE)
-    # The probe is at least as long as the kernel's reach on each axis.
-    ext = [max(e, k - f - b, 1) for e, k, (f, b) in zip((frames, size, size), weight.shape[2:5], pads)]
-    out = [(e + f + b - k) // s + 1 for e, k, (f, b), s in zip(ext, weight.shape[2:5], pads, stride)]
     interpreted = _interpreted(device)
-    if (weight.shape[1] * math.prod(ext) > CONV3D_MAX_PROBE or weight.shape[0] * math.prod(out) > CONV3D_MAX_PROBE
-            or _conv3d_macs(tuple(weight.shape), math.prod(out), interpreted) > CONV3D_MAX_MACS):
+
+    def probe(side):
+        # At least as long as the kernel's reach on each axis.
+        ext = [max(e, k - f - b, 1) for e, k, (f, b) in zip((frames, side, side), weight.shape[2:5], pads)]
+        out = [(e + f + b - k) // s + 1 for e, k, (f, b), s in zip(ext, weight.shape[2:5], pads, stride)]
+        fits = (weight.shape[1] * math.prod(ext) <= CONV3D_MAX_PROBE
+                and weight.shape[0] * math.prod(out) <= CONV3D_MAX_PROBE
+                and _conv3d_macs(tuple(weight.shape), math.prod(out), interpreted) <= CONV3D_MAX_MACS)
+        return ext, fits
+
+    # A wide layer is probed smaller in space (its float64 reference runs on
+    # the CPU) rather than not at all.
+    side = size
+    ext, fits = probe(side)
+    while not fits and side > 1:
+        side //= 2
+        ext, fits = probe(side)
+    if not fits:
         return LayerResult(name, desc, "-", None, None, tol, True,
                            "too large for a per-layer check here: not compared")
     g = torch.Generator().manual_seed(seed)

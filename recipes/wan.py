@@ -356,15 +356,28 @@ def add_dup_up(y: torch.Tensor, x: torch.Tensor, dup, first_chunk: bool) -> torc
     if y.shape != (b, cout, t * ft - off, h * fs, w * fs):
         return None
     xm, ym = x.permute(0, 2, 3, 4, 1), y.permute(0, 2, 3, 4, 1)  # [B, T, H, W, C] views
-    o = torch.arange(cout, device=x.device) * (ft * fs * fs)
+    index = dup_index(dup, x.device)
     for i in range(ft):
         t0 = max(0, -(-(off - i) // ft))  # the first input frame whose sub-frame i is kept
         yt = ym[:, t0 * ft + i - off::ft]
         xt = xm[:, t0:t0 + yt.shape[1]]
         for j in range(fs):
             for k in range(fs):
-                yt[:, :, j::fs, k::fs].add_(xt.index_select(4, (o + (i * fs * fs + j * fs + k)) // rep))
+                yt[:, :, j::fs, k::fs].add_(xt.index_select(4, index[(i * fs + j) * fs + k]))
     return y
+
+
+def dup_index(dup, device) -> torch.Tensor:
+    """[F, out_channels]: the input channel each output channel of
+    sub-position ``(i*fs + j)*fs + k`` repeats, kept with the module per
+    device (a dozen small index ops per call otherwise)."""
+    held = dup.__dict__.get("_cp_dup_index")
+    if held is None or held.device != device:
+        f = dup.factor_t * dup.factor_s * dup.factor_s
+        o = torch.arange(dup.out_channels) * f
+        held = ((o[None, :] + torch.arange(f)[:, None]) // dup.repeats).to(device)
+        dup.__dict__["_cp_dup_index"] = held
+    return held
 
 
 def _up_steps(m) -> Optional[list]:
@@ -387,16 +400,17 @@ class ResidualUpBlock(Recipe):
     """Wan 2.2's residual up block (diffusers' ``WanResidualUpBlock``,
     ComfyUI's ``Up_ResidualBlock``) on an NDHWC input: its resnets and
     upsampler called as the block calls them (their own recipes), then the
-    ``DupUp3D`` shortcut added into the upsampler's output in place by
-    ``add_dup_up`` (diffusers' ``clone()`` of the block input is not needed:
-    no step writes into it). Anything else runs the block's own forward."""
+    ``DupUp3D`` shortcut, where the level has one, added into the
+    upsampler's output in place by ``add_dup_up`` (diffusers' ``clone()`` of
+    the block input is not needed: no step writes into it). Anything else
+    runs the block's own forward."""
 
     name = "wan.ResidualUpBlock"
     what = "DupUp3D shortcut gathered into the output in place, NDHWC"
 
     def match(self, m):
         dup = parts(m, "avg_shortcut")[0]
-        return _up_steps(m) is not None and dup is not None and _dup_up(dup)
+        return _up_steps(m) is not None and (dup is None or _dup_up(dup))
 
     def forward(self, m, x, feat_cache=None, feat_idx=None, first_chunk=False):
         dup = parts(m, "avg_shortcut")[0]
@@ -408,6 +422,8 @@ class ResidualUpBlock(Recipe):
         y = x
         for step in _up_steps(m):
             y = step(y) if feat_cache is None else step(y, feat_cache, feat_idx)
+        if dup is None:
+            return y  # (a level without up-sampling: diffusers' clone of the input was all it added)
         if y is x or config_tables.conv3d_layout(y) != "ndhwc":
             return y + dup(x, first_chunk=first_chunk)
         out = add_dup_up(y, x, dup, first_chunk)

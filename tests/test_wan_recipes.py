@@ -294,7 +294,7 @@ def test_decoder_runs_ndhwc_inside_and_hands_back_ncdhw(cfg, exact_fp32, monkeyp
     ups = [k for k, v in report.fused.items() if v.startswith("wan.Resample")]
     assert len(ups) == sum(cfg["temperal_downsample"]) and all(".upsample" in k for k in ups), report.fused
     dup_ups = [k for k, v in report.fused.items() if v.startswith("wan.ResidualUpBlock")]
-    assert len(dup_ups) == (len(cfg["dim_mult"]) - 1 if cfg.get("is_residual") else 0), report.fused
+    assert len(dup_ups) == (len(cfg["dim_mult"]) if cfg.get("is_residual") else 0), report.fused
     seen = []
     real = wan.ResidualBlock.forward
 
@@ -343,6 +343,7 @@ def test_add_dup_up_is_the_modules_shortcut(ft, fs, cin, cout, first):
         want = y + dup(x, first_chunk=first)
         got = wan.add_dup_up(y.clone(), x, dup, first)
         assert torch.equal(got, want)
+    assert wan.dup_index(dup, x.device) is wan.dup_index(dup, x.device)  # kept with the module
     # A shape it does not expect: None (the block adds the module's own).
     assert wan.add_dup_up(y[:, :, :1].clone(), x, dup, first) is None or tt == 1
 
@@ -414,8 +415,8 @@ def test_comfy_style_wan22_decoder_runs_ndhwc_inside(exact_fp32, monkeypatch):
     slots = sum(isinstance(m, nn.Conv3d) for m in dec.modules())
     report = conv_patch.apply(dec, filter_fn=lambda m, name: not isinstance(m, nn.Conv3d))
     assert report.fused[""].startswith("wan.Decoder3d")
-    assert {k for k, v in report.fused.items() if v.startswith("wan.ResidualUpBlock")} == {"upsamples.0",
-                                                                                        "upsamples.1"}
+    assert {k for k, v in report.fused.items() if v.startswith("wan.ResidualUpBlock")} == {
+        "upsamples.0", "upsamples.1", "upsamples.2"}
     conv3d = nn.Conv3d.forward
 
     def like_cudnn(self, x):

@@ -11,9 +11,9 @@ in custom nodes) are recognised alike.
   conv2's epilogue;
 * the mid-block's per-frame attention (``AttentionBlock``);
 * the decoder (``*Decoder3d``: diffusers' and ComfyUI's) in NDHWC inside:
-  its input converted once, its output handed back in the caller's layout. In NCDHW cuDNN transposes
-  every conv's input and output, and the sm90 Conv3d kernel (TMA boxes of
-  channels) takes NDHWC only;
+  its input converted once, its output handed back in the caller's layout.
+  In NCDHW cuDNN transposes every conv's input and output, and the sm90
+  Conv3d kernel (TMA boxes of channels) takes NDHWC only;
 * the up-sampling resample (``*Resample``, ``upsample3d``): the time conv's
   two output halves interleaved into frames in NDHWC (the block's own
   ``torch.stack`` hands back NCDHW, which would leave the rest of the
@@ -315,7 +315,8 @@ class Resample(Recipe):
         tconv, res = parts(m, "time_conv", "resample")
         own = _own_args(x, feat_cache, feat_idx)
         if (feat_cache is None or feat_idx is None or not isinstance(x, torch.Tensor) or x.dim() != 5
-                or config_tables.conv3d_layout(x) != "ndhwc" or x.shape[1] != tconv.in_channels or not inference(x, tconv) or not plain(tconv)):
+                or config_tables.conv3d_layout(x) != "ndhwc" or x.shape[1] != tconv.in_channels
+                or not inference(x, tconv) or not plain(tconv)):
             return base(m, *own)
         b, c, t, h, w = x.shape
         if feat_cache[feat_idx[0]] is None:
@@ -416,17 +417,15 @@ class ResidualUpBlock(Recipe):
         dup = parts(m, "avg_shortcut")[0]
         own = _own_args(x, feat_cache, feat_idx)
         if ((feat_cache is not None and feat_idx is None) or not isinstance(x, torch.Tensor) or x.dim() != 5
-                or config_tables.conv3d_layout(x) != "ndhwc" or not plain(dup)
-                or (torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in m.parameters())))):
+                or config_tables.conv3d_layout(x) != "ndhwc" or not plain(dup) or not inference(x, *m.modules())):
             return base(m, *own, first_chunk=first_chunk)
         y = x
         for step in _up_steps(m):
             y = step(y) if feat_cache is None else step(y, feat_cache, feat_idx)
         if dup is None:
             return y  # (a level without up-sampling: diffusers' clone of the input was all it added)
-        if y is x or config_tables.conv3d_layout(y) != "ndhwc":
-            return y + dup(x, first_chunk=first_chunk)
-        out = add_dup_up(y, x, dup, first_chunk)
+        out = (add_dup_up(y, x, dup, first_chunk) if y is not x and config_tables.conv3d_layout(y) == "ndhwc"
+               else None)
         return y + dup(x, first_chunk=first_chunk) if out is None else out
 
 

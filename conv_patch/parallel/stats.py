@@ -76,8 +76,27 @@ def kernel_moments(x: torch.Tensor, groups: int) -> Optional[torch.Tensor]:
     """``band_moments`` from the GroupNorm kernels' statistics pass (its
     per-split fp32 partials Chan-merged in float64), or None where it does
     not run (not half precision, not dense NCHW/NHWC, no kernels here)."""
+    here = group_norm_kernels(x, (torch.float16, torch.bfloat16))
+    if here is None:
+        return None
+    k, nhwc, (_, stats_block, programs) = here
+    n = x.shape[0]
+    _, part, (psn, pss, psc) = k.launch_group_norm_partials(x, groups, nhwc, stats_block, programs)
+    splits = part.numel() // (n * groups * 3)
+    # [N, splits, G, (count, mean, M2)] at the strides the launcher laid them out at.
+    p = part.as_strided((n, splits, groups, 3), (psn, pss, psc, 1)).double()
+    cnt, mean, m2 = p.unbind(-1)
+    tot = cnt.sum(dim=1)
+    mu = (cnt * mean).sum(dim=1) / tot.clamp_min(1)
+    return torch.stack([tot, mu, (m2 + cnt * (mean - mu.unsqueeze(1)) ** 2).sum(dim=1)])
+
+
+def group_norm_kernels(x: torch.Tensor, dtypes) -> Optional[tuple]:
+    """(the kernels module, whether ``x`` is NHWC, the GroupNorm launch
+    sizes) where the GroupNorm kernels take band ``x`` (dense NCHW or NHWC,
+    one of ``dtypes``, a device with kernels), else None."""
     nhwc = x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
-    if x.dtype not in (torch.float16, torch.bfloat16) or not (nhwc or x.is_contiguous()):
+    if x.dtype not in dtypes or not (nhwc or x.is_contiguous()):
         return None
     from ..conv import kernels
     from ..norm import launch_sizes
@@ -85,16 +104,7 @@ def kernel_moments(x: torch.Tensor, groups: int) -> Optional[torch.Tensor]:
     target = target_for(x.device)
     if not target.kernels:
         return None
-    _, stats_block, programs = launch_sizes(target)
-    n = x.shape[0]
-    _, part, _ = kernels().launch_group_norm_partials(x, groups, nhwc, stats_block, programs)
-    splits = part.numel() // (n * groups * 3)
-    # NHWC partials lie (sample, split, group), NCHW (sample, group, split).
-    p = (part.view(n, splits, groups, 3) if nhwc else part.view(n, groups, splits, 3).transpose(1, 2)).double()
-    cnt, mean, m2 = p.unbind(-1)
-    tot = cnt.sum(dim=1)
-    mu = (cnt * mean).sum(dim=1) / tot.clamp_min(1)
-    return torch.stack([tot, mu, (m2 + cnt * (mean - mu.unsqueeze(1)) ** 2).sum(dim=1)])
+    return kernels(), nhwc, launch_sizes(target)
 
 
 def merge(parts: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -149,20 +159,14 @@ def normalise(x: torch.Tensor, aff: Affine, activation: str, use_kernels: bool,
     per element, as in the unbanded kernels), else PyTorch ops in fp32 that
     subtract the mean first (a folded ``x * scale + shift`` cancels where the
     mean is large against the spread). Output in ``x``'s dtype and layout."""
-    nhwc = x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
-    if use_kernels and (x.is_contiguous() or nhwc) and x.dtype in (torch.float16, torch.bfloat16, torch.float32):
-        from ..conv import kernels
-        from ..norm import launch_sizes
-        from ..target import target_for
-        target = target_for(x.device)
-        if target.kernels:
-            k = kernels()
-            fmt = torch.channels_last if nhwc else torch.contiguous_format
-            if out is None:
-                out = torch.empty(x.shape, dtype=x.dtype, device=x.device, memory_format=fmt)
-            k.launch_group_norm_apply(x, out, aff.ss.to(x.device), activation_code(activation), nhwc,
-                                      launch_sizes(target)[0])
-            return out
+    here = group_norm_kernels(x, (torch.float16, torch.bfloat16, torch.float32)) if use_kernels else None
+    if here is not None:
+        k, nhwc, sizes = here
+        fmt = torch.channels_last if nhwc else torch.contiguous_format
+        if out is None:
+            out = torch.empty(x.shape, dtype=x.dtype, device=x.device, memory_format=fmt)
+        k.launch_group_norm_apply(x, out, aff.ss.to(x.device), activation_code(activation), nhwc, sizes[0])
+        return out
     mean, lo, scale, bias = (t.to(x.device)[:, :, None, None] for t in (aff.mean, aff.mean_lo, aff.scale, aff.bias))
     y = torch.addcmul(bias, (x.float() - mean).sub_(lo), scale)
     if activation == "silu":

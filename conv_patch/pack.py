@@ -29,11 +29,26 @@ GPU time counts: there the pack kernel (kernels/weight_prep.py) refreshes a
 512x512x3x3 weight in ~2.5 us against PyTorch's 7.4 us strided copy, so
 graph captures (and their warm-up call, ``graph_path``) use it. Reading the
 NCHW weight in place with no pack at all ran 2.1-3.1x slower.
+
+Grouped refreshes. Eagerly each refresh is a launch and its host time (~10
+us on the H200's host), per conv per call. Within one call of a fused block
+(a VAE decoder, a TAESD stack, a resnet block: ``grouped``) no weight
+changes, so the block's packs are refreshed together at the start of its
+call, in one launch (``PackGroup``), and a conv inside finds its pack fresh
+(``refresh``). The group learns its members on the block's first call (the
+convs whose packs were refreshed one by one during it) and re-checks each at
+every call: a member whose weight was replaced (new storage) or that has a
+forward hook (which may edit the weight in place before the conv runs)
+refreshes its own pack at its call, as outside a group. Only packs read from
+a module's registered weight join; a computed weight (the subpixel fold's)
+is made during the call and refreshes itself.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
+import threading
 import weakref
 from dataclasses import dataclass
 from typing import Optional
@@ -49,13 +64,28 @@ _LIVE: "weakref.WeakSet[PackEntry]" = weakref.WeakSet()
 # capture can invalidate it. Public to read (the bare fast path reads it
 # without a call); set only through ``graph_path``.
 GRAPH_PATH = False
-_STATS = {"allocations": 0, "refreshes": 0}
+_STATS = {"allocations": 0, "refreshes": 0, "group_refreshes": 0}
 
 
 @dataclass(eq=False)
 class PackEntry:
     key: tuple
     buf: torch.Tensor
+    # The grouped refresh (epoch) that last wrote ``buf``; 0: none.
+    fresh: int = 0
+
+
+class _Active(threading.local):
+    """The fused block call running in this thread that refreshed its
+    group's packs (``grouped``), per thread: another thread's block
+    neither vouches for nor learns this thread's packs."""
+
+    group = None
+    epoch = 0
+
+
+ACTIVE = _Active()
+_EPOCHS = itertools.count(1)
 
 
 def kernel_view(weight: torch.Tensor, transposed: bool) -> torch.Tensor:
@@ -100,6 +130,16 @@ def packed_weight(holder, weight: torch.Tensor, transposed: bool) -> torch.Tenso
         holder.__dict__["_cp_pack"] = entry
         _LIVE.add(entry)
         _STATS["allocations"] += 1
+    return refresh(holder, entry, view, transposed)
+
+
+def refresh(holder, entry: PackEntry, view: torch.Tensor, transposed: bool) -> torch.Tensor:
+    """``entry.buf`` holding ``view`` (the weight as the kernels index it)
+    now: already, where this thread's fused block call refreshed it at its
+    start (module docstring), else copied here, and learnt by that block's
+    group."""
+    if entry.fresh and entry.fresh == ACTIVE.epoch:
+        return entry.buf
     if on_graph_path(view):
         # Inside a CUDA graph (PatchConfig(cuda_graphs=True)) the refresh is
         # GPU time at every replay, and a launch costs no host time: the
@@ -111,7 +151,112 @@ def packed_weight(holder, weight: torch.Tensor, transposed: bool) -> torch.Tenso
     else:
         entry.buf.copy_(view)
     _STATS["refreshes"] += 1
+    group = ACTIVE.group
+    if group is not None:
+        group.learn(holder, entry, transposed)
     return entry.buf
+
+
+def fresh_pack(holder, weight: torch.Tensor) -> Optional[torch.Tensor]:
+    """``holder``'s pack where this thread's fused block call refreshed it
+    from ``weight``'s storage at its start, else None (then
+    ``packed_weight``): the check without building the pack's key."""
+    entry = holder.__dict__.get("_cp_pack")
+    if entry is not None and entry.fresh and entry.fresh == ACTIVE.epoch and entry.key[0] == weight.data_ptr():
+        return entry.buf
+    return None
+
+
+class PackGroup:
+    """The packs one fused block's convs read, refreshed together at the
+    start of each of its calls (module docstring): one launch per (device,
+    dtype), its arguments rebuilt only when a member's weight or pack moved."""
+
+    def __init__(self):
+        self.members = {}  # id(holder) -> (weakref to holder, transposed)
+        self.args = None  # (signature, [launch arguments]) of the last launch
+        self.broken = None  # why grouped refreshes stopped (a failed launch)
+
+    def learn(self, holder, entry: PackEntry, transposed: bool) -> None:
+        params = holder.__dict__.get("_parameters")
+        if params is None or self.broken or id(holder) in self.members:
+            return
+        w = params.get("weight")
+        if w is None or w.data_ptr() != entry.key[0]:
+            return  # not the module's registered weight (a computed one)
+        self.members[id(holder)] = (weakref.ref(holder), transposed)
+
+    def _current(self) -> list:
+        """(entry, weight, transposed) of each member whose pack still holds
+        its registered weight, with no forward hooks; members gone are
+        dropped."""
+        out, gone = [], []
+        for k, (ref, transposed) in list(self.members.items()):
+            m = ref()
+            if m is None:
+                gone.append(k)
+                continue
+            d = m.__dict__
+            entry, w = d.get("_cp_pack"), d["_parameters"].get("weight")
+            if (entry is None or w is None or d["_forward_pre_hooks"] or d["_forward_hooks"]
+                    or w.data_ptr() != entry.key[0] or w.stride() != entry.key[3]):
+                continue
+            out.append((entry, w, transposed))
+        for k in gone:
+            del self.members[k]
+        return out
+
+    def refresh(self) -> int:
+        """Every current member's pack rewritten from its weight; the epoch
+        that marks them fresh (0: nothing refreshed)."""
+        if not self.members or self.broken:
+            return 0
+        current = self._current()
+        if not current:
+            return 0
+        # (Each member's weight was checked against its pack's key above:
+        # the addresses and strides the launch's arguments hold.)
+        sig = tuple([(e.buf.data_ptr(), e.key[0], e.key[3]) for e, _, _ in current])
+        if self.args is None or self.args[0] != sig:
+            if foreign_capture(current[0][1]):
+                return 0  # building the arguments copies to the device: not inside someone's capture
+            from conv_patch import kernels
+            groups = {}
+            for e, w, transposed in current:
+                view = w.detach().transpose(0, 1) if transposed else w.detach()
+                groups.setdefault((view.device, view.dtype), []).append((view, e.buf))
+            self.args = (sig, [kernels.grouped_pack_args(pairs) for pairs in groups.values()])
+        from conv_patch import kernels
+        try:
+            for args in self.args[1]:
+                kernels.launch_grouped_weight_pack(args)
+        except Exception as e:  # a failed launch: each pack refreshes itself from now on
+            self.broken = f"{type(e).__name__}: {str(e).strip()[:160]}"
+            return 0
+        epoch = next(_EPOCHS)
+        for e, _, _ in current:
+            e.fresh = epoch
+        _STATS["group_refreshes"] += 1
+        return epoch
+
+
+def grouped(block, fn, args, kwargs):
+    """``fn(*args, **kwargs)``, the call of fused block ``block``, with its
+    group's packs refreshed in one launch at the start (module docstring).
+    A block called inside another's grouped call runs plainly: the outer
+    group learns and refreshes its packs."""
+    if ACTIVE.group is not None or GRAPH_PATH:
+        return fn(*args, **kwargs)
+    group = block.__dict__.get("_cp_packs")
+    if group is None:
+        group = block.__dict__["_cp_packs"] = PackGroup()
+    ACTIVE.epoch = group.refresh()
+    ACTIVE.group = group
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        ACTIVE.group = None
+        ACTIVE.epoch = 0
 
 
 @contextlib.contextmanager
@@ -156,7 +301,9 @@ def release(holder) -> None:
 
 
 def stats() -> dict:
-    """Live pack buffers and their bytes, plus allocation/refresh counters."""
+    """Live pack buffers and their bytes, plus allocation/refresh counters
+    (``refreshes``: one pack at a time; ``group_refreshes``: grouped
+    launches)."""
     live = list(_LIVE)
     return {
         "live": len(live),

@@ -27,8 +27,8 @@ from .rms_norm import launch_rms_norm, rms_norm_kernel  # noqa: E402
 from .softmax import launch_softmax_rows, softmax_rows_kernel  # noqa: E402
 from .attention import (attention_combine_kernel, attention_pv_kernel, attention_scores_kernel,  # noqa: E402
                         launch_attention_block, partial_columns as attention_partial_columns)
-from .weight_prep import (launch_subpixel_fold, launch_weight_pack, subpixel_fold_kernel,  # noqa: E402
-                          weight_pack_kernel)
+from .weight_prep import (grouped_pack_args, grouped_weight_pack_kernel, launch_grouped_weight_pack,  # noqa: E402
+                          launch_subpixel_fold, launch_weight_pack, subpixel_fold_kernel, weight_pack_kernel)
 
 KERNELS = {
     "conv2d": conv2d_fwd_kernel,
@@ -51,10 +51,12 @@ NORM_KERNELS = {"group_norm_stats": group_norm_stats_kernel, "group_norm_stats_n
 ATTENTION_KERNELS = {"softmax_rows": softmax_rows_kernel, "attention_scores": attention_scores_kernel,
                      "attention_combine": attention_combine_kernel, "attention_pv": attention_pv_kernel}
 # Weight packs and the subpixel fold, refreshed at every call.
-WEIGHT_KERNELS = {"weight_pack": weight_pack_kernel, "subpixel_fold": subpixel_fold_kernel}
+WEIGHT_KERNELS = {"weight_pack": weight_pack_kernel, "grouped_weight_pack": grouped_weight_pack_kernel,
+                  "subpixel_fold": subpixel_fold_kernel}
 
 __all__ = ["Program", "Unrecordable", "empty", "recording", "ATTENTION_KERNELS", "attention_partial_columns", "launch_attention_block", "EPILOGUE_KERNELS", "INTERPRET", "KERNELS", "LAYOUT_KERNELS", "NORM_KERNELS",
            "TAPS_KERNELS", "WEIGHT_KERNELS", "launch_conv2d", "launch_conv3d", "launch_conv3d_tma", "conv3d_tma_problem", "launch_conv2d_flat", "launch_conv2d_taps", "launch_conv2d_tma", "launch_conv_transpose2d", "reads_nchw_in_place",
            "launch_epilogue", "launch_group_norm", "launch_group_norm_apply", "launch_group_norm_partials",
            "launch_group_norm_stats",
-           "launch_nchw_to_nhwc", "launch_rms_norm", "launch_softmax_rows", "launch_subpixel_fold", "launch_weight_pack"]
+           "launch_nchw_to_nhwc", "launch_rms_norm", "launch_softmax_rows", "launch_subpixel_fold", "launch_weight_pack",
+           "grouped_pack_args", "launch_grouped_weight_pack"]

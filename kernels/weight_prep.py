@@ -2,9 +2,11 @@
 subpixel fold of an upsampling conv's weight.
 
 Layer 1: ``weight_pack_kernel`` (a [C_out, C_in, KH, KW] weight of any
-strides into the dense co, kh, kw, ci pack, see conv_patch/pack.py) and
+strides into the dense co, kh, kw, ci pack, see conv_patch/pack.py),
+``grouped_weight_pack_kernel`` (the same for many weights in one launch) and
 ``subpixel_fold_kernel`` (a 3x3 weight into the four 2x2 weights of
-``ops.upsample_conv2d``, packed). Layer 2: ``launch_weight_pack`` and
+``ops.upsample_conv2d``, packed). Layer 2: ``launch_weight_pack``,
+``grouped_pack_args`` / ``launch_grouped_weight_pack`` and
 ``launch_subpixel_fold``.
 
 Why: both run at every call (a cached copy could be stale, pack.py says
@@ -42,6 +44,30 @@ def weight_pack_kernel(src_ptr, dst_ptr, C_in, KW, TAPS, s_co, s_ci, s_kh, s_kw,
     ci_ok = ci < C_in
     tile, t, ok = _taps_tile(src_ptr, co, ci, ci_ok, KW, s_co, s_ci, s_kh, s_kw, TAPS, BLOCK_T)
     tl.store(dst_ptr + (co * TAPS + t[None, :]) * C_in + ci[:, None], tile, mask=ok)
+
+
+@triton.jit
+def grouped_weight_pack_kernel(desc_ptr, map_ptr, like_ptr, BLOCK_CI: tl.constexpr, BLOCK_T: tl.constexpr):
+    # Program p packs output channel co's [BLOCK_CI, TAPS] slab of weight t,
+    # (t, co, ci block) = map[p]. desc[t] holds the weight's and its pack's
+    # addresses, then C_in, KW, TAPS and the weight's strides (elements).
+    # like_ptr only carries the element type (every weight of a launch has it).
+    p = tl.program_id(0)
+    t = tl.load(map_ptr + 3 * p)
+    co = tl.load(map_ptr + 3 * p + 1)
+    cb = tl.load(map_ptr + 3 * p + 2)
+    d = desc_ptr + 9 * t
+    ty = tl.pointer_type(like_ptr.dtype.element_ty)
+    src_ptr = tl.load(d).to(ty)
+    dst_ptr = tl.load(d + 1).to(ty)
+    C_in = tl.load(d + 2)
+    KW = tl.load(d + 3)
+    TAPS = tl.load(d + 4)
+    ci = cb * BLOCK_CI + tl.arange(0, BLOCK_CI)
+    ci_ok = ci < C_in
+    tile, tap, ok = _taps_tile(src_ptr, co, ci, ci_ok, KW, tl.load(d + 5), tl.load(d + 6), tl.load(d + 7),
+                               tl.load(d + 8), TAPS, BLOCK_T)
+    tl.store(dst_ptr + (co * TAPS + tap[None, :]) * C_in + ci[:, None], tile, mask=ok)
 
 
 @triton.jit
@@ -83,6 +109,40 @@ def launch_weight_pack(w, out):
     launch(weight_pack_kernel, (C_out, cdiv(C_in, bc)), w, out, C_in, KW, KH * KW, *w.stride(),
            BLOCK_CI=bc, BLOCK_T=next_pow2(KH * KW), num_warps=4)
     return out
+
+
+GROUPED_BLOCK_CI = 64
+
+
+def grouped_pack_args(pairs):
+    """The device-side arguments of one ``launch_grouped_weight_pack`` for
+    ``pairs`` of (weight [C_out, C_in, KH, KW] of any strides, dense co, kh,
+    kw, ci pack), all of one dtype on one device: (desc, map, like,
+    BLOCK_T). Built once and reused while the tensors' addresses and strides
+    are unchanged (conv_patch/pack.py: ``PackGroup``): the addresses are in
+    ``desc``, so the arguments hold no reference to the tensors."""
+    import torch
+    w0 = pairs[0][0]
+    desc, progs, taps = [], [], 1
+    for t, (w, buf) in enumerate(pairs):
+        c_out, c_in, kh, kw = w.shape
+        if w.dtype != w0.dtype or buf.dtype != w0.dtype or w.device != w0.device or buf.device != w0.device:
+            raise ValueError("grouped weight pack: one dtype and one device per launch")
+        desc.append([w.data_ptr(), buf.data_ptr(), c_in, kw, kh * kw, *w.stride()])
+        taps = max(taps, kh * kw)
+        blocks = cdiv(c_in, GROUPED_BLOCK_CI)
+        progs.extend((t, co, cb) for co in range(c_out) for cb in range(blocks))
+    desc_t = torch.tensor(desc, dtype=torch.int64).to(w0.device)
+    map_t = torch.tensor(progs, dtype=torch.int32).to(w0.device)
+    return desc_t, map_t, w0.new_empty(1), next_pow2(taps)
+
+
+def launch_grouped_weight_pack(args):
+    """Every pack of ``grouped_pack_args``' pairs refreshed from its weight,
+    in one launch."""
+    desc, pmap, like, block_t = args
+    launch(grouped_weight_pack_kernel, (pmap.shape[0],), desc, pmap, like, BLOCK_CI=GROUPED_BLOCK_CI,
+           BLOCK_T=block_t, num_warps=4)
 
 
 def launch_subpixel_fold(w, out):

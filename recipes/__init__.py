@@ -63,6 +63,7 @@ def unfuse(module: nn.Module) -> None:
         module.__dict__.pop("_cp_graphs", None)
         module.__dict__.pop("_cp_plans", None)
         module.__dict__.pop("_cp_chain", None)
+        module.__dict__.pop("_cp_packs", None)
         module.__dict__.pop("_cp_bands", None)
         module.__dict__.pop("_cp_band_report", None)
 

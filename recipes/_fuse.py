@@ -60,6 +60,14 @@ class FusedBlock:
     _cp_base: type = nn.Module
 
     def forward(self, *args, **kwargs):
+        if (pack.ACTIVE.group is None and self.__dict__.get("_cp_graphs") is None and not pack.GRAPH_PATH
+                and not torch.compiler.is_compiling()):
+            # The outermost fused block of this call: its convs' weight packs
+            # are refreshed together at its start (conv_patch/pack.py says why).
+            return pack.grouped(self, self._cp_run, args, kwargs)
+        return self._cp_run(*args, **kwargs)
+
+    def _cp_run(self, *args, **kwargs):
         bands = self.__dict__.get("_cp_bands")
         if bands is not None:
             # PatchConfig(max_activation_gib=...) on a VAE Decoder/Encoder:
@@ -79,10 +87,11 @@ class FusedBlock:
 
     def __getstate__(self):
         state = super().__getstate__()
-        if state.get("_cp_plans") is not None or state.get("_cp_norm_plan") is not None:
+        if any(state.get(k) is not None for k in ("_cp_plans", "_cp_norm_plan", "_cp_packs")):
             # Plans hold this process's kernels and recorded launches
-            # (conv_patch.dispatch), which neither pickle nor deep-copy.
-            state = dict(state, _cp_plans=None, _cp_norm_plan=None)
+            # (conv_patch.dispatch), which neither pickle nor deep-copy; a
+            # pack group, this module's convs (a copy learns its own).
+            state = dict(state, _cp_plans=None, _cp_norm_plan=None, _cp_packs=None)
         return state
 
 

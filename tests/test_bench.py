@@ -187,6 +187,16 @@ def test_bench_zoo_rows(tmp_path):
     assert doc["geomean_speedup"] > 0
 
 
+def test_bench_pack_groups_rows(tmp_path):
+    """bench.pack_groups on tiny TAEF2: the patched model refreshes its packs
+    in one grouped launch per call, and one by one with grouping off."""
+    from bench import pack_groups
+    pack_groups.main(["--tiny", "--only", "taef2", "--runs", "1", "--warmup", "0", "--out", str(tmp_path)])
+    (r,) = _result(tmp_path, "pack-groups")["rows"]
+    assert ROW_KEYS | {"per_conv_ms", "per_conv_host_ms"} <= set(r)
+    assert (r["refreshes_grouped"], r["group_launches"]) == (0, 1) and r["refreshes_per_conv"] > 1
+
+
 def test_bench_overhead_rows(tmp_path, monkeypatch):
     from bench import overhead
     monkeypatch.setenv("BENCH_OUT", str(tmp_path))

@@ -173,3 +173,100 @@ def test_peft_lora_merge_unmerge(order, device, exact_fp32):
             m.unmerge()
     compare()
 
+
+
+# -- grouped refreshes (pack.PackGroup) -----------------------------------------
+def _counts(fn):
+    before = dict(pack.stats())
+    fn()
+    after = pack.stats()
+    return after["refreshes"] - before["refreshes"], after["group_refreshes"] - before["group_refreshes"]
+
+
+def test_fused_block_refreshes_its_packs_in_one_launch(device, exact_fp32):
+    """The fused Sequential's first call refreshes each pack and learns them;
+    later calls refresh all of them in one grouped launch and none one by
+    one, and every edit between calls is still seen (the tests above run
+    the same edits through the group)."""
+    net, twin = make(device)
+    assert type(net).__name__.startswith("Fused")
+    x = torch.randn(2, 6, 7, 9, device=device)
+    with torch.no_grad():
+        assert _counts(lambda: net(x)) == (2, 0)
+        for edit in EDITS:
+            assert _counts(lambda: check_same(net, twin, device)) == (0, 1)
+            edit(net[0].weight)
+            edit(net[2].weight)
+            twin.load_state_dict(net.state_dict())
+        check_same(net, twin, device)
+        # A conv called on its own, outside the block's call, refreshes itself.
+        assert _counts(lambda: net[0](x)) == (1, 0)
+        # New pack buffers (a dtype move): the group's launch is rebuilt for them.
+        net.half()
+        twin.half()
+        assert _counts(lambda: check_same(net, twin, device, torch.float16)) == (2, 0)
+        assert _counts(lambda: check_same(net, twin, device, torch.float16)) == (0, 1)
+
+
+def test_group_leaves_hooked_and_replaced_weights_to_their_conv(device, exact_fp32):
+    """A member with a forward pre-hook (which may write the weight in
+    place just before its conv runs) and a member whose Parameter was
+    replaced refresh their own packs at their calls."""
+    net, twin = make(device)
+    x = torch.randn(2, 6, 7, 9, device=device)
+    with torch.no_grad():
+        net(x)
+
+        def scale(m, args):
+            m.weight.data.mul_(1.5)
+
+        hooks = [m[2].register_forward_pre_hook(scale) for m in (net, twin)]
+        # (The hook makes the recipe run the block's own forward; the pack
+        # of the hooked conv is refreshed at its call, after the hook.)
+        assert _counts(lambda: check_same(net, twin, device))[0] == 1
+        for h in hooks:
+            h.remove()
+        net[0].weight = nn.Parameter(torch.randn_like(net[0].weight))
+        twin.load_state_dict(net.state_dict())
+        check_same(net, twin, device)
+        check_same(net, twin, device)
+
+
+def test_group_is_reset_after_an_error_and_not_copied(device, exact_fp32):
+    net, twin = make(device)
+    x = torch.randn(2, 6, 7, 9, device=device)
+    with torch.no_grad():
+        net(x)
+        with pytest.raises(RuntimeError):
+            net(torch.randn(2, 5, 7, 9, device=device))  # wrong channel count
+        assert pack.ACTIVE.group is None and pack.ACTIVE.epoch == 0
+        copied = copy.deepcopy(net)
+        assert copied.__dict__.get("_cp_packs") is None
+        assert _counts(lambda: copied(x))[0] == 2  # the copy learns its own
+        conv_patch.remove(net)
+        assert "_cp_packs" not in net.__dict__
+
+
+@pytest.mark.gpu
+def test_nhwc_pytorch_route_reads_the_grouped_pack():
+    """On a GPU a stack of 64-channel 3x3 convs at 64^2 runs NHWC inside its
+    fused block and PyTorch's route takes them (cuDNN is faster there, the
+    packaged table says); cuDNN would copy each NCHW weight to channels_last
+    at every call. They read the packs the block refreshes in one launch
+    instead: after the first call no pack is refreshed one by one, the
+    answer is the unpatched stack's, and in-place edits are seen."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(64, 64, 3, padding=1), nn.ReLU(), nn.Conv2d(64, 64, 3, padding=1), nn.ReLU(),
+                        nn.Conv2d(64, 64, 3, padding=1)).cuda().to(torch.bfloat16)
+    twin = copy.deepcopy(net)
+    conv_patch.apply(net)
+    x = torch.randn(1, 64, 64, 64, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        net(x)
+        assert not any(net[i]._cp_last.is_kernel for i in (0, 2, 4)), [net[i]._cp_last for i in (0, 2, 4)]
+        for edit in EDITS:
+            assert _counts(lambda: net(x)) == (0, 1)
+            assert rel_err(net(x), twin(x)) <= TOL[torch.bfloat16]
+            edit(net[2].weight)
+            twin.load_state_dict(net.state_dict())
+        assert rel_err(net(x), twin(x)) <= TOL[torch.bfloat16]

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from _util import poisoned, randn, rel_err
 
 from conv_patch import ops
-from conv_patch.kernels import launch_subpixel_fold, launch_weight_pack
+from conv_patch.kernels import grouped_pack_args, launch_grouped_weight_pack, launch_subpixel_fold, launch_weight_pack
 
 
 def _fold64(w):
@@ -34,6 +34,32 @@ def test_weight_pack_kernel_is_the_permute(device, co, ci, kh, kw, strided):
     out = poisoned((co, kh, kw, ci), torch.bfloat16, device)
     launch_weight_pack(w, out)
     assert torch.equal(out, w.permute(0, 2, 3, 1))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_grouped_weight_pack_is_each_permute(device, dtype):
+    """One launch packs weights of other shapes, taps and strides (a
+    transposed conv's [C_in, C_out] weight read as [C_out, C_in], a channel
+    slice with kh and kw swapped in memory), and touches nothing else."""
+    g = torch.Generator().manual_seed(3)
+    ws = [randn(g, 5, 7, 3, 3, dtype=dtype, device=device), randn(g, 4, 130, 1, 1, dtype=dtype, device=device),
+          randn(g, 3, 67, 3, 3, dtype=dtype, device=device),
+          randn(g, 6, 5, 4, 4, dtype=dtype, device=device).transpose(0, 1),
+          randn(g, 2, 12, 2, 3, dtype=dtype, device=device).transpose(2, 3)[:, 3:12]]
+    # The packs lie in one poisoned buffer with gaps that must stay poisoned.
+    shapes = [tuple(w.shape[i] for i in (0, 2, 3, 1)) for w in ws]
+    arena = poisoned((sum(w.numel() + 5 for w in ws),), dtype, device)
+    bufs, off = [], 0
+    for w, shape in zip(ws, shapes):
+        bufs.append(arena[off:off + w.numel()].view(shape))
+        off += w.numel() + 5
+    launch_grouped_weight_pack(grouped_pack_args([(w, b.permute(0, 3, 1, 2)) for w, b in zip(ws, bufs)]))
+    for w, b in zip(ws, bufs):
+        assert torch.equal(b, w.permute(0, 2, 3, 1))
+    assert arena.isnan().sum() == 5 * len(ws)
+    with pytest.raises(ValueError, match="one dtype"):
+        other = torch.float32 if dtype != torch.float32 else torch.float16
+        grouped_pack_args([(ws[0], bufs[0].permute(0, 3, 1, 2)), (ws[1].to(other), bufs[1].permute(0, 3, 1, 2))])
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 4e-3)])

@@ -105,6 +105,9 @@ class ConvPlan:
     # A MODULE plan whose whole call is ``F.conv2d(x, weight, bias, *direct)``
     # (no epilogue, no ``out``): ``conv`` calls that itself.
     bare: bool = False
+    # A ``direct`` call on an NHWC CUDA input, without autograd or autocast:
+    # F.conv2d gets the weight's channels_last pack (``_cudnn_weight``).
+    cl_pack: bool = False
 
     def run(self, m, x, weight, bias, residual, out, beta, activation, out_scale, output_padding,
             fallback_args, no_bias):
@@ -121,7 +124,9 @@ class ConvPlan:
                                     residual=residual, beta=beta, activation=activation, out_scale=out_scale,
                                     out=out)
             return (y, bias) if no_bias else y
-        y = None if self.direct is None else torch.nn.functional.conv2d(x, weight, bias, *self.direct)
+        y = None
+        if self.direct is not None:
+            y = _conv2d(x, _cudnn_weight(m, x, weight) if self.cl_pack else weight, bias, *self.direct)
         return eager(m, x, residual, beta, activation, out_scale, fallback_args, out, self.padding, no_bias, y)
 
     def _weight(self, m, weight):
@@ -134,8 +139,8 @@ class ConvPlan:
         if self.graph or m.__dict__.get("_cp_pack") is not entry:
             return pack.packed_weight(m, weight, self.spec.transposed)
         # Kernel plans run without autograd, so the copy records nothing.
-        entry.buf.copy_(weight.transpose(0, 1) if self.spec.transposed else weight)
-        return entry.buf
+        transposed = self.spec.transposed
+        return pack.refresh(m, entry, weight.transpose(0, 1) if transposed else weight, transposed)
 
 
 def eager(m, x, residual, beta, activation, out_scale, fallback_args, out, padding, no_bias, y=None):
@@ -186,10 +191,14 @@ def forward_with_padding(m, x, padding, forward):
 def _cudnn_weight(m, x, weight):
     """The weight handed to cuDNN: for an NHWC input its channels_last pack
     (cuDNN would convert an NCHW weight itself at every call, a strided copy
-    of its own); an NCHW input keeps the weight as it is, since a
-    channels_last weight would make PyTorch return a channels_last output."""
+    and an allocation of its own, where the pack is refreshed in place or,
+    inside a fused block's call, not at all: conv_patch/pack.py); an NCHW
+    input keeps the weight as it is, since a channels_last weight would make
+    PyTorch return a channels_last output. Never under autograd (the pack is
+    no function of the weight for it)."""
     if x.dim() == 4 and x.is_cuda and conv_op.nhwc(x):
-        return pack.packed_weight(m, weight, False)
+        w = pack.fresh_pack(m, weight)
+        return w if w is not None else pack.packed_weight(m, weight, False)
     return weight
 
 
@@ -305,7 +314,7 @@ def build(m, key, x, weight, bias, residual, out, beta, activation, out_scale, o
         graph = graph or foreign
         if cast is None:
             plan, y = _build(m, graph, x, weight, bias, residual, out, beta, activation, out_scale,
-                             output_padding, fallback_args, padding, no_bias)
+                             output_padding, fallback_args, padding, no_bias, packable=not key[-3])
         else:
             plan = AutocastPlan(cast, x.device.type, padding)
             if _autocast_in_kernels(plan, x, weight, bias, residual, out, key[-3]):
@@ -320,12 +329,15 @@ def build(m, key, x, weight, bias, residual, out, beta, activation, out_scale, o
 
 
 def _build(m, graph, x, weight, bias, residual, out, beta, activation, out_scale, output_padding,
-           fallback_args, padding, no_bias):
-    """(plan, result of this call) for a call without autocast."""
+           fallback_args, padding, no_bias, packable=False):
+    """(plan, result of this call) for a call without autocast; ``packable``:
+    without autograd (a PyTorch-route call on an NHWC input may then read
+    the weight's pack, ``ConvPlan.cl_pack``)."""
     decision, spec = decide(m, x, weight, bias, residual, beta, activation, out_scale, output_padding, padding,
                             graph)
     plan = ConvPlan(MODULE, decision, spec, graph=graph, direct=_direct(m, spec, padding, fallback_args),
                     padding=padding)
+    plan.cl_pack = packable and plan.direct is not None and x.is_cuda and x.dim() == 4 and conv_op.nhwc(x)
     if decision.route is Route.CUDNN:
         plan.kind = CUDNN
     elif decision.is_kernel:
@@ -475,6 +487,9 @@ def bare_call(m, x, activation="none", residual=None, beta=1.0, out_scale=1.0):
     if weight is None:  # parametrized since (see conv): its own forward computes
         return None
     m.__dict__["_cp_last"] = hit[1]
+    if hit[3] and not (weight.requires_grad and torch.is_grad_enabled()):
+        # (The slot holds for any autograd state; the pack only without it.)
+        weight = _cudnn_weight(m, x, weight)
     y = _conv2d(x, weight, params.get("bias"), *hit[0])
     if residual is None and out_scale == 1.0:
         return y if hit[2] is None else hit[2](y)
@@ -488,7 +503,7 @@ def _remember_bare(m, x, plan, residual, activation, beta, out_scale):
     if bare is None:
         bare = m.__dict__["_cp_bare"] = {}
     bare[bare_slot(x, residual, activation, beta, out_scale)] = (plan.direct, plan.decision,
-                                                                ACTIVATIONS[activation][1])
+                                                                ACTIVATIONS[activation][1], plan.cl_pack)
 
 
 def conv(m, x, residual=None, beta=1.0, activation="none", out_scale=1.0, output_padding=None,
@@ -524,7 +539,7 @@ def conv_with(m, weight, bias, x, residual=None, beta=1.0, activation="none", ou
                         fallback_args, padding, no_bias)
     elif plan.bare:
         # The cheapest PyTorch route, without even run()'s argument list.
-        y = _conv2d(x, weight, bias, *plan.direct)
+        y = _conv2d(x, _cudnn_weight(m, x, weight) if plan.cl_pack else weight, bias, *plan.direct)
     else:
         y = plan.run(m, x, weight, bias, residual, out, beta, activation, out_scale, output_padding,
                      fallback_args, no_bias)

@@ -47,27 +47,36 @@ def weight_pack_kernel(src_ptr, dst_ptr, C_in, KW, TAPS, s_co, s_ci, s_kh, s_kw,
 
 
 @triton.jit
-def grouped_weight_pack_kernel(desc_ptr, map_ptr, like_ptr, BLOCK_CI: tl.constexpr, BLOCK_T: tl.constexpr):
-    # Program p packs output channel co's [BLOCK_CI, TAPS] slab of weight t,
-    # (t, co, ci block) = map[p]. desc[t] holds the weight's and its pack's
-    # addresses, then C_in, KW, TAPS and the weight's strides (elements).
-    # like_ptr only carries the element type (every weight of a launch has it).
+def grouped_weight_pack_kernel(desc_ptr, map_ptr, like_ptr, CO_PER_PROGRAM: tl.constexpr, BLOCK_CI: tl.constexpr,
+                               BLOCK_T: tl.constexpr):
+    # Program p packs CO_PER_PROGRAM output channels' [BLOCK_CI, TAPS] slabs
+    # of weight t from output channel co0, (t, co0, ci block) = map[p]
+    # (several channels a program: a channel's slab is a few KiB). desc[t]
+    # holds the weight's and its pack's addresses, then C_out, C_in, KW,
+    # TAPS and the weight's strides (elements). like_ptr only carries the
+    # element type (every weight of a launch has it).
     p = tl.program_id(0)
     t = tl.load(map_ptr + 3 * p)
-    co = tl.load(map_ptr + 3 * p + 1)
+    co0 = tl.load(map_ptr + 3 * p + 1)
     cb = tl.load(map_ptr + 3 * p + 2)
-    d = desc_ptr + 9 * t
+    d = desc_ptr + 10 * t
     ty = tl.pointer_type(like_ptr.dtype.element_ty)
     src_ptr = tl.load(d).to(ty)
     dst_ptr = tl.load(d + 1).to(ty)
-    C_in = tl.load(d + 2)
-    KW = tl.load(d + 3)
-    TAPS = tl.load(d + 4)
+    C_out = tl.load(d + 2)
+    C_in = tl.load(d + 3)
+    KW = tl.load(d + 4)
+    TAPS = tl.load(d + 5)
+    s_co = tl.load(d + 6)
+    s_ci = tl.load(d + 7)
+    s_kh = tl.load(d + 8)
+    s_kw = tl.load(d + 9)
     ci = cb * BLOCK_CI + tl.arange(0, BLOCK_CI)
-    ci_ok = ci < C_in
-    tile, tap, ok = _taps_tile(src_ptr, co, ci, ci_ok, KW, tl.load(d + 5), tl.load(d + 6), tl.load(d + 7),
-                               tl.load(d + 8), TAPS, BLOCK_T)
-    tl.store(dst_ptr + (co * TAPS + tap[None, :]) * C_in + ci[:, None], tile, mask=ok)
+    for i in tl.static_range(CO_PER_PROGRAM):
+        co = co0 + i
+        ci_ok = ci < tl.where(co < C_out, C_in, 0)  # (a channel past C_out: nothing)
+        tile, tap, ok = _taps_tile(src_ptr, co, ci, ci_ok, KW, s_co, s_ci, s_kh, s_kw, TAPS, BLOCK_T)
+        tl.store(dst_ptr + (co * TAPS + tap[None, :]) * C_in + ci[:, None], tile, mask=ok)
 
 
 @triton.jit
@@ -112,6 +121,7 @@ def launch_weight_pack(w, out):
 
 
 GROUPED_BLOCK_CI = 64
+GROUPED_CO_PER_PROGRAM = 4
 
 
 def grouped_pack_args(pairs):
@@ -128,10 +138,10 @@ def grouped_pack_args(pairs):
         c_out, c_in, kh, kw = w.shape
         if w.dtype != w0.dtype or buf.dtype != w0.dtype or w.device != w0.device or buf.device != w0.device:
             raise ValueError("grouped weight pack: one dtype and one device per launch")
-        desc.append([w.data_ptr(), buf.data_ptr(), c_in, kw, kh * kw, *w.stride()])
+        desc.append([w.data_ptr(), buf.data_ptr(), c_out, c_in, kw, kh * kw, *w.stride()])
         taps = max(taps, kh * kw)
         blocks = cdiv(c_in, GROUPED_BLOCK_CI)
-        progs.extend((t, co, cb) for co in range(c_out) for cb in range(blocks))
+        progs.extend((t, co, cb) for co in range(0, c_out, GROUPED_CO_PER_PROGRAM) for cb in range(blocks))
     desc_t = torch.tensor(desc, dtype=torch.int64).to(w0.device)
     map_t = torch.tensor(progs, dtype=torch.int32).to(w0.device)
     return desc_t, map_t, w0.new_empty(1), next_pow2(taps)
@@ -141,8 +151,8 @@ def launch_grouped_weight_pack(args):
     """Every pack of ``grouped_pack_args``' pairs refreshed from its weight,
     in one launch."""
     desc, pmap, like, block_t = args
-    launch(grouped_weight_pack_kernel, (pmap.shape[0],), desc, pmap, like, BLOCK_CI=GROUPED_BLOCK_CI,
-           BLOCK_T=block_t, num_warps=4)
+    launch(grouped_weight_pack_kernel, (pmap.shape[0],), desc, pmap, like,
+           CO_PER_PROGRAM=GROUPED_CO_PER_PROGRAM, BLOCK_CI=GROUPED_BLOCK_CI, BLOCK_T=block_t, num_warps=4)
 
 
 def launch_subpixel_fold(w, out):

@@ -217,21 +217,23 @@ class PackGroup:
         # (Each member's weight was checked against its pack's key above:
         # the addresses and strides the launch's arguments hold.)
         sig = tuple([(e.buf.data_ptr(), e.key[0], e.key[3]) for e, _, _ in current])
-        if self.args is None or self.args[0] != sig:
-            if foreign_capture(current[0][1]):
-                return 0  # building the arguments copies to the device: not inside someone's capture
-            from conv_patch import kernels
-            groups = {}
-            for e, w, transposed in current:
-                view = w.detach().transpose(0, 1) if transposed else w.detach()
-                groups.setdefault((view.device, view.dtype), []).append((view, e.buf))
-            self.args = (sig, [kernels.grouped_pack_args(pairs) for pairs in groups.values()])
         from conv_patch import kernels
         try:
+            if self.args is None or self.args[0] != sig:
+                if foreign_capture(current[0][1]):
+                    return 0  # building the arguments copies to the device: not inside someone's capture
+                groups = {}
+                for e, w, transposed in current:
+                    view = w.detach().transpose(0, 1) if transposed else w.detach()
+                    groups.setdefault((view.device, view.dtype), []).append((view, e.buf))
+                self.args = (sig, [kernels.grouped_pack_args(pairs) for pairs in groups.values()])
             for args in self.args[1]:
                 kernels.launch_grouped_weight_pack(args)
-        except Exception as e:  # a failed launch: each pack refreshes itself from now on
+        except Exception as e:
+            # Nothing was marked fresh: each pack refreshes itself at its
+            # conv's call, from now on (a launch that failed here fails again).
             self.broken = f"{type(e).__name__}: {str(e).strip()[:160]}"
+            self.args = None
             return 0
         epoch = next(_EPOCHS)
         for e, _, _ in current:

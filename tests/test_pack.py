@@ -270,3 +270,26 @@ def test_nhwc_pytorch_route_reads_the_grouped_pack():
             edit(net[2].weight)
             twin.load_state_dict(net.state_dict())
         assert rel_err(net(x), twin(x)) <= TOL[torch.bfloat16]
+
+
+def test_a_failed_grouped_launch_leaves_each_pack_to_its_conv(device, exact_fp32, monkeypatch):
+    """A grouped launch that cannot run (here: raises) marks nothing fresh;
+    the group stops, says why, and every pack is refreshed at its conv's
+    call, so the answers stay right."""
+    from conv_patch import kernels
+    net, twin = make(device)
+    x = torch.randn(2, 6, 7, 9, device=device)
+    with torch.no_grad():
+        net(x)
+
+        def fail(args):
+            raise RuntimeError("out of resources")
+
+        monkeypatch.setattr(kernels, "launch_grouped_weight_pack", fail)
+        _data_mul(net[0].weight)
+        twin.load_state_dict(net.state_dict())
+        assert _counts(lambda: check_same(net, twin, device)) == (2, 0)
+        assert "out of resources" in net.__dict__["_cp_packs"].broken
+        _data_mul(net[2].weight)
+        twin.load_state_dict(net.state_dict())
+        assert _counts(lambda: check_same(net, twin, device)) == (2, 0)

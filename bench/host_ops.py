@@ -100,15 +100,9 @@ def diff(a: dict, b: dict, top: int) -> list:
 
 
 def case_row(name, size, batch, dtype_name, calls, tiny, device, top=25) -> dict:
-    build, default_dtype = zoo.MODELS[name]
-    dtype = zoo.DTYPES[dtype_name or default_dtype]
-    with torch.device(device):
-        model, make = build(tiny)
-    model = zoo._seeded(model) if name != "taef2" or tiny else model
-    model = model.to(device, dtype).eval()
+    fields, model, ((args, kw),) = zoo.load_case(name, size, batch, dtype_name, tiny, device, n_inputs=1)
     patched = copy.deepcopy(model)
     conv_patch.apply(patched)
-    (args, kw), = zoo._inputs(make, size, batch, device, dtype, n=1)
     fns = {"unpatched": lambda: model(*args, **kw), "patched": lambda: patched(*args, **kw)}
     with torch.inference_mode():
         for _ in range(3):
@@ -122,11 +116,11 @@ def case_row(name, size, batch, dtype_name, calls, tiny, device, top=25) -> dict
                  "launches": sum(n for kk, (n, _) in v.items() if kk in ("cudaLaunchKernel", "cuLaunchKernelEx",
                                                                        "cuLaunchKernel", "cudaLaunchKernelExC")),
                  "python_calls": sum(n for n, _ in funcs[k].values())} for k, v in ops.items()}
-    row = {"name": f"{name} {zoo._size_name(size)} b{batch} {dtype_name or default_dtype}",
+    row = {"name": fields["name"],
            "baseline": "unpatched, host time per call (GPU work not waited for)",
            "baseline_ms": host["unpatched"], "ours_ms": host["patched"],
            "speedup": host["unpatched"] / host["patched"],
-           "host_ms": host, "totals": total, "routes": zoo._routes(patched),
+           "host_ms": host, "totals": total, "routes": zoo.route_counts(patched),
            "ops": diff(ops["unpatched"], ops["patched"], top),
            "functions": diff(funcs["unpatched"], funcs["patched"], top)}
     del model, patched
@@ -137,16 +131,11 @@ def case_row(name, size, batch, dtype_name, calls, tiny, device, top=25) -> dict
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", nargs="+", choices=sorted(zoo.MODELS), default=None)
     ap.add_argument("--calls", type=int, default=5)
-    ap.add_argument("--tiny", action="store_true", help="tiny configs on the CPU (the tests)")
-    ap.add_argument("--out", default=None, help="results folder (default bench/results)")
-    ap.add_argument("--name", default="host-ops")
+    zoo.case_args(ap, "host-ops")
     args = ap.parse_args(argv)
     device = bench_device()
-    cases = TINY if args.tiny else HOST_BOUND
-    if args.only:
-        cases = [c for c in cases if c[0] in args.only]
+    cases = zoo.selected(TINY if args.tiny else HOST_BOUND, args.only)
     rows = []
     for case in cases:
         row = case_row(*case, args.calls, args.tiny, device)

@@ -56,15 +56,9 @@ def refreshes(fn) -> tuple:
 
 
 def case_row(name, size, batch, dtype_name, runs, warmup, tiny, device) -> dict:
-    build, default_dtype = zoo.MODELS[name]
-    dtype = zoo.DTYPES[dtype_name or default_dtype]
-    with torch.device(device):
-        model, make = build(tiny)
-    model = zoo._seeded(model) if name != "taef2" or tiny else model
-    model = model.to(device, dtype).eval()
+    fields, model, inputs = zoo.load_case(name, size, batch, dtype_name, tiny, device)
     patched = copy.deepcopy(model)
     conv_patch.apply(patched)
-    inputs = zoo._inputs(make, size, batch, device, dtype)
     state = {"i": 0}
 
     def call(m):
@@ -81,7 +75,7 @@ def case_row(name, size, batch, dtype_name, runs, warmup, tiny, device) -> dict:
         res = zoo.interleaved(variants, runs, warmup)
     base = res["unpatched"]
     row = {
-        "name": f"{name} {zoo._size_name(size)} b{batch} {dtype_name or default_dtype}",
+        **fields,
         "baseline": "unpatched, launched eagerly", "baseline_ms": base["ms"],
         "ours_ms": res["grouped"]["ms"], "speedup": base["ms"] / res["grouped"]["ms"],
         "per_conv_ms": res["per_conv"]["ms"], "per_conv_speedup": base["ms"] / res["per_conv"]["ms"],
@@ -98,17 +92,12 @@ def case_row(name, size, batch, dtype_name, runs, warmup, tiny, device) -> dict:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", nargs="+", choices=sorted(zoo.MODELS), default=None)
     ap.add_argument("--runs", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--tiny", action="store_true", help="tiny configs on the CPU (the tests)")
-    ap.add_argument("--out", default=None, help="results folder (default bench/results)")
-    ap.add_argument("--name", default="pack-groups", help="result file stem")
+    zoo.case_args(ap, "pack-groups")
     args = ap.parse_args(argv)
     device = bench_device()
-    cases = TINY if args.tiny else CASES
-    if args.only:
-        cases = [c for c in cases if c[0] in args.only]
+    cases = zoo.selected(TINY if args.tiny else CASES, args.only)
     rows = [case_row(*c, args.runs, args.warmup, args.tiny, device) for c in cases]
     path = write_results(args.name, rows, None, args.out)
     print_table(rows, ["name", "baseline_ms", "ours_ms", "per_conv_ms", "host_ms", "per_conv_host_ms",

@@ -289,7 +289,7 @@ def interleaved(variants: dict, runs: int, warmup: int) -> dict:
     return out
 
 
-def _size_name(size):
+def size_name(size):
     return f"{size[0]}x{size[1]}" if isinstance(size, tuple) else f"{size}x{size}"
 
 
@@ -308,6 +308,37 @@ def _inputs(make, size, batch, device, dtype, n=3):
             args, kw = make(size, batch, g, device, dtype)
         out.append((args, kw))
     return out
+
+
+def load_case(name, size, batch, dtype_name, tiny, device, n_inputs=3):
+    """(row fields, unpatched model, inputs) of zoo case ``name``: built on
+    ``device`` in its dtype, seeded random weights (TAEF2 its real ones,
+    except tiny), ``n_inputs`` different inputs (``_inputs``). The row
+    fields: name, model, size, batch, dtype."""
+    build, default_dtype = MODELS[name]
+    dtype_label = dtype_name or default_dtype
+    dtype = DTYPES[dtype_label]
+    with torch.device(device):
+        # Built on the device: a random init of SDXL's 2.6B parameters on the CPU takes minutes.
+        model, make = build(tiny)
+    model = _seeded(model) if name != "taef2" or tiny else model
+    model = model.to(device, dtype).eval()
+    fields = {"name": f"{name} {size_name(size)} b{batch} {dtype_label}", "model": name, "size": size_name(size),
+              "batch": batch, "dtype": dtype_label}
+    return fields, model, _inputs(make, size, batch, device, dtype, n_inputs)
+
+
+def case_args(ap, name: str) -> None:
+    """The options every zoo-case benchmark takes: --only, --tiny, --out, --name."""
+    ap.add_argument("--only", nargs="+", choices=sorted(MODELS), default=None)
+    ap.add_argument("--tiny", action="store_true", help="tiny configs on the CPU (the tests)")
+    ap.add_argument("--out", default=None, help="results folder (default bench/results)")
+    ap.add_argument("--name", default=name, help="result file stem")
+
+
+def selected(cases, only):
+    """The cases of the models ``only`` names (all where None)."""
+    return [c for c in cases if c[0] in only] if only else cases
 
 
 # The timed rounds of a row span at least MIN_SECONDS of the unpatched
@@ -331,18 +362,11 @@ def _quartiles(xs) -> list:
 
 
 def bench_row(name, size, batch, dtype_name, runs, warmup, tiny, device, min_seconds=0.0):
-    build, default_dtype = MODELS[name]
-    dtype = DTYPES[dtype_name or default_dtype]
-    with torch.device(device):
-        # Built on the device: a random init of SDXL's 2.6B parameters on the CPU takes minutes.
-        model, make = build(tiny)
-    model = _seeded(model) if name != "taef2" or tiny else model
-    model = model.to(device, dtype).eval()
+    fields, model, inputs = load_case(name, size, batch, dtype_name, tiny, device)
     patched = copy.deepcopy(model)
     report = conv_patch.apply(patched)
     graphed = copy.deepcopy(model)
     conv_patch.apply(graphed, config=conv_patch.PatchConfig(cuda_graphs=True))
-    inputs = _inputs(make, size, batch, device, dtype)
     state = {"i": 0}
 
     def call(m):
@@ -370,8 +394,7 @@ def bench_row(name, size, batch, dtype_name, runs, warmup, tiny, device, min_sec
         err = {k: _rel_err(_out(m, inputs[0]), ref) for k, m in (("patched", patched), ("graphed", graphed))}
     base = res["unpatched"]
     row = {
-        "name": f"{name} {_size_name(size)} b{batch} {dtype_name or default_dtype}",
-        "model": name, "size": _size_name(size), "batch": batch, "dtype": dtype_name or default_dtype,
+        **fields,
         "baseline": "unpatched, launched eagerly", "baseline_ms": base["ms"], "ours_ms": res["patched"]["ms"],
         "speedup": base["ms"] / res["patched"]["ms"], "graph_ms": res["graphed"]["ms"],
         "graph_speedup": base["ms"] / res["graphed"]["ms"], "host_ms": res["patched"]["host_ms"],
@@ -384,7 +407,7 @@ def bench_row(name, size, batch, dtype_name, runs, warmup, tiny, device, min_sec
         "speedup_round_iqr": _quartiles([u / p for u, p in zip(base["samples"], res["patched"]["samples"])]),
         "first_call_s": first, "rel_err_vs_unpatched": err["patched"], "graph_rel_err_vs_unpatched": err["graphed"],
         "patched_convs": len(report.patched), "fused_blocks": len(report.fused),
-        "kernel_convs": _kernel_convs(patched), "routes": _routes(patched),
+        "kernel_convs": _kernel_convs(patched), "routes": route_counts(patched),
     }
     del model, patched, graphed
     if torch.cuda.is_available():
@@ -414,7 +437,7 @@ def _kernel_convs(model) -> int:
                and m.__dict__.get("_cp_last") is not None and m._cp_last.is_kernel)
 
 
-def _routes(model) -> dict:
+def route_counts(model) -> dict:
     """How many patched convs last ran each route ("lean" for the lean one)."""
     out = {}
     for m in model.modules():
@@ -434,27 +457,22 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--set", choices=("quick", "full", "host"), default="quick",
                     help="host: the host-bound rows alone")
-    ap.add_argument("--only", nargs="+", choices=sorted(MODELS), default=None)
     ap.add_argument("--runs", type=int, default=7)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--min-seconds", type=float, default=None,
                     help=f"more rounds until they span this much of the unpatched model's time "
                          f"(default {MIN_SECONDS}; 0 with --tiny), at most {MAX_RUNS}")
-    ap.add_argument("--tiny", action="store_true", help="tiny configs on the CPU (the tests)")
-    ap.add_argument("--out", default=None, help="results folder (default bench/results)")
-    ap.add_argument("--name", default="zoo", help="result file stem")
+    case_args(ap, "zoo")
     args = ap.parse_args(argv)
     device = bench_device()
-    cases = TINY if args.tiny else {"full": FULL, "quick": QUICK, "host": HOST}[args.set]
+    cases = selected(TINY if args.tiny else {"full": FULL, "quick": QUICK, "host": HOST}[args.set], args.only)
     min_seconds = args.min_seconds if args.min_seconds is not None else (0.0 if args.tiny else MIN_SECONDS)
-    if args.only:
-        cases = [c for c in cases if c[0] in args.only]
     rows = []
     for name, size, batch, dt in cases:
         try:
             row = bench_row(name, size, batch, dt, args.runs, args.warmup, args.tiny, device, min_seconds)
         except torch.cuda.OutOfMemoryError:
-            print(f"{name} {_size_name(size)} b{batch}: out of memory, skipped", flush=True)
+            print(f"{name} {size_name(size)} b{batch}: out of memory, skipped", flush=True)
             torch.cuda.empty_cache()
             continue
         rows.append(row)

@@ -116,12 +116,16 @@ def packed_weight(holder, weight: torch.Tensor, transposed: bool) -> torch.Tenso
 
     ``holder`` (the wrapper) keeps at most one ``PackEntry`` in ``_cp_pack``.
     """
+    entry: Optional[PackEntry] = holder.__dict__.get("_cp_pack")
+    if entry is not None and entry.fresh and entry.fresh == ACTIVE.epoch and entry.key[0] == weight.data_ptr():
+        # Refreshed from this storage at the start of this thread's fused
+        # block call (``PackGroup`` checked the rest of the key then).
+        return entry.buf
     view = kernel_view(weight.detach(), transposed)
     if is_kernel_layout(view):
         release(holder)
         return view
     key = pack_key(weight)
-    entry: Optional[PackEntry] = holder.__dict__.get("_cp_pack")
     if entry is None or entry.key != key:
         # Shape, dtype, device or storage changed: the old buffer is dropped
         # here, before the new one is allocated.
@@ -155,16 +159,6 @@ def refresh(holder, entry: PackEntry, view: torch.Tensor, transposed: bool) -> t
     if group is not None:
         group.learn(holder, entry, transposed)
     return entry.buf
-
-
-def fresh_pack(holder, weight: torch.Tensor) -> Optional[torch.Tensor]:
-    """``holder``'s pack where this thread's fused block call refreshed it
-    from ``weight``'s storage at its start, else None (then
-    ``packed_weight``): the check without building the pack's key."""
-    entry = holder.__dict__.get("_cp_pack")
-    if entry is not None and entry.fresh and entry.fresh == ACTIVE.epoch and entry.key[0] == weight.data_ptr():
-        return entry.buf
-    return None
 
 
 class PackGroup:

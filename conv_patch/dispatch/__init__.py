@@ -197,8 +197,7 @@ def _cudnn_weight(m, x, weight):
     PyTorch return a channels_last output. Never under autograd (the pack is
     no function of the weight for it)."""
     if x.dim() == 4 and x.is_cuda and conv_op.nhwc(x):
-        w = pack.fresh_pack(m, weight)
-        return w if w is not None else pack.packed_weight(m, weight, False)
+        return pack.packed_weight(m, weight, False)
     return weight
 
 

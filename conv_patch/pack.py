@@ -239,10 +239,9 @@ class PackGroup:
 def grouped(block, fn, args, kwargs):
     """``fn(*args, **kwargs)``, the call of fused block ``block``, with its
     group's packs refreshed in one launch at the start (module docstring).
-    A block called inside another's grouped call runs plainly: the outer
-    group learns and refreshes its packs."""
-    if ACTIVE.group is not None or GRAPH_PATH:
-        return fn(*args, **kwargs)
+    For the outermost fused block of a call, off the graph path
+    (``FusedBlock.forward`` checks): a block called inside it runs
+    plainly, and this block's group learns and refreshes its packs."""
     group = block.__dict__.get("_cp_packs")
     if group is None:
         group = block.__dict__["_cp_packs"] = PackGroup()

@@ -62,8 +62,9 @@ class FusedBlock:
     def forward(self, *args, **kwargs):
         if (pack.ACTIVE.group is None and self.__dict__.get("_cp_graphs") is None and not pack.GRAPH_PATH
                 and not torch.compiler.is_compiling()):
-            # The outermost fused block of this call: its convs' weight packs
-            # are refreshed together at its start (conv_patch/pack.py says why).
+            # The outermost fused block of this call (no group active in this
+            # thread): its convs' weight packs are refreshed together at its
+            # start (conv_patch/pack.py says why).
             return pack.grouped(self, self._cp_run, args, kwargs)
         return self._cp_run(*args, **kwargs)
 

@@ -194,8 +194,8 @@ def _cudnn_weight(m, x, weight):
     and an allocation of its own, where the pack is refreshed in place or,
     inside a fused block's call, not at all: conv_patch/pack.py); an NCHW
     input keeps the weight as it is, since a channels_last weight would make
-    PyTorch return a channels_last output. Never under autograd (the pack is
-    no function of the weight for it)."""
+    PyTorch return a channels_last output. Only for calls without autograd
+    (the pack is no function of the weight for it): the callers check."""
     if x.dim() == 4 and x.is_cuda and conv_op.nhwc(x):
         return pack.packed_weight(m, weight, False)
     return weight

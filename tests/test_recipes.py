@@ -509,3 +509,96 @@ def test_folded_upsample_of_a_weight_normed_conv_runs_its_own_computation(device
     x = torch.randn(2, 6, 5, 7, device=device)
     with torch.no_grad():
         assert rel_err(up(x), twin(x)) <= 1e-5
+
+
+def test_a_block_whose_recipe_ran_no_kernel_takes_its_own_forward(device, exact_fp32, monkeypatch):
+    """Where the recipe's call launched no kernel at a signature (its convs
+    all on PyTorch's route: here, not patched at all), the block's own
+    forward takes the later calls at that signature; where it launched one,
+    the recipe keeps them. An NHWC input is never handed over (the recipes
+    keep their layout)."""
+    from conv_patch.conv import launch_count
+    from conv_patch.recipes import diffusers as rdiff
+
+    def counting(recipe):
+        calls = []
+        orig = type(recipe).forward
+
+        def forward(self, m, *a, **k):
+            calls.append(1)
+            return orig(self, m, *a, **k)
+        monkeypatch.setattr(type(recipe), "forward", forward)
+        return calls
+
+    up_calls, down_calls = counting(rdiff.UPSAMPLE), counting(rdiff.DOWNSAMPLE)
+    up = _seeded(Upsample2D(6, use_conv=True, out_channels=10)).to(device).eval()
+    down = _seeded(Downsample2D(6, use_conv=True, out_channels=6, padding=0)).to(device).eval()
+    plain_up = copy.deepcopy(up)
+    x = torch.randn(2, 6, 5, 7, device=device)
+    y = torch.randn(1, 6, 9, 4, device=device)
+    with torch.no_grad():
+        ref_up, ref_down, ref_y = up(x), down(x), up(y)
+        conv_patch.apply(down)  # its conv launches a kernel (the interpreter, or a GPU route)
+        conv_patch.apply(plain_up, filter_fn=lambda m, fqn: False)  # fused, its conv PyTorch's own
+        before = launch_count()
+        for _ in range(3):
+            assert rel_err(plain_up(x), ref_up) <= 1e-6
+            assert rel_err(down(x), ref_down) <= 1e-5
+        assert len(up_calls) == 1, "the recipe ran once, then the block's own forward"
+        assert plain_up.__dict__["_cp_own"] == {recipes.steps.own_forward_key((x,), {}): True}
+        # A new signature is learned on its own; the first stays.
+        assert rel_err(plain_up(y), ref_y) <= 1e-6 and rel_err(plain_up(y), ref_y) <= 1e-6
+        assert len(up_calls) == 2 and len(plain_up.__dict__["_cp_own"]) == 2
+        if not device.type == "cuda" or down.conv.route(x).is_kernel:
+            assert len(down_calls) == 3 and launch_count() > before
+            assert set(down.__dict__["_cp_own"].values()) == {False}
+        # NHWC in: the recipe every time, nothing learned.
+        x_cl = x.contiguous(memory_format=torch.channels_last)
+        for _ in range(2):
+            out = plain_up(x_cl)
+        assert len(up_calls) == 4 and len(plain_up.__dict__["_cp_own"]) == 2
+        assert out.is_contiguous(memory_format=torch.channels_last) and rel_err(out, ref_up) <= 1e-6
+        # Copies learn their own; unfusing forgets.
+        assert copy.deepcopy(plain_up).__dict__.get("_cp_own") is None
+        conv_patch.remove(plain_up)
+        assert "_cp_own" not in plain_up.__dict__
+
+
+@pytest.mark.gpu
+def test_unet_blocks_whose_recipes_run_no_kernel_take_their_own_forward_gpu():
+    """A small UNet in fp16 on the GPU: its convs route to PyTorch at these
+    sizes (the lean kernel may take a few), so each resnet, downsample and
+    upsample block whose convs all did learns at its first call that its
+    recipe ran no kernel and then runs its own forward; the output is the
+    unpatched model's."""
+    from diffusers import UNet2DConditionModel
+    from conv_patch.conv import launch_count
+    torch.manual_seed(0)
+    unet = UNet2DConditionModel(
+        block_out_channels=(32, 64), down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), layers_per_block=1, cross_attention_dim=32,
+        attention_head_dim=4, norm_num_groups=8, sample_size=8).cuda().half().eval()
+    patched = copy.deepcopy(unet)
+    report = conv_patch.apply(patched)
+    x = torch.randn(2, 4, 16, 16, device="cuda", dtype=torch.half)
+    t = torch.full((2,), 500.0, device="cuda")
+    ctx = torch.randn(2, 7, 32, device="cuda", dtype=torch.half)
+    with torch.no_grad():
+        ref = unet(x, t, encoder_hidden_states=ctx).sample
+        outs = [patched(x, t, encoder_hidden_states=ctx).sample for _ in range(3)]
+        before = launch_count()
+        patched(x, t, encoder_hidden_states=ctx)
+    blocks = [m for m in patched.modules() if recipes.is_fused(m) and m._cp_recipe.own_forward_without_kernels]
+    assert len(blocks) >= 6 and any(v.startswith("diffusers.ResnetBlock2D") for v in report.fused.values())
+    from conv_patch.wrappers import PatchedConvMixin
+    own = 0
+    for m in blocks:
+        ran_kernel = any(c._cp_last is not None and c._cp_last.is_kernel
+                         for c in m.modules() if isinstance(c, PatchedConvMixin))
+        assert set(m._cp_own.values()) == {not ran_kernel}
+        own += not ran_kernel
+    assert own >= 4
+    if own == len(blocks):
+        assert launch_count() == before
+    for out in outs:
+        assert rel_err(out.float(), ref.float()) <= 2e-3

@@ -45,6 +45,9 @@ class Recipe:
     # NCHW input: then the block's own forward, with less Python around the
     # same ops, takes such calls (``FusedBlock.forward``).
     own_forward_without_kernels = False
+    # Whether the block runs convs whose weight packs its calls refresh as
+    # a group (``pack.grouped``); a norm's recipe runs none.
+    runs_convs = True
 
     def match(self, module: nn.Module) -> bool:
         raise NotImplementedError
@@ -88,8 +91,8 @@ class FusedBlock:
         return self._cp_enter(args, kwargs)
 
     def _cp_enter(self, args, kwargs):
-        if (pack.ACTIVE.group is None and self.__dict__.get("_cp_graphs") is None and not pack.GRAPH_PATH
-                and not torch.compiler.is_compiling()):
+        if (self._cp_recipe.runs_convs and pack.ACTIVE.group is None and self.__dict__.get("_cp_graphs") is None
+                and not pack.GRAPH_PATH and not torch.compiler.is_compiling()):
             # The outermost fused block of this call (no group active in this
             # thread): its convs' weight packs are refreshed together at its
             # start (conv_patch/pack.py says why).

@@ -21,6 +21,7 @@ class GroupNormRecipe(Recipe):
 
     name = "group_norm"
     what = "GroupNorm kernel"
+    runs_convs = False
 
     def match(self, m):
         return is_group_norm(m)

@@ -245,7 +245,6 @@ class TinyBlock(Recipe):
     the second 1x1 conv's epilogue."""
 
     what = "conv+activation epilogues, skip and ReLU in the last conv's epilogue"
-    own_forward_without_kernels = True
 
     def __init__(self, name, cls_names):
         self.name, self.cls_names = name, cls_names

@@ -73,6 +73,7 @@ class RMSNorm(Recipe):
 
     name = "wan.RMS_norm"
     what = "RMS norm kernel"
+    runs_convs = False
 
     def match(self, m):
         return rms_norm_params(m) is not None

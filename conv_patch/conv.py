@@ -6,7 +6,6 @@ replay what they launched."""
 
 from __future__ import annotations
 
-import sys
 from typing import Optional
 
 import torch
@@ -40,13 +39,6 @@ def kernels():
         from conv_patch import kernels as k
         _KERNELS.append(k)
     return _KERNELS[0]
-
-
-def launch_count() -> int:
-    """Kernels this process has launched so far, replays included (0 while
-    ``conv_patch.kernels`` has not been imported, by whatever path)."""
-    k = sys.modules.get("conv_patch.kernels")
-    return 0 if k is None else k.launch_count()
 
 
 def check_residual(residual: Optional[torch.Tensor], out_shape: tuple) -> None:

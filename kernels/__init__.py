@@ -9,7 +9,7 @@ import os
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
-from ._launch import Program, Unrecordable, empty, launch_count, recording  # noqa: E402
+from ._launch import Program, Unrecordable, empty, recording  # noqa: E402
 from .conv2d import conv2d_fwd_kernel, launch_conv2d  # noqa: E402
 from .conv3d import conv3d_fwd_kernel, launch_conv3d  # noqa: E402
 from .conv3d_tma import conv3d_tma_kernel, conv3d_tma_problem, launch_conv3d_tma  # noqa: E402
@@ -54,7 +54,7 @@ ATTENTION_KERNELS = {"softmax_rows": softmax_rows_kernel, "attention_scores": at
 WEIGHT_KERNELS = {"weight_pack": weight_pack_kernel, "grouped_weight_pack": grouped_weight_pack_kernel,
                   "subpixel_fold": subpixel_fold_kernel}
 
-__all__ = ["Program", "Unrecordable", "empty", "launch_count", "recording", "ATTENTION_KERNELS", "attention_partial_columns", "launch_attention_block", "EPILOGUE_KERNELS", "INTERPRET", "KERNELS", "LAYOUT_KERNELS", "NORM_KERNELS",
+__all__ = ["Program", "Unrecordable", "empty", "recording", "ATTENTION_KERNELS", "attention_partial_columns", "launch_attention_block", "EPILOGUE_KERNELS", "INTERPRET", "KERNELS", "LAYOUT_KERNELS", "NORM_KERNELS",
            "TAPS_KERNELS", "WEIGHT_KERNELS", "launch_conv2d", "launch_conv3d", "launch_conv3d_tma", "conv3d_tma_problem", "launch_conv2d_flat", "launch_conv2d_taps", "launch_conv2d_tma", "launch_conv_transpose2d", "reads_nchw_in_place",
            "launch_epilogue", "launch_group_norm", "launch_group_norm_apply", "launch_group_norm_partials",
            "launch_group_norm_stats",

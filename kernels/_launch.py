@@ -186,21 +186,9 @@ def _hooked(hook) -> bool:
     return hook is not None and bool(getattr(hook, "calls", True))
 
 
-# Kernel launches made in this process (each launch and each replayed one):
-# a fused block compares it before and after a call to learn whether its
-# recipe ran any kernel at all (recipes/_fuse.py, FusedBlock.forward).
-_LAUNCHES = [0]
-
-
-def launch_count() -> int:
-    """How many kernels this process has launched (launched and replayed)."""
-    return _LAUNCHES[0]
-
-
 def launch(kernel, grid, *args, **meta):
     """``kernel[grid](*args, **meta)``, from the cache of compiled kernels
     where the call's signature was seen before (see above)."""
-    _LAUNCHES[0] += 1
     if not _fast_launch_on():
         compiled = kernel[grid](*args, **meta)
         _record(kernel, grid, args, meta, None, None)
@@ -361,7 +349,6 @@ class Program:
 
     def __call__(self, roles: tuple):
         import torch
-        _LAUNCHES[0] += len(self.launches)
         bases = list(roles)
         for shape, stride, dtype, device in self.scratch:
             bases.append(torch.empty_strided(shape, stride, dtype=dtype, device=device))

@@ -64,7 +64,6 @@ def unfuse(module: nn.Module) -> None:
         module.__dict__.pop("_cp_plans", None)
         module.__dict__.pop("_cp_chain", None)
         module.__dict__.pop("_cp_packs", None)
-        module.__dict__.pop("_cp_own", None)
         module.__dict__.pop("_cp_bands", None)
         module.__dict__.pop("_cp_band_report", None)
 

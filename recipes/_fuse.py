@@ -25,7 +25,7 @@ from torch import nn
 from torch.nn.modules import module as torch_module
 
 from conv_patch import dispatch, ops, pack
-from conv_patch.conv import kernel_errors, launch_count
+from conv_patch.conv import kernel_errors
 from conv_patch.costs import group_norm_pays
 from conv_patch.specs import needs_grad
 from conv_patch.wrappers import PatchedCausalConv3d, PatchedConvMixin, comfy_active, is_comfy_conv_class
@@ -39,12 +39,6 @@ class Recipe:
 
     name = ""
     what = ""
-    # Whether the fused forward, where none of its steps launches a kernel
-    # (every conv on PyTorch's route, every norm PyTorch's), computes the
-    # same PyTorch ops as the block's own forward, in the same layout for an
-    # NCHW input: then the block's own forward, with less Python around the
-    # same ops, takes such calls (``FusedBlock.forward``).
-    own_forward_without_kernels = False
     # Whether the block runs convs whose weight packs its calls refresh as
     # a group (``pack.grouped``); a norm's recipe runs none.
     runs_convs = True
@@ -69,28 +63,6 @@ class FusedBlock:
     _cp_base: type = nn.Module
 
     def forward(self, *args, **kwargs):
-        if self._cp_recipe.own_forward_without_kernels:
-            key = own_forward_key(args, kwargs)
-            if key is not None and self.__dict__.get("_cp_graphs") is None:
-                # A UNet's blocks at small latents: the recipe would run
-                # PyTorch's ops with more Python around them. Learned per
-                # call signature, by whether the recipe's call at it
-                # launched any kernel (plans are per signature too).
-                seen = self.__dict__.get("_cp_own")
-                if seen is None:
-                    seen = self.__dict__["_cp_own"] = {}
-                own = seen.get(key)
-                if own:
-                    return self._cp_base.forward(self, *args, **kwargs)
-                if own is None:
-                    before = launch_count()
-                    y = self._cp_enter(args, kwargs)
-                    if len(seen) < OWN_FORWARD_KEYS:
-                        seen[key] = launch_count() == before
-                    return y
-        return self._cp_enter(args, kwargs)
-
-    def _cp_enter(self, args, kwargs):
         if (self._cp_recipe.runs_convs and pack.ACTIVE.group is None and self.__dict__.get("_cp_graphs") is None
                 and not pack.GRAPH_PATH and not torch.compiler.is_compiling()):
             # The outermost fused block of this call (no group active in this
@@ -119,49 +91,12 @@ class FusedBlock:
 
     def __getstate__(self):
         state = super().__getstate__()
-        if any(state.get(k) is not None for k in ("_cp_plans", "_cp_norm_plan", "_cp_packs", "_cp_own")):
+        if any(state.get(k) is not None for k in ("_cp_plans", "_cp_norm_plan", "_cp_packs")):
             # Plans hold this process's kernels and recorded launches
             # (conv_patch.dispatch), which neither pickle nor deep-copy; a
-            # pack group, this module's convs; which signatures ran no
-            # kernel, this process's routes (a copy learns its own).
-            state = dict(state, _cp_plans=None, _cp_norm_plan=None, _cp_packs=None, _cp_own=None)
+            # pack group, this module's convs (a copy learns its own).
+            state = dict(state, _cp_plans=None, _cp_norm_plan=None, _cp_packs=None)
         return state
-
-
-# Call signatures a block remembers whether its recipe ran kernels at.
-OWN_FORWARD_KEYS = 64
-
-
-def _signature(a):
-    if isinstance(a, torch.Tensor):
-        return (a.shape, a.dtype, a.device, a.is_contiguous())
-    return a
-
-
-def own_forward_key(args: tuple, kwargs: dict):
-    """The signature of a fused block's call for ``FusedBlock.forward``'s
-    choice between recipe and own forward: its arguments' shapes, dtypes
-    and devices (other values as they are) and the autograd and autocast
-    state; None where that choice is not made (a first argument that is not
-    a contiguous NCHW tensor: there the recipes keep their own layout;
-    tracing, compiling, conv-patch's graph capture; unhashable arguments)."""
-    x = args[0] if args else None
-    if (not isinstance(x, torch.Tensor) or x.dim() != 4 or not x.is_contiguous() or pack.GRAPH_PATH
-            or torch.compiler.is_compiling()):
-        return None
-    device = x.device
-    key = [x.shape, x.dtype, device, torch.is_grad_enabled(), torch.is_autocast_enabled(device.type)]
-    for a in args[1:]:
-        key.append(_signature(a))
-    for k, v in kwargs.items():
-        key.append(k)
-        key.append(_signature(v))
-    key = tuple(key)
-    try:
-        hash(key)
-    except TypeError:
-        return None
-    return key
 
 
 REGISTRY: Dict[str, Recipe] = {}

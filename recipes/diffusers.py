@@ -30,7 +30,6 @@ class ResnetBlock2D(Recipe):
 
     name = "diffusers.ResnetBlock2D"
     what = "GroupNorm+SiLU, time embedding in conv1's epilogue, residual and 1/output_scale_factor in conv2's"
-    own_forward_without_kernels = True
 
     def match(self, m):
         return (_named(m, "ResnetBlock2D") and is_group_norm(getattr(m, "norm1", None))
@@ -73,7 +72,6 @@ class Upsample2D(Recipe):
 
     name = "diffusers.Upsample2D"
     what = "upsample folded into the conv"
-    own_forward_without_kernels = True
 
     def match(self, m):
         return (_named(m, "Upsample2D") and getattr(m, "use_conv", False) and not getattr(m, "use_conv_transpose", True)
@@ -95,7 +93,6 @@ class Downsample2D(Recipe):
 
     name = "diffusers.Downsample2D"
     what = "asymmetric pad folded into the stride-2 conv"
-    own_forward_without_kernels = True
 
     def match(self, m):
         return (_named(m, "Downsample2D") and getattr(m, "use_conv", False) and getattr(m, "padding", 1) == 0

@@ -57,7 +57,6 @@ class ResnetBlock(Recipe):
 
     name = "ldm.ResnetBlock"
     what = "GroupNorm+SiLU, residual in conv2's epilogue"
-    own_forward_without_kernels = True
 
     def match(self, m):
         if not (_named(m, "ResnetBlock") and all(hasattr(m, a) for a in (
@@ -107,8 +106,6 @@ class WithConv(Recipe):
     """ldm ``Upsample`` (nearest x2, then a 3x3 conv) and ``Downsample``
     (``F.pad(x, (0, 1, 0, 1))``, then a stride-2 3x3 conv) with
     ``with_conv=True``: ``step(conv, x)`` does the pair in one go."""
-
-    own_forward_without_kernels = True
 
     def __init__(self, name, cls_name, stride, padding, what, step):
         self.name, self.cls_name, self.stride, self.padding, self.what = name, cls_name, stride, padding, what

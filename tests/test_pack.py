@@ -293,3 +293,26 @@ def test_a_failed_grouped_launch_leaves_each_pack_to_its_conv(device, exact_fp32
         _data_mul(net[2].weight)
         twin.load_state_dict(net.state_dict())
         assert _counts(lambda: check_same(net, twin, device)) == (2, 0)
+
+
+def test_a_norm_is_no_pack_group_and_leaves_the_enclosing_one_alone(device, exact_fp32):
+    """A fused GroupNorm runs no conv: called on its own it opens no pack
+    group (a UNet calls dozens of them per step), and inside a fused block
+    it leaves that block's group active for the convs after it."""
+    norm = nn.Sequential(nn.GroupNorm(2, 6)).to(device)
+    conv_patch.apply(norm)
+    assert type(norm[0]).__name__.startswith("Fused")
+    x = torch.randn(2, 6, 7, 9, device=device)
+    seen = []
+    norm[0].register_forward_hook(lambda m, a, y: seen.append(pack.ACTIVE.group))
+    with torch.no_grad():
+        assert rel_err(norm[0](x), torch.nn.functional.group_norm(x, 2, norm[0].weight, norm[0].bias)) <= 1e-5
+    assert seen == [None] and norm[0].__dict__.get("_cp_packs") is None
+    net = nn.Sequential(nn.Conv2d(6, 6, 3, padding=1), nn.ReLU(), nn.GroupNorm(2, 6), nn.Conv2d(6, 5, 3, padding=1),
+                        nn.ReLU(), nn.Conv2d(5, 4, 3, padding=1)).to(device)
+    conv_patch.apply(net)
+    inner = []
+    net[2].register_forward_hook(lambda m, a, y: inner.append(pack.ACTIVE.group))
+    with torch.no_grad():
+        net(x)
+    assert inner == [net.__dict__["_cp_packs"]] and net[2].__dict__.get("_cp_packs") is None

@@ -2,7 +2,8 @@
 against patched (and patched with ``PatchConfig(cuda_graphs=True)``), each
 call launched eagerly the way diffusers and ComfyUI run it.
 
-    python -m bench.zoo [--only NAME ...] [--runs 7] [--min-seconds 0.5] [--set quick|full|host] [--tiny]
+    python -m bench.zoo [--only NAME ...] [--runs 7] [--min-seconds 0.5] [--max-runs 51]
+                        [--set quick|full|host] [--convs-only] [--tiny]
 
 Per (model, size, batch, dtype) one row: ``baseline_ms`` (the unpatched
 model), ``ours_ms`` (after ``conv_patch.apply``), ``graph_ms`` (with CUDA
@@ -12,7 +13,10 @@ unpatched model's own timed calls, (max - min) / median), ``noise_iqr``
 (their quartiles over the median) and ``speedup_round_iqr`` (the quartiles
 of the per-round speedups). The timed rounds are ``--runs`` at least and
 more for fast models, until they span ``--min-seconds`` of the unpatched
-model's time (``runs`` says how many). Variants run
+model's time (``runs`` says how many), at most ``--max-runs``. With
+``--convs-only`` the model patched with ``recipes=False`` runs in the same
+rounds (``convs_only_ms``, ``convs_only_speedup``,
+``convs_only_round_iqr``): what the block recipes add or cost. Variants run
 interleaved, A B C A B C ..., each call timed from a synchronised GPU to
 its finished output (wall clock: host and GPU time as the user waits for
 them), medians after warm-up (the first calls compile the kernels). UNets,
@@ -348,12 +352,12 @@ MIN_SECONDS = 0.5
 MAX_RUNS = 51
 
 
-def runs_for(one_ms: float, runs: int, min_seconds: float) -> int:
+def runs_for(one_ms: float, runs: int, min_seconds: float, max_runs: int = MAX_RUNS) -> int:
     """Timed rounds for a model whose call takes ``one_ms``: ``runs`` at
-    least, more until they span ``min_seconds``, never above ``MAX_RUNS``."""
+    least, more until they span ``min_seconds``, never above ``max_runs``."""
     if min_seconds <= 0 or one_ms <= 0:
         return runs
-    return max(runs, min(MAX_RUNS, math.ceil(min_seconds * 1e3 / one_ms)))
+    return max(runs, min(max_runs, math.ceil(min_seconds * 1e3 / one_ms)))
 
 
 def _quartiles(xs) -> list:
@@ -361,12 +365,20 @@ def _quartiles(xs) -> list:
     return [q[0], q[2]]
 
 
-def bench_row(name, size, batch, dtype_name, runs, warmup, tiny, device, min_seconds=0.0):
+def bench_row(name, size, batch, dtype_name, runs, warmup, tiny, device, min_seconds=0.0, convs_only=False,
+              max_runs=MAX_RUNS):
+    """One zoo row; with ``convs_only`` also the model patched with
+    ``recipes=False`` (its convs swapped, no block fused) in the same rounds:
+    what the recipes add or cost on this model, A against B."""
     fields, model, inputs = load_case(name, size, batch, dtype_name, tiny, device)
     patched = copy.deepcopy(model)
     report = conv_patch.apply(patched)
     graphed = copy.deepcopy(model)
     conv_patch.apply(graphed, config=conv_patch.PatchConfig(cuda_graphs=True))
+    bare = None
+    if convs_only:
+        bare = copy.deepcopy(model)
+        conv_patch.apply(bare, recipes=False)
     state = {"i": 0}
 
     def call(m):
@@ -376,6 +388,8 @@ def bench_row(name, size, batch, dtype_name, runs, warmup, tiny, device, min_sec
         return fn
 
     variants = {"unpatched": call(model), "patched": call(patched), "graphed": call(graphed)}
+    if bare is not None:
+        variants["convs_only"] = call(bare)
     with torch.inference_mode():
         # The first patched call compiles the kernels the model needs.
         t0 = time.perf_counter()
@@ -388,7 +402,9 @@ def bench_row(name, size, batch, dtype_name, runs, warmup, tiny, device, min_sec
                 fn()
                 state["i"] += 1
             return f
-        runs = runs_for(min(_timed(variants["unpatched"])[0] for _ in range(2)), runs, min_seconds)
+        if bare is not None:
+            variants["convs_only"]()
+        runs = runs_for(min(_timed(variants["unpatched"])[0] for _ in range(2)), runs, min_seconds, max_runs)
         res = interleaved({k: rotating(v) for k, v in variants.items()}, runs, warmup)
         ref = _out(model, inputs[0])
         err = {k: _rel_err(_out(m, inputs[0]), ref) for k, m in (("patched", patched), ("graphed", graphed))}
@@ -409,7 +425,12 @@ def bench_row(name, size, batch, dtype_name, runs, warmup, tiny, device, min_sec
         "patched_convs": len(report.patched), "fused_blocks": len(report.fused),
         "kernel_convs": _kernel_convs(patched), "routes": route_counts(patched),
     }
-    del model, patched, graphed
+    if bare is not None:
+        c = res["convs_only"]
+        row.update(convs_only_ms=c["ms"], convs_only_speedup=base["ms"] / c["ms"],
+                   convs_only_round_iqr=_quartiles([u / p for u, p in zip(base["samples"], c["samples"])]),
+                   convs_only_rel_err_vs_unpatched=_rel_err(_out(bare, inputs[0]), ref))
+    del model, patched, graphed, bare
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return row
@@ -461,7 +482,10 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--min-seconds", type=float, default=None,
                     help=f"more rounds until they span this much of the unpatched model's time "
-                         f"(default {MIN_SECONDS}; 0 with --tiny), at most {MAX_RUNS}")
+                         f"(default {MIN_SECONDS}; 0 with --tiny), at most --max-runs")
+    ap.add_argument("--max-runs", type=int, default=MAX_RUNS, help=f"at most this many rounds (default {MAX_RUNS})")
+    ap.add_argument("--convs-only", action="store_true",
+                    help="also time the model patched with recipes=False in the same rounds")
     case_args(ap, "zoo")
     args = ap.parse_args(argv)
     device = bench_device()
@@ -470,7 +494,8 @@ def main(argv=None):
     rows = []
     for name, size, batch, dt in cases:
         try:
-            row = bench_row(name, size, batch, dt, args.runs, args.warmup, args.tiny, device, min_seconds)
+            row = bench_row(name, size, batch, dt, args.runs, args.warmup, args.tiny, device, min_seconds,
+                            args.convs_only, args.max_runs)
         except torch.cuda.OutOfMemoryError:
             print(f"{name} {size_name(size)} b{batch}: out of memory, skipped", flush=True)
             torch.cuda.empty_cache()
@@ -478,7 +503,9 @@ def main(argv=None):
         rows.append(row)
         print(f"{row['name']}: unpatched {row['baseline_ms']:.2f} ms, patched {row['ours_ms']:.2f} "
               f"(x{row['speedup']:.2f}), graphs {row['graph_ms']:.2f} (x{row['graph_speedup']:.2f}), "
-              f"host {row['host_ms']:.2f}, noise {row['noise']:.2f}", flush=True)
+              f"host {row['host_ms']:.2f}, noise {row['noise']:.2f}"
+              + (f", convs only {row['convs_only_ms']:.2f} (x{row['convs_only_speedup']:.2f})"
+                 if "convs_only_ms" in row else ""), flush=True)
         write_results(args.name, rows, {"geomean_speedup": geomean(r["speedup"] for r in rows)}, args.out)
     extra = {"geomean_speedup": geomean(r["speedup"] for r in rows),
              "geomean_graph_speedup": geomean(r["graph_speedup"] for r in rows),

@@ -187,6 +187,19 @@ def test_bench_zoo_rows(tmp_path):
     assert doc["geomean_speedup"] > 0
 
 
+def test_bench_zoo_convs_only_variant(tmp_path):
+    """--convs-only times the model patched with recipes=False in the same
+    rounds: its own columns, its output the unpatched model's; --max-runs
+    caps the rounds."""
+    from bench import zoo
+    zoo.main(["--tiny", "--only", "taef2", "--runs", "2", "--warmup", "0", "--convs-only", "--out", str(tmp_path)])
+    (r,) = _result(tmp_path, "zoo")["rows"]
+    assert r["convs_only_speedup"] == pytest.approx(r["baseline_ms"] / r["convs_only_ms"])
+    lo, hi = r["convs_only_round_iqr"]
+    assert 0 < lo <= hi and r["convs_only_rel_err_vs_unpatched"] < 1e-5 and r["runs"] == 2
+    assert zoo.runs_for(4.0, 7, 0.5, max_runs=9) == 9
+
+
 def test_bench_pack_groups_rows(tmp_path):
     """bench.pack_groups on tiny TAEF2: the patched model refreshes its packs
     in one grouped launch per call, and one by one with grouping off."""

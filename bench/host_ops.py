@@ -10,8 +10,9 @@ op or runtime call (``aten::conv2d``, ``cudaLaunchKernel``,
 per model call in both models (``torch.profiler``, which slows every op by
 about the same amount: compare counts first, times between the two sides),
 the Python functions whose own time differs most (cProfile), and the plain
-host time per call without a profiler (median; the call returns before its
-GPU work is waited for). Counts are exact; the times are indications.
+host time per call without a profiler (median of calls alternating between
+the two models; the time until the call returns, before its GPU work is
+waited for). Counts are exact; the times are indications.
 """
 
 from __future__ import annotations
@@ -20,8 +21,6 @@ import argparse
 import copy
 import cProfile
 import pstats
-import statistics
-import time
 
 import torch
 
@@ -73,18 +72,6 @@ def function_table(fn, calls: int) -> dict:
     return out
 
 
-def host_ms(fn, calls: int) -> float:
-    """Median time for the call to return (GPU work not waited for)."""
-    xs = []
-    for _ in range(calls):
-        _sync()
-        t = time.perf_counter()
-        fn()
-        xs.append((time.perf_counter() - t) * 1e3)
-    _sync()
-    return statistics.median(xs)
-
-
 def diff(a: dict, b: dict, top: int) -> list:
     """The ``top`` entries by |time difference|, then any whose count differs."""
     rows = []
@@ -109,7 +96,8 @@ def case_row(name, size, batch, dtype_name, calls, tiny, device, top=25) -> dict
             for f in fns.values():
                 f()
         _sync()
-        host = {k: host_ms(f, max(calls, 9)) for k, f in fns.items()}
+        # Interleaved (A B, B A, ...): a slow stretch of the host hits both.
+        host = {k: v["host_ms"] for k, v in zoo.interleaved(fns, max(calls, 9), 0).items()}
         ops = {k: op_table(f, calls) for k, f in fns.items()}
         funcs = {k: function_table(f, calls) for k, f in fns.items()}
     total = {k: {"ops": sum(n for kk, (n, _) in v.items() if kk.startswith("aten::")),

@@ -365,6 +365,12 @@ def _quartiles(xs) -> list:
     return [q[0], q[2]]
 
 
+def _round_iqr(base: dict, other: dict) -> list:
+    """Quartiles of the per-round speedups of ``other`` over ``base``
+    (``interleaved`` results: a round's calls run back to back)."""
+    return _quartiles([u / p for u, p in zip(base["samples"], other["samples"])])
+
+
 def bench_row(name, size, batch, dtype_name, runs, warmup, tiny, device, min_seconds=0.0, convs_only=False,
               max_runs=MAX_RUNS):
     """One zoo row; with ``convs_only`` also the model patched with
@@ -420,7 +426,7 @@ def bench_row(name, size, batch, dtype_name, runs, warmup, tiny, device, min_sec
         # per-round speedups (the variants of a round run back to back, so a
         # slow stretch of the host hits both sides of each ratio).
         "noise_iqr": [q / base["ms"] for q in _quartiles(base["samples"])],
-        "speedup_round_iqr": _quartiles([u / p for u, p in zip(base["samples"], res["patched"]["samples"])]),
+        "speedup_round_iqr": _round_iqr(base, res["patched"]),
         "first_call_s": first, "rel_err_vs_unpatched": err["patched"], "graph_rel_err_vs_unpatched": err["graphed"],
         "patched_convs": len(report.patched), "fused_blocks": len(report.fused),
         "kernel_convs": _kernel_convs(patched), "routes": route_counts(patched),
@@ -428,7 +434,7 @@ def bench_row(name, size, batch, dtype_name, runs, warmup, tiny, device, min_sec
     if bare is not None:
         c = res["convs_only"]
         row.update(convs_only_ms=c["ms"], convs_only_speedup=base["ms"] / c["ms"],
-                   convs_only_round_iqr=_quartiles([u / p for u, p in zip(base["samples"], c["samples"])]),
+                   convs_only_round_iqr=_round_iqr(base, c),
                    convs_only_rel_err_vs_unpatched=_rel_err(_out(bare, inputs[0]), ref))
     del model, patched, graphed, bare
     if torch.cuda.is_available():

@@ -55,6 +55,8 @@ from typing import Optional
 
 import torch
 
+from .work import Work
+
 PACK_LAYOUT = "co_kh_kw_ci"
 
 _LIVE: "weakref.WeakSet[PackEntry]" = weakref.WeakSet()
@@ -116,6 +118,7 @@ def packed_weight(holder, weight: torch.Tensor, transposed: bool) -> torch.Tenso
 
     ``holder`` (the wrapper) keeps at most one ``PackEntry`` in ``_cp_pack``.
     """
+    Work.n += 1
     entry: Optional[PackEntry] = holder.__dict__.get("_cp_pack")
     if entry is not None and entry.fresh and entry.fresh == ACTIVE.epoch and entry.key[0] == weight.data_ptr():
         # Refreshed from this storage at the start of this thread's fused

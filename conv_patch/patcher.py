@@ -14,7 +14,7 @@ from typing import Callable, Dict, List, Optional, Union
 from torch import nn
 from torch.nn.utils import parametrize
 
-from . import config_tables
+from . import config_tables, passthrough
 from .conv3d import Conv3dSpec
 from .routing import static_route
 from .specs import ConvSpec
@@ -44,12 +44,19 @@ class PatchConfig:
     the same result (``conv_patch.parallel``; ``parallel.last_report(vae)``
     says what ran). None: derived from free memory on CUDA at each call,
     never on the CPU; ``float("inf")``: never. Needs ``recipes``.
+
+    ``passthrough``: learn, per call signature of the patched model, which
+    convs and fused blocks do no work of conv-patch's own (PyTorch's route
+    and norms, as a UNet at its usual sizes), and run those as their own
+    classes from then on, at the unpatched model's host cost
+    (``conv_patch/passthrough.py``). Not with ``cuda_graphs``.
     """
 
     table: Optional[Union[dict, str, os.PathLike]] = None
     cuda_graphs: bool = False
     max_graphs: int = 4
     max_activation_gib: Optional[float] = None
+    passthrough: bool = True
 
 
 @dataclass
@@ -63,12 +70,16 @@ class PatchReport:
     already_patched: List[str] = field(default_factory=list)
     fused: Dict[str, str] = field(default_factory=dict)
     graphed: List[str] = field(default_factory=list)
+    # The models hooked to pass through what does no work (PatchConfig.passthrough).
+    passthrough: List[str] = field(default_factory=list)
 
     def __str__(self) -> str:
         lines = [f"conv-patch: {len(self.patched)} patched, {len(self.skipped)} skipped, "
                  f"{len(self.already_patched)} already patched, {len(self.fused)} blocks fused"]
         lines += [f"  fused    {fqn or '<root>'}: {what}" for fqn, what in self.fused.items()]
         lines += [f"  graphed  {fqn or '<root>'}: CUDA graph per input shape" for fqn in self.graphed]
+        lines += [f"  passthrough {fqn or '<root>'}: what does no kernel work at a call signature runs "
+                  f"unpatched (learned on its second call)" for fqn in self.passthrough]
         lines += [f"  patched  {fqn or '<root>'}: {what}" for fqn, what in self.patched.items()]
         lines += [f"  skipped  {fqn or '<root>'}: {why}" for fqn, why in self.skipped.items()]
         return "\n".join(lines)
@@ -215,6 +226,10 @@ def apply(model, *, filter_fn: Optional[FilterFn] = None,
         for _, module, recipe in fusions:
             if recipe.name in BAND_RECIPES:
                 module.__dict__["_cp_bands"] = BandHook(budget)
+    if _passthrough_option(config) and not graphs:
+        for prefix, m in targets:
+            if passthrough.install(m):
+                report.passthrough.append(prefix.rstrip("."))
     if graphs:
         from . import graphs as cg
         for fqn, module in cg.outermost(targets, rc.is_fused):
@@ -232,6 +247,14 @@ def _budget_option(config: Optional[PatchConfig]) -> Optional[float]:
     if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0):
         raise ValueError(f"PatchConfig.max_activation_gib must be a number of GiB > 0 (or None), got {v!r}")
     return None if v is None else float(v)
+
+
+def _passthrough_option(config: Optional[PatchConfig]) -> bool:
+    if config is None:
+        return True
+    if not isinstance(config.passthrough, bool):
+        raise TypeError(f"PatchConfig.passthrough must be a bool, got {config.passthrough!r}")
+    return config.passthrough
 
 
 def _graph_option(config: PatchConfig, recipes: bool) -> bool:
@@ -259,6 +282,9 @@ def remove(model, _only: Optional[set] = None) -> List[str]:
             if isinstance(child, PatchedConvMixin) and (_only is None or id(child) in _only):
                 parent._modules[name] = child.unwrap()
                 restored.append(prefix + fqn)
+        passthrough.uninstall(m)
+        if _only is not None and passthrough.outermost_components(m):
+            passthrough.install(m)  # what an enclosing apply() patched stays, its signatures forgotten
     return restored
 
 

@@ -153,6 +153,15 @@ class PatchedConvMixin:
             return self(x), None
         return self._cp_call(x, None, 1.0, "none", 1.0, no_bias=True)
 
+    def _cp_own_class(self) -> Optional[type]:
+        """The class this wrapper runs as when ``conv_patch.passthrough``
+        passes it through: its original's. None for a parametrized weight
+        (the wrapper's class holds the parametrization)."""
+        if parametrize.is_parametrized(self):
+            return None
+        orig = self._cp_original
+        return type(orig) if orig is not None else self._cp_torch_class
+
     @property
     def _cp_fallback_forward(self):
         orig = self._cp_original

@@ -10,6 +10,8 @@ import threading
 
 from torch import Tensor
 
+from conv_patch.work import Work
+
 INT32_LIMIT = 2**31 - 1
 
 # tl.dot needs every block dimension >= 16.
@@ -189,6 +191,7 @@ def _hooked(hook) -> bool:
 def launch(kernel, grid, *args, **meta):
     """``kernel[grid](*args, **meta)``, from the cache of compiled kernels
     where the call's signature was seen before (see above)."""
+    Work.n += 1
     if not _fast_launch_on():
         compiled = kernel[grid](*args, **meta)
         _record(kernel, grid, args, meta, None, None)
@@ -349,6 +352,7 @@ class Program:
 
     def __call__(self, roles: tuple):
         import torch
+        Work.n += 1
         bases = list(roles)
         for shape, stride, dtype, device in self.scratch:
             bases.append(torch.empty_strided(shape, stride, dtype=dtype, device=device))

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules import module as torch_module
 
-from conv_patch import dispatch, ops, pack
+from conv_patch import dispatch, ops, pack, passthrough
 from conv_patch.conv import kernel_errors
 from conv_patch.costs import group_norm_pays
 from conv_patch.specs import needs_grad
@@ -63,6 +63,10 @@ class FusedBlock:
     _cp_base: type = nn.Module
 
     def forward(self, *args, **kwargs):
+        watch = passthrough.Watch.now
+        if watch is not None and watch.observes(self):
+            # A passthrough watch is learning which fused blocks do work.
+            return watch.observe(self, args, kwargs)
         if (self._cp_recipe.runs_convs and pack.ACTIVE.group is None and self.__dict__.get("_cp_graphs") is None
                 and not pack.GRAPH_PATH and not torch.compiler.is_compiling()):
             # The outermost fused block of this call (no group active in this
@@ -84,6 +88,11 @@ class FusedBlock:
             # PatchConfig(cuda_graphs=True) on an outermost fused block.
             return graphs(self, functools.partial(self._cp_recipe.forward, self), args, kwargs)
         return self._cp_recipe.forward(self, *args, **kwargs)
+
+    def _cp_own_class(self) -> type:
+        """The class this block runs as when ``conv_patch.passthrough``
+        passes it through: its own."""
+        return self._cp_base
 
     def __reduce_ex__(self, protocol):
         # The dynamic class cannot be found by name when unpickling.

@@ -26,7 +26,7 @@ from typing import Optional
 
 import torch
 
-from .. import config_tables, costs, pack
+from .. import config_tables, costs, pack, passthrough
 from .. import conv as conv_op
 from ..conv import kernel_errors
 from ..epilogue import ACTIVATIONS, eager_epilogue
@@ -585,7 +585,9 @@ def call_site(spec: ConvSpec, weight, bias) -> CallSite:
 
 
 def clear(m) -> None:
-    """Drop ``m``'s plans (its attributes or parameters changed)."""
+    """Drop ``m``'s plans (its attributes or parameters changed), and what
+    the models learned about passing their parts through."""
+    passthrough.changed()
     m.__dict__["_cp_plans"] = None
     m.__dict__["_cp_bare"] = None
     m.__dict__["_cp_subpixel"] = None

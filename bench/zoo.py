@@ -3,7 +3,7 @@ against patched (and patched with ``PatchConfig(cuda_graphs=True)``), each
 call launched eagerly the way diffusers and ComfyUI run it.
 
     python -m bench.zoo [--only NAME ...] [--runs 7] [--min-seconds 0.5] [--max-runs 51]
-                        [--set quick|full|host] [--convs-only] [--tiny]
+                        [--set quick|full|host] [--convs-only] [--no-passthrough] [--tiny]
 
 Per (model, size, batch, dtype) one row: ``baseline_ms`` (the unpatched
 model), ``ours_ms`` (after ``conv_patch.apply``), ``graph_ms`` (with CUDA
@@ -16,7 +16,11 @@ more for fast models, until they span ``--min-seconds`` of the unpatched
 model's time (``runs`` says how many), at most ``--max-runs``. With
 ``--convs-only`` the model patched with ``recipes=False`` runs in the same
 rounds (``convs_only_ms``, ``convs_only_speedup``,
-``convs_only_round_iqr``): what the block recipes add or cost. Variants run
+``convs_only_round_iqr``): what the block recipes add or cost; with
+``--no-passthrough`` the model patched with ``PatchConfig(passthrough=False)``
+(``no_passthrough_ms``, ...): what passing through the idle parts saves.
+``passed_through`` counts the components the patched model runs as their
+own classes at the row's signature. Variants run
 interleaved, A B C A B C ..., each call timed from a synchronised GPU to
 its finished output (wall clock: host and GPU time as the user waits for
 them), medians after warm-up (the first calls compile the kernels). UNets,
@@ -371,20 +375,30 @@ def _round_iqr(base: dict, other: dict) -> list:
     return _quartiles([u / p for u, p in zip(base["samples"], other["samples"])])
 
 
+# Extra variants patched otherwise, timed in the same rounds (``--convs-only``,
+# ``--no-passthrough``): name -> apply()'s keyword arguments.
+EXTRA_VARIANTS = {
+    "convs_only": lambda: {"recipes": False},
+    "no_passthrough": lambda: {"config": conv_patch.PatchConfig(passthrough=False)},
+}
+
+
 def bench_row(name, size, batch, dtype_name, runs, warmup, tiny, device, min_seconds=0.0, convs_only=False,
-              max_runs=MAX_RUNS):
+              max_runs=MAX_RUNS, extra=()):
     """One zoo row; with ``convs_only`` also the model patched with
     ``recipes=False`` (its convs swapped, no block fused) in the same rounds:
-    what the recipes add or cost on this model, A against B."""
+    what the recipes add or cost on this model, A against B. ``extra``
+    names more such variants (``EXTRA_VARIANTS``); each adds ``<name>_ms``,
+    ``<name>_speedup``, ``<name>_round_iqr`` and ``<name>_rel_err_vs_unpatched``."""
     fields, model, inputs = load_case(name, size, batch, dtype_name, tiny, device)
     patched = copy.deepcopy(model)
     report = conv_patch.apply(patched)
     graphed = copy.deepcopy(model)
     conv_patch.apply(graphed, config=conv_patch.PatchConfig(cuda_graphs=True))
-    bare = None
-    if convs_only:
-        bare = copy.deepcopy(model)
-        conv_patch.apply(bare, recipes=False)
+    others = {}
+    for v in (["convs_only"] if convs_only else []) + [v for v in extra if v != "convs_only" or not convs_only]:
+        others[v] = copy.deepcopy(model)
+        conv_patch.apply(others[v], **EXTRA_VARIANTS[v]())
     state = {"i": 0}
 
     def call(m):
@@ -394,8 +408,7 @@ def bench_row(name, size, batch, dtype_name, runs, warmup, tiny, device, min_sec
         return fn
 
     variants = {"unpatched": call(model), "patched": call(patched), "graphed": call(graphed)}
-    if bare is not None:
-        variants["convs_only"] = call(bare)
+    variants.update({k: call(m) for k, m in others.items()})
     with torch.inference_mode():
         # The first patched call compiles the kernels the model needs.
         t0 = time.perf_counter()
@@ -408,12 +421,13 @@ def bench_row(name, size, batch, dtype_name, runs, warmup, tiny, device, min_sec
                 fn()
                 state["i"] += 1
             return f
-        if bare is not None:
-            variants["convs_only"]()
+        for k in others:
+            variants[k]()
         runs = runs_for(min(_timed(variants["unpatched"])[0] for _ in range(2)), runs, min_seconds, max_runs)
         res = interleaved({k: rotating(v) for k, v in variants.items()}, runs, warmup)
         ref = _out(model, inputs[0])
-        err = {k: _rel_err(_out(m, inputs[0]), ref) for k, m in (("patched", patched), ("graphed", graphed))}
+        err = {k: _rel_err(_out(m, inputs[0]), ref)
+               for k, m in (("patched", patched), ("graphed", graphed), *others.items())}
     base = res["unpatched"]
     row = {
         **fields,
@@ -430,13 +444,13 @@ def bench_row(name, size, batch, dtype_name, runs, warmup, tiny, device, min_sec
         "first_call_s": first, "rel_err_vs_unpatched": err["patched"], "graph_rel_err_vs_unpatched": err["graphed"],
         "patched_convs": len(report.patched), "fused_blocks": len(report.fused),
         "kernel_convs": _kernel_convs(patched), "routes": route_counts(patched),
+        "passed_through": sum(n for _, n in conv_patch.passthrough.learned(patched)),
     }
-    if bare is not None:
-        c = res["convs_only"]
-        row.update(convs_only_ms=c["ms"], convs_only_speedup=base["ms"] / c["ms"],
-                   convs_only_round_iqr=_round_iqr(base, c),
-                   convs_only_rel_err_vs_unpatched=_rel_err(_out(bare, inputs[0]), ref))
-    del model, patched, graphed, bare
+    for k in others:
+        c = res[k]
+        row.update({f"{k}_ms": c["ms"], f"{k}_speedup": base["ms"] / c["ms"], f"{k}_round_iqr": _round_iqr(base, c),
+                    f"{k}_rel_err_vs_unpatched": err[k]})
+    del model, patched, graphed, others
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return row
@@ -492,6 +506,8 @@ def main(argv=None):
     ap.add_argument("--max-runs", type=int, default=MAX_RUNS, help=f"at most this many rounds (default {MAX_RUNS})")
     ap.add_argument("--convs-only", action="store_true",
                     help="also time the model patched with recipes=False in the same rounds")
+    ap.add_argument("--no-passthrough", action="store_true",
+                    help="also time the model patched with PatchConfig(passthrough=False) in the same rounds")
     case_args(ap, "zoo")
     args = ap.parse_args(argv)
     device = bench_device()
@@ -501,7 +517,7 @@ def main(argv=None):
     for name, size, batch, dt in cases:
         try:
             row = bench_row(name, size, batch, dt, args.runs, args.warmup, args.tiny, device, min_seconds,
-                            args.convs_only, args.max_runs)
+                            args.convs_only, args.max_runs, ["no_passthrough"] if args.no_passthrough else [])
         except torch.cuda.OutOfMemoryError:
             print(f"{name} {size_name(size)} b{batch}: out of memory, skipped", flush=True)
             torch.cuda.empty_cache()
@@ -510,8 +526,8 @@ def main(argv=None):
         print(f"{row['name']}: unpatched {row['baseline_ms']:.2f} ms, patched {row['ours_ms']:.2f} "
               f"(x{row['speedup']:.2f}), graphs {row['graph_ms']:.2f} (x{row['graph_speedup']:.2f}), "
               f"host {row['host_ms']:.2f}, noise {row['noise']:.2f}"
-              + (f", convs only {row['convs_only_ms']:.2f} (x{row['convs_only_speedup']:.2f})"
-                 if "convs_only_ms" in row else ""), flush=True)
+              + "".join(f", {k} {row[k + '_ms']:.2f} (x{row[k + '_speedup']:.2f})"
+                        for k in EXTRA_VARIANTS if k + "_ms" in row), flush=True)
         write_results(args.name, rows, {"geomean_speedup": geomean(r["speedup"] for r in rows)}, args.out)
     extra = {"geomean_speedup": geomean(r["speedup"] for r in rows),
              "geomean_graph_speedup": geomean(r["graph_speedup"] for r in rows),

@@ -258,7 +258,7 @@ def _kernels_may_run(m: nn.Module) -> bool:
             and not (m._forward_hooks or m._forward_pre_hooks))
 
 
-def _norm_is_eager(x: torch.Tensor, numel: Optional[int] = None) -> bool:
+def norm_is_eager(x: torch.Tensor, numel: Optional[int] = None) -> bool:
     """Whether ``group_norm`` runs PyTorch's GroupNorm (below the kernels'
     crossover) on ``x``, or on a tensor of ``numel`` elements on its device."""
     return x.is_cuda and not group_norm_pays(x.numel() if numel is None else numel)
@@ -273,7 +273,7 @@ def group_norm(norm: nn.GroupNorm, x: torch.Tensor, activation: str = "none",
     the result. Hooks are the caller's business (fused blocks check
     ``plain`` first, the GroupNorm recipe runs inside the module's own
     call)."""
-    if _norm_is_eager(x):
+    if norm_is_eager(x):
         # PyTorch's GroupNorm is faster at this size:
         # decided here, before any signature is built.
         return dispatch.group_norm_eager(norm, x, activation, out, input_bias)
@@ -383,8 +383,8 @@ def resnet(x: torch.Tensor, norm1, conv1, norm2, conv2, shortcut=None, out_scale
     if shift is not None:
         h = conv(conv1, group_norm(norm1, x, "silu"),
                  residual=shift.expand(x.shape[0], conv1.out_channels, x.shape[2], x.shape[3]))
-        h = group_norm(norm2, h, "silu", out=None if _norm_is_eager(h) or not plain(conv1) else h)
-    elif plain(conv1) and not _norm_is_eager(x, x.numel() // max(x.shape[1], 1) * conv1.out_channels):
+        h = group_norm(norm2, h, "silu", out=None if norm_is_eager(h) or not plain(conv1) else h)
+    elif plain(conv1) and not norm_is_eager(x, x.numel() // max(x.shape[1], 1) * conv1.out_channels):
         h, b = norm_conv(norm1, conv1, x, keep_bias=True)
         h = group_norm(norm2, h, "silu", out=h, input_bias=b)
     else:
@@ -396,7 +396,7 @@ def resnet(x: torch.Tensor, norm1, conv1, norm2, conv2, shortcut=None, out_scale
     # Into the shortcut's output where the block runs on the kernels (the
     # memory the large blocks need); where its norms are PyTorch's, its
     # convs are too, and there ``out`` would cost a copy of its own.
-    into_sc = plain(shortcut) and not _norm_is_eager(h)
+    into_sc = plain(shortcut) and not norm_is_eager(h)
     return like_input(conv(conv2, h, residual=sc, out_scale=out_scale, out=sc if into_sc else None), x)
 
 

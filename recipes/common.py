@@ -10,8 +10,8 @@ from torch import nn
 from conv_patch import dispatch
 from conv_patch.costs import group_norm_pays
 
-from ._fuse import (Recipe, base, channels_last, conv, group_norm, inference, is_conv,
-                    is_group_norm, is_relu, is_silu, like_input, plain, register, upsample_conv)
+from ._fuse import (Recipe, base, channels_last, conv, group_norm, inference, is_conv, is_group_norm, is_relu,
+                    is_silu, like_input, norm_is_eager, plain, register, upsample_conv)
 
 
 class GroupNormRecipe(Recipe):
@@ -76,6 +76,15 @@ def chain_plan(children):
     return steps
 
 
+def _group_norm_channels(m) -> int:
+    """The fewest channels of a GroupNorm below ``m`` (0: none)."""
+    fewest = 0
+    for c in m.modules():  # (a loop: torch.compile traces this at the stack's first call)
+        if isinstance(c, nn.GroupNorm) and (fewest == 0 or c.num_channels < fewest):
+            fewest = c.num_channels
+    return fewest
+
+
 def _has_convs(m, n: int) -> bool:
     """At least ``n`` convolutions anywhere below ``m``; stops at the n-th
     (this runs at every call of a fused Sequential)."""
@@ -92,7 +101,11 @@ class SequentialChain(Recipe):
     kernel with the activation in its epilogue; nearest x2 upsampling followed
     by a 3x3 conv becomes four 2x2 convs of the un-upsampled input. A stack
     with 3 or more convolutions runs in NHWC inside (the kernels' native
-    layout) and returns its output in the input's layout."""
+    layout) and returns its output in the input's layout; not where a
+    GroupNorm inside it would run as PyTorch's (``norm_is_eager``, judged
+    on its channels at the stack's input resolution), which hands an NHWC
+    input back in NCHW: the layouts would then change back and forth
+    inside (TAEF2's pooled blocks; docs/performance.md)."""
 
     name = "sequential_chain"
     what = "conv+activation epilogues, upsample folded into the conv"
@@ -109,11 +122,13 @@ class SequentialChain(Recipe):
         # which the fold relies on, is checked again at every call).
         held = m.__dict__.get("_cp_chain")
         if held is None or held[0] != children:
-            held = m.__dict__["_cp_chain"] = (children, chain_plan(list(children)), _has_convs(m, 3))
-        _, steps, nhwc_inside = held
+            held = m.__dict__["_cp_chain"] = (children, chain_plan(list(children)), _has_convs(m, 3),
+                                              _group_norm_channels(m))
+        _, steps, many_convs, gn_channels = held
         if any(kind == "upconv" and not is_conv(mod, 3, 1, 1) for kind, mod, _ in steps):
             return base(m, x)
-        y = channels_last(x) if nhwc_inside else x
+        nhwc = many_convs and not (gn_channels and norm_is_eager(x, x.numel() // max(x.shape[1], 1) * gn_channels))
+        y = channels_last(x) if nhwc else x
         for kind, mod, act in steps:
             if kind == "conv":
                 y = conv(mod, y, activation=act)

@@ -509,3 +509,32 @@ def test_folded_upsample_of_a_weight_normed_conv_runs_its_own_computation(device
     x = torch.randn(2, 6, 5, 7, device=device)
     with torch.no_grad():
         assert rel_err(up(x), twin(x)) <= 1e-5
+
+
+class _LayoutProbe(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.nhwc = []
+
+    def forward(self, x):
+        self.nhwc.append(not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last))
+        return x
+
+
+@pytest.mark.parametrize("eager_norm", [False, True])
+def test_a_chain_with_a_pytorch_group_norm_inside_stays_nchw(eager_norm, monkeypatch):
+    """A stack runs NHWC inside unless a GroupNorm in it would run as
+    PyTorch's (which hands NHWC back as NCHW): TAEF2's pooled blocks at
+    256-512 px (docs/performance.md). The output is the same either way."""
+    from conv_patch.recipes import common
+    torch.manual_seed(0)
+    probe = _LayoutProbe()
+    stack = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), probe, taesd.Block(8, 8, pool=True),
+                          nn.Conv2d(8, 3, 3, padding=1), nn.ReLU())
+    ref = copy.deepcopy(stack)
+    conv_patch.apply(stack, config=conv_patch.PatchConfig(passthrough=False))
+    monkeypatch.setattr(common, "norm_is_eager", lambda x, numel=None: eager_norm)
+    x = torch.randn(1, 3, 6, 5)
+    with torch.no_grad():
+        assert rel_err(stack(x), ref(x)) < 1e-5
+    assert probe.nhwc == [not eager_norm]

@@ -310,7 +310,10 @@ def test_taesd_format_own_module(tmp_path, capsys):
 def test_taef2_pair_reconstructs_real_photo(tmp_path, capsys, device):
     enc, dec = SHARED / "models" / "taef2_encoder.safetensors", SHARED / "models" / "taef2_decoder.safetensors"
     before = [_fingerprint(enc), _fingerprint(dec)]
-    size = "64" if device.type == "cpu" else "512"
+    # On the CPU 32x32 (the interpreter's time; 64x64 took 2 minutes of CI):
+    # a 4x4 latent reconstructs the photo at 19 dB. The 64x64 round trip
+    # above 20 dB is test_models.test_taef2_real_weights_on_real_photo's.
+    size = "32" if device.type == "cpu" else "512"
     code, out, err = run_cli(["verify", str(enc), str(dec), "--image", str(SHARED / "images" / "astronaut.png"),
                               "--size", size, "--json", str(tmp_path / "r.json")], capsys)
     assert code == 0, out + err
@@ -319,7 +322,7 @@ def test_taef2_pair_reconstructs_real_photo(tmp_path, capsys, device):
     recon = [e for r in reports for e in r["end_to_end"] if e["image_psnr_patched_db"] is not None]
     assert len(recon) == 1
     p, u = recon[0]["image_psnr_patched_db"], recon[0]["image_psnr_unpatched_db"]
-    assert abs(p - u) < 0.1 and u > (20 if device.type == "cpu" else 29)
+    assert abs(p - u) < 0.1 and u > (17 if device.type == "cpu" else 29)
 
 
 def test_recognised_but_unbuildable_falls_back_to_per_layer(tmp_path, capsys):

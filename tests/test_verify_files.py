@@ -275,6 +275,8 @@ def test_autoencoder_kl_layouts(layout, tmp_path, capsys):
         state = {k[len("first_stage_model."):]: v for k, v in state.items() if k.startswith("first_stage_model.")}
     rebuilt = fmt.build(state).eval()
     assert torch.equal(_decode_ref(rebuilt), _decode_ref(vae))  # the same model, recovered from shapes
+    if layout in ("ldm", "diffusers_decoder_only"):
+        return  # the CLI's run (15-30 s under the interpreter) is the same as another layout's
     code, out, err = run_cli(["verify", str(path), "--size", "16", "--json", str(tmp_path / "r.json")], capsys)
     assert code == 0, out + err
     report = json.loads((tmp_path / "r.json").read_text())["reports"][0]

@@ -83,7 +83,6 @@ _THREAD = _Thread()
 
 class _Global:
     swapped = 0   # calls with components swapped, in any thread
-    watching = 0  # watched calls, in any thread
     # Bumped when any wrapper's plans are dropped (an attribute, weight or
     # parametrization changed, ``.to()``): every model learns again.
     generation = 0
@@ -268,10 +267,9 @@ def _enter(model, args, kwargs):
             state.plans.clear()
         state.plans[key] = _SEEN
     elif plan is _SEEN:
-        if not _Global.swapped and not _Global.watching:
+        if not _Global.swapped and Watch.now is None:
             what = Watch(model)
-            _Global.watching += 1
-    elif not _Global.watching:
+    elif Watch.now is None:
         for m, own, patched in plan:
             if type(m) is patched:  # (else changed since: left as it is)
                 _store(m, "__class__", own)
@@ -291,7 +289,6 @@ def _exit(model, args, kwargs, output):
     if what is None:
         return None
     if isinstance(what, Watch):
-        _Global.watching -= 1
         what.close()
         state = model.__dict__.get("_cp_passthrough")
         # A call that raised (no output) teaches nothing: watch the next one.

@@ -383,20 +383,20 @@ EXTRA_VARIANTS = {
 }
 
 
-def bench_row(name, size, batch, dtype_name, runs, warmup, tiny, device, min_seconds=0.0, convs_only=False,
-              max_runs=MAX_RUNS, extra=()):
-    """One zoo row; with ``convs_only`` also the model patched with
-    ``recipes=False`` (its convs swapped, no block fused) in the same rounds:
-    what the recipes add or cost on this model, A against B. ``extra``
-    names more such variants (``EXTRA_VARIANTS``); each adds ``<name>_ms``,
-    ``<name>_speedup``, ``<name>_round_iqr`` and ``<name>_rel_err_vs_unpatched``."""
+def bench_row(name, size, batch, dtype_name, runs, warmup, tiny, device, min_seconds=0.0, max_runs=MAX_RUNS,
+              extra=()):
+    """One zoo row; ``extra`` names models patched otherwise
+    (``EXTRA_VARIANTS``: ``convs_only``, ``recipes=False``, what the recipes
+    add or cost; ``no_passthrough``) timed in the same rounds, A against B;
+    each adds ``<name>_ms``, ``<name>_speedup``, ``<name>_round_iqr`` and
+    ``<name>_rel_err_vs_unpatched``."""
     fields, model, inputs = load_case(name, size, batch, dtype_name, tiny, device)
     patched = copy.deepcopy(model)
     report = conv_patch.apply(patched)
     graphed = copy.deepcopy(model)
     conv_patch.apply(graphed, config=conv_patch.PatchConfig(cuda_graphs=True))
     others = {}
-    for v in (["convs_only"] if convs_only else []) + [v for v in extra if v != "convs_only" or not convs_only]:
+    for v in dict.fromkeys(extra):
         others[v] = copy.deepcopy(model)
         conv_patch.apply(others[v], **EXTRA_VARIANTS[v]())
     state = {"i": 0}
@@ -517,7 +517,8 @@ def main(argv=None):
     for name, size, batch, dt in cases:
         try:
             row = bench_row(name, size, batch, dt, args.runs, args.warmup, args.tiny, device, min_seconds,
-                            args.convs_only, args.max_runs, ["no_passthrough"] if args.no_passthrough else [])
+                            args.max_runs, [v for v, on in (("convs_only", args.convs_only),
+                                                            ("no_passthrough", args.no_passthrough)) if on])
         except torch.cuda.OutOfMemoryError:
             print(f"{name} {size_name(size)} b{batch}: out of memory, skipped", flush=True)
             torch.cuda.empty_cache()

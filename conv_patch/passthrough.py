@@ -164,19 +164,18 @@ class Watch:
         self.busy, self.called, self.inside = set(), set(), set()
         self.start: Dict[int, int] = {}
         self.handles = []
+        Watch.now = self
         if is_component(model):
             # A fused block as the model (a TAESD stack): its own class is
             # fixed for this call; only blocks it calls can pass through.
             self.components = [model]
             self.busy.add(id(model))
             self.inside.add(id(model))
-            Watch.now = self
             return
         self.components = outermost_components(model)
         for c in self.components:
             self.handles.append(c.register_forward_pre_hook(self._enter))
             self.handles.append(c.register_forward_hook(self._exit, always_call=True))
-        Watch.now = self
 
     def _enter(self, m, args):
         self.start[id(m)] = Work.n

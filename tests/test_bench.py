@@ -215,7 +215,7 @@ def test_bench_zoo_convs_only_variant(monkeypatch):
     x = torch.randn(1, 3, 5, 6)
     fields = {"name": "stack", "model": "stack", "size": "5x6", "batch": 1, "dtype": "fp32"}
     monkeypatch.setattr(zoo, "load_case", lambda *a, **k: (fields, net, [((x,), {})]))
-    r = zoo.bench_row("stack", 6, 1, "fp32", 3, 0, True, torch.device("cpu"), convs_only=True)
+    r = zoo.bench_row("stack", 6, 1, "fp32", 3, 0, True, torch.device("cpu"), extra=["convs_only"])
     assert r["convs_only_speedup"] == pytest.approx(r["baseline_ms"] / r["convs_only_ms"])
     lo, hi = r["convs_only_round_iqr"]
     assert 0 < lo <= hi and r["convs_only_rel_err_vs_unpatched"] < 1e-5 and r["runs"] == 3

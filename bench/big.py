@@ -138,8 +138,11 @@ def band_fields(reports, first_ms) -> dict:
             "first_call_ms": first_ms[0] if first_ms else None, "first_call_pin_s": reports[0].pin_seconds}
 
 
-def bench_size(vae, size: int, args, device, dtype, out_dir: Path) -> list:
-    """Rows of one size on one device."""
+def bench_size(vae, size: int, args, device, dtype, out_dir: Path, progress=None) -> list:
+    """Rows of one size on one device. ``progress(rows)``, when given, is
+    called after each variant is timed with a row per variant timed so far
+    (``partial``: no error yet, computed once all have run), so that a run
+    cut by its time limit keeps what it measured."""
     import conv_patch
     from conv_patch import parallel
     s = size // scale_of(vae)
@@ -153,14 +156,21 @@ def bench_size(vae, size: int, args, device, dtype, out_dir: Path) -> list:
         with torch.no_grad():
             return m.decode(x).sample
 
-    def timed(label, fn):
-        # Each variant says when it starts and how long it took: at 8192^2
-        # one decode takes seconds, and a run cut short by its time limit
-        # still shows how far it got.
+    timed_so_far = []
+
+    def timed(label, fn, variant):
+        # Each variant says when it starts and how long it took, and is
+        # written at once: at 8192^2 one decode takes seconds (eager
+        # PyTorch's minutes), and a run cut short by its time limit still
+        # shows how far it got.
         t = time.perf_counter()
         print(f"{name}: {label} ...", flush=True)
         res = measure(fn, device, runs, warmup)
         print(f"{name}: {label}: {time.perf_counter() - t:.1f} s, {res[1]} ms per decode", flush=True)
+        timed_so_far.append(_row(name, variant, res[1], res[2], None, res[0] is None and variant == "eager",
+                                 None, None, partial=True))
+        if progress is not None:
+            progress(list(timed_so_far))
         return res
 
     # Unpatched first: the fp32 reference, eager bf16, diffusers' tiling.
@@ -175,17 +185,17 @@ def bench_size(vae, size: int, args, device, dtype, out_dir: Path) -> list:
     zd = z.to(dtype)
     eager, eager_ms, eager_peak = None, None, None
     if "eager" not in args.skip:
-        eager, eager_ms, eager_peak = timed("eager PyTorch", lambda: decode(vae, zd))
+        eager, eager_ms, eager_peak = timed("eager PyTorch", lambda: decode(vae, zd), "eager")
     eager_oom = eager is None and "eager" not in args.skip
     tiled = None
     if "tiling" not in args.skip:
         vae.enable_tiling()
-        tiled, tiled_ms, tiled_peak = timed("diffusers enable_tiling()", lambda: decode(vae, zd))
+        tiled, tiled_ms, tiled_peak = timed("diffusers enable_tiling()", lambda: decode(vae, zd), "diffusers-tiling")
         vae.disable_tiling()
     del eager
     # Patched: un-banded (no budget may band it), then banded within --gib.
     patch(vae, args.tiny)
-    whole, whole_ms, whole_peak = timed("patched, un-banded", lambda: decode(vae, zd))
+    whole, whole_ms, whole_peak = timed("patched, un-banded", lambda: decode(vae, zd), "patched")
     if ref is None and whole is not None:
         ref, ref_name = whole, "un-banded patched"
     budgets = list(args.gib)
@@ -213,7 +223,7 @@ def bench_size(vae, size: int, args, device, dtype, out_dir: Path) -> list:
                 first_ms.append((time.perf_counter() - t0) * 1e3)
             return y
 
-        bands, bands_ms, bands_peak = timed(f"patched, max_activation_gib={gib:.3g}", banded)
+        bands, bands_ms, bands_peak = timed(f"patched, max_activation_gib={gib:.3g}", banded, f"bands-{gib:.3g}gib")
         variants.append((f"bands-{gib:.3g}gib", bands, bands_ms, bands_peak, band_fields(reports, first_ms)))
     conv_patch.remove(vae)
     rows = []
@@ -344,7 +354,9 @@ def main(argv=None):
         vae = build_vae(args.tiny, device, dtype)
         rows = []
         for size in args.sizes:
-            rows += bench_size(vae, size, args, device, dtype, out_dir)
+            done = list(rows)
+            rows += bench_size(vae, size, args, device, dtype, out_dir, progress=lambda part: write_results(
+                args.name, done + part, {"max_activation_gib": args.gib}, out_dir))
             write_results(args.name, rows, {"max_activation_gib": args.gib}, out_dir)
         extra = {"max_activation_gib": args.gib}
     path = write_results(args.name, rows, extra, out_dir)

@@ -450,3 +450,29 @@ def test_bench_video_profile_rows(tmp_path):
     assert all({"kernel", "calls", "ms", "share"} <= set(r) and r["calls"] > 0 for r in prof)
     assert [r["ms"] for r in prof] == sorted((r["ms"] for r in prof), reverse=True)
     assert 0 < sum(r["share"] for r in prof) <= 1.0 + 1e-9
+
+
+def test_bench_big_keeps_what_a_cut_run_measured(tmp_path, monkeypatch):
+    """A run cut by its time limit while a variant runs (an 8192^2 eager
+    decode takes minutes) has written every variant timed before it, as
+    ``partial`` rows: their times and peaks, no error yet."""
+    pytest.importorskip("diffusers")
+    from bench import big
+
+    class Cut(Exception):
+        pass
+
+    calls, real = [], big.measure
+
+    def measure(fn, *a, **k):
+        calls.append(1)
+        if len(calls) == 4:  # the fp32 reference, eager, tiling, then the patched decode is cut
+            raise Cut
+        return real(fn, *a, **k)
+
+    monkeypatch.setattr(big, "measure", measure)
+    with pytest.raises(Cut):
+        big.main(["--tiny", "--sizes", "16", "--runs", "1", "--warmup", "0", "--out", str(tmp_path)])
+    rows = _result(tmp_path, "big")["rows"]
+    assert [r["variant"] for r in rows] == ["eager", "diffusers-tiling"]
+    assert all(r["partial"] and r["ours_ms"] > 0 and "max_rel" not in r for r in rows)

@@ -170,13 +170,14 @@ def conv_calls(vae, z) -> list:
     return calls
 
 
-def layer_measurements(vae, z, device, limit: int = 0, layout: str = "ncdhw") -> list:
+def layer_measurements(vae, z, device, limit: int = 0, layout: str = "ncdhw", measured=None) -> list:
     """``tune.measure_conv3d`` of the distinct Conv3d calls (``limit`` > 0:
     those with cached frames first, then the others, at most ``limit``):
     each candidate tile of the kernel against the module's own forward.
     ``layout="ndhwc"``: each call's input and cached frames as
     channels_last_3d copies (what a decoder running NDHWC inside would
-    pass: the TMA kernel's layout, and cuDNN's without its transposes)."""
+    pass: the TMA kernel's layout, and cuDNN's without its transposes).
+    ``measured(meas)``, when given, is called after each call is timed."""
     from conv_patch import config_tables, routes, tune
     from conv_patch.target import target_for
     cands = routes.conv3d_candidates(target_for(device))
@@ -201,6 +202,8 @@ def layer_measurements(vae, z, device, limit: int = 0, layout: str = "ncdhw") ->
         with torch.no_grad():
             meas = tune.measure_conv3d(spec, x, cache, w, b, theirs, cands)
         out.append(meas)
+        if measured is not None:
+            measured(meas)
         best = meas.times.get(meas.best) if meas.best else None
         print(f"{meas.name}: module {meas.cudnn_ms:.3f} ms, best tile {meas.best} "
               f"{'-' if best is None else f'{best:.3f} ms (x{meas.cudnn_ms / best:.2f})'}", flush=True)
@@ -249,19 +252,36 @@ def main(argv=None):
         args.max_layers = args.max_layers or 6
     vae = build_vae(args.model, args.tiny, device, dtype)
     rows = []
+    extra = {"model": args.model, "frames": args.frames, "height": args.height, "width": args.width,
+             "layers_layout": args.layout}
+
+    def save():
+        # Written after each row: an 81-frame decode and its layers take
+        # minutes, and a run cut by its time limit keeps what it measured.
+        layer = [r["speedup"] for r in rows[0 if args.no_decode else 1:] if r.get("speedup")]
+        if layer:
+            extra["layer_geomean_speedup"] = statistics.geometric_mean(layer)
+        return write_results(args.name or f"video-{args.model}", rows, extra, args.out)
+
     if not args.no_decode:
         rows.append(model_row(vae, latents(vae, args.frames, args.height, args.width, device, dtype), args.runs,
                               args.warmup, device))
         print(f"{rows[0]['name']}: unpatched {rows[0]['baseline_ms']:.1f} ms, patched {rows[0]['ours_ms']:.1f} "
               f"ms (x{rows[0]['speedup']:.2f}), peak {rows[0]['peak_gib']} / {rows[0]['baseline_peak_gib']} GiB",
               flush=True)
+        save()
     if args.profile:
-        extra_profile = profile_decode(vae, latents(vae, args.frames, args.height, args.width, device, dtype),
-                                       device, args.profile)
+        extra["profile"] = profile_decode(vae, latents(vae, args.frames, args.height, args.width, device, dtype),
+                                          device, args.profile)
+        save()
     if args.layers or args.write_table:
         z = latents(vae, args.layer_frames, args.height, args.width, device, dtype)
-        measured = layer_measurements(vae, z, device, args.max_layers, args.layout)
-        rows += [layer_row(m) for m in measured]
+
+        def layer_done(meas):
+            rows.append(layer_row(meas))
+            save()
+
+        measured = layer_measurements(vae, z, device, args.max_layers, args.layout, measured=layer_done)
         if args.write_table:
             from conv_patch import tune
             with open(args.write_table) as f:
@@ -271,14 +291,7 @@ def main(argv=None):
                                                f"{args.layer_frames}-frame {args.height}x{args.width} decode, "
                                                f"{str(dtype).split('.')[-1]}"), args.write_table)
             print("conv3d entries written to", args.write_table)
-    layer = [r["speedup"] for r in rows[0 if args.no_decode else 1:] if r.get("speedup")]
-    extra = {"model": args.model, "frames": args.frames, "height": args.height, "width": args.width,
-             "layers_layout": args.layout}
-    if args.profile:
-        extra["profile"] = extra_profile
-    if layer:
-        extra["layer_geomean_speedup"] = statistics.geometric_mean(layer)
-    path = write_results(args.name or f"video-{args.model}", rows, extra, args.out)
+    path = save()
     print_table(rows, ["name", "baseline_ms", "ours_ms", "speedup"])
     print("wrote", path)
     return rows

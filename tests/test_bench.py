@@ -392,6 +392,32 @@ def test_bench_video_ndhwc_layers_alone(tmp_path):
     assert any(r["key"].endswith(".ndhwc.float32") for r in doc["rows"])
 
 
+def test_bench_video_keeps_what_a_cut_run_measured(tmp_path, monkeypatch):
+    """A bench.video run cut while it times a Conv3d call has written the
+    decode row and every layer timed before it."""
+    pytest.importorskip("diffusers")
+    from bench import video
+    from conv_patch import tune
+
+    class Cut(Exception):
+        pass
+
+    calls, real = [], tune.measure_conv3d
+
+    def measure(*a, **k):
+        calls.append(1)
+        if len(calls) == 3:
+            raise Cut
+        return real(*a, **k)
+
+    monkeypatch.setattr(tune, "measure_conv3d", measure)
+    with pytest.raises(Cut):
+        video.main(["--tiny", "--layers", "--runs", "1", "--warmup", "0", "--max-layers", "4", "--out", str(tmp_path),
+                    "--name", "v"])
+    rows = _result(tmp_path, "v")["rows"]
+    assert len(rows) == 3 and "decode" in rows[0]["name"] and all(r["times"] for r in rows[1:])
+
+
 def test_bench_host_ops_rows(tmp_path, monkeypatch):
     """bench.host_ops --tiny: per model the host time, the PyTorch ops and
     Python calls of the unpatched and patched model per call, and the

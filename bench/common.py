@@ -12,6 +12,10 @@ import torch
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
+# bf16 dense matmul measured on the H200 (torch.matmul, 8192^3): the rate
+# against which the benchmarks state a share of the peak or an arithmetic floor.
+PEAK_TFLOPS = 764.0
+
 def env_info():
     import triton
     return {

@@ -30,11 +30,9 @@ from conv_patch.specs import CallDesc
 from conv_patch.tune import geomean, graph_replay
 from conv_patch.target import target_for
 
-from .common import bench_device, interleaved_ms, print_table, write_results
+from .common import PEAK_TFLOPS, bench_device, interleaved_ms, print_table, write_results
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-# bf16 dense matmul measured on the H200 (torch.matmul, 8192^3).
-PEAK_TFLOPS = 764.0
 
 
 def run_layer(call, layout, dtype, rounds, fused, device, graph=False):

@@ -7,7 +7,7 @@ calls one by one: the Conv3d kernel against what the module runs (the cached
 frames concatenated, ``F.pad``, cuDNN's conv3d).
 
     python -m bench.video [--model wan2.1] [--frames F --height H --width W] [--runs 3]
-                          [--layers] [--write-table configs/sm90.json] [--profile N] [--tiny]
+                          [--layers] [--write-table configs/sm90.json] [--profile N] [--flops] [--tiny]
 
 Model rows: ``baseline_ms`` (unpatched, launched eagerly), ``ours_ms``
 (patched), ``speedup``, ``peak_gib`` / ``baseline_peak_gib``
@@ -37,7 +37,7 @@ import statistics
 
 import torch
 
-from .common import bench_device, launched_call, print_table, profile_top, rotated, write_results
+from .common import PEAK_TFLOPS, bench_device, launched_call, print_table, profile_top, rotated, write_results
 
 TINY = dict(base_dim=8, z_dim=4, dim_mult=[1, 2], num_res_blocks=1, attn_scales=[], temperal_downsample=[True],
             dropout=0.0)
@@ -73,6 +73,27 @@ def build_vae(model: str, tiny: bool, device, dtype):
     torch.manual_seed(0)
     vae = getattr(diffusers, cls)(**((TINY_OTHER.get(model, TINY)) if tiny else cfg))
     return vae.to(device=device, dtype=dtype).eval()
+
+
+def decode_flops(model: str, frames: int, height: int, width: int, tiny: bool = False) -> dict:
+    """The arithmetic of one decode of the clip, counted on the meta device
+    (no GPU, no memory: ``torch.utils.flop_counter``): ``decode_tflop`` in
+    all, ``conv_tflop`` in its convolutions, and ``floor_ms``, the time the
+    whole decode's arithmetic takes at ``PEAK_TFLOPS``, a bound no decode
+    at that rate can beat."""
+    import diffusers
+    from torch.utils.flop_counter import FlopCounterMode
+    cls, cfg, _ = MODELS[model]
+    with torch.device("meta"):
+        vae = getattr(diffusers, cls)(**((TINY_OTHER.get(model, TINY)) if tiny else cfg)).to(torch.bfloat16).eval()
+    z = latents(vae, frames, height, width, torch.device("meta"), torch.bfloat16)
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        vae.decode(z)
+    counts = counter.get_flop_counts()["Global"]
+    total = sum(counts.values())
+    conv = sum(v for k, v in counts.items() if "convolution" in str(k))
+    return {"decode_tflop": total / 1e12, "conv_tflop": conv / 1e12, "peak_tflops": PEAK_TFLOPS,
+            "floor_ms": total / (PEAK_TFLOPS * 1e12) * 1e3}
 
 
 def _sync(device):
@@ -236,6 +257,8 @@ def main(argv=None):
     ap.add_argument("--no-decode", action="store_true", help="--layers alone, without the end-to-end row")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="also profile one patched decode: its N largest GPU kernels by total time")
+    ap.add_argument("--flops", action="store_true",
+                    help="also count the decode's arithmetic (meta device) and its time at the bf16 peak")
     ap.add_argument("--tiny", action="store_true", help="a tiny config on the CPU (the tests)")
     ap.add_argument("--out", default=None, help="results folder (default bench/results)")
     ap.add_argument("--name", default=None, help="result file stem (default video-<model>)")
@@ -250,10 +273,18 @@ def main(argv=None):
         # rounding without bound).
         args.frames, args.height, args.width, args.layer_frames = TINY_CLIPS.get(args.model, (3, 8, 8, 3))
         args.max_layers = args.max_layers or 6
-    vae = build_vae(args.model, args.tiny, device, dtype)
+    # (--flops --no-decode alone needs no model of its own: it counts on the meta device.)
+    timed = not args.no_decode or args.profile or args.layers or args.write_table
+    vae = build_vae(args.model, args.tiny, device, dtype) if timed else None
     rows = []
     extra = {"model": args.model, "frames": args.frames, "height": args.height, "width": args.width,
              "layers_layout": args.layout}
+
+    if args.flops:
+        extra.update(decode_flops(args.model, args.frames, args.height, args.width, args.tiny))
+        print(f"{args.model} {args.frames} frames at {args.height}x{args.width}: {extra['decode_tflop']:.1f} TFLOP "
+              f"({extra['conv_tflop']:.1f} in convolutions), {extra['floor_ms']:.0f} ms at {PEAK_TFLOPS:.0f} TF/s",
+              flush=True)
 
     def save():
         # Written after each row: an 81-frame decode and its layers take

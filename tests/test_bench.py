@@ -367,6 +367,36 @@ def test_bench_video_tiny_rows(tmp_path):
         assert entry["cudnn_ms"] == round(r["baseline_ms"], 5) and entry["ours_ms"] == round(r["ours_ms"], 5)
 
 
+def test_bench_video_flops_match_the_decodes_convs(tmp_path):
+    """bench.video --flops --no-decode: the decode's arithmetic, counted on
+    the meta device, equals the convolutions' multiply-adds that a real
+    decode of the same tiny clip runs (counted from each conv's output here),
+    and the floor is that arithmetic at the stated peak."""
+    pytest.importorskip("diffusers")
+    import torch
+    from torch import nn
+    from bench import video
+    video.main(["--tiny", "--flops", "--no-decode", "--out", str(tmp_path), "--name", "f"])
+    doc = _result(tmp_path, "f")
+    assert doc["rows"] == []
+    frames, height, width = doc["frames"], doc["height"], doc["width"]
+    vae = video.build_vae("wan2.1", True, torch.device("cpu"), torch.float32)
+    macs = []
+
+    def count(m, inputs, out):
+        k = m.weight[0].numel()  # input channels / groups x kernel taps
+        macs.append(out.numel() * k)
+
+    for m in vae.modules():
+        if isinstance(m, (nn.Conv2d, nn.Conv3d)):
+            m.register_forward_hook(count)
+    with torch.no_grad():
+        vae.decode(video.latents(vae, frames, height, width, torch.device("cpu"), torch.float32))
+    assert macs and doc["conv_tflop"] * 1e12 == pytest.approx(2 * sum(macs), rel=1e-9)
+    assert doc["conv_tflop"] <= doc["decode_tflop"]
+    assert doc["floor_ms"] == pytest.approx(doc["decode_tflop"] / doc["peak_tflops"] * 1e3)
+
+
 def test_bench_overhead_without_kernels_exits_with_one_line(monkeypatch):
     """On a CPU without the interpreter no kernel row can run: a one-line
     exit, not a traceback from the first kernel row."""

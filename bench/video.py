@@ -67,12 +67,17 @@ TINY_OTHER = {
 }
 
 
-def build_vae(model: str, tiny: bool, device, dtype):
+def new_vae(model: str, tiny: bool):
+    """A fresh ``model`` VAE (its tiny config with ``tiny``), built on the
+    current default device (the meta device: shapes, no weights)."""
     import diffusers
     cls, cfg, _ = MODELS[model]
+    return getattr(diffusers, cls)(**((TINY_OTHER.get(model, TINY)) if tiny else cfg))
+
+
+def build_vae(model: str, tiny: bool, device, dtype):
     torch.manual_seed(0)
-    vae = getattr(diffusers, cls)(**((TINY_OTHER.get(model, TINY)) if tiny else cfg))
-    return vae.to(device=device, dtype=dtype).eval()
+    return new_vae(model, tiny).to(device=device, dtype=dtype).eval()
 
 
 def decode_flops(model: str, frames: int, height: int, width: int, tiny: bool = False) -> dict:
@@ -81,11 +86,9 @@ def decode_flops(model: str, frames: int, height: int, width: int, tiny: bool = 
     all, ``conv_tflop`` in its convolutions, and ``floor_ms``, the time the
     whole decode's arithmetic takes at ``PEAK_TFLOPS``, a bound no decode
     at that rate can beat."""
-    import diffusers
     from torch.utils.flop_counter import FlopCounterMode
-    cls, cfg, _ = MODELS[model]
     with torch.device("meta"):
-        vae = getattr(diffusers, cls)(**((TINY_OTHER.get(model, TINY)) if tiny else cfg)).to(torch.bfloat16).eval()
+        vae = new_vae(model, tiny).to(torch.bfloat16).eval()
     z = latents(vae, frames, height, width, torch.device("meta"), torch.bfloat16)
     with torch.no_grad(), FlopCounterMode(display=False) as counter:
         vae.decode(z)

@@ -223,8 +223,9 @@ def bench_size(vae, size: int, args, device, dtype, out_dir: Path, progress=None
                 first_ms.append((time.perf_counter() - t0) * 1e3)
             return y
 
-        bands, bands_ms, bands_peak = timed(f"patched, max_activation_gib={gib:.3g}", banded, f"bands-{gib:.3g}gib")
-        variants.append((f"bands-{gib:.3g}gib", bands, bands_ms, bands_peak, band_fields(reports, first_ms)))
+        variant = f"bands-{gib:.3g}gib"
+        bands, bands_ms, bands_peak = timed(f"patched, max_activation_gib={gib:.3g}", banded, variant)
+        variants.append((variant, bands, bands_ms, bands_peak, band_fields(reports, first_ms)))
     conv_patch.remove(vae)
     rows = []
     if "tiling" not in args.skip:

@@ -16,6 +16,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 # against which the benchmarks state a share of the peak or an arithmetic floor.
 PEAK_TFLOPS = 764.0
 
+
 def env_info():
     import triton
     return {

@@ -33,6 +33,12 @@ must see the patched classes), or for a block that can split its call into
 row bands (``max_activation_gib``) or replay a CUDA graph. A learned
 signature that no longer fits (a call whose components would now do work)
 is only slower, never different: both classes compute the same function.
+
+A recipe may also run a call of its block unfused (``run_unfused``: the
+block's own forward, the fused blocks under it as their own classes for
+that call) where it measured slower than ``recipes=False``; the convs under
+it are then watched as the model's own outermost components would be, so
+the idle ones pass through as above.
 """
 
 from __future__ import annotations
@@ -164,6 +170,7 @@ class Watch:
         self.busy, self.called, self.inside = set(), set(), set()
         self.start: Dict[int, int] = {}
         self.handles = []
+        self.thread = threading.get_ident()
         Watch.now = self
         if is_component(model):
             # A fused block as the model (a TAESD stack): its own class is
@@ -172,10 +179,21 @@ class Watch:
             self.busy.add(id(model))
             self.inside.add(id(model))
             return
-        self.components = outermost_components(model)
-        for c in self.components:
+        self.components = []
+        self._hook(outermost_components(model))
+
+    def _hook(self, components):
+        for c in components:
+            self.components.append(c)
             self.handles.append(c.register_forward_pre_hook(self._enter))
             self.handles.append(c.register_forward_hook(self._exit, always_call=True))
+
+    def watch_below(self, block: nn.Module) -> None:
+        """Watch the outermost components under ``block``, a busy fused
+        block running as its own class with everything under it for this
+        call (``run_unfused``), as if they were the model's own."""
+        hooked = {id(c) for c in self.components}
+        self._hook([c for c in outermost_components(block) if id(c) not in hooked])
 
     def _enter(self, m, args):
         self.start[id(m)] = Work.n
@@ -245,6 +263,45 @@ class Watch:
 # wrapper's, which drops its plans at any public assignment): a microsecond
 # or more each, where this is the same store.
 _store = object.__setattr__
+
+
+def own_class_swaps(blocks) -> tuple:
+    """``(block, own class, patched class)`` for each of ``blocks`` that
+    can run as its own class (``run_unfused``): a component, and not one
+    that splits its call into bands or replays a CUDA graph."""
+    out = []
+    for c in blocks:
+        own = component_class(c)
+        if own is not None and own is not type(c) and not _busy_block(c):
+            out.append((c, own, type(c)))
+    return tuple(out)
+
+
+def run_unfused(block: nn.Module, swaps: tuple, fn):
+    """``fn()``, a fused block's call made by its own class's forward, with
+    the blocks under it in ``swaps`` (``own_class_swaps``, made once by the
+    caller: this runs at every call) running as their own classes for its
+    duration: what ``recipes=False`` would run, where the recipes measured
+    slower than that (a TAESD stack whose GroupNorms are PyTorch's). The
+    patched convs under it stay patched, and where this is the watched call
+    of the model around it they are watched like the model's own outermost
+    components, so the idle ones pass through in its later calls. Off the
+    graph path and outside torch.compile only (the caller checks): the swap
+    is a class store, undone when ``fn`` returns or raises."""
+    mine = []
+    for c, own, patched in swaps:
+        if type(c) is patched:  # (else changed since, or passed through already)
+            _store(c, "__class__", own)
+            mine.append((c, own, patched))
+    watch = Watch.now
+    if watch is not None and watch.thread == threading.get_ident():
+        watch.watch_below(block)
+    try:
+        return fn()
+    finally:
+        for c, own, patched in mine:
+            if type(c) is own:
+                _store(c, "__class__", patched)
 
 
 def _enter(model, args, kwargs):

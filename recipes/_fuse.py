@@ -49,6 +49,14 @@ class Recipe:
     def forward(self, module, *args, **kwargs):
         raise NotImplementedError
 
+    # ``unfused(module, args, kwargs)``, where a recipe defines it: for a
+    # call the recipe measured slower than its block's own forward with
+    # everything under it unpatched-but-for-the-convs (``recipes=False``),
+    # the class swaps that make it so (``passthrough.own_class_swaps``);
+    # None for a call the recipe runs. Asked at every call of the block,
+    # before its pack group is refreshed.
+    unfused = None
+
     def upsample_convs(self, module) -> tuple:
         """The convs this recipe runs on a nearest-x2 upsampled input as
         the four 2x2 convs of ``ops.upsample_conv2d`` (the tuner traces
@@ -67,6 +75,12 @@ class FusedBlock:
         if watch is not None and watch.observes(self):
             # A passthrough watch is learning which fused blocks do work.
             return watch.observe(self, args, kwargs)
+        unfused = self._cp_recipe.unfused
+        if unfused is not None:
+            swaps = unfused(self, args, kwargs)
+            if swaps is not None:
+                return passthrough.run_unfused(self, swaps, functools.partial(self._cp_base.forward, self, *args,
+                                                                              **kwargs))
         if (self._cp_recipe.runs_convs and pack.ACTIVE.group is None and self.__dict__.get("_cp_graphs") is None
                 and not pack.GRAPH_PATH and not torch.compiler.is_compiling()):
             # The outermost fused block of this call (no group active in this
@@ -100,11 +114,12 @@ class FusedBlock:
 
     def __getstate__(self):
         state = super().__getstate__()
-        if any(state.get(k) is not None for k in ("_cp_plans", "_cp_norm_plan", "_cp_packs")):
+        if any(state.get(k) is not None for k in ("_cp_plans", "_cp_norm_plan", "_cp_packs", "_cp_own_swaps")):
             # Plans hold this process's kernels and recorded launches
             # (conv_patch.dispatch), which neither pickle nor deep-copy; a
-            # pack group, this module's convs (a copy learns its own).
-            state = dict(state, _cp_plans=None, _cp_norm_plan=None, _cp_packs=None)
+            # pack group, this module's convs (a copy learns its own); the
+            # class swaps of a stack run unfused, the dynamic classes.
+            state = dict(state, _cp_plans=None, _cp_norm_plan=None, _cp_packs=None, _cp_own_swaps=None)
         return state
 
 

@@ -7,11 +7,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from conv_patch import dispatch
+from conv_patch import dispatch, pack, passthrough
 from conv_patch.costs import group_norm_pays
 
 from ._fuse import (Recipe, base, channels_last, conv, group_norm, inference, is_conv, is_group_norm, is_relu,
-                    is_silu, like_input, norm_is_eager, plain, register, upsample_conv)
+                    is_fused, is_silu, like_input, norm_is_eager, plain, register,
+                    upsample_conv)
 
 
 class GroupNormRecipe(Recipe):
@@ -96,16 +97,25 @@ def _has_convs(m, n: int) -> bool:
     return False
 
 
+def fused_below(m) -> tuple:
+    """The fused blocks under ``m``."""
+    return tuple([c for c in m.modules() if c is not m and is_fused(c)])
+
+
 class SequentialChain(Recipe):
     """``nn.Sequential`` stacks: each conv with the ReLU/SiLU after it is one
     kernel with the activation in its epilogue; nearest x2 upsampling followed
     by a 3x3 conv becomes four 2x2 convs of the un-upsampled input. A stack
     with 3 or more convolutions runs in NHWC inside (the kernels' native
-    layout) and returns its output in the input's layout; not where a
-    GroupNorm inside it would run as PyTorch's (``norm_is_eager``, judged
-    on its channels at the stack's input resolution), which hands an NHWC
-    input back in NCHW: the layouts would then change back and forth
-    inside (TAEF2's pooled blocks; docs/performance.md)."""
+    layout) and returns its output in the input's layout. Where a GroupNorm
+    inside it would run as PyTorch's (``norm_is_eager``, judged on its
+    channels at the stack's input resolution: TAEF2's pooled blocks at
+    256^2 and 512^2), the call is host-bound and the recipes measured slower
+    than none: the stack then runs unfused (``unfused``); on the graph path
+    and inside torch.compile, where host time is not the cost, it runs its
+    recipes in NCHW there (PyTorch's GroupNorm hands an NHWC input back in
+    NCHW: the layouts would change back and forth inside;
+    docs/performance.md)."""
 
     name = "sequential_chain"
     what = "conv+activation epilogues, upsample folded into the conv"
@@ -137,6 +147,27 @@ class SequentialChain(Recipe):
             else:
                 y = mod(y)
         return like_input(y, x)
+
+    def unfused(self, m, args, kwargs):
+        """Where the stack's GroupNorms run as PyTorch's, the whole stack as
+        its own class, with the fused blocks under it as theirs: measured
+        faster on TAEF2's 256^2 and 512^2 decodes than the stack run in NCHW
+        with its recipes (docs/performance.md). Not on the graph path nor
+        inside torch.compile, where host time is not the cost, nor before
+        the stack's first call has made its plan."""
+        held = m.__dict__.get("_cp_chain")
+        if held is None or not held[3] or kwargs or len(args) != 1 or pack.GRAPH_PATH:
+            return None
+        x = args[0]
+        if (not isinstance(x, torch.Tensor) or x.dim() != 4
+                or not norm_is_eager(x, x.numel() // max(x.shape[1], 1) * held[3])
+                or m.__dict__.get("_cp_graphs") is not None or m.__dict__.get("_cp_bands") is not None
+                or torch.compiler.is_compiling()):
+            return None
+        swaps = m.__dict__.get("_cp_own_swaps")
+        if swaps is None or swaps[0] is not held:
+            swaps = m.__dict__["_cp_own_swaps"] = (held, passthrough.own_class_swaps(fused_below(m)))
+        return swaps[1]
 
     def upsample_convs(self, m):
         return tuple(mod for kind, mod, _ in chain_plan(list(m)) if kind == "upconv")

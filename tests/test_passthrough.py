@@ -290,3 +290,112 @@ def test_a_changed_component_makes_every_model_learn_again(nets):
         assert net.probe.seen[-1]["tail"] is type(net.tail) and passthrough.learned(net) == []
         net(x), net(x)
         assert net.probe.seen[-1]["tail"] is nn.Conv2d
+
+
+def _pooled_decoder(dtype):
+    """A TAEF2-layout decoder (pooled blocks: a GroupNorm inside each)."""
+    from conv_patch import taesd
+    torch.manual_seed(0)
+    return taesd.decoder(4, channels=4).to(dtype).eval()
+
+
+@pytest.fixture
+def eager_norms(monkeypatch):
+    """The stack's GroupNorms judged PyTorch's (below the kernels'
+    crossover), as on a GPU at TAEF2's 256^2 and 512^2 decodes."""
+    from conv_patch.recipes import common
+    monkeypatch.setattr(common, "norm_is_eager", lambda x, numel=None: True)
+
+
+def _watch_block(stack, fail_at=None):
+    """Notes the classes of stack[3] (a pooled block) and of its inner
+    chain while it runs; raises at the ``fail_at``-th call."""
+    seen = []
+
+    def hook(mod, args):
+        seen.append((type(stack[3]), type(mod), type(mod[0])))
+        if len(seen) == fail_at:
+            raise RuntimeError("planned failure")
+    stack[3].conv.register_forward_pre_hook(hook)
+    return seen
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_stack_whose_norms_are_pytorchs_runs_unfused(eager_norms, dtype):
+    """Where the stack's GroupNorms run as PyTorch's, it runs as its own
+    class with every fused block under it as theirs (what recipes=False
+    runs); the convs stay patched and are watched, so the idle ones (float64:
+    PyTorch's route) pass through from the third call on; the busy ones
+    (float32: the kernels) stay patched."""
+    stack = _pooled_decoder(dtype)
+    ref = copy.deepcopy(stack)
+    conv_patch.apply(stack)
+    fused, inner_fused = type(stack[3]), type(stack[3].conv)
+    assert is_fused(stack) and is_fused(stack[3]) and is_fused(stack[3].conv)
+    seen = _watch_block(stack)
+    with torch.no_grad():
+        for _ in range(4):
+            x = torch.randn(1, 4, 2, 3, dtype=dtype)
+            torch.testing.assert_close(stack(x), ref(x), rtol=1e-4, atol=1e-5)
+            assert type(stack[3]) is fused and type(stack[3].conv) is inner_fused
+    assert seen[0][:2] == (fused, inner_fused)  # the first call builds the stack's plan: fused
+    assert all(s[:2] == (type(ref[3]), nn.Sequential) for s in seen[1:])
+    n_convs = sum(isinstance(m, PatchedConvMixin) for m in stack.modules())
+    if dtype == torch.float64:
+        assert [n for _, n in passthrough.learned(stack)] == [n_convs]
+        assert seen[1][2] is type(stack[3].conv[0]) and seen[3][2] is nn.Conv2d
+    else:
+        assert [n for _, n in passthrough.learned(stack)] == [0]
+        assert all(s[2] is type(stack[3].conv[0]) for s in seen)
+
+
+def test_a_stack_run_unfused_gives_the_classes_back_when_it_raises(eager_norms):
+    stack = _pooled_decoder(torch.float64)
+    conv_patch.apply(stack)
+    fused = type(stack[3])
+    seen = _watch_block(stack, fail_at=3)
+    x = torch.randn(1, 4, 2, 3, dtype=torch.float64)
+    with torch.no_grad():
+        stack(x), stack(x)
+        with pytest.raises(RuntimeError, match="planned failure"):
+            stack(x)
+        assert seen[-1][0] is not fused  # it did run unfused
+        assert type(stack[3]) is fused and is_fused(stack[3].conv)
+        assert all(isinstance(m, PatchedConvMixin) for m in stack.modules() if isinstance(m, nn.Conv2d))
+        # ... and keeps learning, then passes through, as before
+        stack(x), stack(x)
+        assert seen[-1][2] is nn.Conv2d and type(stack[3]) is fused
+
+
+def test_a_stack_runs_its_recipes_where_its_norms_are_the_kernels_or_on_the_graph_path(monkeypatch):
+    from conv_patch import pack
+    stack = _pooled_decoder(torch.float32)
+    conv_patch.apply(stack)
+    fused = type(stack[3])
+    seen = _watch_block(stack)
+    x = torch.randn(1, 4, 2, 3)
+    with torch.no_grad():
+        for _ in range(3):
+            stack(x)  # on the CPU the GroupNorms are the kernels'
+        assert {s[0] for s in seen} == {fused}
+        from conv_patch.recipes import common
+        monkeypatch.setattr(common, "norm_is_eager", lambda x, numel=None: True)
+        with pack.graph_path():
+            stack(x)
+        assert seen[-1][0] is fused
+        stack(x)
+        assert seen[-1][0] is not fused
+
+
+def test_a_stack_run_unfused_copies_and_pickles(eager_norms):
+    stack = _pooled_decoder(torch.float64)
+    ref = copy.deepcopy(stack)
+    conv_patch.apply(stack)
+    x = torch.randn(1, 4, 2, 3, dtype=torch.float64)
+    with torch.no_grad():
+        for _ in range(3):
+            stack(x)
+        for other in (copy.deepcopy(stack), pickle.loads(pickle.dumps(stack))):
+            for _ in range(3):
+                torch.testing.assert_close(other(x), ref(x))
+            assert is_fused(other[3])

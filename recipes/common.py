@@ -10,9 +10,8 @@ from torch import nn
 from conv_patch import dispatch, pack, passthrough
 from conv_patch.costs import group_norm_pays
 
-from ._fuse import (Recipe, base, channels_last, conv, group_norm, inference, is_conv, is_group_norm, is_relu,
-                    is_fused, is_silu, like_input, norm_is_eager, plain, register,
-                    upsample_conv)
+from ._fuse import (Recipe, base, channels_last, conv, group_norm, inference, is_conv, is_fused, is_group_norm,
+                    is_relu, is_silu, like_input, norm_is_eager, plain, register, upsample_conv)
 
 
 class GroupNormRecipe(Recipe):
@@ -97,6 +96,13 @@ def _has_convs(m, n: int) -> bool:
     return False
 
 
+def _norms_eager(x: torch.Tensor, gn_channels: int) -> bool:
+    """Whether a stack's GroupNorms (the fewest of their channels
+    ``gn_channels``, 0: none) run as PyTorch's on a stack input ``x``,
+    judged at its resolution."""
+    return bool(gn_channels) and norm_is_eager(x, x.numel() // max(x.shape[1], 1) * gn_channels)
+
+
 def fused_below(m) -> tuple:
     """The fused blocks under ``m``."""
     return tuple([c for c in m.modules() if c is not m and is_fused(c)])
@@ -137,7 +143,7 @@ class SequentialChain(Recipe):
         _, steps, many_convs, gn_channels = held
         if any(kind == "upconv" and not is_conv(mod, 3, 1, 1) for kind, mod, _ in steps):
             return base(m, x)
-        nhwc = many_convs and not (gn_channels and norm_is_eager(x, x.numel() // max(x.shape[1], 1) * gn_channels))
+        nhwc = many_convs and not _norms_eager(x, gn_channels)
         y = channels_last(x) if nhwc else x
         for kind, mod, act in steps:
             if kind == "conv":
@@ -156,11 +162,10 @@ class SequentialChain(Recipe):
         inside torch.compile, where host time is not the cost, nor before
         the stack's first call has made its plan."""
         held = m.__dict__.get("_cp_chain")
-        if held is None or not held[3] or kwargs or len(args) != 1 or pack.GRAPH_PATH:
+        if held is None or kwargs or len(args) != 1 or pack.GRAPH_PATH:
             return None
         x = args[0]
-        if (not isinstance(x, torch.Tensor) or x.dim() != 4
-                or not norm_is_eager(x, x.numel() // max(x.shape[1], 1) * held[3])
+        if (not isinstance(x, torch.Tensor) or x.dim() != 4 or not _norms_eager(x, held[3])
                 or m.__dict__.get("_cp_graphs") is not None or m.__dict__.get("_cp_bands") is not None
                 or torch.compiler.is_compiling()):
             return None

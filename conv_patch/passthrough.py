@@ -236,15 +236,9 @@ class Watch:
         out, seen = [], set()
 
         def take(c):
-            for m in c.modules():
-                if id(m) in seen:
-                    continue
-                seen.add(id(m))
-                if _busy_block(m):
-                    continue
-                own = component_class(m)
-                if own is not None:
-                    out.append((m, own, type(m)))
+            fresh = [m for m in c.modules() if id(m) not in seen]
+            seen.update(id(m) for m in fresh)
+            out.extend(own_class_swaps(fresh))
 
         for c in self.components:
             if _busy_block(c):

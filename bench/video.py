@@ -19,8 +19,10 @@ the variants interleaved in rotated order.
 module's geometry, its input and cached frames), measured by
 ``tune.measure_conv3d``: every candidate tile of the kernel (the route
 registry's, cache and causal padding read in place, checked against exact
-fp32) against the module's own forward, GPU times; ``baseline_ms`` the
-module's, ``ours_ms`` the best tile's. ``--write-table`` merges them into a
+fp32) against the cuDNN route the dispatch core runs where it does not take
+the kernel (``conv3d.cudnn_conv3d``), GPU times; ``baseline_ms`` that
+route's, ``module_ms`` the module's own forward (cat, F.pad, cuDNN),
+``ours_ms`` the best tile's. ``--write-table`` merges them into a
 config table as its ``conv3d`` entries, the measurements the dispatch core
 needs before it takes the kernel for a shape on a GPU (docs/design.md,
 "Conv3d"). ``--tiny`` runs a tiny config on the CPU (the test of this
@@ -197,8 +199,8 @@ def conv_calls(vae, z) -> list:
 def layer_measurements(vae, z, device, limit: int = 0, layout: str = "ncdhw", measured=None) -> list:
     """``tune.measure_conv3d`` of the distinct Conv3d calls (``limit`` > 0:
     those with cached frames first, then the others, at most ``limit``):
-    each candidate tile of the kernel against the module's own forward.
-    ``layout="ndhwc"``: each call's input and cached frames as
+    each candidate tile of the kernel against the cuDNN route (and the
+    module's own forward). ``layout="ndhwc"``: each call's input and cached frames as
     channels_last_3d copies (what a decoder running NDHWC inside would
     pass: the TMA kernel's layout, and cuDNN's without its transposes).
     ``measured(meas)``, when given, is called after each call is timed."""
@@ -229,15 +231,16 @@ def layer_measurements(vae, z, device, limit: int = 0, layout: str = "ncdhw", me
         if measured is not None:
             measured(meas)
         best = meas.times.get(meas.best) if meas.best else None
-        print(f"{meas.name}: module {meas.cudnn_ms:.3f} ms, best tile {meas.best} "
+        print(f"{meas.name}: cuDNN route {meas.cudnn_ms:.3f} ms (module {meas.module_ms:.3f}), best tile {meas.best} "
               f"{'-' if best is None else f'{best:.3f} ms (x{meas.cudnn_ms / best:.2f})'}", flush=True)
     return out
 
 
 def layer_row(meas) -> dict:
     best = meas.times.get(meas.best) if meas.best else None
-    return {"name": meas.name, "key": meas.key, "baseline": "the module's forward (cat, F.pad, cuDNN conv3d)",
-            "baseline_ms": meas.cudnn_ms, "ours_ms": best, "best": meas.best,
+    return {"name": meas.name, "key": meas.key,
+            "baseline": "the cuDNN route (conv3d.cudnn_conv3d: one cat, cuDNN's padding, the epilogue pass)",
+            "baseline_ms": meas.cudnn_ms, "module_ms": meas.module_ms, "ours_ms": best, "best": meas.best,
             "speedup": (meas.cudnn_ms / best) if best else None, "times": meas.times, "rejected": meas.rejected}
 
 

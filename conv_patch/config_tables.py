@@ -106,7 +106,7 @@ def conv3d_call_keys(spec, x: torch.Tensor, cache: Optional[torch.Tensor]) -> li
 CONV3D_ROUTES = ("igemm", "tma", "cudnn")
 
 
-def _check_config(cfg, where: str, exact: bool = False) -> dict:
+def _check_config(cfg, where: str, exact: bool = False, conv3d: bool = False) -> dict:
     if not isinstance(cfg, dict):
         raise TableError(f"{where}: a config must be an object")
     route = cfg.get("route", "igemm")
@@ -123,6 +123,11 @@ def _check_config(cfg, where: str, exact: bool = False) -> dict:
     for k in ("GROUP_M", "num_warps", "num_stages"):
         if k in cfg and (not isinstance(cfg[k], int) or cfg[k] < 1):
             raise TableError(f"{where}: {k} must be a positive integer, got {cfg[k]!r}")
+    bn2 = cfg.get("BLOCK_N2", 0)
+    if bn2 and not (conv3d and route == "tma"):
+        raise TableError(f"{where}: BLOCK_N2 splits the conv3d TMA kernel's output channels only")
+    if not isinstance(bn2, int) or isinstance(bn2, bool) or (bn2 and (bn2 < 16 or bn2 & (bn2 - 1))):
+        raise TableError(f"{where}: BLOCK_N2 must be 0 or a power of two >= 16, got {bn2!r}")
     if route == "tma":
         bw = cfg.get("BLOCK_W", 16)
         if not isinstance(bw, int) or bw < 1 or bw & (bw - 1) or bw > cfg["BLOCK_M"]:
@@ -171,7 +176,7 @@ def validate_table(table, name: str) -> dict:
             raise TableError(f"{name}: conv3d must be an object with only an exact section (measured shapes)")
         for key, cfg in (sec.get("exact") or {}).items():
             where = f"{name}: conv3d.exact[{key!r}]"
-            _check_config(cfg, where, exact=True)
+            _check_config(cfg, where, exact=True, conv3d=True)
             if route_of(cfg) not in CONV3D_ROUTES:
                 raise TableError(f"{where}: route must be one of {', '.join(CONV3D_ROUTES)}, got {route_of(cfg)!r}")
             for t in ("ours_ms", "cudnn_ms"):

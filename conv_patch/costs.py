@@ -425,11 +425,11 @@ def conv3d_choice(ours_ms: float, cudnn_ms: float, ops: int, graph: bool, out_by
                   repack: bool = False, host: Optional[dict] = None) -> Choice:
     """Whether a Conv3d call takes the kernel, from its table entry's GPU
     times: ``ours_ms`` the kernel reading the cached frames and padding in
-    place, ``cudnn_ms`` the module's own forward (the concatenation, F.pad,
-    cuDNN); ``ops`` eager epilogue ops after PyTorch's conv, which the
-    kernel fuses, each a pass over the ``out_bytes`` output. Launched, each
-    side costs the larger of its host and GPU time (the module's forward:
-    its conv and the cat/pad ops; the kernel's: a launch through its
+    place, ``cudnn_ms`` the cuDNN route (``conv3d.cudnn_conv3d``: the
+    concatenation, cuDNN); ``ops`` eager epilogue ops after PyTorch's conv,
+    which the kernel fuses, each a pass over the ``out_bytes`` output.
+    Launched, each side costs the larger of its host and GPU time (the cuDNN
+    route: its conv, the concatenation and the bias pass; the kernel's: a launch through its
     launcher, not a recorded replay, plus the weight's repack where
     ``repack``, one PyTorch copy)."""
     h = HOST_US if host is None else host

@@ -31,7 +31,7 @@ import torch
 from . import config_tables, ops
 from .model_shapes import ConvCall, distinct_calls
 from . import routes
-from .routes import _cfg, flat_problem, route_problem, taps_problem, tma_problem
+from .routes import tile_config, flat_problem, route_problem, taps_problem, tma_problem
 from .specs import CallDesc
 from .target import Target, conv_tf32
 from .conv import kernel_errors, kernels
@@ -60,6 +60,8 @@ def config_label(c: dict) -> str:
     if c.get("route") == "cudnn":
         return "cudnn"
     lab = f"{c.get('route', 'igemm')} {c['BLOCK_M']}x{c['BLOCK_N']}x{c['BLOCK_K']}"
+    if c.get("BLOCK_N2"):
+        lab += f" n{c['BLOCK_N2']}"
     if "BLOCK_W" in c:
         lab += f" w{c['BLOCK_W']}"
     lab += f" nw{c.get('num_warps', 4)} s{c.get('num_stages', 2)}"
@@ -72,7 +74,7 @@ def config_of_label(label: str) -> Optional[dict]:
     parts = label.split()
     try:
         bm, bn, bk = (int(v) for v in parts[1].split("x"))
-        fields = {"w": None, "nw": 4, "s": 2, "p": 0}
+        fields = {"n": 0, "w": None, "nw": 4, "s": 2, "p": 0}
         for p in parts[2:]:
             name = p.rstrip("0123456789")
             if name not in fields:
@@ -80,7 +82,8 @@ def config_of_label(label: str) -> Optional[dict]:
             fields[name] = int(p[len(name):])
     except (IndexError, ValueError):
         return None
-    cfg = _cfg(parts[0], bm, bn, bk, fields["nw"], fields["s"], bw=fields["w"], persistent=fields["p"])
+    cfg = tile_config(parts[0], bm, bn, bk, fields["nw"], fields["s"], bw=fields["w"], persistent=fields["p"],
+                      bn2=fields["n"])
     return cfg if config_label(cfg) == label else None
 
 
@@ -398,8 +401,11 @@ def source_note(families, resolutions, batches, layouts, dtype, n_shapes, n_jobs
 @dataclasses.dataclass
 class Conv3dMeasurement:
     """One Conv3d call measured: each candidate tile of the Conv3d kernel
-    (reading the cached frames and padding in place) against the module's
-    own forward (the concatenation, F.pad, cuDNN's conv3d)."""
+    (reading the cached frames and padding in place) against what the
+    dispatch core runs where it does not take the kernel, the cuDNN route
+    (``conv3d.cudnn_conv3d``: ``cudnn_ms``), and beside it the module's own
+    forward (the concatenation, F.pad, cuDNN's conv3d: ``module_ms``), what
+    an unpatched model runs."""
 
     key: str
     name: str
@@ -407,6 +413,7 @@ class Conv3dMeasurement:
     rejected: Dict[str, str]
     cudnn_ms: Optional[float]
     configs: Dict[str, dict]
+    module_ms: Optional[float] = None
 
     @property
     def best(self) -> Optional[str]:
@@ -447,14 +454,16 @@ def measure_conv3d(spec, x, cache, weight, bias, module_forward: Callable, cands
                                                cache=cache, out=out, route="kernel", config=cfg),
                        out, ref, tol, timer, times, rejected)
     tc = 0 if cache is None else cache.shape[2]
+    route_ms = timer(lambda: conv3d_op.cudnn_conv3d(x, weight, bias, cache, spec.pads, spec.stride,
+                                                    spec.dilation))
     return Conv3dMeasurement(config_tables.conv3d_call_key(spec, x, cache),
                              f"conv3d {spec.describe()} on {tuple(x.shape)} cache {tc}", times, rejected,
-                             timer(module_forward), configs)
+                             route_ms, configs, module_ms=timer(module_forward))
 
 
 def conv3d_entry(m: Conv3dMeasurement) -> Optional[dict]:
     """The table entry of a measured Conv3d call: the fastest tile with both
-    times, or ``cudnn`` where the module's forward beat every tile by the
+    times, or ``cudnn`` where the cuDNN route beat every tile by the
     noise margin; None where no tile ran correctly."""
     if m.best is None or m.cudnn_ms is None:
         return None

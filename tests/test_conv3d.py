@@ -168,6 +168,10 @@ TMA_CASES = [
     Case(1, 8, 9, (5, 4, 6), (3, 1, 1), stride=(2, 1, 1), tc=1, nhwc=True, bias=False),
     Case(1, 8, 6, (6, 5, 5), (3, 3, 3), padding=(0, 2, 1), dilation=(2, 2, 1), time_padding=(4, 0), nhwc=True),
     Case(1, 16, 4, (2, 7, 5), (1, 1, 1), nhwc=True, act="silu"),
+    # Time stride and dilation with cached frames, padding at both ends:
+    # taps split unevenly between the cache's loop and the input's.
+    Case(1, 8, 5, (5, 4, 5), (3, 3, 3), stride=(2, 1, 1), dilation=(2, 1, 1), padding=(0, 1, 1),
+         time_padding=(3, 2), tc=3, nhwc=True, residual="ndhwc"),
 ]
 
 
@@ -177,6 +181,20 @@ def test_conv3d_tma(case, dtype, device, exact_fp32):
     if device.type == "cuda" and (dtype == torch.float32 or torch.cuda.get_device_capability() < (9, 0)):
         pytest.skip("the TMA kernel runs fp16/bf16 on sm90+")
     check(case, dtype, device, seed=2, config=TMA if dtype == torch.float32 else dict(TMA, BLOCK_W=64))
+
+
+# Output channels split in two blocks (BLOCK_N2): one tile covering all of
+# them, the second block cut short by C_out; and two tiles over 40 channels,
+# the second partly past C_out.
+@pytest.mark.parametrize("case", [
+    Case(1, 16, 24, (3, 5, 6), (3, 3, 3), padding=(0, 1, 1), tc=2, nhwc=True, residual="ndhwc", act="silu"),
+    Case(1, 8, 40, (2, 4, 9), (3, 3, 3), padding=(0, 1, 1), time_padding=(1, 0), tc=1, nhwc=True),
+], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_conv3d_tma_split_n(case, dtype, device, exact_fp32):
+    if device.type == "cuda" and (dtype == torch.float32 or torch.cuda.get_device_capability() < (9, 0)):
+        pytest.skip("the TMA kernel runs fp16/bf16 on sm90+")
+    check(case, dtype, device, seed=3, config=dict(TMA, BLOCK_N2=16))
 
 
 def test_conv3d_tma_refuses_what_it_cannot_take(device):

@@ -186,7 +186,9 @@ def test_config_labels_read_back_to_their_configs():
     candidate of every route must come back exactly, anything else not."""
     sm90 = dataclasses.replace(target_for(torch.device("cpu")), arch="sm90", interpreter=False)
     cands = tune.candidates(sm90) + routes.INTERPRETER_CANDIDATES
+    cands += routes.conv3d_candidates(sm90)
     assert any(c.get("persistent") for c in cands) and any("BLOCK_W" in c for c in cands)
+    assert any(c.get("BLOCK_N2") for c in cands)
     for c in cands:
         assert tune.config_of_label(tune.config_label(c)) == c
     for bad in ("cudnn", "tma 128x128 nw4 s3", "igemm 128x128x32 nw4 s3 q2", "tma 128x128x64 wide nw4 s3", ""):

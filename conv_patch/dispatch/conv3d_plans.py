@@ -46,7 +46,7 @@ def conv3d_decide(spec, x, weight, bias, cache, residual, cast, table=None, epil
     """(decision, target, config) for one Conv3d call: the kernel where it
     can run and is known to pay, else PyTorch and why. On a GPU "known to
     pay" means the table's exact entry of the shape (``conv3d.exact``,
-    measured against the module's own forward) says so as called
+    measured against the cuDNN route) says so as called
     (``costs.conv3d_choice``; ``epilogue``: the eager ops the kernel would
     fuse); a shape the table does not have runs PyTorch."""
     problem = spec.problem()

@@ -275,6 +275,42 @@ def test_a_gpu_takes_the_kernel_only_for_shapes_its_table_measured_faster(monkey
     assert "no measured conv3d entries for sm90" in bare["c"]._cp_last.reason
 
 
+def test_conv3d_entries_weigh_the_kernel_against_the_cudnn_route(monkeypatch):
+    """tune.measure_conv3d times the kernel's tiles against what the dispatch
+    core runs where it does not take the kernel (conv3d.cudnn_conv3d), not
+    against the module's slower own forward (timed beside it): a tile
+    between the two is not the table's route."""
+    from conv_patch import routes, tune
+    from conv_patch.target import target_for
+    conv = nn.Conv3d(8, 8, 3, padding=(0, 1, 1))
+    spec = conv3d_op.Conv3dSpec.from_module(conv, ((2, 0), (1, 1), (1, 1)))
+    x, cache = torch.randn(1, 8, 2, 5, 6), torch.randn(1, 8, 2, 5, 6)
+    real_route = conv3d_op.cudnn_conv3d
+    timed = []
+
+    def route(*a, **k):
+        timed.append("route")
+        return real_route(*a, **k)
+
+    def module_forward():
+        timed.append("module")
+        return conv3d_op.torch_conv3d(x, conv.weight, conv.bias, cache, spec.pads, spec.stride, spec.dilation)
+
+    monkeypatch.setattr(conv3d_op, "cudnn_conv3d", route)
+
+    def timer(fn):
+        timed.clear()
+        fn()
+        return {"route": 1.0, "module": 3.0}.get(timed[-1] if timed else "", 2.0)
+
+    cands = routes.conv3d_candidates(target_for(x.device))[:1]
+    with torch.no_grad():
+        m = tune.measure_conv3d(spec, x, cache, conv.weight.detach(), conv.bias.detach(), module_forward, cands,
+                                timer=timer)
+    assert (m.cudnn_ms, m.module_ms) == (1.0, 3.0) and list(m.times.values()) == [2.0]
+    assert tune.conv3d_entry(m)["route"] == "cudnn"
+
+
 def test_conv3d_table_entries_are_validated():
     from conv_patch import config_tables
     good = {"route": "igemm", "BLOCK_M": 64, "BLOCK_N": 16, "BLOCK_K": 16, "ours_ms": 1.0, "cudnn_ms": 2.0}

@@ -197,9 +197,28 @@ def run_kernel(x, weight, bias, cache, pads, stride, dilation, target, *, residu
                            force_int64=force_int64)
 
 
+def _layout_of(x) -> torch.memory_format:
+    ndhwc = x.is_contiguous(memory_format=torch.channels_last_3d) and not x.is_contiguous()
+    return torch.channels_last_3d if ndhwc else torch.contiguous_format
+
+
+def join_frames(pieces, fmt) -> torch.Tensor:
+    """``torch.cat(pieces, dim=2)`` written in layout ``fmt`` (the input's),
+    whatever layout each piece has: a cache sliced from an NCDHW chunk in
+    front of an NDHWC input would otherwise make the joined frames, and so
+    the conv's output, NCDHW."""
+    if len(pieces) == 1:
+        return pieces[0]
+    n, c, _, h, w = pieces[-1].shape
+    out = torch.empty((n, c, sum(p.shape[2] for p in pieces), h, w), dtype=pieces[-1].dtype,
+                      device=pieces[-1].device, memory_format=fmt)
+    return torch.cat(pieces, dim=2, out=out)
+
+
 def torch_conv3d(x, weight, bias, cache, pads, stride, dilation):
-    """PyTorch's computation of the call: the concatenation, F.pad, F.conv3d."""
-    full = x if cache is None else torch.cat([cache, x], dim=2)
+    """PyTorch's computation of the call: the concatenation, F.pad, F.conv3d
+    (the output in the input's layout)."""
+    full = x if cache is None else join_frames([cache, x], _layout_of(x))
     (t0, t1), (h0, h1), (w0, w1) = pads
     if any((t0, t1, h0, h1, w0, w1)):
         full = F.pad(full, (w0, w1, h0, h1, t0, t1))
@@ -221,15 +240,15 @@ def cudnn_conv3d(x, weight, bias, cache, pads, stride, dilation, *, residual=Non
     (t0, t1), (h0, h1), (w0, w1) = pads
     sym = (min(t0, t1), min(h0, h1), min(w0, w1))
     t0, t1 = t0 - sym[0], t1 - sym[0]
-    ndhwc = x.is_contiguous(memory_format=torch.channels_last_3d) and not x.is_contiguous()
-    fmt = torch.channels_last_3d if ndhwc else torch.contiguous_format
+    fmt = _layout_of(x)
+    ndhwc = fmt == torch.channels_last_3d
     n, c, _, h, w = x.shape
     pieces = [x] if cache is None else [cache, x]
     if t0:
         pieces.insert(0, torch.empty((n, c, t0, h, w), dtype=x.dtype, device=x.device, memory_format=fmt).zero_())
     if t1:
         pieces.append(torch.empty((n, c, t1, h, w), dtype=x.dtype, device=x.device, memory_format=fmt).zero_())
-    full = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=2)
+    full = join_frames(pieces, fmt)
     rest = (w0 - sym[2], w1 - sym[2], h0 - sym[1], h1 - sym[1])
     if any(rest):
         full = F.pad(full, rest)

@@ -12,7 +12,9 @@ program's slab is recent enough to come from L2) and written once.
 Layer 1: ``rms_norm_kernel`` over a [N, C, S] view addressed by runtime
 strides (NCDHW / NCHW: the positions contiguous; NDHWC / NHWC: the
 channels), one program per (sample, block of positions), looping over the
-channels in blocks. Layer 2: ``launch_rms_norm``.
+channels in blocks; where one block holds every channel (``ONE_PASS``: a
+channels-last input's few hundred channels) the slab is read once and
+normalised from registers. Layer 2: ``launch_rms_norm``.
 
 Numerics: fp32 sum of squares and arithmetic; the result is rounded once to
 the output's dtype (PyTorch rounds the normalised value before the affine).
@@ -26,9 +28,22 @@ from ._launch import cdiv, launch, needs_int64
 
 
 @triton.jit
+def store_normalised(x, inv, ok, c_ok, offs_c, y_row, syc, w_ptr, b_ptr, HAS_BIAS: tl.constexpr,
+                     ACT: tl.constexpr):
+    """y = act(x * inv * gamma + bias) of a [channels, positions] block."""
+    g = tl.load(w_ptr + offs_c, mask=c_ok, other=0.0).to(tl.float32)
+    y = x * inv[None, :] * g[:, None]
+    if HAS_BIAS:
+        y += tl.load(b_ptr + offs_c, mask=c_ok, other=0.0).to(tl.float32)[:, None]
+    # Padding lanes are zeroed before the activation (exp of garbage).
+    y = activate(tl.where(ok, y, 0.0), ACT)
+    tl.store(y_row + offs_c[:, None] * syc, y.to(y_row.dtype.element_ty), mask=ok)
+
+
+@triton.jit
 def rms_norm_kernel(x_ptr, y_ptr, w_ptr, b_ptr, C, S, TILES, sxn, sxc, sxs, syn, syc, sys_, eps, scale,
                     HAS_BIAS: tl.constexpr, ACT: tl.constexpr, IDX64: tl.constexpr,
-                    BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr):
+                    BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr, ONE_PASS: tl.constexpr):
     pid = tl.program_id(0)
     n = pid // TILES
     offs_s = (pid - n * TILES) * BLOCK_S + tl.arange(0, BLOCK_S)
@@ -38,6 +53,14 @@ def rms_norm_kernel(x_ptr, y_ptr, w_ptr, b_ptr, C, S, TILES, sxn, sxc, sxs, syn,
         offs_s = offs_s.to(tl.int64)
     x_row = x_ptr + n * sxn + offs_s[None, :] * sxs
     y_row = y_ptr + n * syn + offs_s[None, :] * sys_
+    if ONE_PASS:
+        offs_c = tl.arange(0, BLOCK_C)
+        c_ok = offs_c < C
+        ok = c_ok[:, None] & s_ok[None, :]
+        x = tl.load(x_row + offs_c[:, None] * sxc, mask=ok, other=0.0).to(tl.float32)
+        inv = scale / tl.maximum(tl.sqrt(tl.sum(x * x, axis=0)), eps)
+        store_normalised(x, inv, ok, c_ok, offs_c, y_row, syc, w_ptr, b_ptr, HAS_BIAS, ACT)
+        return
     ss = tl.zeros([BLOCK_S], dtype=tl.float32)
     for c0 in range(0, C, BLOCK_C):
         offs_c = c0 + tl.arange(0, BLOCK_C)
@@ -51,24 +74,19 @@ def rms_norm_kernel(x_ptr, y_ptr, w_ptr, b_ptr, C, S, TILES, sxn, sxc, sxs, syn,
         c_ok = offs_c < C
         ok = c_ok[:, None] & s_ok[None, :]
         x = tl.load(x_row + offs_c[:, None] * sxc, mask=ok, other=0.0).to(tl.float32)
-        g = tl.load(w_ptr + offs_c, mask=c_ok, other=0.0).to(tl.float32)
-        y = x * inv[None, :] * g[:, None]
-        if HAS_BIAS:
-            y += tl.load(b_ptr + offs_c, mask=c_ok, other=0.0).to(tl.float32)[:, None]
-        # Padding lanes are zeroed before the activation (exp of garbage).
-        y = activate(tl.where(ok, y, 0.0), ACT)
-        tl.store(y_row + offs_c[:, None] * syc, y.to(y_ptr.dtype.element_ty), mask=ok)
+        store_normalised(x, inv, ok, c_ok, offs_c, y_row, syc, w_ptr, b_ptr, HAS_BIAS, ACT)
 
 
-def launch_rms_norm(x, out, weight, bias, scale, eps, activation, block_c, block_s):
+def launch_rms_norm(x, out, weight, bias, scale, eps, activation, block_c, block_s, num_warps=4):
     """``out = act(x / max(||x||_C, eps) * scale * weight + bias)`` for
     [N, C, S] views ``x`` and ``out`` (any strides; ``out`` may be ``x``:
     a program writes only the positions it has read in full), ``weight``
-    and ``bias`` (or None) dense [C]. Returns ``out``."""
+    and ``bias`` (or None) dense [C]; one pass where ``block_c`` covers C.
+    Returns ``out``."""
     N, C, S = x.shape
     tiles = cdiv(S, block_s)
     launch(rms_norm_kernel, (N * tiles,), x, out, weight, weight if bias is None else bias, C, S, tiles,
            *x.stride(), *out.stride(), float(eps), float(scale),
            HAS_BIAS=bias is not None, ACT=int(activation), IDX64=needs_int64(x, out),
-           BLOCK_C=block_c, BLOCK_S=block_s)
+           BLOCK_C=block_c, BLOCK_S=block_s, ONE_PASS=block_c >= C, num_warps=num_warps)
     return out

@@ -245,6 +245,20 @@ def test_conv3d_cache_strided_view(device, exact_fp32):
     assert rel_err(y, ref) <= TOL[torch.float32]
 
 
+def test_joined_frames_keep_the_inputs_layout():
+    """The PyTorch routes join a cache sliced from an NCDHW chunk and an
+    NDHWC input in the input's layout (torch.cat alone would follow the
+    first piece's), so that cuDNN's output keeps it too."""
+    from conv_patch.conv3d import join_frames
+    g = torch.Generator().manual_seed(5)
+    x = randn(g, 1, 5, 3, 4, 6).contiguous(memory_format=CL3)
+    prev = randn(g, 1, 5, 4, 4, 6)
+    for fmt in (CL3, torch.contiguous_format):
+        full = join_frames([prev[:, :, -2:], x], fmt)
+        assert full.is_contiguous(memory_format=fmt) and torch.equal(full, torch.cat([prev[:, :, -2:], x], 2))
+    assert join_frames([x], CL3) is x
+
+
 def test_conv3d_output_layout(device):
     g = torch.Generator().manual_seed(4)
     x = randn(g, 1, 3, 3, 5, 5, device=device)

@@ -21,8 +21,9 @@ ALLOWED_CONSTEXPR = {
     # PERSISTENT the tile loop (the grid size is a runtime value); X_NCHW the
     # NCHW input boxes and the transposed GEMM (a layout, not a shape).
     "conv2d_tma": SWITCHES | TILES | {"BLOCK_W", "STRIDED", "TMA_IO", "PERSISTENT", "X_NCHW"},
-    # BLOCK_W as for conv2d_tma; HAS_CACHE as for conv3d.
-    "conv3d_tma": SWITCHES | TILES | {"BLOCK_W", "HAS_CACHE"},
+    # BLOCK_W as for conv2d_tma; HAS_CACHE as for conv3d; BLOCK_N2 a second
+    # block of output channels per tile, a tile size, SPLIT_N whether it is used.
+    "conv3d_tma": SWITCHES | TILES | {"BLOCK_W", "HAS_CACHE", "BLOCK_N2", "SPLIT_N"},
 }
 SHAPE_ARGS = {"N", "C_in", "H", "W", "C_out", "OH", "OW", "KH", "KW", "PH", "PW",
               "DH", "DW", "son", "soc", "soh", "sow"}

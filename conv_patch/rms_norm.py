@@ -22,18 +22,20 @@ from .target import Target, target_for
 # interpreter, where each program costs Python time, few and large programs.
 RMS_LAUNCH = {"gpu": (32, 128), "interpreter": (64, 4096)}
 # On a GPU, up to ONE_PASS_MAX_C channels: every channel in one block of
-# ONE_PASS_ELEMENTS (8 warps), the input read once (docs/performance.md,
-# "RMS norm in one pass").
-ONE_PASS_MAX_C, ONE_PASS_ELEMENTS, ONE_PASS_WARPS = 512, 8192, 8
+# ONE_PASS[channels contiguous] (elements, warps), the input read once
+# (the tiles measured best: docs/performance.md, "RMS norm in one pass").
+ONE_PASS_MAX_C = 512
+ONE_PASS = {True: (4096, 4), False: (8192, 8)}
 
 
-def launch_tiles(c: int, interpreter: bool) -> tuple:
+def launch_tiles(c: int, channels_contiguous: bool, interpreter: bool) -> tuple:
     """(BLOCK_C, BLOCK_S, num_warps) of the kernel for ``c`` channels."""
     if interpreter:
         return (*RMS_LAUNCH["interpreter"], 4)
     block_c = 1 << max(0, (c - 1).bit_length())
     if block_c <= ONE_PASS_MAX_C:
-        return block_c, max(1, ONE_PASS_ELEMENTS // block_c), ONE_PASS_WARPS
+        elements, warps = ONE_PASS[channels_contiguous]
+        return block_c, max(1, elements // block_c), warps
     return (*RMS_LAUNCH["gpu"], 4)
 
 
@@ -111,9 +113,10 @@ def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None, bias: Optio
         fmt = _memory_format(x)
         out = (k.empty(x.shape, dtype=x.dtype, device=x.device, memory_format=fmt) if fmt is not None
                else torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device))
-    block_c, block_s, warps = launch_tiles(x.shape[1], target.interpreter)
+    xv = positions_view(x)
+    block_c, block_s, warps = launch_tiles(x.shape[1], xv.stride(1) == 1, target.interpreter)
     flat = [None if t is None else t.reshape(-1) for t in (weight, bias)]
-    k.launch_rms_norm(positions_view(x), positions_view(out), flat[0] if flat[0] is not None
+    k.launch_rms_norm(xv, positions_view(out), flat[0] if flat[0] is not None
                               else torch.ones(x.shape[1], device=x.device, dtype=torch.float32),
                               flat[1], scale, eps, code, block_c, block_s, warps)
     return out

@@ -126,3 +126,17 @@ def test_cost_rule_keeps_pytorch_only_where_it_is_predicted_faster():
     slow_host = dict(costs.HOST_US, base=200.0)
     assert not costs.rms_norm_pays(1 << 10, 2, False, host=slow_host)
     assert costs.rms_norm_pays(1 << 28, 2, False, host=slow_host)  # GPU-bound there
+
+
+def test_launch_tiles_read_a_position_once_up_to_512_channels():
+    """On a GPU every channel of a position fits one block up to 512
+    channels (one read of the input), larger ones loop (two reads); the
+    interpreter keeps its few large programs."""
+    from conv_patch.rms_norm import launch_tiles
+    for c in (5, 96, 97, 192, 384, 512):
+        for contiguous in (True, False):
+            bc, bs, warps = launch_tiles(c, contiguous, False)
+            assert c <= bc < 2 * c and bs >= 1 and warps in (4, 8)
+    assert launch_tiles(96, True, False) == (128, 32, 4) and launch_tiles(96, False, False) == (128, 64, 8)
+    assert launch_tiles(513, True, False)[0] < 513
+    assert launch_tiles(96, True, True)[0] == 64

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import config_tables
 from .conv import check_residual, kernels
 from .epilogue import activation_code, eager_epilogue
 from .specs import needs_grad
@@ -198,8 +199,7 @@ def run_kernel(x, weight, bias, cache, pads, stride, dilation, target, *, residu
 
 
 def _layout_of(x) -> torch.memory_format:
-    ndhwc = x.is_contiguous(memory_format=torch.channels_last_3d) and not x.is_contiguous()
-    return torch.channels_last_3d if ndhwc else torch.contiguous_format
+    return torch.channels_last_3d if config_tables.conv3d_layout(x) == "ndhwc" else torch.contiguous_format
 
 
 def join_frames(pieces, fmt) -> torch.Tensor:

@@ -429,9 +429,9 @@ def conv3d_choice(ours_ms: float, cudnn_ms: float, ops: int, graph: bool, out_by
     concatenation, cuDNN); ``ops`` eager epilogue ops after PyTorch's conv,
     which the kernel fuses, each a pass over the ``out_bytes`` output.
     Launched, each side costs the larger of its host and GPU time (the cuDNN
-    route: its conv, the concatenation and the bias pass; the kernel's: a launch through its
-    launcher, not a recorded replay, plus the weight's repack where
-    ``repack``, one PyTorch copy)."""
+    route: its conv, the concatenation and the bias pass; the kernel's: a
+    launch through its launcher, not a recorded replay, plus the weight's
+    repack where ``repack``, one PyTorch copy)."""
     h = HOST_US if host is None else host
     pass_ms = LAUNCH_MS + 2 * out_bytes / (COPY_TBPS * 1e9)
     if graph:

@@ -145,19 +145,22 @@ TMA_CANDIDATES = [
 # The few-output-channel route: tiles of its first stage, a 1x1 GEMM with
 # N = C_out*KH*KW <= 64 and K = C_in (memory-bound: wide row tiles).
 TAPS_CANDIDATES = [
-    tile_config("taps", 128, 32, 64, 4, 3), tile_config("taps", 256, 32, 64, 8, 3), tile_config("taps", 128, 64, 128, 4, 3),
+    tile_config("taps", 128, 32, 64, 4, 3), tile_config("taps", 256, 32, 64, 8, 3),
+    tile_config("taps", 128, 64, 128, 4, 3),
 ]
 # The few-input-channel route: its reduction (C_in*KH*KW <= 64) is one or two
 # K blocks, so the tile's rows and columns decide; memory-bound on the output.
 FLAT_CANDIDATES = [
-    tile_config("flat", 128, 128, 32, 4, 2), tile_config("flat", 128, 64, 32, 4, 2), tile_config("flat", 256, 64, 32, 8, 2),
+    tile_config("flat", 128, 128, 32, 4, 2), tile_config("flat", 128, 64, 32, 4, 2),
+    tile_config("flat", 256, 64, 32, 8, 2),
     tile_config("flat", 64, 128, 64, 4, 2),
 ]
 # Under the interpreter (the tuner's own tests): two of each, tiles sized for it.
 # The Conv3d kernel's tiles (its "igemm" table route): the 2-D portable
 # kernel's shapes, plus 8 warps on the wide tile.
 CONV3D_CANDIDATES = [
-    tile_config("igemm", 128, 64, 64, 4, 3), tile_config("igemm", 128, 128, 32, 4, 3), tile_config("igemm", 128, 128, 64, 8, 3),
+    tile_config("igemm", 128, 64, 64, 4, 3), tile_config("igemm", 128, 128, 32, 4, 3),
+    tile_config("igemm", 128, 128, 64, 8, 3),
     tile_config("igemm", 64, 128, 64, 4, 4),
 ]
 # The sm90 Conv3d kernel: the 2-D TMA kernel's tile shapes that a Wan
@@ -172,7 +175,9 @@ CONV3D_TMA_CANDIDATES = [
     tile_config("tma", 128, 64, 32, 4, 5, bw=64, bn2=32), tile_config("tma", 256, 64, 32, 8, 4, bw=64, bn2=32),
     tile_config("tma", 128, 128, 64, 8, 3, bw=64, bn2=64), tile_config("tma", 128, 128, 32, 8, 5, bw=64, bn2=64),
 ]
-CONV3D_INTERPRETER_CANDIDATES = [tile_config("igemm", 1024, 128, 128, 4, 1), tile_config("tma", 256, 64, 64, 4, 1, bw=16)]
+CONV3D_INTERPRETER_CANDIDATES = [
+    tile_config("igemm", 1024, 128, 128, 4, 1), tile_config("tma", 256, 64, 64, 4, 1, bw=16),
+]
 INTERPRETER_CANDIDATES = [
     tile_config("igemm", 1024, 128, 128, 4, 1), tile_config("igemm", 64, 64, 32, 4, 1),
     tile_config("tma", 256, 64, 64, 4, 1, bw=16), tile_config("tma", 64, 32, 32, 4, 1, bw=64, persistent=1),
@@ -216,7 +221,7 @@ REGISTRY: Tuple[RouteEntry, ...] = (
                candidates=tuple(FLAT_CANDIDATES)),
     RouteEntry(Route.CONV3D_IGEMM, "conv3d", "igemm", "portable implicit-GEMM conv3d: any kernel size, stride, padding (front and back per axis) and dilation; groups=1, zero padding; NCDHW or NDHWC read in place; a causal conv's cached frames read in place in front of the input (no concatenation written); same dtypes and fused epilogue as conv2d. Taken under the interpreter; on a GPU only for shapes an architecture's table measured faster than cuDNN as called (conv3d.exact: bench.video --layers --write-table), PyTorch's conv3d everywhere else",
                "launch_conv3d", candidates=tuple(CONV3D_CANDIDATES)),
-    RouteEntry(Route.CONV3D_TMA, "conv3d", "tma", "Hopper (sm90+) conv3d: TMA tensor descriptors over the dense NDHWC input and its cached frames (their zero fill is the padding, in time too) feeding wgmma, one pipelined loop over the cached frames' taps and one over the input's; any kernel size, time stride and dilation, H and W at stride 1; fp16/bf16, C_in a multiple of 8; the weight repacked to channels_last_3d per call; same fused epilogue. On a GPU only for shapes a table measured faster than cuDNN as called (diffusers' Wan-family decoders run NDHWC inside in fp16/bf16 to reach it)",
+    RouteEntry(Route.CONV3D_TMA, "conv3d", "tma", "Hopper (sm90+) conv3d: TMA tensor descriptors over the dense NDHWC input and its cached frames (their zero fill is the padding, in time too) feeding wgmma, one pipelined loop over the cached frames' taps and one over the input's, a tile's output channels in one block or two (BLOCK_N2: 96 = 64 + 32); any kernel size, time stride and dilation, H and W at stride 1; fp16/bf16, C_in a multiple of 8; the weight repacked to channels_last_3d per call; same fused epilogue. On a GPU only for shapes a table measured faster than cuDNN as called (diffusers' Wan-family decoders run NDHWC inside in fp16/bf16 to reach it)",
                "launch_conv3d_tma", candidates=tuple(CONV3D_TMA_CANDIDATES)),
     RouteEntry(Route.CUDNN, None, "cudnn", "the original module, chosen because the architecture's table records cuDNN measured faster for this exact shape (convpatch tune): cuDNN computes the convolution, then bias and the fused epilogue run as one pass (conv_patch.ops.epilogue) on NHWC outputs, as PyTorch ops otherwise. A Conv3d call the kernels do not take on a GPU with measured conv3d entries runs it too (conv3d.cudnn_conv3d): the time padding, the cached frames and the input in one concatenation, the symmetric padding passed to cuDNN instead of an F.pad copy, and on NDHWC outputs the bias and epilogue as one pass", exact_only=True),
     RouteEntry(Route.FALLBACK, None, None, 'the original PyTorch module (cuDNN/ATen): every case the kernels do not take'),

@@ -12,8 +12,8 @@ program's slab is recent enough to come from L2) and written once.
 Layer 1: ``rms_norm_kernel`` over a [N, C, S] view addressed by runtime
 strides (NCDHW / NCHW: the positions contiguous; NDHWC / NHWC: the
 channels), one program per (sample, block of positions), looping over the
-channels in blocks; where one block holds every channel (``ONE_PASS``: a
-channels-last input's few hundred channels) the slab is read once and
+channels in blocks; where one block holds every channel (``ONE_PASS``: up
+to a few hundred channels, in either layout) the slab is read once and
 normalised from registers. Layer 2: ``launch_rms_norm``.
 
 Numerics: fp32 sum of squares and arithmetic; the result is rounded once to

@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import conv_patch
-from conv_patch import config_tables, dispatch, kernels, ops
+from conv_patch import config_tables, dispatch, ops
+from conv_patch.kernels import api as kernels
 from conv_patch.specs import ConvSpec
 
 from .common import kernel_device, print_table, write_results

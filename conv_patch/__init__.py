@@ -10,6 +10,21 @@ call that runs them.
 
 __version__ = "0.1.0"
 
+import os as _os
+
+# kernels/, recipes/ and configs/ are sub-packages of this one (pyproject.toml
+# installs them as conv_patch.kernels, .recipes and .configs). They hold no
+# __init__.py: Python running from a checkout's root (pytest, ``python -c``,
+# a notebook) has the root on sys.path, and there a folder with one would be
+# a top-level package of that name, hiding an installed one (Hugging Face's
+# ``kernels``, which transformers imports). Without one a folder is at most a
+# namespace portion, which never wins over an installed package. An
+# installed wheel has them inside this folder; a checkout (editable installs
+# included) has them beside it, so there its parent is searched too.
+if not _os.path.isdir(_os.path.join(__path__[0], "kernels")):
+    __path__.append(_os.path.dirname(__path__[0]))
+del _os
+
 try:
     import torch as _torch  # noqa: F401  (every module below needs it)
 except ModuleNotFoundError as _e:
@@ -27,7 +42,7 @@ except ModuleNotFoundError as _e:
         raise ModuleNotFoundError(f"conv_patch.{name}: {TORCH_MISSING}", name="torch")
 else:
     TORCH_MISSING = None
-    from . import ops, pack, recipes
+    from . import ops, pack
     from .patcher import PatchConfig, PatchReport, apply, is_patched, patched, remove
     from .routing import ROUTE_INFO, Route, RouteDecision, select_route, static_route
     from .specs import CallDesc, ConvSpec
@@ -37,6 +52,6 @@ else:
 __all__ = [
     "apply", "remove", "patched", "is_patched", "PatchConfig", "PatchReport",
     "Route", "RouteDecision", "ROUTE_INFO", "select_route", "static_route",
-    "ConvSpec", "CallDesc", "PatchedConv2d", "PatchedConvTranspose2d", "ops", "pack", "recipes",
+    "ConvSpec", "CallDesc", "PatchedConv2d", "PatchedConvTranspose2d", "ops", "pack",
     "__version__",
 ]

@@ -119,7 +119,7 @@ def _pick_device(name):
 def _enable_interpreter_for_cpu(device):
     """On the CPU the kernels can only run under the Triton interpreter; it
     must be chosen before the kernels are imported."""
-    if device.type == "cpu" and "conv_patch.kernels" not in sys.modules:
+    if device.type == "cpu" and "conv_patch.kernels._launch" not in sys.modules:
         os.environ["TRITON_INTERPRET"] = "1"
 
 

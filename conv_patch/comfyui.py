@@ -43,7 +43,7 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 from torch import nn
 
-from . import recipes as rc
+from .recipes import catalog as rc
 from .patcher import PatchReport, apply, is_patched
 
 log = logging.getLogger("conv_patch")

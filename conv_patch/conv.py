@@ -32,11 +32,11 @@ _KERNELS = []
 
 
 def kernels():
-    """``conv_patch.kernels``, imported on the first launch only (it imports
+    """``conv_patch.kernels.api``, imported on the first launch only (it imports
     Triton); then held here, since an import statement on every launch is
     host time on the hot path."""
     if not _KERNELS:
-        from conv_patch import kernels as k
+        from conv_patch.kernels import api as k
         _KERNELS.append(k)
     return _KERNELS[0]
 

@@ -55,7 +55,7 @@ def trace_convs(model: nn.Module, run: Callable[[nn.Module], object]) -> "Counte
     convs of the small input, one per output parity, each with its own
     asymmetric padding (``ops.upsample_conv2d``). ``model`` should live on
     the meta device."""
-    from conv_patch.recipes import upsample_convs
+    from conv_patch.recipes.catalog import upsample_convs
 
     seen: "Counter[Tuple[ConvSpec, tuple]]" = Counter()
     folded = _padded_downsample_convs(model)

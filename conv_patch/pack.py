@@ -153,7 +153,7 @@ def refresh(holder, entry: PackEntry, view: torch.Tensor, transposed: bool) -> t
         # pack kernel moves a 512x512x3x3 weight in a fraction of the 7.4 us
         # PyTorch's strided copy took on the H200 (kernels/weight_prep.py).
         # Eagerly the copy stays: there the launch's host time is the cost.
-        from conv_patch import kernels
+        from conv_patch.kernels import api as kernels
         kernels.launch_weight_pack(view, entry.buf)
     else:
         entry.buf.copy_(view)
@@ -214,7 +214,7 @@ class PackGroup:
         # (Each member's weight was checked against its pack's key above:
         # the addresses and strides the launch's arguments hold.)
         sig = tuple([(e.buf.data_ptr(), e.key[0], e.key[3]) for e, _, _ in current])
-        from conv_patch import kernels
+        from conv_patch.kernels import api as kernels
         try:
             if self.args is None or self.args[0] != sig:
                 if foreign_capture(current[0][1]):

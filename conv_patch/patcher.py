@@ -213,7 +213,7 @@ def apply(model, *, filter_fn: Optional[FilterFn] = None,
     plan = [step for prefix, m in targets for step in _plan(m, prefix, filter_fn, table, report, wrappers)]
     fusions = []
     if recipes:
-        from conv_patch import recipes as rc
+        from conv_patch.recipes import catalog as rc
         fusions = [step for prefix, m in targets for step in rc.plan(m, prefix)]
         for fqn, _, recipe in fusions:
             report.fused[fqn] = f"{recipe.name}  {recipe.what}"
@@ -271,7 +271,7 @@ def remove(model, _only: Optional[set] = None) -> List[str]:
     """Put the original module objects back (holding the current weights)
     and fused blocks' own classes; return the paths restored. ``model`` as
     for :func:`apply`."""
-    from conv_patch import recipes as rc
+    from conv_patch.recipes import catalog as rc
     restored = []
     for prefix, m in _modules_of(model):
         for fqn, mod in m.named_modules():

@@ -6,11 +6,22 @@ microseconds per host-side call, which adds up on every launch.
 """
 
 import contextlib
+import os
 import threading
 
 from torch import Tensor
 
+if __name__.partition(".")[0] != "conv_patch":
+    # A checkout's root on sys.path shows kernels/ as a namespace package; its
+    # modules are conv_patch.kernels' and must not load twice under two names.
+    raise ImportError(f"{__name__} is conv-patch's conv_patch.kernels.{__name__.rpartition('.')[2]}: import that one")
+
 from conv_patch.work import Work
+
+# Whether the kernels run through the Triton interpreter: read from
+# TRITON_INTERPRET when the first kernel module is imported (every one
+# imports this module), which is when Triton decides it for its decorations.
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 INT32_LIMIT = 2**31 - 1
 

@@ -30,6 +30,11 @@ from conv_patch.costs import group_norm_pays
 from conv_patch.specs import needs_grad
 from conv_patch.wrappers import PatchedCausalConv3d, PatchedConvMixin, comfy_active, is_comfy_conv_class
 
+if __name__.partition(".")[0] != "conv_patch":
+    # A checkout's root on sys.path shows recipes/ as a namespace package; its
+    # modules are conv_patch.recipes' and must not load twice under two names.
+    raise ImportError(f"{__name__} is conv-patch's conv_patch.recipes.{__name__.rpartition('.')[2]}: import that one")
+
 
 class Recipe:
     """A named rewrite: ``match(module)`` says whether it applies (by class

@@ -13,7 +13,7 @@ from conv_patch import ops
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_softmax_rows_kernel_matches_float64(device, dtype):
-    from conv_patch import kernels
+    from conv_patch.kernels import api as kernels
     g = torch.Generator().manual_seed(3)
     # Rows longer than the block (a loop of 3 blocks, the last partial) and
     # shifted far from zero, where a softmax without the max would overflow.
@@ -70,7 +70,7 @@ def test_fused_attention_kernels_write_every_output_and_nothing_else(device, spl
     to zero) and keys not a multiple of the score tile. ``splits``: the keys
     shared among P V programs (3 score tiles: 2 splits of 2 and 1 tiles,
     3 of one each), their fp32 partials summed."""
-    from conv_patch import kernels
+    from conv_patch.kernels import api as kernels
     interp = device.type == "cpu"
     cfg = ops.FUSED_ATTENTION_TILES["interpreter" if interp else "gpu"]
     # fp32 under the interpreter; on GPUs the route's bf16 (the GPU tiles

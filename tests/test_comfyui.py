@@ -24,6 +24,7 @@ import conv_patch
 import conv_patch.comfyui
 import conv_patch.comfyui_install
 from conv_patch import pack
+from conv_patch.recipes.catalog import is_fused
 from conv_patch.target import target_for
 from conv_patch.wrappers import PatchedConvMixin
 from _util import rel_err
@@ -356,7 +357,7 @@ def test_node_leaves_the_input_vae_as_it_was(node, device, exact_fp32):
         assert out.first_stage_model is model and out.patcher.patches_uuid != patcher.patches_uuid
         dec = out.patcher.object_patches["decoder"]
         assert sorted(out.patcher.object_patches) == ["decoder", "encoder", "post_quant_conv", "quant_conv"]
-        assert conv_patch.is_patched(dec[0]) and conv_patch.recipes.is_fused(dec)
+        assert conv_patch.is_patched(dec[0]) and is_fused(dec)
         # The same Parameter objects: no weight memory added.
         assert dec[0].weight is model.decoder[0].weight
         assert dec[0].weight.data_ptr() == model.decoder[0].weight.data_ptr()
@@ -397,8 +398,8 @@ def test_node_runs_are_idempotent_and_independent(node, device, exact_fp32):
         # recipes off on the output: convolutions only; a stays fused.
         (plain,) = node.patch(a, recipes=False)
         dec = plain.patcher.object_patches["decoder"]
-        assert conv_patch.is_patched(dec[0]) and not conv_patch.recipes.is_fused(dec)
-        assert conv_patch.recipes.is_fused(pa["decoder"])
+        assert conv_patch.is_patched(dec[0]) and not is_fused(dec)
+        assert is_fused(pa["decoder"])
         assert rel_err(plain.decode(z), ref) <= 1e-5
         assert rel_err(vae.decode(z), ref) <= 1e-5 and _snapshot(model) == before and not _has_cp_state(model)
 
@@ -432,11 +433,11 @@ def test_node_without_a_comfyui_patcher_copies_the_module_tree(node, device, exa
         before = _snapshot(model)
         (out,) = node.patch(vae)
         assert _snapshot(model) == before and out.first_stage_model is not model
-        assert conv_patch.is_patched(out.first_stage_model[0]) and conv_patch.recipes.is_fused(out.first_stage_model)
+        assert conv_patch.is_patched(out.first_stage_model[0]) and is_fused(out.first_stage_model)
         assert out.first_stage_model[0].weight is model[0].weight
         assert rel_err(out.first_stage_model(x), ref) <= 1e-5
         (again,) = node.patch(out, recipes=False)
-        assert not conv_patch.recipes.is_fused(again.first_stage_model) and conv_patch.recipes.is_fused(out.first_stage_model)
+        assert not is_fused(again.first_stage_model) and is_fused(out.first_stage_model)
         assert rel_err(again.first_stage_model(x), ref) <= 1e-5
     with pytest.raises(ValueError, match="first_stage_model"):
         node.patch(SimpleNamespace())
@@ -473,7 +474,7 @@ def test_node_on_a_small_ldm_vae_matches_unpatched(node, device, exact_fp32):
     with torch.no_grad():
         ref_dec, ref_enc = vae.decode(z), vae.encode(x)
         (out,) = node.patch(vae)
-        assert conv_patch.recipes.is_fused(out.patcher.object_patches["decoder"])
+        assert is_fused(out.patcher.object_patches["decoder"])
         assert rel_err(out.decode(z), ref_dec) <= 2e-6 and rel_err(out.encode(x), ref_enc) <= 2e-6
         assert rel_err(vae.decode(z), ref_dec) <= 1e-7  # the input's own modules again
         assert not _has_cp_state(vae.first_stage_model)

@@ -16,7 +16,8 @@ from torch import nn
 
 import conv_patch
 from conv_patch import conv3d as conv3d_op
-from conv_patch import dispatch, kernels
+from conv_patch import dispatch
+from conv_patch.kernels import api as kernels
 from conv_patch.routing import Route
 from conv_patch.target import Target
 from conv_patch.wrappers import PatchedCausalConv3d, PatchedConv3d

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import conv_patch
-from conv_patch import config_tables, costs, dispatch, kernels
+from conv_patch import config_tables, costs, dispatch
+from conv_patch.kernels import api as kernels
 from conv_patch.kernels import _launch
 from conv_patch.routing import Route, RouteDecision
 from conv_patch.specs import ConvSpec

@@ -86,7 +86,7 @@ def test_new_resolution_compiles_nothing():
     """Shapes are runtime arguments: resolutions of the same divisibility
     (multiples of 16) in the same M-bucket of the table (16384 < M <= 65536)
     reuse the compiled kernels, whichever route the table picks."""
-    from conv_patch.kernels import KERNELS
+    from conv_patch.kernels.api import KERNELS
     w = torch.randn(64, 32, 3, 3, device="cuda", dtype=torch.bfloat16)
     ops.conv2d(torch.randn(1, 32, 144, 144, device="cuda", dtype=torch.bfloat16), w, padding=1)
     before = sum(_compiled_variants(k) for k in KERNELS.values())

@@ -224,3 +224,64 @@ def test_without_torch_the_command_says_so_in_one_line(tmp_path):
     assert "conv_patch.apply: PyTorch is not installed here: pip install torch" in r.stdout
     assert r.stderr.strip().splitlines() == ["convpatch: error: PyTorch is not installed here: pip install torch "
                                              "(a CUDA build on a GPU machine)"]
+
+
+# The checkout's top-level folders that hold Python: installed inside
+# conv_patch (kernels, recipes, configs) or run from the checkout (bench).
+TOP_LEVEL = ("kernels", "recipes", "configs", "bench")
+
+
+def test_the_checkout_root_shadows_no_installed_package():
+    """Python started in the checkout's root (pytest, ``python -c``, a
+    notebook: the root is on sys.path) imports diffusers' Wan VAE, whose
+    transformers imports Hugging Face's ``kernels``; that ``kernels`` is the
+    installed one, and none of the top-level folders loads a module of ours
+    under a top-level name: at most an empty namespace, and any module of
+    ours imported through it refuses (it is conv_patch's)."""
+    pytest.importorskip("diffusers")
+    pytest.importorskip("kernels")  # Hugging Face's (the test extra has it; transformers >= 5.25 needs it)
+    code = textwrap.dedent(f"""
+        import importlib, os, sys
+        ROOT = {str(ROOT)!r}
+        assert os.path.abspath(sys.path[0] or os.getcwd()) == ROOT, sys.path[:2]
+        from diffusers import AutoencoderKLWan, AutoencoderKL  # noqa: F401
+        import kernels
+        assert kernels.get_kernel.__module__.startswith("kernels."), kernels.get_kernel.__module__
+        OWN = [os.path.join(ROOT, d) + os.sep for d in {TOP_LEVEL!r} + ("conv_patch",)]
+
+        def ours(mod):
+            f = getattr(mod, "__file__", None)
+            return f is not None and any(os.path.abspath(f).startswith(d) for d in OWN)
+
+        assert not ours(kernels), kernels.__file__
+
+        for name in {TOP_LEVEL!r}:
+            try:
+                top = importlib.import_module(name)
+            except ImportError:
+                continue
+            assert not ours(top), (name, top)
+            for f in sorted(os.listdir(os.path.join(ROOT, name))):
+                if not f.endswith(".py") or name == "bench":
+                    continue
+                try:
+                    mod = importlib.import_module(name + "." + f[:-3])
+                except ImportError:
+                    continue
+                assert not ours(mod), (name, f, mod)
+        stray = sorted(n for n, m in list(sys.modules.items()) if ours(m) and not n.startswith("conv_patch"))
+        assert not stray, stray
+        import conv_patch.kernels.api, conv_patch.recipes.catalog  # noqa: F401  (found beside conv_patch/)
+        print("ok")
+    """)
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), f"{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
+
+
+def test_in_this_process_kernels_is_hugging_faces():
+    """The same in the test process itself (pytest puts the root first on
+    sys.path: ``pythonpath`` in pyproject.toml)."""
+    kernels = pytest.importorskip("kernels")
+    assert str(ROOT) in [os.path.abspath(p) for p in sys.path]
+    assert callable(kernels.get_kernel)
+    assert not os.path.abspath(kernels.__file__).startswith(str(ROOT / "kernels") + os.sep), kernels.__file__

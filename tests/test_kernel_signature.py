@@ -6,7 +6,7 @@ import inspect
 import pytest
 import triton.language as tl
 
-from conv_patch.kernels import KERNELS
+from conv_patch.kernels.api import KERNELS
 
 SWITCHES = {"HAS_BIAS", "HAS_RES", "ACT", "IDX64", "UPCAST"}
 TILES = {"BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M"}

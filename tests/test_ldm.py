@@ -41,7 +41,7 @@ def test_ldm_encoder_decoder_patched_vs_unpatched(device, exact_fp32):
 
 
 def test_ldm_upsample_convs_are_the_ones_the_tracer_folds():
-    from conv_patch.recipes import upsample_convs
+    from conv_patch.recipes.catalog import upsample_convs
     _, dec = _pair("cpu")
     ups = [m.upsample.conv for m in dec.up if hasattr(m, "upsample")]
     assert ups and upsample_convs(dec) == {id(c) for c in ups}

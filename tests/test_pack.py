@@ -276,7 +276,7 @@ def test_a_failed_grouped_launch_leaves_each_pack_to_its_conv(device, exact_fp32
     """A grouped launch that cannot run (here: raises) marks nothing fresh;
     the group stops, says why, and every pack is refreshed at its conv's
     call, so the answers stay right."""
-    from conv_patch import kernels
+    from conv_patch.kernels import api as kernels
     net, twin = make(device)
     x = torch.randn(2, 6, 7, 9, device=device)
     with torch.no_grad():

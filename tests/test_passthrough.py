@@ -15,7 +15,7 @@ from torch import nn
 import conv_patch
 from conv_patch import passthrough
 from conv_patch.wrappers import PatchedConvMixin
-from conv_patch.recipes import is_fused
+from conv_patch.recipes.catalog import is_fused
 
 # The busy branch is the interpreter's routing of CPU tensors; on a GPU
 # machine the CPU has no kernels (bench.zoo's passed_through is the GPU check).

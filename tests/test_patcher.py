@@ -318,7 +318,7 @@ def test_kernel_launch_failure_falls_back_with_warning(device, exact_fp32, monke
     """A kernel that cannot run here (out of shared memory on a small GPU)
     must not crash the user's model: that call runs on PyTorch, and says so."""
     from triton.runtime.errors import OutOfResources
-    from conv_patch import kernels
+    from conv_patch.kernels import api as kernels
     from conv_patch.dispatch import KernelFailureWarning
 
     def no_room(*a, **k):

@@ -15,7 +15,8 @@ from torch import nn
 
 import conv_patch
 from _util import poisoned, rel_err
-from conv_patch import dispatch, ops, recipes, taesd
+from conv_patch import dispatch, ops, taesd
+from conv_patch.recipes import catalog as recipes
 
 diffusers = pytest.importorskip("diffusers")
 from diffusers.models.downsampling import Downsample2D  # noqa: E402

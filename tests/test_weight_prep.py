@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from _util import poisoned, randn, rel_err
 
 from conv_patch import ops
-from conv_patch.kernels import grouped_pack_args, launch_grouped_weight_pack, launch_subpixel_fold, launch_weight_pack
+from conv_patch.kernels.api import grouped_pack_args, launch_grouped_weight_pack, launch_subpixel_fold, launch_weight_pack
 
 
 def _fold64(w):
@@ -77,7 +77,7 @@ def test_subpixel_fold_kernel_against_float64(device, dtype, tol, co, ci):
 
 
 def test_subpixel_weights_run_the_fold_kernel_on_a_gpu(device, exact_fp32, monkeypatch):
-    from conv_patch import kernels
+    from conv_patch.kernels import api as kernels
     calls = []
     real = kernels.launch_subpixel_fold
     monkeypatch.setattr(kernels, "launch_subpixel_fold", lambda w, o: calls.append(1) or real(w, o))

@@ -21,7 +21,7 @@ from typing import List, Optional, Tuple
 import torch
 from torch import nn
 
-from ..recipes import REGISTRY, steps
+from ..recipes.catalog import REGISTRY, steps
 from ..recipes.ldm import uses_silu
 from ..wrappers import PatchedConvMixin
 from .comm import Banded, Comm

@@ -1,1 +1,0 @@
-"""Benchmarks (run as ``python -m bench.<name>``); results in bench/results/."""

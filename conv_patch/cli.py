@@ -29,10 +29,11 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="convpatch", description="conv-patch: fast convolutions for diffusion VAEs")
     sub = ap.add_subparsers(dest="cmd", required=True)
     v = sub.add_parser("verify", help="check conv-patch against PyTorch on a checkpoint (default: an embedded model)")
+    from .formats import KNOWN
     v.add_argument("paths", nargs="*", metavar="PATH",
-                   help="safetensors checkpoint(s): a VAE (diffusers, single-file/ComfyUI, TAESD, "
-                        "AutoencoderTiny, Wan 2.1 video VAE) or any file with conv weights; none: the "
-                        "embedded default")
+                   help="safetensors checkpoint(s) (a .ckpt/.pt/.pth/.bin with --allow-pickle): a VAE, "
+                        "recognised by tensor names and shapes (" + "; ".join(KNOWN) + "), or any file "
+                        "with conv weights (per-layer checks only); none: the embedded default")
     v.add_argument("--image", metavar="IMG", default=None,
                    help="encode->decode this image and report the reconstruction PSNR, patched and unpatched")
     v.add_argument("--allow-pickle", action="store_true",
@@ -162,21 +163,34 @@ def summary_lines(report) -> list:
     lines = []
     for e in report.end_to_end:
         lines.append(f"end to end, {e.what}: rel err vs fp32 patched {e.rel_err_patched:.3g}, "
-                     f"unpatched {e.rel_err_unpatched:.3g}; max |patched-unpatched| {e.max_abs_diff:.3g}, "
+                     f"unpatched {e.rel_err_unpatched:.3g}"
+                     + ("" if e.bound is None else f" (pass: patched <= 1.5 x unpatched + the {report.dtype} "
+                                                   f"floor = {e.bound:.3g})")
+                     + f"; max |patched-unpatched| {e.max_abs_diff:.3g}, "
                      f"PSNR {e.psnr_patched_vs_unpatched_db:.1f} dB  {'pass' if e.passed else 'FAIL'}")
         if e.image_psnr_patched_db is not None:
             # The pass above compares outputs; this is the autoencoder's own
             # loss, which the kernels' rounding should not move (the GPU
             # tests hold a real photo within 0.1 dB).
             lines.append(f"  reconstruction PSNR vs the image: unpatched {e.image_psnr_unpatched_db:.2f} dB, "
-                         f"patched {e.image_psnr_patched_db:.2f} dB (round trip: a trained autoencoder reaches "
-                         f"~25-35 dB, below ~20 it does not reconstruct; patched within ~0.1 dB of unpatched)")
+                         f"patched {e.image_psnr_patched_db:.2f} dB ({psnr_hint(e)})")
         if e.ms_patched is not None:
             lines.append(f"  time (median): unpatched {e.ms_unpatched:.3f} ms, patched {e.ms_patched:.3f} ms, "
                          f"speedup {e.speedup:.2f}x")
     n_fail = sum(not r.passed for r in report.layers) + sum(not e.passed for e in report.end_to_end)
     lines.append("PASS" if report.passed else f"FAIL: {n_fail} check(s) beyond tolerance")
     return lines
+
+
+def psnr_hint(e) -> str:
+    """What to make of a reconstruction's PSNR at the size it ran: a small
+    image (the CPU's 64x64) keeps little detail for an autoencoder to
+    rebuild, so its PSNR is lower than at the sizes the model is used at.
+    The check is the patched model's distance to the unpatched one."""
+    side = e.input_shape[-1]
+    typical = ("a trained autoencoder reaches ~25-35 dB from 128x128 up" if side >= 128 else
+               f"at {side}x{side} a trained autoencoder reaches ~18-24 dB, ~25-35 dB from 128x128 up")
+    return f"round trip: {typical}; patched within ~0.1 dB of unpatched is what matters"
 
 
 def render_plain(report) -> str:

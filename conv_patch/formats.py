@@ -22,6 +22,15 @@ from torch import nn
 
 Shapes = Dict[str, tuple]
 LDM_PREFIXES = ("first_stage_model.", "vae.")
+# What ``recognise`` knows, in the words ``convpatch verify --help`` and the
+# README use.
+KNOWN = (
+    "diffusers AutoencoderKL (SD1.5, SDXL, SD3, FLUX.1 layouts)",
+    "the original single-file layout (ComfyUI, the SD repositories, FLUX ae; bare or under first_stage_model.)",
+    "TAESD and TAEF2 encoders and decoders",
+    "diffusers AutoencoderTiny",
+    "the Wan 2.1 and Wan 2.2 (TI2V-5B) video VAEs, in diffusers' (AutoencoderKLWan) and the original Wan layout",
+)
 
 
 def same_geometry3d(name: str, shape: tuple) -> Tuple[tuple, tuple]:

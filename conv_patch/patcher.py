@@ -18,6 +18,7 @@ from . import config_tables, passthrough
 from .conv3d import Conv3dSpec
 from .routing import static_route
 from .specs import ConvSpec
+from .target import Target, default_target, what_runs
 from .wrappers import PatchedConvMixin, causal_conv3d_problem, is_comfy_conv_class, wrapper_class_for
 
 FilterFn = Callable[[nn.Module, str], bool]
@@ -72,10 +73,15 @@ class PatchReport:
     graphed: List[str] = field(default_factory=list)
     # The models hooked to pass through what does no work (PatchConfig.passthrough).
     passthrough: List[str] = field(default_factory=list)
+    # Where no kernel runs on this machine (no usable GPU) or they run only
+    # under the Triton interpreter: what the patched model runs here.
+    here: str = ""
 
     def __str__(self) -> str:
         lines = [f"conv-patch: {len(self.patched)} patched, {len(self.skipped)} skipped, "
                  f"{len(self.already_patched)} already patched, {len(self.fused)} blocks fused"]
+        if self.here:
+            lines.append(f"  here: {self.here}")
         lines += [f"  fused    {fqn or '<root>'}: {what}" for fqn, what in self.fused.items()]
         lines += [f"  graphed  {fqn or '<root>'}: CUDA graph per input shape" for fqn in self.graphed]
         lines += [f"  passthrough {fqn or '<root>'}: what does no kernel work at a call signature runs "
@@ -150,7 +156,8 @@ def _modules_of(target) -> List:
                     f"got {type(target).__name__}")
 
 
-def _plan(model: nn.Module, prefix: str, filter_fn, table, report: "PatchReport", wrappers: Dict[int, nn.Module]):
+def _plan(model: nn.Module, prefix: str, filter_fn, table, report: "PatchReport", wrappers: Dict[int, nn.Module],
+          here: Target):
     if isinstance(model, PatchedConvMixin):
         report.already_patched.append(prefix.rstrip("."))
         return []
@@ -180,7 +187,9 @@ def _plan(model: nn.Module, prefix: str, filter_fn, table, report: "PatchReport"
             wrappers[id(child)] = wrapper_cls.wrap(child, table)
         wrapper = wrappers[id(child)]
         plan.append((parent, name, wrapper))
-        report.patched[fqn] = f"{wrapper.route().route.value}  {wrapper.spec.describe()}"
+        route = wrapper.route().route.value
+        report.patched[fqn] = (f"{route}  " if here.kernels else f"pytorch here ({route} on a GPU)  ") \
+            + wrapper.spec.describe()
     return plan
 
 
@@ -209,8 +218,11 @@ def apply(model, *, filter_fn: Optional[FilterFn] = None,
     budget = _budget_option(config)
 
     report = PatchReport()
+    here = default_target()
+    if not here.kernels or here.interpreter:
+        report.here = what_runs()
     wrappers: Dict[int, nn.Module] = {}
-    plan = [step for prefix, m in targets for step in _plan(m, prefix, filter_fn, table, report, wrappers)]
+    plan = [step for prefix, m in targets for step in _plan(m, prefix, filter_fn, table, report, wrappers, here)]
     fusions = []
     if recipes:
         from conv_patch.recipes import catalog as rc

@@ -28,6 +28,7 @@ from conv_patch import dispatch, ops, pack, passthrough
 from conv_patch.conv import kernel_errors
 from conv_patch.costs import group_norm_pays
 from conv_patch.specs import needs_grad
+from conv_patch.target import target_for
 from conv_patch.wrappers import PatchedCausalConv3d, PatchedConvMixin, comfy_active, is_comfy_conv_class
 
 if __name__.partition(".")[0] != "conv_patch":
@@ -76,6 +77,12 @@ class FusedBlock:
     _cp_base: type = nn.Module
 
     def forward(self, *args, **kwargs):
+        if not kernels_may_run_on(args, kwargs):
+            # No kernel runs on this device (a CPU without the interpreter):
+            # the block's own forward, so that a patched model computes
+            # exactly what the unpatched one does (a recipe's NHWC layout
+            # alone changes the CPU's rounding).
+            return self._cp_base.forward(self, *args, **kwargs)
         watch = passthrough.Watch.now
         if watch is not None and watch.observes(self):
             # A passthrough watch is learning which fused blocks do work.
@@ -126,6 +133,18 @@ class FusedBlock:
             # class swaps of a stack run unfused, the dynamic classes.
             state = dict(state, _cp_plans=None, _cp_norm_plan=None, _cp_packs=None, _cp_own_swaps=None)
         return state
+
+
+def kernels_may_run_on(args: tuple, kwargs: dict) -> bool:
+    """Whether conv-patch's kernels can run on the device of a block call's
+    first tensor argument (True where there is none: the recipe decides).
+    A CUDA tensor is asked no further: this runs at every fused block's
+    call, and a GPU without kernels (older than sm80) runs the recipes'
+    steps on PyTorch's ops in the same layout as the GPUs that have them."""
+    for v in (*args, *kwargs.values()):
+        if isinstance(v, torch.Tensor):
+            return v.is_cuda or target_for(v.device).kernels
+    return True
 
 
 REGISTRY: Dict[str, Recipe] = {}

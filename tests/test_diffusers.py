@@ -76,3 +76,28 @@ def test_save_pretrained_after_apply_matches_unpatched(tmp_path, device):
     report = conv_patch.apply(vae)
     assert report.patched and all(m.weight.dtype is torch.bfloat16 for m in vae.modules()
                                   if conv_patch.is_patched(m))
+
+
+def test_without_kernels_a_patched_model_computes_exactly_what_unpatched_does(monkeypatch):
+    """A CPU machine without the interpreter (a user's laptop): no kernel
+    runs, and the patched models compute bit for bit what the unpatched
+    ones do (the recipes' own layout would change the CPU's rounding, so
+    fused blocks run their own forward there); the report says so."""
+    import copy
+
+    from conv_patch import target, taesd
+    monkeypatch.setattr(target, "interpreter_enabled", lambda: False)
+    torch.manual_seed(0)
+    tiny = diffusers.AutoencoderTiny(encoder_block_out_channels=(8, 8, 8, 8), decoder_block_out_channels=(8, 8, 8, 8),
+                                     latent_channels=4).eval()
+    cases = [(tiny, lambda m, z: m.decode(z).sample, (1, 4, 6, 5)), (_vae("cpu"), lambda m, z: m.decode(z).sample,
+             (1, 4, 5, 6)), (taesd.seeded_(taesd.decoder()).eval(), lambda m, z: m(z), (1, 32, 4, 3))]
+    for model, run, shape in cases:
+        plain = copy.deepcopy(model)
+        report = conv_patch.apply(model)
+        assert report.fused and "no CUDA GPU" in report.here and "no CUDA GPU" in str(report)
+        assert all(v.startswith("pytorch here (") for v in report.patched.values())
+        z = torch.randn(shape)
+        with torch.no_grad():
+            for _ in range(3):  # the first call, the watched one, and one passing idle parts through
+                assert torch.equal(run(model, z), run(plain, z))

@@ -46,6 +46,8 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from . import pack
+
 MAX_RECAPTURES = 3
 DEFAULT_MAX_GRAPHS = 4
 # Keys seen once, remembered so a second call captures; bounded so that a
@@ -140,11 +142,10 @@ class Captured:
     graph, its static outputs."""
 
     def __init__(self, fn: Callable, args: tuple, kwargs: dict):
-        self.static = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+        self.static = [pack.persistent(torch.empty_strided, t.shape, t.stride(), dtype=t.dtype, device=t.device)
                        for t in _tensors(args, kwargs)]
         self._copy_in(args, kwargs)
         sargs, skwargs = _substitute(args, kwargs, iter(self.static))
-        from . import pack
         with pack.graph_path():
             # One eager call down the capture's own path first (the pack
             # kernel, the upsample always folded): every kernel the capture

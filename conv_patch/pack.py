@@ -105,12 +105,20 @@ def pack_key(weight: torch.Tensor) -> tuple:
             weight.dtype, PACK_LAYOUT)
 
 
-def _allocate(view: torch.Tensor) -> torch.Tensor:
-    # A buffer made inside inference_mode would be an inference tensor, and
-    # refreshing it later outside inference_mode would raise.
+def persistent(make, *args, **kwargs):
+    """``make(*args, **kwargs)``, a tensor conv-patch keeps across calls (a
+    weight pack, a folded upsample weight, a staging buffer, a graph's
+    static input), made outside inference mode whatever mode this call runs
+    in. Made inside it, it would be an inference tensor, which a later call
+    outside inference mode may read but not write: the next refresh in place
+    would raise. A normal tensor may be written in every mode."""
     with torch.inference_mode(False):
-        return torch.empty(view.shape, dtype=view.dtype, device=view.device,
-                           memory_format=torch.channels_last)
+        return make(*args, **kwargs)
+
+
+def _allocate(view: torch.Tensor) -> torch.Tensor:
+    return persistent(torch.empty, view.shape, dtype=view.dtype, device=view.device,
+                      memory_format=torch.channels_last)
 
 
 def packed_weight(holder, weight: torch.Tensor, transposed: bool) -> torch.Tensor:
@@ -223,7 +231,7 @@ class PackGroup:
                 for e, w, transposed in current:
                     view = w.detach().transpose(0, 1) if transposed else w.detach()
                     groups.setdefault((view.device, view.dtype), []).append((view, e.buf))
-                self.args = (sig, [kernels.grouped_pack_args(pairs) for pairs in groups.values()])
+                self.args = (sig, [persistent(kernels.grouped_pack_args, pairs) for pairs in groups.values()])
             for args in self.args[1]:
                 kernels.launch_grouped_weight_pack(args)
         except Exception as e:

@@ -39,7 +39,7 @@ from torch import nn
 
 from ._fuse import (Recipe, attention, base, causal_conv3d, conv, dropout_is_identity, from_tokens, inference,
                     is_conv, is_silu, parts, plain, register, rms_norm, rms_norm_params, to_tokens)
-from conv_patch import config_tables
+from conv_patch import config_tables, pack
 from conv_patch.target import target_for
 from conv_patch.wrappers import causal_conv3d_problem
 
@@ -377,7 +377,7 @@ def dup_index(dup, device) -> torch.Tensor:
     if held is None or held.device != device:
         f = dup.factor_t * dup.factor_s * dup.factor_s
         o = torch.arange(dup.out_channels) * f
-        held = ((o[None, :] + torch.arange(f)[:, None]) // dup.repeats).to(device)
+        held = pack.persistent(lambda: ((o[None, :] + torch.arange(f)[:, None]) // dup.repeats).to(device))
         dup.__dict__["_cp_dup_index"] = held
     return held
 

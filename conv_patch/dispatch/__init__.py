@@ -619,7 +619,7 @@ def upsample_conv(m, x, residual=None, activation="none"):
     if held is None or held[0] != key:
         # The buffer, and per parity its 2x2 weight (a view of the buffer)
         # and call site: the same from call to call while the buffer is.
-        subs = torch.empty((2, 2, c_out, 2, 2, c_in), dtype=weight.dtype, device=weight.device)
+        subs = pack.persistent(torch.empty, (2, 2, c_out, 2, 2, c_in), dtype=weight.dtype, device=weight.device)
         spec = ConvSpec(False, c_in, c_out, (2, 2), (1, 1), (1, 1), (0, 0), (0, 0), (0, 0), 1, "zeros",
                         bias is not None)
         parities = [(a, b, parity_weight(subs, a, b)) for a, b in PARITIES]

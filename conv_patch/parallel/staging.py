@@ -25,6 +25,8 @@ from typing import Dict, List, Optional
 
 import torch
 
+from ..pack import persistent
+
 GIB = float(1 << 30)
 # A free buffer serves a request up to this many times smaller (a band of a
 # few rows fewer than the last one), so that a level's bands share buffers.
@@ -89,7 +91,8 @@ class HostStaging:
                 f"{max(0, avail) / GIB:.1f} GiB is available and the staged bands already hold "
                 f"{self.held_bytes / GIB:.1f} GiB; raise max_activation_gib (fewer bytes to stage) or free host memory")
         t0 = time.perf_counter()
-        base = torch.empty(nbytes, dtype=torch.uint8)
+        # Kept for later decodes, whatever their inference mode.
+        base = persistent(torch.empty, nbytes, dtype=torch.uint8)
         if self.pinned:
             # Fault the pages in first, on all of PyTorch's CPU threads:
             # cudaHostRegister faulting them in itself, one thread, pinned

@@ -23,11 +23,11 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from conv_patch import ops
-from conv_patch.model_shapes import distinct_calls
-from conv_patch.routing import select_route
+from conv_patch import functional as ops
+from conv_patch.tools.model_shapes import distinct_calls
+from conv_patch.routing.select import select_route
 from conv_patch.specs import CallDesc
-from conv_patch.tune import geomean, graph_replay
+from conv_patch.tools.tune import geomean, graph_replay
 from conv_patch.target import target_for
 
 from .common import PEAK_TFLOPS, bench_device, interleaved_ms, print_table, write_results
@@ -86,7 +86,7 @@ def main(argv=None):
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--no-fused", action="store_true", help="skip the fused rows")
-    ap.add_argument("--families", nargs="+", default=["flux"], help="model families (conv_patch.model_shapes)")
+    ap.add_argument("--families", nargs="+", default=["flux"], help="model families (conv_patch.tools.model_shapes)")
     ap.add_argument("--limit", type=int, default=None, help="only the first N distinct convs")
     ap.add_argument("--max-out-channels", type=int, default=None, metavar="C",
                     help="only the convs with at most C output channels")

@@ -20,7 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import conv_patch
-from conv_patch import config_tables, dispatch, ops
+from conv_patch.routing import tables as config_tables
+from conv_patch.runtime import dispatch
+from conv_patch import functional as ops
 from conv_patch.kernels import api as kernels
 from conv_patch.specs import ConvSpec
 
@@ -121,7 +123,7 @@ def lean_rows(dev, dt):
     ``costs.lean_ms``'s step times are checked against."""
     import triton.testing
 
-    from conv_patch import tune
+    from conv_patch.tools import tune
     rows = []
     for n, ci, co, s in LEAN_SHAPES:
         x = torch.randn(n, ci, s, s, device=dev, dtype=dt)

@@ -23,7 +23,7 @@ import copy
 import torch
 
 import conv_patch
-from conv_patch import pack
+from conv_patch.runtime import pack
 
 from . import zoo
 from .common import bench_device, print_table, write_results

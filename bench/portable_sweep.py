@@ -11,7 +11,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from conv_patch import ops
+from conv_patch import functional as ops
 
 from .common import print_table, time_ms, write_results
 

@@ -16,7 +16,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from conv_patch import ops
+from conv_patch import functional as ops
 
 from .common import interleaved_ms, print_table, side_by_side_setup, write_results
 

@@ -18,7 +18,7 @@ import json
 
 import torch
 
-from conv_patch import ops
+from conv_patch import functional as ops
 
 from .common import interleaved_ms, print_table, side_by_side_setup, write_results
 
@@ -36,7 +36,7 @@ def _nhwc(t):
 
 
 def _table_config(x, w, b, r):
-    from conv_patch.routing import select_route
+    from conv_patch.routing.select import select_route
     from conv_patch.specs import CallDesc
     from conv_patch.target import target_for
     k = w.shape[-1]
@@ -73,7 +73,7 @@ def layer_rows(args, device):
 def pointer_table(arch):
     """The packaged table of ``arch`` with every TMA config's epilogue set
     to the pointer one."""
-    from conv_patch import config_tables
+    from conv_patch.routing import tables as config_tables
     data = copy.deepcopy(config_tables.packaged_table(arch).data)
     for sec in data.values():
         if not isinstance(sec, dict):

@@ -55,7 +55,7 @@ SHARED = Path(os.environ.get("CONV_PATCH_SHARED") or Path(__file__).resolve().pa
 def flux_vae(dtype):
     from diffusers import AutoencoderKL
 
-    from conv_patch.taesd import seeded_
+    from conv_patch.tools.taesd import seeded_
     vae = AutoencoderKL(
         in_channels=3, out_channels=3, latent_channels=16,
         down_block_types=["DownEncoderBlock2D"] * 4, up_block_types=["UpDecoderBlock2D"] * 4,
@@ -69,7 +69,7 @@ def flux_vae(dtype):
 def taef2(dtype):
     from safetensors.torch import load_file
 
-    from conv_patch import taesd
+    from conv_patch.tools import taesd
     enc, dec = taesd.encoder(32), taesd.decoder(32)
     enc.load_state_dict(load_file(str(SHARED / "models" / "taef2_encoder.safetensors")))
     dec.load_state_dict(load_file(str(SHARED / "models" / "taef2_decoder.safetensors")))
@@ -143,7 +143,7 @@ def _graph_pool_bytes() -> int:
 def _graph_calls(model) -> dict:
     """Captures, replays and eager calls so far over the graphed model's
     graph caches (a capture that failed shows as eager calls)."""
-    from conv_patch import graphs
+    from conv_patch.runtime import graphs
     total = {"captures": 0, "replays": 0, "eager": 0}
     for m in model.modules():
         cache = graphs.cache_of(m)

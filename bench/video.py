@@ -174,7 +174,7 @@ def conv_calls(vae, z) -> list:
     """(module, x, cache, pads) of every distinct Conv3d call of one patched
     decode, by geometry: the dispatch core's Conv3d entry, spied on."""
     import conv_patch
-    from conv_patch import dispatch
+    from conv_patch.runtime import dispatch
     patched = copy.deepcopy(vae)
     conv_patch.apply(patched)
     seen, calls = set(), []
@@ -204,7 +204,8 @@ def layer_measurements(vae, z, device, limit: int = 0, layout: str = "ncdhw", me
     channels_last_3d copies (what a decoder running NDHWC inside would
     pass: the TMA kernel's layout, and cuDNN's without its transposes).
     ``measured(meas)``, when given, is called after each call is timed."""
-    from conv_patch import config_tables, routes, tune
+    from conv_patch.routing import tables as config_tables, registry as routes
+    from conv_patch.tools import tune
     from conv_patch.target import target_for
     cands = routes.conv3d_candidates(target_for(device))
     calls = conv_calls(vae, z)
@@ -320,7 +321,7 @@ def main(argv=None):
 
         measured = layer_measurements(vae, z, device, args.max_layers, args.layout, measured=layer_done)
         if args.write_table:
-            from conv_patch import tune
+            from conv_patch.tools import tune
             with open(args.write_table) as f:
                 table = json.load(f)
             tune.write_table(tune.merge_conv3d(table, measured, f"bench.video --model {args.model} --layers "

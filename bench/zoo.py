@@ -52,7 +52,7 @@ DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def _seeded(model: nn.Module) -> nn.Module:
-    from conv_patch.taesd import seeded_
+    from conv_patch.tools.taesd import seeded_
     seeded_(model)
     return model
 
@@ -182,7 +182,7 @@ def autoencoder_tiny(tiny):
 
 
 def taef2(tiny):
-    from conv_patch import taesd
+    from conv_patch.tools import taesd
     if tiny:
         return taesd.decoder(32, channels=8), _image_inputs(32, 8)
     from safetensors.torch import load_file
@@ -444,7 +444,7 @@ def bench_row(name, size, batch, dtype_name, runs, warmup, tiny, device, min_sec
         "first_call_s": first, "rel_err_vs_unpatched": err["patched"], "graph_rel_err_vs_unpatched": err["graphed"],
         "patched_convs": len(report.patched), "fused_blocks": len(report.fused),
         "kernel_convs": _kernel_convs(patched), "routes": route_counts(patched),
-        "passed_through": sum(n for _, n in conv_patch.passthrough.learned(patched)),
+        "passed_through": sum(n for _, n in conv_patch.runtime.passthrough.learned(patched)),
     }
     for k in others:
         c = res[k]

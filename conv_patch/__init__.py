@@ -37,21 +37,21 @@ except ModuleNotFoundError as _e:
     TORCH_MISSING = "PyTorch is not installed here: pip install torch (a CUDA build on a GPU machine)"
 
     def __getattr__(name):
-        if name not in __all__:  # a submodule (conv_patch.cli imports), a dunder probed by inspect/pickle
+        if name not in __all__:  # a submodule (conv_patch.tools.cli imports), a dunder probed by inspect/pickle
             raise AttributeError(name)
         raise ModuleNotFoundError(f"conv_patch.{name}: {TORCH_MISSING}", name="torch")
 else:
     TORCH_MISSING = None
-    from . import ops, pack
-    from .patcher import PatchConfig, PatchReport, apply, is_patched, patched, remove
-    from .routing import ROUTE_INFO, Route, RouteDecision, select_route, static_route
-    from .specs import CallDesc, ConvSpec
-    from .wrappers import PatchedConv2d, PatchedConvTranspose2d
+    from conv_patch import functional
+    from conv_patch.api.patcher import PatchConfig, PatchReport, apply, is_patched, patched, remove
+    from conv_patch.routing.select import ROUTE_INFO, Route, RouteDecision, select_route, static_route
+    from conv_patch.specs import CallDesc, ConvSpec
+    from conv_patch.runtime.wrappers import PatchedConv2d, PatchedConvTranspose2d
     del _torch
 
 __all__ = [
     "apply", "remove", "patched", "is_patched", "PatchConfig", "PatchReport",
     "Route", "RouteDecision", "ROUTE_INFO", "select_route", "static_route",
-    "ConvSpec", "CallDesc", "PatchedConv2d", "PatchedConvTranspose2d", "ops", "pack",
+    "ConvSpec", "CallDesc", "PatchedConv2d", "PatchedConvTranspose2d", "functional",
     "__version__",
 ]

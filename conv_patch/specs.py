@@ -1,6 +1,6 @@
 """Plain descriptions of a convolution and of one call to it.
 
-The router (``conv_patch.routing``) decides from these alone, so the same
+The router (``conv_patch.routing.select``) decides from these alone, so the same
 decision can be made for a live call, for ``repr``, for the patch report and
 for the benchmarks.
 """

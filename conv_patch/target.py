@@ -33,7 +33,7 @@ def interpreter_enabled() -> bool:
     """Whether the kernels were (or will be) decorated for the interpreter.
     Triton fixes this when a kernel is decorated, so once the kernels are
     imported its value wins over a later change of the environment."""
-    mod = sys.modules.get("conv_patch.kernels._launch")
+    mod = sys.modules.get("conv_patch.kernels.launch")
     if mod is not None:
         return bool(mod.INTERPRET)
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

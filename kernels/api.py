@@ -7,26 +7,27 @@ through the interpreter is fixed then (``_launch.INTERPRET``), exactly as
 Triton itself decides it at decoration time.
 """
 
-from ._launch import INTERPRET, Program, Unrecordable, empty, recording  # noqa: F401
-from .conv2d import conv2d_fwd_kernel, launch_conv2d
-from .conv3d import conv3d_fwd_kernel, launch_conv3d
-from .conv3d_tma import conv3d_tma_kernel, conv3d_tma_problem, launch_conv3d_tma
-from .conv_transpose2d import conv_transpose2d_fwd_kernel, launch_conv_transpose2d
-from .conv2d_tma import conv2d_tma_kernel, launch_conv2d_tma, reads_nchw_in_place
-from .conv2d_taps import conv2d_tap_sum_kernel, launch_conv2d_taps
-from .conv2d_flat import conv2d_flat_kernel, launch_conv2d_flat
-from .layout import launch_nchw_to_nhwc, nchw_to_nhwc_kernel
-from .epilogue import epilogue_kernel, launch_epilogue
-from .group_norm import (group_norm_apply_nchw_kernel, group_norm_apply_nhwc_kernel,
-                         group_norm_finalize_kernel, group_norm_stats_kernel, group_norm_stats_nhwc_kernel,
-                         launch_group_norm, launch_group_norm_apply, launch_group_norm_partials,
-                         launch_group_norm_stats)
-from .rms_norm import launch_rms_norm, rms_norm_kernel
-from .softmax import launch_softmax_rows, softmax_rows_kernel
-from .attention import (attention_combine_kernel, attention_pv_kernel, attention_scores_kernel,
-                        launch_attention_block, partial_columns as attention_partial_columns)
-from .weight_prep import (grouped_pack_args, grouped_weight_pack_kernel, launch_grouped_weight_pack,
-                          launch_subpixel_fold, launch_weight_pack, subpixel_fold_kernel, weight_pack_kernel)
+from conv_patch.kernels.launch import INTERPRET, Program, Unrecordable, empty, recording  # noqa: F401
+from conv_patch.kernels.conv2d import conv2d_fwd_kernel, launch_conv2d
+from conv_patch.kernels.conv3d import conv3d_fwd_kernel, launch_conv3d
+from conv_patch.kernels.conv3d_tma import conv3d_tma_kernel, conv3d_tma_problem, launch_conv3d_tma
+from conv_patch.kernels.conv_transpose2d import conv_transpose2d_fwd_kernel, launch_conv_transpose2d
+from conv_patch.kernels.conv2d_tma import conv2d_tma_kernel, launch_conv2d_tma, reads_nchw_in_place
+from conv_patch.kernels.conv2d_taps import conv2d_tap_sum_kernel, launch_conv2d_taps
+from conv_patch.kernels.conv2d_flat import conv2d_flat_kernel, launch_conv2d_flat
+from conv_patch.kernels.layout import launch_nchw_to_nhwc, nchw_to_nhwc_kernel
+from conv_patch.kernels.epilogue import epilogue_kernel, launch_epilogue
+from conv_patch.kernels.group_norm import (group_norm_apply_nchw_kernel, group_norm_apply_nhwc_kernel,
+                                           group_norm_finalize_kernel, group_norm_stats_kernel,
+                                           group_norm_stats_nhwc_kernel, launch_group_norm, launch_group_norm_apply,
+                                           launch_group_norm_partials, launch_group_norm_stats)
+from conv_patch.kernels.rms_norm import launch_rms_norm, rms_norm_kernel
+from conv_patch.kernels.softmax import launch_softmax_rows, softmax_rows_kernel
+from conv_patch.kernels.attention import (attention_combine_kernel, attention_pv_kernel, attention_scores_kernel,
+                                          launch_attention_block, partial_columns as attention_partial_columns)
+from conv_patch.kernels.weight_prep import (grouped_pack_args, grouped_weight_pack_kernel,
+                                            launch_grouped_weight_pack, launch_subpixel_fold, launch_weight_pack,
+                                            subpixel_fold_kernel, weight_pack_kernel)
 
 KERNELS = {
     "conv2d": conv2d_fwd_kernel,

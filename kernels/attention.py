@@ -29,14 +29,14 @@ and read once, in the input dtype:
     among programs (``pv_splits``) whose fp32 partial outputs are summed.
 
 Layer 1: the kernels; layer 2: ``launch_attention_block`` (descriptors,
-grids); the torch-facing layer is ``conv_patch.ops.attention``.
+grids); the torch-facing layer is ``conv_patch.functional.attention``.
 """
 
 import triton
 import triton.language as tl
 
-from ._common import grouped_tile
-from ._launch import cdiv, launch, sm_count
+from conv_patch.kernels.common import grouped_tile
+from conv_patch.kernels.launch import cdiv, launch, sm_count
 
 LOG2E = 1.4426950408889634
 

@@ -4,14 +4,14 @@ Layer 1 (``conv2d_fwd_kernel``): the @triton.jit kernel.
 Layer 2 (``launch_conv2d``): the grid; block clamping, index width and the
 launch itself are shared in _launch.py. It takes the config chosen by the router
 and never tunes at run time.
-The torch-facing wrapper lives in ``conv_patch.ops``.
+The torch-facing wrapper lives in ``conv_patch.functional``.
 """
 
 import triton
 import triton.language as tl
 
-from ._common import accumulate_tap, epilogue_store, output_tile
-from ._launch import cdiv, run_conv_kernel
+from conv_patch.kernels.common import accumulate_tap, epilogue_store, output_tile
+from conv_patch.kernels.launch import cdiv, run_conv_kernel
 
 
 @triton.jit

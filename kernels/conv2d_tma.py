@@ -3,7 +3,7 @@
 Layer 1 (``conv2d_tma_kernel``): the @triton.jit kernel.
 Layer 2 (``launch_conv2d_tma``): builds the two descriptors, sizes the grid,
 launches with the config the router chose. The torch-facing wrapper is
-``conv_patch.ops``, shared with the portable kernels.
+``conv_patch.functional``, shared with the portable kernels.
 
 Design:
   * An output tile is ``BLOCK_H x BLOCK_W`` pixels of one image (``BLOCK_M =
@@ -24,7 +24,7 @@ Design:
     boxed in place as [1, BK, 1, BW] and the GEMM runs transposed
     (``reads_nchw_in_place``, ``nchw_in_place_reduction``); for the VAEs'
     1x1 shortcuts the copy would move as many bytes as the conv.
-  * The weight pack ([C_out, KH, KW, C_in], see conv_patch.pack) is described
+  * The weight pack ([C_out, KH, KW, C_in], see conv_patch.runtime.pack) is described
     as [C_out, KH*KW, C_in] with box [BN, 1, BK]: a channel block that runs
     past C_in reads TMA zeros, never the next tap's weights.
   * The reduction loop is one flat loop over (tap, channel block) so Triton's
@@ -64,8 +64,8 @@ Design:
 import triton
 import triton.language as tl
 
-from ._common import epilogue_store, epilogue_values, grouped_tile, wide
-from ._launch import MIN_DOT_BLOCK, cdiv, launch, needs_int64, next_pow2, sm_count
+from conv_patch.kernels.common import epilogue_store, epilogue_values, grouped_tile, wide
+from conv_patch.kernels.launch import MIN_DOT_BLOCK, cdiv, launch, needs_int64, next_pow2, sm_count
 
 
 @triton.jit

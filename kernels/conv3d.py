@@ -3,7 +3,7 @@
 Layer 1 (``conv3d_fwd_kernel``): the Triton kernel.
 Layer 2 (``launch_conv3d``): the grid and the layout checks; tile
 narrowing, index width and the launch itself are shared with the 2-D
-kernels (_launch.py). The torch-facing function is ``conv_patch.ops.conv3d``.
+kernels (_launch.py). The torch-facing function is ``conv_patch.functional.conv3d``.
 
 A GEMM row is one output voxel ``(n, od, oh, ow)``. The output's D and H
 axes are folded into one row axis ``od * OH + oh`` addressed with the H
@@ -23,8 +23,8 @@ padding only decides the output size, which the caller passes in.
 import triton
 import triton.language as tl
 
-from ._common import accumulate_tap, epilogue_store, output_tile, wide
-from ._launch import cdiv, conv_meta, empty, launch
+from conv_patch.kernels.common import accumulate_tap, epilogue_store, output_tile, wide
+from conv_patch.kernels.launch import cdiv, conv_meta, empty, launch
 
 
 @triton.jit

@@ -3,7 +3,7 @@
 Layer 1 (``conv3d_tma_kernel``): the @triton.jit kernel.
 Layer 2 (``launch_conv3d_tma``): the descriptors, the grid and the launch;
 ``conv3d_tma_problem`` says which calls it takes. The torch-facing function
-is ``conv_patch.ops.conv3d``, shared with the portable kernel.
+is ``conv_patch.functional.conv3d``, shared with the portable kernel.
 
 Design (the 2-D TMA kernel's, kernels/conv2d_tma.py, one axis up):
   * An output tile is ``BLOCK_H x BLOCK_W`` pixels of one output frame
@@ -34,8 +34,8 @@ Design (the 2-D TMA kernel's, kernels/conv2d_tma.py, one axis up):
 import triton
 import triton.language as tl
 
-from ._common import epilogue_store, grouped_tile, wide
-from ._launch import MIN_DOT_BLOCK, cdiv, launch, needs_int64, next_pow2
+from conv_patch.kernels.common import epilogue_store, grouped_tile, wide
+from conv_patch.kernels.launch import MIN_DOT_BLOCK, cdiv, launch, needs_int64, next_pow2
 
 TMA_ALIGN = 16
 

@@ -31,8 +31,8 @@ helpers (``merge_moments``, ``combine_moments``) for all of them.
 import triton
 import triton.language as tl
 
-from ._common import activate
-from ._launch import cdiv, empty, launch, next_pow2
+from conv_patch.kernels.common import activate
+from conv_patch.kernels.launch import cdiv, empty, launch, next_pow2
 
 
 @triton.jit

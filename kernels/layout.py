@@ -12,7 +12,7 @@ reads along the pixels and writes along the channels, each side coalesced
 import triton
 import triton.language as tl
 
-from ._launch import cdiv, launch
+from conv_patch.kernels.launch import cdiv, launch
 
 
 @triton.jit

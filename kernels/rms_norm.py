@@ -23,8 +23,8 @@ the output's dtype (PyTorch rounds the normalised value before the affine).
 import triton
 import triton.language as tl
 
-from ._common import activate
-from ._launch import cdiv, launch, needs_int64
+from conv_patch.kernels.common import activate
+from conv_patch.kernels.launch import cdiv, launch, needs_int64
 
 
 @triton.jit

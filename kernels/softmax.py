@@ -3,7 +3,7 @@
 Why: the VAE mid-block attention has one head of 512 channels, beyond the
 head-dim limit (256) of FlashAttention and cuDNN attention, so PyTorch runs
 its memory-efficient kernel at ~150 TF/s (3.6 ms at 1024^2, 67 ms at 2048^2
-on the H200). ``conv_patch.ops.attention`` instead materialises the scores
+on the H200). ``conv_patch.functional.attention`` instead materialises the scores
 of a block of query rows with cuBLAS (fp32 output) and normalises them here,
 writing the probabilities in the dtype of the second GEMM.
 
@@ -19,7 +19,7 @@ fp32 before the exponent, folded with log2(e) so that the kernel uses exp2.
 import triton
 import triton.language as tl
 
-from ._launch import launch
+from conv_patch.kernels.launch import launch
 
 LOG2E = 1.4426950408889634
 

@@ -22,7 +22,7 @@ tile through shared memory between the two).
 import triton
 import triton.language as tl
 
-from ._launch import cdiv, launch, next_pow2
+from conv_patch.kernels.launch import cdiv, launch, next_pow2
 
 
 @triton.jit

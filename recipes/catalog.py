@@ -13,9 +13,9 @@ from typing import List, Tuple
 
 from torch import nn
 
-from . import common, diffusers, ldm, wan  # noqa: F401  (registration)
-from . import _fuse as steps  # the fused steps, for code outside the recipes (conv_patch.parallel)
-from ._fuse import REGISTRY, FusedBlock, Recipe, fused_class, is_fused
+from conv_patch.recipes import common, diffusers, ldm, wan  # noqa: F401  (registration)
+from conv_patch.recipes import fuse as steps
+from conv_patch.recipes.fuse import REGISTRY, FusedBlock, Recipe, fused_class, is_fused
 
 ORDER = [
     diffusers.RESNET, diffusers.UPSAMPLE, diffusers.DOWNSAMPLE, diffusers.ATTENTION, diffusers.DECODER,

@@ -7,11 +7,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from conv_patch import dispatch, pack, passthrough
-from conv_patch.costs import group_norm_pays
+from conv_patch.runtime import dispatch, pack, passthrough
+from conv_patch.routing.costs import group_norm_pays
 
-from ._fuse import (Recipe, base, channels_last, conv, group_norm, inference, is_conv, is_fused, is_group_norm,
-                    is_relu, is_silu, like_input, norm_is_eager, plain, register, upsample_conv)
+from conv_patch.recipes.fuse import (Recipe, base, channels_last, conv, group_norm, inference, is_conv, is_fused,
+                                     is_group_norm, is_relu, is_silu, like_input, norm_is_eager, plain, register,
+                                     upsample_conv)
 
 
 class GroupNormRecipe(Recipe):

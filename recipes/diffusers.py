@@ -9,13 +9,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conv_patch.ops import output_shape
+from conv_patch.functional import output_shape
 from conv_patch.specs import ConvSpec
 from conv_patch.target import target_for
 
-from ._fuse import (Recipe, attention, base, channels_last, conv, dropout_is_identity, from_tokens, group_norm,
-                    inference, is_conv, is_group_norm, is_relu, is_silu, like_input, norm_conv, parts, plain,
-                    register, resnet, to_tokens, upsample_conv)
+from conv_patch.recipes.fuse import (Recipe, attention, base, channels_last, conv, dropout_is_identity, from_tokens,
+                                     group_norm, inference, is_conv, is_group_norm, is_relu, is_silu, like_input,
+                                     norm_conv, parts, plain, register, resnet, to_tokens, upsample_conv)
 
 
 def _named(m, name: str) -> bool:

@@ -12,9 +12,10 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from ._fuse import (Recipe, attention, base, conv, dropout_is_identity, from_tokens, group_norm, inference,
-                    is_conv, is_group_norm, is_silu, plain, register, resnet, to_tokens, upsample_conv)
-from .diffusers import NHWCInside, _named
+from conv_patch.recipes.fuse import (Recipe, attention, base, conv, dropout_is_identity, from_tokens, group_norm,
+                                     inference, is_conv, is_group_norm, is_silu, plain, register, resnet, to_tokens,
+                                     upsample_conv)
+from conv_patch.recipes.diffusers import NHWCInside, _named
 
 
 @functools.lru_cache(maxsize=None)

@@ -37,11 +37,13 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ._fuse import (Recipe, attention, base, causal_conv3d, conv, dropout_is_identity, from_tokens, inference,
-                    is_conv, is_silu, parts, plain, register, rms_norm, rms_norm_params, to_tokens)
-from conv_patch import config_tables, pack
+from conv_patch.recipes.fuse import (Recipe, attention, base, causal_conv3d, conv, dropout_is_identity, from_tokens,
+                                     inference, is_conv, is_silu, parts, plain, register, rms_norm, rms_norm_params,
+                                     to_tokens)
+from conv_patch.routing import tables
+from conv_patch.runtime import pack
 from conv_patch.target import target_for
-from conv_patch.wrappers import causal_conv3d_problem
+from conv_patch.runtime.wrappers import causal_conv3d_problem
 
 # The frames a block keeps from each chunk for the next one's causal convs.
 CACHE_T = 2
@@ -233,7 +235,7 @@ def like_input_3d(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """``y`` as the unpatched decoder hands it back for ``x``: NDHWC for an
     NDHWC input, dense NCDHW for anything else (a chunk sliced out of an
     NCDHW latent included)."""
-    return y if config_tables.conv3d_layout(x) == "ndhwc" else y.contiguous()
+    return y if tables.conv3d_layout(x) == "ndhwc" else y.contiguous()
 
 
 def _ndhwc_pays(x) -> bool:
@@ -249,7 +251,7 @@ def _ndhwc_pays(x) -> bool:
         return False
     if target.interpreter:
         return True
-    return x.dtype in (torch.float16, torch.bfloat16) and config_tables.packaged_table(target.arch).has_conv3d
+    return x.dtype in (torch.float16, torch.bfloat16) and tables.packaged_table(target.arch).has_conv3d
 
 
 class Decoder3d(Recipe):
@@ -316,7 +318,7 @@ class Resample(Recipe):
         tconv, res = parts(m, "time_conv", "resample")
         own = _own_args(x, feat_cache, feat_idx)
         if (feat_cache is None or feat_idx is None or not isinstance(x, torch.Tensor) or x.dim() != 5
-                or config_tables.conv3d_layout(x) != "ndhwc" or x.shape[1] != tconv.in_channels
+                or tables.conv3d_layout(x) != "ndhwc" or x.shape[1] != tconv.in_channels
                 or not inference(x, tconv) or not plain(tconv)):
             return base(m, *own)
         b, c, t, h, w = x.shape
@@ -418,14 +420,14 @@ class ResidualUpBlock(Recipe):
         dup = parts(m, "avg_shortcut")[0]
         own = _own_args(x, feat_cache, feat_idx)
         if ((feat_cache is not None and feat_idx is None) or not isinstance(x, torch.Tensor) or x.dim() != 5
-                or config_tables.conv3d_layout(x) != "ndhwc" or not plain(dup) or not inference(x, *m.modules())):
+                or tables.conv3d_layout(x) != "ndhwc" or not plain(dup) or not inference(x, *m.modules())):
             return base(m, *own, first_chunk=first_chunk)
         y = x
         for step in _up_steps(m):
             y = step(y) if feat_cache is None else step(y, feat_cache, feat_idx)
         if dup is None:
             return y  # (a level without up-sampling: diffusers' clone of the input was all it added)
-        out = (add_dup_up(y, x, dup, first_chunk) if y is not x and config_tables.conv3d_layout(y) == "ndhwc"
+        out = (add_dup_up(y, x, dup, first_chunk) if y is not x and tables.conv3d_layout(y) == "ndhwc"
                else None)
         return y + dup(x, first_chunk=first_chunk) if out is None else out
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import conv_patch
-from conv_patch import dispatch
+from conv_patch.runtime import dispatch
 from _util import TOL, rel_err
 
 
@@ -280,7 +280,7 @@ def test_recording_is_per_thread():
     """A plan built in one thread records its own launches and scratch only,
     while another thread launches (or records) at the same time."""
     import threading
-    from conv_patch.kernels import _launch
+    from conv_patch.kernels import launch as _launch
     recording = threading.Event()
     other_done = threading.Event()
     seen = {}

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 import conv_patch
 from _util import TOL, poisoned, rel_err
-from conv_patch import ops
+from conv_patch import functional as ops
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

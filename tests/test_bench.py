@@ -47,8 +47,8 @@ def test_graph_replay_redoes_the_captured_work():
     the captured conv-patch call on the inputs' current values."""
     import torch
 
-    from conv_patch import ops
-    from conv_patch.tune import graph_replay
+    from conv_patch import functional as ops
+    from conv_patch.tools.tune import graph_replay
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(1, 64, 40, 24, device="cuda", generator=g, dtype=torch.bfloat16)
     x = x.contiguous(memory_format=torch.channels_last)
@@ -126,7 +126,7 @@ def test_bench_tma_epilogue_rows(tmp_path):
     assert [r["name"] for r in rows] == ["conv 128->128 3x3 @8^2 +residual", "conv 128->128 3x3 @8^2"]
     assert all(ROW_KEYS | {"bit_equal", "config"} <= set(r) and r["bit_equal"] for r in rows)
     # Every TMA config of the A/B table has the pointer epilogue, nothing else changed.
-    from conv_patch import config_tables
+    from conv_patch.routing import tables as config_tables
     table = tma_epilogue.pointer_table("sm90")
     orig = config_tables.packaged_table("sm90").data
     exact = table["conv2d"]["exact"]
@@ -342,7 +342,7 @@ def test_bench_video_tiny_rows(tmp_path):
     (and keeps the table's conv2d section)."""
     pytest.importorskip("diffusers")
     from bench import video
-    from conv_patch import config_tables
+    from conv_patch.routing import tables as config_tables
     table = tmp_path / "sm90.json"
     packaged = json.loads((Path(__file__).parents[1] / "configs" / "sm90.json").read_text())
     table.write_text(json.dumps(packaged))
@@ -427,7 +427,7 @@ def test_bench_video_keeps_what_a_cut_run_measured(tmp_path, monkeypatch):
     decode row and every layer timed before it."""
     pytest.importorskip("diffusers")
     from bench import video
-    from conv_patch import tune
+    from conv_patch.tools import tune
 
     class Cut(Exception):
         pass

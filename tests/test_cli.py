@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from conv_patch import cli, ops
+from conv_patch.tools import cli
+from conv_patch import functional as ops
 
 
 def test_verify_embedded_default_passes(tmp_path, capsys, device):
@@ -37,7 +38,7 @@ def test_verify_detects_wrong_kernels(monkeypatch, capsys, device):
     def off_by_a_bit(*args, **kwargs):
         return real(*args, **kwargs) * 1.05
 
-    from conv_patch import conv
+    from conv_patch.ops import conv2d as conv
     monkeypatch.setattr(ops, "run_kernel", off_by_a_bit)  # the functional API's (per-layer checks)
     monkeypatch.setattr(conv, "run_kernel", off_by_a_bit)  # the dispatch core's (the patched model)
     assert cli.main(["verify", "--device", str(device), "--size", "16"]) == 1
@@ -89,7 +90,7 @@ def test_info_says_what_runs_without_a_gpu(monkeypatch, capsys):
 
 
 def test_reconstruction_psnr_says_what_is_good():
-    from conv_patch.verify import EndToEnd, VerifyReport
+    from conv_patch.tools.verify import EndToEnd, VerifyReport
     e = EndToEnd("encode->decode photo.png", [1, 3, 64, 64], 1e-3, 1e-3, 1e-3, 70.0, True,
                  image_psnr_unpatched_db=31.18, image_psnr_patched_db=31.19)
     line = next(ln for ln in cli.summary_lines(VerifyReport("m", "cpu", "float32", True, end_to_end=[e]))
@@ -102,7 +103,7 @@ def test_reconstruction_psnr_says_what_is_good():
 def test_verify_help_lists_every_format_the_readme_lists(capsys):
     from pathlib import Path
 
-    from conv_patch.formats import KNOWN
+    from conv_patch.tools.formats import KNOWN
     with pytest.raises(SystemExit):
         cli.main(["verify", "--help"])
     text = " ".join(capsys.readouterr().out.split())
@@ -136,7 +137,7 @@ def test_info_into_a_closed_pipe_is_quiet():
     """``convpatch info | head -1``: the reader goes away; no traceback."""
     import subprocess
     import sys
-    p = subprocess.Popen([sys.executable, "-m", "conv_patch.cli", "info"], stdout=subprocess.PIPE,
+    p = subprocess.Popen([sys.executable, "-m", "conv_patch.tools.cli", "info"], stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE)
     p.stdout.close()  # before anything is read
     err = p.stderr.read().decode()

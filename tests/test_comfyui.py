@@ -21,12 +21,12 @@ import torch
 from torch import nn
 
 import conv_patch
-import conv_patch.comfyui
-import conv_patch.comfyui_install
-from conv_patch import pack
+import conv_patch.integrations.comfyui
+import conv_patch.integrations.comfyui_install
+from conv_patch.runtime import pack
 from conv_patch.recipes.catalog import is_fused
 from conv_patch.target import target_for
-from conv_patch.wrappers import PatchedConvMixin
+from conv_patch.runtime.wrappers import PatchedConvMixin
 from _util import rel_err
 
 
@@ -312,7 +312,7 @@ def _snapshot(model):
 
 
 def _install_node(tmp_path):
-    from conv_patch import comfyui_install
+    from conv_patch.integrations import comfyui_install
     init = comfyui_install.install(str(tmp_path))
     spec = importlib.util.spec_from_file_location("conv_patch_node", init)
     mod = importlib.util.module_from_spec(spec)
@@ -330,7 +330,7 @@ def node(tmp_path):
 def test_node_package_follows_comfyui_conventions(tmp_path):
     mod = _install_node(tmp_path)
     cls = mod.NODE_CLASS_MAPPINGS["ConvPatchVAE"]
-    assert cls is conv_patch.comfyui.ConvPatchVAE
+    assert cls is conv_patch.integrations.comfyui.ConvPatchVAE
     assert mod.NODE_DISPLAY_NAME_MAPPINGS["ConvPatchVAE"] == "Conv Patch VAE"
     inputs = cls.INPUT_TYPES()
     assert inputs["required"]["vae"] == ("VAE",)
@@ -451,13 +451,13 @@ def test_shared_copy_leaves_comfyui_load_state_behind(device):
     conv.comfy_patched_weights = True
     conv.prev_comfy_cast_weights, conv.comfy_cast_weights = False, True
     conv.weight_function = [lambda w: w]
-    dup = conv_patch.comfyui.shared_copy(net)
+    dup = conv_patch.integrations.comfyui.shared_copy(net)
     c = dup[0]
     assert c is not conv and c._parameters is conv._parameters and c._buffers is conv._buffers
     assert "comfy_patched_weights" not in c.__dict__ and c.comfy_cast_weights is False and c.weight_function == []
     assert conv.comfy_cast_weights is True and conv.weight_function  # the original keeps its own
     shared = nn.Sequential(conv, conv)
-    dup = conv_patch.comfyui.shared_copy(shared)
+    dup = conv_patch.integrations.comfyui.shared_copy(shared)
     assert dup[0] is dup[1] and dup[0] is not conv
 
 
@@ -483,7 +483,7 @@ def test_node_on_a_small_ldm_vae_matches_unpatched(node, device, exact_fp32):
 # -- convpatch comfyui-install ----------------------------------------------
 
 def _cli(capsys, *argv):
-    from conv_patch.cli import main
+    from conv_patch.tools.cli import main
     rc = main(["comfyui-install", *argv])
     out = capsys.readouterr()
     return rc, out.out, out.err
@@ -498,11 +498,11 @@ def test_comfyui_install_writes_a_shim_and_refreshes_it(tmp_path, capsys):
     spec = importlib.util.spec_from_file_location("conv_patch_node", init)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    assert mod.NODE_CLASS_MAPPINGS == conv_patch.comfyui.NODE_CLASS_MAPPINGS
+    assert mod.NODE_CLASS_MAPPINGS == conv_patch.integrations.comfyui.NODE_CLASS_MAPPINGS
     (init.parent / "__pycache__").mkdir()
     init.write_text(init.read_text() + "# an older shim\n")
     rc, out, err = _cli(capsys, str(nodes))  # ours: refreshed
-    assert rc == 0 and init.read_text() == conv_patch.comfyui_install.SHIM
+    assert rc == 0 and init.read_text() == conv_patch.integrations.comfyui_install.SHIM
 
 
 def test_comfyui_install_refuses_bad_folders(tmp_path, capsys):
@@ -535,7 +535,7 @@ def test_comfyui_install_refuses_an_unwritable_folder(tmp_path, capsys, monkeypa
     ro.chmod(0o500)
     try:
         if os.access(ro, os.W_OK):  # root: permissions are not enforced, so ask as if they were
-            monkeypatch.setattr(conv_patch.comfyui_install.os, "access", lambda p, mode: False)
+            monkeypatch.setattr(conv_patch.integrations.comfyui_install.os, "access", lambda p, mode: False)
         rc, out, err = _cli(capsys, str(ro))
         assert rc == 2 and err.count("\n") == 1 and str(ro) in err and "permission denied" in err
     finally:
@@ -543,7 +543,7 @@ def test_comfyui_install_refuses_an_unwritable_folder(tmp_path, capsys, monkeypa
 
 
 def test_shim_says_which_pip_when_conv_patch_is_missing(tmp_path):
-    init = conv_patch.comfyui_install.install(str(tmp_path))
+    init = conv_patch.integrations.comfyui_install.install(str(tmp_path))
     # -S: without site-packages, as a ComfyUI Python conv-patch was not
     # installed into; the shim must load, log one line and export no nodes.
     code = ("import runpy, sys; g = runpy.run_path(sys.argv[1]); "

@@ -6,7 +6,7 @@ with aot_eager (Inductor's C++/Triton codegen is not needed to check this)."""
 import torch
 
 import conv_patch
-from conv_patch import ops
+from conv_patch import functional as ops
 from _util import rel_err
 
 
@@ -55,7 +55,7 @@ def test_fused_call_and_functional_api_under_compile(device, exact_fp32):
         ref = torch.relu(conv(x) + 0.5 * r)
         ref_f = torch.nn.functional.conv2d(x, w, padding=1).sigmoid()
         conv_patch.apply(torch.nn.Sequential(conv))  # wraps it inside the Sequential
-        wrapped = conv_patch.wrappers.PatchedConv2d.wrap(conv)
+        wrapped = conv_patch.runtime.wrappers.PatchedConv2d.wrap(conv)
         torch._dynamo.reset()
         fused = torch.compile(lambda a, b: wrapped(a, residual=b, beta=0.5, activation="relu"),
                               backend="aot_eager", fullgraph=True)
@@ -105,8 +105,8 @@ def test_the_compiled_op_runs_through_the_dispatch_core(device, exact_fp32, monk
     """The custom op's calls are planned per signature on a call site (one
     per geometry and weight), replayed, and weighed like a wrapper's: where
     dispatch says PyTorch, the op runs PyTorch."""
-    from conv_patch import compiled, dispatch
-    from conv_patch.routing import Route, RouteDecision
+    from conv_patch.runtime import compiled, dispatch
+    from conv_patch.routing.select import Route, RouteDecision
     torch.manual_seed(0)
     x = torch.randn(1, 5, 7, 6, device=device)
     w, b = torch.randn(6, 5, 3, 3, device=device), torch.randn(6, device=device)

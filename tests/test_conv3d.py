@@ -1,4 +1,4 @@
-"""conv3d (kernels/conv3d.py through conv_patch.ops.conv3d) against a float64
+"""conv3d (kernels/conv3d.py through conv_patch.functional.conv3d) against a float64
 reference: F.conv3d of the padded concatenation [cache, x] along time.
 
 Under the Triton interpreter on the CPU (CI) and on the GPU when there is
@@ -14,7 +14,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conv_patch import conv3d as conv3d_mod, ops
+from conv_patch.ops import conv3d as conv3d_mod
+from conv_patch import functional as ops
 from _util import TOL, act64, randn, rel_err
 
 CL3 = torch.channels_last_3d
@@ -249,7 +250,7 @@ def test_joined_frames_keep_the_inputs_layout():
     """The PyTorch routes join a cache sliced from an NCDHW chunk and an
     NDHWC input in the input's layout (torch.cat alone would follow the
     first piece's), so that cuDNN's output keeps it too."""
-    from conv_patch.conv3d import join_frames
+    from conv_patch.ops.conv3d import join_frames
     g = torch.Generator().manual_seed(5)
     x = randn(g, 1, 5, 3, 4, 6).contiguous(memory_format=CL3)
     prev = randn(g, 1, 5, 4, 4, 6)
@@ -377,7 +378,7 @@ def test_dispatch_takes_the_cudnn_route_for_unmeasured_calls_on_a_gpu(monkeypatc
     pytest.importorskip("diffusers")
     from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d
     import conv_patch
-    from conv_patch.routing import Route
+    from conv_patch.routing.select import Route
     from conv_patch.target import Target
     torch.manual_seed(0)
     holder = torch.nn.Module()

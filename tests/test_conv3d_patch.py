@@ -15,12 +15,12 @@ import torch.nn.functional as F
 from torch import nn
 
 import conv_patch
-from conv_patch import conv3d as conv3d_op
-from conv_patch import dispatch
+from conv_patch.ops import conv3d as conv3d_op
+from conv_patch.runtime import dispatch
 from conv_patch.kernels import api as kernels
-from conv_patch.routing import Route
+from conv_patch.routing.select import Route
 from conv_patch.target import Target
-from conv_patch.wrappers import PatchedCausalConv3d, PatchedConv3d
+from conv_patch.runtime.wrappers import PatchedCausalConv3d, PatchedConv3d
 from _util import TOL, rel_err
 
 diffusers = pytest.importorskip("diffusers")
@@ -232,8 +232,8 @@ def test_a_gpu_takes_the_kernel_only_for_shapes_its_table_measured_faster(monkey
     the measured tile; a shape measured slower (or a chunk of the same GEMM
     with its cached and padded frames traded), a shape never measured and a
     table without conv3d entries run PyTorch, each saying why."""
-    from conv_patch import config_tables
-    from conv_patch.patcher import PatchConfig
+    from conv_patch.routing import tables as config_tables
+    from conv_patch.api.patcher import PatchConfig
     from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d
     monkeypatch.setattr(conv3d_op, "target_for", lambda device: Target("sm90", True))
     torch.manual_seed(6)
@@ -281,7 +281,8 @@ def test_conv3d_entries_weigh_the_kernel_against_the_cudnn_route(monkeypatch):
     core runs where it does not take the kernel (conv3d.cudnn_conv3d), not
     against the module's slower own forward (timed beside it): a tile
     between the two is not the table's route."""
-    from conv_patch import routes, tune
+    from conv_patch.routing import registry as routes
+    from conv_patch.tools import tune
     from conv_patch.target import target_for
     conv = nn.Conv3d(8, 8, 3, padding=(0, 1, 1))
     spec = conv3d_op.Conv3dSpec.from_module(conv, ((2, 0), (1, 1), (1, 1)))
@@ -313,7 +314,7 @@ def test_conv3d_entries_weigh_the_kernel_against_the_cudnn_route(monkeypatch):
 
 
 def test_conv3d_table_entries_are_validated():
-    from conv_patch import config_tables
+    from conv_patch.routing import tables as config_tables
     good = {"route": "igemm", "BLOCK_M": 64, "BLOCK_N": 16, "BLOCK_K": 16, "ours_ms": 1.0, "cudnn_ms": 2.0}
     config_tables.validate_table({"conv3d": {"exact": {"k": good}}}, "t")
     for bad, why in (({"conv3d": {"exact": {"k": dict(good, route="taps")}}}, "route must be one of igemm, tma, cudnn"),
@@ -332,7 +333,7 @@ def test_conv3d_table_entries_are_validated():
 def test_a_measured_tma_entry_takes_ndhwc_calls_it_can(monkeypatch):
     """(Decisions only: on the fake sm90 target the kernel is not run; the
     TMA kernel's answers are test_conv3d's.)"""
-    from conv_patch import config_tables
+    from conv_patch.routing import tables as config_tables
     monkeypatch.setattr(conv3d_op, "target_for", lambda device: Target("sm90", True))
     tile = {"route": "tma", "BLOCK_M": 64, "BLOCK_N": 16, "BLOCK_K": 16, "BLOCK_W": 8, "num_warps": 4,
             "num_stages": 1, "ours_ms": 1.0, "cudnn_ms": 2.0}
@@ -352,7 +353,7 @@ def test_a_measured_tma_entry_takes_ndhwc_calls_it_can(monkeypatch):
 
 
 def test_conv3d_cost_rule_counts_host_time_where_launched():
-    from conv_patch import costs
+    from conv_patch.routing import costs
     # GPU-bound: the measured times decide, launched or replayed.
     assert costs.conv3d_choice(1.0, 2.0, 0, False).kernel and costs.conv3d_choice(1.0, 2.0, 0, True).kernel
     assert not costs.conv3d_choice(2.0, 2.0, 0, False).kernel
@@ -372,7 +373,7 @@ def test_the_packaged_sm90_table_routes_a_wan_decoders_conv3d_as_measured(monkey
     and the few-channel first conv take the kernel, a wide 3x3x3 conv stays
     on cuDNN, an unmeasured shape runs PyTorch. (Decisions only: the fake
     sm90 target runs nothing.)"""
-    from conv_patch import config_tables
+    from conv_patch.routing import tables as config_tables
     monkeypatch.setattr(conv3d_op, "target_for", lambda device: Target("sm90", True))
     table = config_tables.packaged_table("sm90")
     causal = ((2, 0), (1, 1), (1, 1))
@@ -402,7 +403,7 @@ def test_a_steady_state_chunk_is_routed_by_the_measured_chunk_of_the_same_gemm(m
     and the second (one cached, one padding): the same GEMM, so the
     measurement of those routes it. Keys with another sum of cached and
     padded frames are not looked at."""
-    from conv_patch import config_tables
+    from conv_patch.routing import tables as config_tables
     monkeypatch.setattr(conv3d_op, "target_for", lambda device: Target("sm90", True))
     table = config_tables.packaged_table("sm90")
     steady = ((0, 0), (1, 1), (1, 1))

@@ -85,7 +85,8 @@ def test_without_kernels_a_patched_model_computes_exactly_what_unpatched_does(mo
     fused blocks run their own forward there); the report says so."""
     import copy
 
-    from conv_patch import target, taesd
+    from conv_patch import target
+    from conv_patch.tools import taesd
     monkeypatch.setattr(target, "interpreter_enabled", lambda: False)
     torch.manual_seed(0)
     tiny = diffusers.AutoencoderTiny(encoder_block_out_channels=(8, 8, 8, 8), decoder_block_out_channels=(8, 8, 8, 8),

@@ -10,10 +10,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import conv_patch
-from conv_patch import config_tables, costs, dispatch
+from conv_patch.routing import tables as config_tables, costs
+from conv_patch.runtime import dispatch
 from conv_patch.kernels import api as kernels
-from conv_patch.kernels import _launch
-from conv_patch.routing import Route, RouteDecision
+from conv_patch.kernels import launch as _launch
+from conv_patch.routing.select import Route, RouteDecision
 from conv_patch.specs import ConvSpec
 from conv_patch.target import Target
 from _util import TOL, rel_err
@@ -289,7 +290,7 @@ def test_bare_fast_path_stays_off_conv_patchs_graph_path(device, exact_fp32, mon
     costs GPU time only) a call is never found on the bare path, and on a
     GPU (where the graph path is costed by GPU time) a plan made there is
     not remembered for eager calls."""
-    from conv_patch import pack
+    from conv_patch.runtime import pack
     net, twin, keys = _pytorch_route_counting_keys(device, monkeypatch)
     conv = net[0]
     x = torch.randn(2, 6, 7, 9, device=device)
@@ -313,7 +314,7 @@ def test_a_plan_built_inside_someone_elses_capture_is_weighed_for_it_and_not_kep
     (``pack.foreign_capture``, asked only when a plan is built) is weighed
     as on the graph path and its plan is not kept, so the eager calls
     after it build their own."""
-    from conv_patch import pack
+    from conv_patch.runtime import pack
     net, twin = _net(device)
     conv = net[0]
     graphs = []

@@ -12,9 +12,10 @@ import torch
 import torch.nn.functional as F
 
 import conv_patch
-from conv_patch import config_tables, ops
+from conv_patch.routing import tables as config_tables
+from conv_patch import functional as ops
 from conv_patch.kernels import api as kernels
-from conv_patch.routing import Route
+from conv_patch.routing.select import Route
 from conv_patch.target import target_for
 from _util import TOL, act64, poisoned, randn, rel_err
 from test_kernels import check_conv

@@ -5,8 +5,9 @@ route a conv there."""
 import pytest
 import torch
 
-from conv_patch import config_tables, ops
-from conv_patch.routing import MAX_FLAT_REDUCTION, Route, flat_problem, select_route
+from conv_patch.routing import tables as config_tables
+from conv_patch import functional as ops
+from conv_patch.routing.select import MAX_FLAT_REDUCTION, Route, flat_problem, select_route
 from conv_patch.specs import CallDesc, ConvSpec
 from conv_patch.target import Target
 from test_kernels import check_conv

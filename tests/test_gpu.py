@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 import conv_patch
-from conv_patch import ops
-from conv_patch.routing import Route, select_route
+from conv_patch import functional as ops
+from conv_patch.routing.select import Route, select_route
 from conv_patch.specs import CallDesc, ConvSpec
 from conv_patch.target import conv_tf32, target_for
 from _util import TOL, rel_err
@@ -191,14 +191,14 @@ def test_cuda_graph_capture_and_replay_of_a_patched_decode(monkeypatch):
     """A patched TAESD-architecture decoder captured in a CUDA graph replays
     to the eager answer, with new inputs copied into the captured buffer."""
     import copy
-    from conv_patch import taesd
+    from conv_patch.tools import taesd
     dec = taesd.seeded_(taesd.decoder(16, 32)).to("cuda", torch.float16).eval()
     plain = copy.deepcopy(dec)
     conv_patch.apply(dec)
     # A capture always takes the folded upsample (ops.subpixel_pays) and
     # routes by GPU time alone (dispatch.weigh); eager calls do too here, so
     # that replay and eager are bitwise comparable.
-    from conv_patch import pack
+    from conv_patch.runtime import pack
     monkeypatch.setattr(ops, "SUBPIXEL_MIN_MACS", 0)
     monkeypatch.setattr(pack, "GRAPH_PATH", True)
     static_in = torch.randn(1, 16, 16, 16, device="cuda", dtype=torch.float16)
@@ -267,7 +267,7 @@ def test_taef2_fp16_photo_psnr_with_recipes():
     np = pytest.importorskip("numpy")
     from PIL import Image
     from safetensors.torch import load_file
-    from conv_patch import taesd
+    from conv_patch.tools import taesd
     shared = Path(os.environ.get("CONV_PATCH_SHARED") or Path(__file__).resolve().parents[2] / "shared")
     if not (shared / "models" / "taef2_decoder.safetensors").exists():
         pytest.skip("no shared models")

@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 import conv_patch
-from conv_patch import graphs, taesd
+from conv_patch.runtime import graphs
+from conv_patch.tools import taesd
 from _util import rel_err
 
 
@@ -175,7 +176,8 @@ def same_upsample_form(monkeypatch):
     (ops.subpixel_pays) and routes by GPU time alone (dispatch.weigh); the
     eager twin runs as on the graph path here, so that both take the same
     routes and round the same way."""
-    from conv_patch import ops, pack
+    from conv_patch import functional as ops
+    from conv_patch.runtime import pack
     monkeypatch.setattr(ops, "SUBPIXEL_MIN_MACS", 0)
     monkeypatch.setattr(pack, "GRAPH_PATH", True)
 
@@ -243,7 +245,7 @@ def test_capture_is_preceded_by_a_warm_up_call_down_the_capture_path(monkeypatch
     upsample folded), so that no kernel is first launched inside it."""
     import contextlib
 
-    from conv_patch import pack
+    from conv_patch.runtime import pack
     seen = []
 
     class Graph:

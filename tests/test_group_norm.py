@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conv_patch import ops
+from conv_patch import functional as ops
 from conv_patch.target import target_for
 from _util import TOL, act64, poisoned, randn, rel_err
 
@@ -131,7 +131,7 @@ def test_own_group_norm_is_the_modules_forward():
     import copy
     from torch import nn
     import conv_patch
-    from conv_patch import dispatch
+    from conv_patch.runtime import dispatch
 
     class Doubled(nn.GroupNorm):
         def forward(self, x):

@@ -185,7 +185,8 @@ def test_without_triton_verify_and_info_say_so(monkeypatch, capsys, tmp_path):
     import torch
     from safetensors.torch import save_file
 
-    from conv_patch import cli, target
+    from conv_patch.tools import cli
+    from conv_patch import target
 
     save_file({"conv.weight": torch.randn(4, 3, 3, 3)}, str(tmp_path / "one.safetensors"))
     monkeypatch.setattr(target, "triton_available", lambda: False)

@@ -14,8 +14,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from conv_patch import ops
-from conv_patch.kernels._common import round_to_tf32
+from conv_patch import functional as ops
+from conv_patch.kernels.common import round_to_tf32
 from _util import TOL, act64, poisoned, randn, rel_err
 
 ACTS = ["none", "relu", "silu", "gelu", "gelu_tanh"]

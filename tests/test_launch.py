@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conv_patch.kernels import _launch
+from conv_patch.kernels import launch as _launch
 
 
 def test_key_follows_what_triton_specialises():
@@ -47,7 +47,7 @@ def test_cached_launches_equal_tritons_own(monkeypatch):
     """Conv (portable and TMA), GroupNorm and the epilogue, each launched
     through the cache twice (miss, hit), equal Triton's own path bitwise,
     including a call whose input is not 16-byte aligned after an aligned one."""
-    from conv_patch import ops
+    from conv_patch import functional as ops
     torch.manual_seed(0)
     dev, dt = "cuda", torch.bfloat16
     x = torch.randn(2, 32, 19, 23, device=dev, dtype=dt).contiguous(memory_format=torch.channels_last)

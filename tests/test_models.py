@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import conv_patch
-from conv_patch import taesd
+from conv_patch.tools import taesd
 from _util import TOL, rel_err
 
 # ../shared beside the checkout; CONV_PATCH_SHARED points elsewhere (a copy

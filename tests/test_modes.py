@@ -110,7 +110,7 @@ def test_the_folded_upsample_weights(exact_fp32, device):
         held = m[3].__dict__.get("_cp_subpixel")
         return [] if held is None else [held[1]]
     x = torch.randn(1, 4, 6, 5, device=device)
-    from conv_patch import ops
+    from conv_patch import functional as ops
     if not ops.subpixel_pays(x, net[3].weight):
         pytest.skip("the folded upsample does not pay at this size here")
     run_every_mode(net, x, lambda m, t: m(t), kept)
@@ -181,7 +181,8 @@ def test_bands_and_their_staging_buffers(exact_fp32, device):
 def test_cuda_graphs_in_every_mode(exact_fp32):
     """CUDA graphs are captured per mode (the key holds it) and replayed in
     any order of calls."""
-    from conv_patch import graphs, taesd
+    from conv_patch.runtime import graphs
+    from conv_patch.tools import taesd
     dec = taesd.seeded_(taesd.decoder()).cuda().eval().half()
     plain = copy.deepcopy(dec)
     z = torch.randn(1, 32, 16, 16, device="cuda", dtype=torch.half)

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import conv_patch
-from conv_patch import pack
+from conv_patch.runtime import pack
 from _util import TOL, rel_err
 
 

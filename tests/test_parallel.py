@@ -221,7 +221,7 @@ def test_dispatch_padding_replaces_the_modules_own(exact_fp32):
     band without the module's padding: on the kernels (fp32 under the
     interpreter), PyTorch's direct route (symmetric per axis) and the
     fallback with the F.pad (float64, which no kernel takes)."""
-    from conv_patch import dispatch
+    from conv_patch.runtime import dispatch
     torch.manual_seed(0)
     conv = torch.nn.Conv2d(3, 5, 3, padding=1)
     model = torch.nn.Sequential(conv)

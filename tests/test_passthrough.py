@@ -1,4 +1,4 @@
-"""conv_patch.passthrough: the components that do no work of conv-patch's
+"""conv_patch.runtime.passthrough: the components that do no work of conv-patch's
 own at a call signature run as their own classes from its third call on,
 and get their patched classes back when the call returns or raises.
 
@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 import conv_patch
-from conv_patch import passthrough
-from conv_patch.wrappers import PatchedConvMixin
+from conv_patch.runtime import passthrough
+from conv_patch.runtime.wrappers import PatchedConvMixin
 from conv_patch.recipes.catalog import is_fused
 
 # The busy branch is the interpreter's routing of CPU tensors; on a GPU
@@ -294,7 +294,7 @@ def test_a_changed_component_makes_every_model_learn_again(nets):
 
 def _pooled_decoder(dtype):
     """A TAEF2-layout decoder (pooled blocks: a GroupNorm inside each)."""
-    from conv_patch import taesd
+    from conv_patch.tools import taesd
     torch.manual_seed(0)
     return taesd.decoder(4, channels=4).to(dtype).eval()
 
@@ -368,7 +368,7 @@ def test_a_stack_run_unfused_gives_the_classes_back_when_it_raises(eager_norms):
 
 
 def test_a_stack_runs_its_recipes_where_its_norms_are_the_kernels_or_on_the_graph_path(monkeypatch):
-    from conv_patch import pack
+    from conv_patch.runtime import pack
     stack = _pooled_decoder(torch.float32)
     conv_patch.apply(stack)
     fused = type(stack[3])

@@ -256,7 +256,7 @@ def test_extended_call_kernel_and_fallback_agree(act, device, exact_fp32):
     res = torch.randn(2, 12, 9, 9, device=device).contiguous(memory_format=torch.channels_last)
     with torch.no_grad():
         fused = net.conv_in(x, residual=res, beta=0.5, activation=act, out_scale=0.25)
-        ref = conv_patch.ops.eager_epilogue(nn.Conv2d.forward(net.conv_in, x), res, 0.5, act, 0.25)
+        ref = conv_patch.functional.eager_epilogue(nn.Conv2d.forward(net.conv_in, x), res, 0.5, act, 0.25)
     assert rel_err(fused, ref) <= TOL[torch.float32]
     twin = copy.deepcopy(net.conv_in).double()  # float64: the fallback path
     with torch.no_grad():
@@ -319,7 +319,7 @@ def test_kernel_launch_failure_falls_back_with_warning(device, exact_fp32, monke
     must not crash the user's model: that call runs on PyTorch, and says so."""
     from triton.runtime.errors import OutOfResources
     from conv_patch.kernels import api as kernels
-    from conv_patch.dispatch import KernelFailureWarning
+    from conv_patch.runtime.dispatch import KernelFailureWarning
 
     def no_room(*a, **k):
         raise OutOfResources(262144, 232448, "shared memory")

@@ -15,7 +15,9 @@ from torch import nn
 
 import conv_patch
 from _util import poisoned, rel_err
-from conv_patch import dispatch, ops, taesd
+from conv_patch.runtime import dispatch
+from conv_patch import functional as ops
+from conv_patch.tools import taesd
 from conv_patch.recipes import catalog as recipes
 
 diffusers = pytest.importorskip("diffusers")
@@ -91,7 +93,7 @@ def test_group_norm_conv_bands_run_the_whole_convs_route(device, exact_fp32, mon
     are of equal height, and the answer is the unbanded one; also where
     that route is cuDNN's (F.conv2d, here on the CPU too, then the epilogue
     into the band's rows of the output)."""
-    from conv_patch import config_tables
+    from conv_patch.routing import tables as config_tables
     from conv_patch.specs import ConvSpec
     g = torch.Generator().manual_seed(12)
     x = (torch.randn(1, 12, 11, 7, generator=g) + 0.5).to(device).contiguous(memory_format=torch.channels_last)
@@ -349,7 +351,7 @@ def test_encoder_enters_through_conv_in_in_the_callers_layout(device, exact_fp32
 
 
 def test_decoder_walks_up_blocks_and_bands_large_inputs(device, exact_fp32, no_fallback, monkeypatch):
-    from conv_patch.recipes import _fuse
+    from conv_patch.recipes import fuse as _fuse
     vae = _small_kl(device)
     z = torch.randn(1, 4, 7, 5, device=device)
     with torch.no_grad():
@@ -473,9 +475,9 @@ def test_a_recipe_step_whose_kernel_cannot_run_falls_back_once(device, exact_fp3
     with torch.no_grad():
         ref = up(x)
         conv_patch.apply(up)
-        monkeypatch.setattr(conv_patch.dispatch, "subpixel_weights", fails)
+        monkeypatch.setattr(conv_patch.runtime.dispatch, "subpixel_weights", fails)
         monkeypatch.setattr(ops, "subpixel_pays", lambda x, w: True)  # (a GPU would not fold this small one)
-        with pytest.warns(conv_patch.dispatch.KernelFailureWarning, match="OutOfResources"):
+        with pytest.warns(conv_patch.runtime.dispatch.KernelFailureWarning, match="OutOfResources"):
             assert rel_err(up(x), ref) <= 1e-5
         assert rel_err(up(x), ref) <= 1e-5
     assert len(tries) == 1
@@ -485,7 +487,7 @@ def test_fused_resnet_keeps_an_nhwc_input_nhwc_whatever_its_norm_returns(device,
     """On the GPU PyTorch's own GroupNorm (taken below the kernels'
     crossover) returns NCHW for an NHWC input; the fused block's output
     must still take the input's layout, as the unpatched ``x + h`` does."""
-    from conv_patch.recipes import _fuse
+    from conv_patch.recipes import fuse as _fuse
     block = _resnet(10, 10, 2.0).to(device)
     x = (torch.randn(2, 10, 7, 5, device=device) * 2 + 0.5).contiguous(memory_format=torch.channels_last)
     real = _fuse.group_norm

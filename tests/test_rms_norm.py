@@ -1,4 +1,4 @@
-"""The RMS norm over channels (kernels/rms_norm.py, conv_patch.rms_norm and
+"""The RMS norm over channels (kernels/rms_norm.py, conv_patch.ops.rms_norm and
 ``dispatch.rms_norm``) against float64: the layouts the Wan-family VAEs run
 (NCDHW, NDHWC, and the attention's NCHW / NHWC), channel counts that are not
 multiples of the block, positions the programs do not divide, outliers, an
@@ -10,8 +10,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conv_patch import costs, dispatch, ops
-from conv_patch import rms_norm as rms_op
+from conv_patch.routing import costs
+from conv_patch.runtime import dispatch
+from conv_patch import functional as ops
+from conv_patch.ops import rms_norm as rms_op
 from _util import TOL, act64, poisoned, randn, rel_err
 
 
@@ -90,7 +92,7 @@ class RMS_norm(nn.Module):
 
 def test_planned_module_calls_replay_and_fall_back_once(device, monkeypatch):
     from triton.runtime.errors import OutOfResources
-    from conv_patch.recipes._fuse import rms_norm as step
+    from conv_patch.recipes.fuse import rms_norm as step
     norm = RMS_norm(9, bias=True).to(device).eval()
     x = torch.randn(1, 9, 2, 5, 3, device=device)
     with torch.no_grad():
@@ -132,7 +134,7 @@ def test_launch_tiles_read_a_position_once_up_to_512_channels():
     """On a GPU every channel of a position fits one block up to 512
     channels (one read of the input), larger ones loop (two reads); the
     interpreter keeps its few large programs."""
-    from conv_patch.rms_norm import launch_tiles
+    from conv_patch.ops.rms_norm import launch_tiles
     for c in (5, 96, 97, 192, 384, 512):
         for contiguous in (True, False):
             bc, bs, warps = launch_tiles(c, contiguous, False)

@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from conv_patch import config_tables
-from conv_patch.routing import Route, select_route, static_route
+from conv_patch.routing import tables as config_tables
+from conv_patch.routing.select import Route, select_route, static_route
 from conv_patch.specs import CallDesc, ConvSpec
 from conv_patch.target import Target
 
@@ -165,7 +165,7 @@ def test_one_registry_names_every_route():
     """Routing, the tables, the launch layer, the tuner and `convpatch info`
     read one registry (conv_patch/routes.py): every route is in it once,
     every table name validates, every kernel route has a launcher."""
-    from conv_patch import config_tables, routes
+    from conv_patch.routing import tables as config_tables, registry as routes
     from conv_patch.kernels import api as kernels
     assert {e.route for e in routes.REGISTRY} == set(Route)
     assert config_tables.ROUTES == routes.TABLE_NAMES and set(routes.ROUTE_INFO) == set(Route)

@@ -5,8 +5,9 @@ float64; and the rules that route a conv there."""
 import pytest
 import torch
 
-from conv_patch import config_tables, ops
-from conv_patch.routing import MAX_TAP_OUTPUTS, Route, select_route, taps_problem
+from conv_patch.routing import tables as config_tables
+from conv_patch import functional as ops
+from conv_patch.routing.select import MAX_TAP_OUTPUTS, Route, select_route, taps_problem
 from conv_patch.specs import CallDesc, ConvSpec
 from conv_patch.target import Target
 from _util import TOL

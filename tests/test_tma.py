@@ -10,8 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conv_patch import PatchConfig, config_tables, ops
-from conv_patch.routing import Route, select_route, tma_problem
+from conv_patch import PatchConfig, functional as ops
+from conv_patch.routing import tables as config_tables
+from conv_patch.routing.select import Route, select_route, tma_problem
 from conv_patch.specs import CallDesc, ConvSpec
 from conv_patch.target import Target, target_for
 from _util import poisoned, rel_err

@@ -8,9 +8,10 @@ import json
 import pytest
 import torch
 
-from conv_patch import cli, config_tables, routes, tune
-from conv_patch.model_shapes import ConvCall, distinct_calls, family_convs
-from conv_patch.routing import Route, select_route
+from conv_patch.tools import cli, tune
+from conv_patch.routing import tables as config_tables, registry as routes
+from conv_patch.tools.model_shapes import ConvCall, distinct_calls, family_convs
+from conv_patch.routing.select import Route, select_route
 from conv_patch.specs import CallDesc, ConvSpec
 from conv_patch.target import target_for
 
@@ -65,13 +66,13 @@ def test_tune_measures_rejects_and_builds_a_table(monkeypatch):
     # A candidate that computes the wrong answer must be caught: break one
     # igemm config by making the kernel skip its bias.
     broken = dict(cands[0], BLOCK_M=cands[0]["BLOCK_M"] // 2)
-    real_conv2d = tune.ops.conv2d
+    real_conv2d = tune.functional.conv2d
 
     def sabotage(x, w, b, *a, config=None, **kw):
         if config is broken:
             return real_conv2d(x, w, None, *a, config=dict(cands[0]), **kw)
         return real_conv2d(x, w, b, *a, config=config, **kw)
-    monkeypatch.setattr(tune.ops, "conv2d", sabotage)
+    monkeypatch.setattr(tune.functional, "conv2d", sabotage)
     ms = tune.tune(_tiny_calls(), ["nhwc", "nchw"], torch.bfloat16, torch.device("cpu"), target,
                    cands=cands + [broken], timer=lambda fn: 1.0 + len(str(fn)) * 0)
     assert len(ms) == 6

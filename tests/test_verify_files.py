@@ -15,7 +15,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from conv_patch import cli, ops, taesd
+from conv_patch.tools import cli, taesd
+from conv_patch import functional as ops
 
 SHARED = Path(os.environ.get("CONV_PATCH_SHARED") or Path(__file__).resolve().parents[1].parent / "shared")
 HAVE_TAEF2 = (SHARED / "models" / "taef2_decoder.safetensors").exists()
@@ -174,7 +175,7 @@ def test_refused_pickle_is_one_whole_line(tmp_path, capsys):
 
 
 def test_long_error_detail_is_cut_at_a_word():
-    from conv_patch.checkpoint import _detail
+    from conv_patch.tools.checkpoint import _detail
     text = _detail(RuntimeError("\x1b[1mbold\x1b[0m " + "word " * 60 + "\nsecond line"))
     assert text.startswith("RuntimeError: bold word") and text.endswith("word ...")
     assert "\x1b" not in text and "second" not in text and len(text) < 200
@@ -204,7 +205,7 @@ def test_unknown_architecture_per_layer_only(tmp_path, capsys):
 
 def test_mismatch_exits_1(tmp_path, capsys, monkeypatch):
     path = _good_file(tmp_path)
-    from conv_patch import conv
+    from conv_patch.ops import conv2d as conv
     real = ops.run_kernel
     monkeypatch.setattr(ops, "run_kernel", lambda *a, **k: real(*a, **k) + 0.5)  # the functional API's
     monkeypatch.setattr(conv, "run_kernel", lambda *a, **k: real(*a, **k) + 0.5)  # the dispatch core's
@@ -267,7 +268,7 @@ def test_autoencoder_kl_layouts(layout, tmp_path, capsys):
         sd["model.diffusion_model.input_blocks.0.0.weight"] = torch.randn(8, 4, 3, 3)
     path = tmp_path / f"{layout}.safetensors"
     save_file(sd, str(path))
-    from conv_patch import checkpoint, formats
+    from conv_patch.tools import checkpoint, formats
     state = checkpoint.load(path)
     fmt = formats.recognise({k: tuple(v.shape) for k, v in state.items()})
     assert fmt.kind == ("diffusers-autoencoderkl" if layout.startswith("diffusers") else "ldm-vae")
@@ -363,7 +364,7 @@ def test_format_detection_is_linear_in_the_tensors(tmp_path, capsys):
     must not walk a trillion layer indices (it did, for minutes)."""
     import signal
 
-    from conv_patch import formats
+    from conv_patch.tools import formats
     shapes = {"0.weight": (4, 3, 3, 3), "1000000000000.bias": (4,)}
 
     def too_slow(*a):
@@ -388,7 +389,7 @@ def test_names_from_the_file_are_text_not_markup(tmp_path):
     pytest.importorskip("rich")
     from rich.console import Console
 
-    from conv_patch import verify
+    from conv_patch.tools import verify
     path = tmp_path / "vae [fp16].safetensors"
     save_file({"[/x].weight": torch.randn(4, 3, 3, 3), "[bold]b.weight": torch.randn(4, 4, 1, 1)}, str(path))
     reports = verify.verify_files([str(path)], torch.device("cpu"), None, 8)
@@ -417,7 +418,7 @@ def test_narrow_kernels_and_layer_order(tmp_path, capsys):
 def test_unreadable_image_is_refused_before_any_check(tmp_path, capsys, monkeypatch):
     path = _good_file(tmp_path)
     img = _write(tmp_path / "photo.png", "this is not a png\n")
-    from conv_patch import verify
+    from conv_patch.tools import verify
     checked = []
     monkeypatch.setattr(verify, "check_file_layers", lambda *a, **k: checked.append(1) or [])
     code, out, err = run_cli(["verify", str(path), "--image", str(img)], capsys)
@@ -440,7 +441,7 @@ def diffusers_to_wan_original(sd, num_res_blocks):
     """The original Wan repository's key layout (wan/modules/vae.py, as in
     Wan2.1_VAE.pth and ComfyUI's wan_2.1_vae.safetensors), written from
     AutoencoderKLWan keys for building test files; independent of
-    conv_patch.formats' own mapping, which goes the other way."""
+    conv_patch.tools.formats' own mapping, which goes the other way."""
     per_level = num_res_blocks + 2  # the decoder's resnets, then its resample
     inner = {"norm1": "residual.0", "conv1": "residual.2", "norm2": "residual.3", "conv2": "residual.6",
              "conv_shortcut": "shortcut"}
@@ -508,7 +509,7 @@ def test_wan_video_vae_layouts(layout, tmp_path, capsys):
     vae = _small_wan()
     path = _wan_file(tmp_path, layout, {k: v.contiguous() for k, v in vae.state_dict().items()})
     before = _fingerprint(path)
-    from conv_patch import checkpoint, formats
+    from conv_patch.tools import checkpoint, formats
     state = checkpoint.load(path)
     fmt = formats.recognise({k: tuple(v.shape) for k, v in state.items()})
     assert fmt.kind == "wan-vae" and not fmt.problem, fmt.description
@@ -581,7 +582,7 @@ def test_wan_bad_file_one_line_exit_2(case, tmp_path, capsys, monkeypatch):
     change, needle = WAN_BAD[case]
     path = _wan_bad(tmp_path, change)
     before = _fingerprint(path)
-    from conv_patch import verify
+    from conv_patch.tools import verify
     checked = []
     monkeypatch.setattr(verify, "check_file_layers", lambda *a, **k: checked.append(1) or [])
     code, out, err = run_cli(["verify", str(path)], capsys)
@@ -675,7 +676,7 @@ def test_wan22_video_vae_layouts(layout, tmp_path, capsys):
     vae = _small_wan22()
     path = _wan22_file(tmp_path, layout, {k: v.contiguous() for k, v in vae.state_dict().items()})
     before = _fingerprint(path)
-    from conv_patch import checkpoint, formats
+    from conv_patch.tools import checkpoint, formats
     state = checkpoint.load(path)
     fmt = formats.recognise({k: tuple(v.shape) for k, v in state.items()})
     assert fmt.kind == "wan-vae" and not fmt.problem, (fmt.description, fmt.problem)
@@ -722,7 +723,7 @@ def test_conv3d_probe_is_bounded(tmp_path, capsys):
 def test_wan_original_pth_is_recognised_with_allow_pickle(tmp_path):
     """Wan2.1_VAE.pth is a pickle of the original layout: with allow_pickle
     (weights only) it is read and recognised like the safetensors file."""
-    from conv_patch import checkpoint, formats
+    from conv_patch.tools import checkpoint, formats
     path = tmp_path / "Wan2.1_VAE.pth"
     torch.save(diffusers_to_wan_original(_small_wan().state_dict(), WAN_TINY["num_res_blocks"]), path)
     state = checkpoint.load(path, allow_pickle=True)
@@ -736,7 +737,7 @@ def test_wan_original_mapping_agrees_with_diffusers_converter():
     every tensor as diffusers' own converter does."""
     diffusers = pytest.importorskip("diffusers")
     convert = pytest.importorskip("diffusers.loaders.single_file_utils").convert_wan_vae_to_diffusers
-    from conv_patch import formats
+    from conv_patch.tools import formats
     with torch.device("meta"):
         names = list(diffusers.AutoencoderKLWan().state_dict())
     sd = {k: torch.tensor([float(i)]) for i, k in enumerate(names)}
@@ -750,7 +751,7 @@ def test_wan_original_mapping_agrees_with_diffusers_converter():
 def test_wan_decoder_only_file(tmp_path):
     """A file with the decoder half alone (decoder.*, post_quant_conv) is a
     decoder; a tensor missing from that half is still a problem."""
-    from conv_patch import formats
+    from conv_patch.tools import formats
     vae = _small_wan()
     sd = {k: v for k, v in vae.state_dict().items() if k.startswith(("decoder.", "post_quant_conv."))}
     fmt = formats.recognise({k: tuple(v.shape) for k, v in sd.items()})
@@ -768,7 +769,7 @@ def test_a_wide_conv3d_is_probed_smaller_not_skipped(monkeypatch):
     """A 5-D weight whose probe at the requested size exceeds the bounds is
     compared on a smaller one (a full Wan 2.2 VAE's 1024-channel convs on the
     GPU); only one that no size fits is left out, with its note."""
-    from conv_patch import verify
+    from conv_patch.tools import verify
     g = torch.Generator().manual_seed(0)
     w, b = torch.randn(4, 4, 3, 3, 3, generator=g) * 0.2, torch.randn(4, generator=g)
     pads = ((2, 0), (1, 1), (1, 1))

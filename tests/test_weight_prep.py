@@ -7,8 +7,9 @@ import torch
 import torch.nn.functional as F
 from _util import poisoned, randn, rel_err
 
-from conv_patch import ops
-from conv_patch.kernels.api import grouped_pack_args, launch_grouped_weight_pack, launch_subpixel_fold, launch_weight_pack
+from conv_patch import functional as ops
+from conv_patch.kernels.api import (grouped_pack_args, launch_grouped_weight_pack, launch_subpixel_fold,
+                                    launch_weight_pack)
 
 
 def _fold64(w):
@@ -113,7 +114,7 @@ def test_group_norm_adds_the_input_bias_a_conv_left_out(device, channels_last, c
 
 def test_conv_without_bias_leaves_the_bias_to_the_norm(device, exact_fp32, monkeypatch):
     import conv_patch
-    from conv_patch.routing import Route, RouteDecision
+    from conv_patch.routing.select import Route, RouteDecision
     g = torch.Generator().manual_seed(3)
     conv = torch.nn.Conv2d(6, 10, 3, padding=1).to(device)
     x = randn(g, 1, 6, 9, 7, device=device).contiguous(memory_format=torch.channels_last)
@@ -126,7 +127,7 @@ def test_conv_without_bias_leaves_the_bias_to_the_norm(device, exact_fp32, monke
         assert b is m.bias and rel_err(y + b.view(-1, 1, 1), ref) <= 1e-5
         assert rel_err(y, ref - conv.bias.double().view(-1, 1, 1)) <= 1e-5
         # The table's cuDNN route: F.conv2d without its bias, no epilogue pass.
-        from conv_patch import dispatch
+        from conv_patch.runtime import dispatch
         monkeypatch.setattr(dispatch, "decide", lambda mod, *a: (RouteDecision(Route.CUDNN, "test"), mod.spec))
         dispatch.clear(m)
         y, b = m.forward_without_bias(x)
@@ -154,10 +155,10 @@ def test_resnet_recipe_defers_conv1_bias_into_norm2(device, exact_fp32, monkeypa
     conv_patch.apply(block)
     # The deferral is taken where norm2 runs on the kernels (below their
     # crossover a GPU runs PyTorch's GroupNorm, and the bias stays in conv1).
-    from conv_patch import costs
+    from conv_patch.routing import costs
     monkeypatch.setattr(costs, "GROUP_NORM_MIN_ELEMENTS", 0)
     seen = []
-    from conv_patch import norm
+    from conv_patch.ops import group_norm as norm
     real = norm.group_norm
     monkeypatch.setattr(norm, "group_norm", lambda *a, **k: seen.append(k.get("input_bias")) or real(*a, **k))
     with torch.no_grad():

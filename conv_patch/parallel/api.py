@@ -11,10 +11,10 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
-from . import budget as bd
-from .comm import DistComm, LocalComm
-from .geometry import Level, check_bands, split_rows
-from .walker import Conv, Program, UnsupportedModel, blocked_reason, program_of, run
+from conv_patch.parallel import budget as bd
+from conv_patch.parallel.comm import DistComm, LocalComm
+from conv_patch.parallel.geometry import Level, check_bands, split_rows
+from conv_patch.parallel.walker import Conv, Program, UnsupportedModel, blocked_reason, program_of, run
 
 
 def _parts(vae, encode: bool):

@@ -20,7 +20,7 @@ from typing import List, Optional, Sequence, Union
 
 import torch
 
-from .geometry import Level, Window, halo_of
+from conv_patch.parallel.geometry import Level, Window, halo_of
 
 
 class Banded:
@@ -194,7 +194,7 @@ class LocalComm(Comm):
     @property
     def pool(self):
         if self._pool is None:
-            from .staging import pool_for
+            from conv_patch.parallel.staging import pool_for
             self._pool = pool_for(self.device)
             self._pool.peak_bytes = self._pool.in_use
             self._pin0 = self._pool.pin_seconds

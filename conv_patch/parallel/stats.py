@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from ..epilogue import activation_code
+from conv_patch.activations import activation_code
 
 
 # Elements of a band converted at a time for its moments (32-64 MiB).
@@ -98,9 +98,9 @@ def group_norm_kernels(x: torch.Tensor, dtypes) -> Optional[tuple]:
     nhwc = x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
     if x.dtype not in dtypes or not (nhwc or x.is_contiguous()):
         return None
-    from ..conv import kernels
-    from ..norm import launch_sizes
-    from ..target import target_for
+    from conv_patch.ops.conv2d import kernels
+    from conv_patch.ops.group_norm import launch_sizes
+    from conv_patch.target import target_for
     target = target_for(x.device)
     if not target.kernels:
         return None

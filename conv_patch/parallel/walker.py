@@ -21,12 +21,12 @@ from typing import List, Optional, Tuple
 import torch
 from torch import nn
 
-from ..recipes.catalog import REGISTRY, steps
-from ..recipes.ldm import uses_silu
-from ..wrappers import PatchedConvMixin
-from .comm import Banded, Comm
-from .geometry import Level, check_halo, window
-from .stats import band_moments, merge, normalise, scale_shift
+from conv_patch.recipes.catalog import REGISTRY, steps
+from conv_patch.recipes.ldm import uses_silu
+from conv_patch.runtime.wrappers import PatchedConvMixin
+from conv_patch.parallel.comm import Banded, Comm
+from conv_patch.parallel.geometry import Level, check_halo, window
+from conv_patch.parallel.stats import band_moments, merge, normalise, scale_shift
 
 
 class UnsupportedModel(ValueError):
@@ -254,7 +254,7 @@ def run(program: Program, x: torch.Tensor, comm: Comm, first: Level) -> Banded:
 
 
 def _kernels_here(x) -> bool:
-    from ..target import target_for
+    from conv_patch.target import target_for
     return target_for(x.device).kernels
 
 

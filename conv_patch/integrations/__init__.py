@@ -1,0 +1,1 @@
+"""conv-patch inside other programs: ComfyUI's node and its installer."""

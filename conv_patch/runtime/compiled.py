@@ -1,0 +1,63 @@
+"""The convolution as a PyTorch custom op, for ``torch.compile``.
+
+``torch.ops.conv_patch.conv`` takes the whole call (input, weight, bias,
+residual, geometry, epilogue) and runs it through the one dispatch entry
+(``dispatch.conv_with`` with a ``dispatch.CallSite``): planned per signature,
+a kernel only where it beats PyTorch as called, like a wrapper's call. Its
+fake implementation only computes the output's shape, dtype and memory
+format, so Dynamo traces a patched model without graph breaks and Inductor
+treats the call as one opaque kernel. Under tracing the wrappers call this op
+instead of falling back (``wrappers.PatchedConvMixin._cp_call``).
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+
+from conv_patch.ops import conv2d as conv_op
+from conv_patch.runtime import dispatch
+from conv_patch.specs import ConvSpec
+
+
+def _spec(x, weight, bias, transposed, stride, pad_begin, pad_end, dilation, output_padding) -> ConvSpec:
+    c_in, c_out = (weight.shape[0], weight.shape[1]) if transposed else (weight.shape[1], weight.shape[0])
+    return ConvSpec(bool(transposed), int(c_in), int(c_out), tuple(weight.shape[2:]), tuple(stride),
+                    tuple(dilation), tuple(pad_begin), tuple(pad_end), tuple(output_padding), 1, "zeros",
+                    bias is not None)
+
+
+@torch.library.custom_op("conv_patch::conv", mutates_args=())
+def conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], residual: Optional[torch.Tensor],
+         transposed: bool, stride: List[int], pad_begin: List[int], pad_end: List[int], dilation: List[int],
+         output_padding: List[int], beta: float, activation: str, out_scale: float) -> torch.Tensor:
+    spec = _spec(x, weight, bias, transposed, stride, pad_begin, pad_end, dilation, output_padding)
+    # The one dispatch entry, with a call site for the plans and the pack:
+    # planned, weighed against PyTorch and replayed like a wrapper's call.
+    site = dispatch.call_site(spec, weight, bias)
+    y = dispatch.conv_with(site, weight, bias, x, residual, beta, activation, out_scale,
+                           tuple(output_padding) if transposed else None, (weight, bias))
+    # A custom op's output must not alias its inputs.
+    return y.clone() if y is x or y is residual else y
+
+
+@conv.register_fake
+def _(x, weight, bias, residual, transposed, stride, pad_begin, pad_end, dilation, output_padding,
+      beta, activation, out_scale):
+    spec = _spec(x, weight, bias, transposed, stride, pad_begin, pad_end, dilation, output_padding)
+    shape = conv_op.output_shape(spec, tuple(x.shape), output_padding)
+    # The real op's strides: PyTorch's format (run_kernel allocates a 3-D
+    # call's output batched, then squeezes it, as PyTorch does).
+    fmt = conv_op.output_memory_format(x, weight)
+    y = torch.empty((1,) + shape if len(shape) == 3 else shape, dtype=x.dtype, device=x.device, memory_format=fmt)
+    return y.squeeze(0) if len(shape) == 3 else y
+
+
+def call(module, x, residual, beta, activation, out_scale, output_padding=None) -> torch.Tensor:
+    """The op for a wrapper's call (what its forward runs under tracing)."""
+    spec = module.spec
+    op = list(output_padding) if output_padding is not None else list(spec.output_padding)
+    return conv(x, module.weight, module.bias, residual, spec.transposed, list(spec.stride),
+                list(spec.pad_begin), list(spec.pad_end), list(spec.dilation), op,
+                float(beta), activation, float(out_scale))

@@ -1,0 +1,301 @@
+"""CUDA-graph replay of a patched model's outermost fused blocks, opt-in with
+``conv_patch.apply(model, config=PatchConfig(cuda_graphs=True))``.
+
+Why: a FLUX VAE decode at 1024^2 issues some 400 kernel launches and their
+Python. On the H200 issuing them takes as long as the GPU takes to run them
+(~20 ms), so an eager decode is host-bound and its time moves with the host
+CPU (bench/README.md). A captured graph is replayed with one launch.
+
+What a user can rely on:
+
+* A call is captured the second time its key is seen: the tensors' shapes,
+  strides, dtypes and devices, the other arguments, and the grad and
+  inference modes. A one-off call (one image at an odd size) runs eagerly
+  and costs no capture.
+* A replay returns fresh tensors (cloned from the graph's static outputs):
+  the next call does not overwrite a result the caller holds.
+* The weights are read in place at every replay (the packs are refreshed
+  inside the graph, see conv_patch/pack.py), so in-place weight updates,
+  ``.data`` writes and LoRA merges included, are seen. What would change the
+  launches themselves changes the module's signature, checked at every call:
+  a parameter or buffer replaced, moved or re-typed (each gets a new storage
+  address: ``.to()`` and ``.half()`` allocate the new tensor while the old
+  one is alive), a module's training flag or class, a forward hook added
+  anywhere below. The module's graphs are then dropped and recaptured. A
+  module whose signature changes at more than ``MAX_RECAPTURES`` calls in a
+  row (weights streamed in per call, as low-VRAM offloading does) stops being
+  graphed and runs eagerly, with one warning.
+* Each graph keeps a private memory pool as large as the call's peak
+  activations while it is cached: at most ``max_graphs`` keys per module,
+  the least recently used dropped first. ``conv_patch.remove`` drops them all.
+* What cannot be graphed runs the fused forward as without graphs: tensors
+  not on a CUDA device, a call autograd would record, tracing under
+  torch.compile, a call made while another graph is being captured (the
+  caller's own capture then records the launches), arguments that are not
+  hashable, outputs that are not tensors or tuples/lists of tensors. A
+  capture that fails is reported once as a warning; its key runs eagerly.
+* Not thread-safe: one module's graphs are replayed by one thread at a time.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import OrderedDict
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from conv_patch.runtime import pack
+
+MAX_RECAPTURES = 3
+DEFAULT_MAX_GRAPHS = 4
+# Keys seen once, remembered so a second call captures; bounded so that a
+# stream of one-off shapes does not grow it.
+_SEEN_LIMIT = 64
+
+_EAGER = object()  # a key whose capture failed or whose output cannot be graphed
+
+
+def _walk(m: nn.Module, out: list) -> list:
+    # Module.modules() builds a name for every submodule: 4x slower.
+    out.append(m)
+    for c in m._modules.values():
+        if c is not None:
+            _walk(c, out)
+    return out
+
+
+def signature(module: nn.Module) -> list:
+    """What the launches of ``module``'s forward depend on besides its
+    arguments (see the module docstring), in one walk over the submodules:
+    their classes, training flags and hooks, and the storage address of
+    every parameter and buffer (a ``.to()``, ``.half()`` or new tensor moves
+    it; an in-place update keeps it, and the graph reads it in place). At
+    every call, so it is kept to what is cheap to read: 130-200 us for a
+    FLUX decoder's 134 modules on a 2-core CPU, 170 us on the H200's host
+    (backward hooks are left out: a call autograd records is never
+    graphed)."""
+    from torch.nn.modules import module as mm
+    sig = [bool(mm._global_forward_hooks or mm._global_forward_pre_hooks)]
+    add = sig.append
+    for m in _walk(module, []):
+        add(m.__class__)
+        add(m.training)
+        add(bool(m._forward_hooks or m._forward_pre_hooks))
+        for t in m._parameters.values():
+            add(None if t is None else t.data_ptr())
+        for t in m._buffers.values():
+            add(None if t is None else t.data_ptr())
+    return sig
+
+
+def _params_need_grad(module: nn.Module) -> bool:
+    return any(p.requires_grad for p in module.parameters())
+
+
+def _tensor_key(t: torch.Tensor) -> tuple:
+    return ("T", tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad)
+
+
+def call_key(args: tuple, kwargs: dict) -> Optional[tuple]:
+    """The graph key of a call, or None when it cannot be graphed (an
+    argument that is neither a tensor nor hashable, a tensor not on CUDA)."""
+    key = [torch.is_grad_enabled(), torch.is_inference_mode_enabled()]
+    for v in (*args, *(kwargs[k] for k in sorted(kwargs))):
+        if isinstance(v, torch.Tensor):
+            if not _device_ok(v):
+                return None
+            key.append(_tensor_key(v))
+        else:
+            try:
+                hash(v)
+            except TypeError:
+                return None
+            key.append(("V", type(v), v))
+    key.append(tuple(sorted(kwargs)))
+    return tuple(key)
+
+
+def _device_ok(t: torch.Tensor) -> bool:
+    return t.is_cuda
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _clone_out(out):
+    if isinstance(out, torch.Tensor):
+        return out.clone()
+    return type(out)(t.clone() for t in out)
+
+
+def _graphable_out(out) -> bool:
+    if isinstance(out, torch.Tensor):
+        return True
+    return type(out) in (tuple, list) and all(isinstance(t, torch.Tensor) for t in out)
+
+
+class Captured:
+    """One captured call: static inputs the arguments are copied into, the
+    graph, its static outputs."""
+
+    def __init__(self, fn: Callable, args: tuple, kwargs: dict):
+        self.static = [pack.persistent(torch.empty_strided, t.shape, t.stride(), dtype=t.dtype, device=t.device)
+                       for t in _tensors(args, kwargs)]
+        self._copy_in(args, kwargs)
+        sargs, skwargs = _substitute(args, kwargs, iter(self.static))
+        with pack.graph_path():
+            # One eager call down the capture's own path first (the pack
+            # kernel, the upsample always folded): every kernel the capture
+            # records is then compiled and loaded. A Triton kernel's first
+            # launch inside the capture invalidated TAEF2's on the H200.
+            fn(*sargs, **skwargs)
+        self.graph = torch.cuda.CUDAGraph()
+        # thread_local: another thread's CUDA work (a UI's preview) neither
+        # breaks this capture nor is recorded in it.
+        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+            self.out = fn(*sargs, **skwargs)
+
+    def _copy_in(self, args, kwargs):
+        for s, t in zip(self.static, _tensors(args, kwargs)):
+            s.copy_(t)
+
+    def __call__(self, args: tuple, kwargs: dict):
+        self._copy_in(args, kwargs)
+        self.graph.replay()
+        return _clone_out(self.out)
+
+
+def _tensors(args, kwargs):
+    return [v for v in (*args, *(kwargs[k] for k in sorted(kwargs))) if isinstance(v, torch.Tensor)]
+
+
+def _substitute(args, kwargs, it):
+    sargs = tuple(next(it) if isinstance(v, torch.Tensor) else v for v in args)
+    skwargs = {k: next(it) if isinstance(kwargs[k], torch.Tensor) else kwargs[k] for k in sorted(kwargs)}
+    return sargs, skwargs
+
+
+class GraphCache:
+    """The graphs of one module (kept in its ``_cp_graphs``), keyed by call."""
+
+    capture_cls = Captured
+
+    def __init__(self, max_graphs: int = DEFAULT_MAX_GRAPHS):
+        self.max_graphs = int(max_graphs)
+        self.graphs: "OrderedDict[tuple, Any]" = OrderedDict()
+        self.seen: "OrderedDict[tuple, None]" = OrderedDict()
+        self.sig: Optional[list] = None
+        self.recaptures = 0
+        self.disabled: Optional[str] = None
+        self.stats = {"captures": 0, "replays": 0, "eager": 0}
+
+    def __reduce__(self):
+        # Graphs belong to this process and these tensors: a copy or an
+        # unpickled model starts without any.
+        return (GraphCache, (self.max_graphs,))
+
+    def clear(self) -> None:
+        self.graphs.clear()
+        self.seen.clear()
+
+    def _disable(self, why: str) -> None:
+        self.disabled = why
+        self.clear()
+        warnings.warn(f"conv-patch: CUDA graphs off for this module: {why}", RuntimeWarning, stacklevel=4)
+
+    def __call__(self, module: nn.Module, fn: Callable, args: tuple, kwargs: dict):
+        key = None
+        if self.disabled is None and not torch.compiler.is_compiling() and not _capturing():
+            key = call_key(args, kwargs)
+        if key is None:
+            self.stats["eager"] += 1
+            return fn(*args, **kwargs)
+        if torch.is_grad_enabled() and (any(t.requires_grad for t in _tensors(args, kwargs))
+                                        or _params_need_grad(module)):
+            self.stats["eager"] += 1
+            return fn(*args, **kwargs)  # autograd would record it: never captured
+        sig = signature(module)
+        if sig == self.sig:
+            # Stable since the last change: only back-to-back changes count
+            # as streaming, an occasional LoRA swap does not.
+            self.recaptures = 0
+        else:
+            if self.graphs:
+                self.recaptures += 1
+                if self.recaptures > MAX_RECAPTURES:
+                    self._disable(f"its weights or structure changed {self.recaptures} times between calls "
+                                  "(weights streamed in per call?)")
+                    return fn(*args, **kwargs)
+            # Keys that were graphed have proved they repeat: recaptured at
+            # their next call, not run eagerly once more first.
+            for k in self.graphs:
+                self.seen[k] = None
+            self.graphs.clear()
+            self.sig = sig
+        entry = self.graphs.get(key)
+        if entry is None:
+            if key not in self.seen:
+                self.seen[key] = None
+                while len(self.seen) > _SEEN_LIMIT:
+                    self.seen.popitem(last=False)
+                self.stats["eager"] += 1
+                return fn(*args, **kwargs)
+            entry = self._capture(fn, key, args, kwargs)
+        if entry is _EAGER:
+            self.stats["eager"] += 1
+            return fn(*args, **kwargs)
+        self.graphs.move_to_end(key)
+        self.stats["replays"] += 1
+        return entry(args, kwargs)
+
+    def _capture(self, fn, key, args, kwargs):
+        try:
+            entry = self.capture_cls(fn, args, kwargs)
+            if not _graphable_out(entry.out):
+                entry = _EAGER
+        except Exception as e:  # noqa: BLE001 - a failed capture is reported and that key runs eagerly
+            warnings.warn(f"conv-patch: CUDA graph capture failed, this input shape runs eagerly: "
+                          f"{type(e).__name__}: {e}", RuntimeWarning, stacklevel=4)
+            entry = _EAGER
+        self.stats["captures"] += entry is not _EAGER
+        self.seen.pop(key, None)
+        self.graphs[key] = entry
+        while sum(v is not _EAGER for v in self.graphs.values()) > self.max_graphs:
+            old = next(k for k, v in self.graphs.items() if v is not _EAGER)
+            del self.graphs[old]
+        return entry
+
+
+def outermost(modules, is_candidate: Callable[[nn.Module], bool]):
+    """(fqn, module) of each candidate with no candidate above it."""
+    out = []
+
+    def walk(m, fqn):
+        if is_candidate(m):
+            out.append((fqn, m))
+            return
+        for name, child in m._modules.items():
+            if child is not None:
+                walk(child, f"{fqn}.{name}" if fqn else name)
+
+    for prefix, m in modules:
+        walk(m, prefix.rstrip("."))
+    return out
+
+
+def install(module: nn.Module, max_graphs: int) -> None:
+    if module.__dict__.get("_cp_graphs") is None:
+        module.__dict__["_cp_graphs"] = GraphCache(max_graphs)
+
+
+def uninstall(module: nn.Module) -> None:
+    module.__dict__.pop("_cp_graphs", None)
+
+
+def cache_of(module: nn.Module) -> Optional[GraphCache]:
+    """The module's graph cache (its captures, replays and eager calls in
+    ``.stats``), or None."""
+    return module.__dict__.get("_cp_graphs")

@@ -1,0 +1,411 @@
+"""The wrappers that stand in for patched convolutions.
+
+A wrapper is a real ``nn.Conv2d`` / ``nn.ConvTranspose2d`` / ``nn.Conv3d`` (so ``isinstance``
+checks in PEFT, diffusers and ComfyUI still match) built from the original
+module's ``__dict__``: the ``_parameters``, ``_buffers``, ``_modules`` and hook
+dictionaries are the *same objects* as the original's, so ``state_dict()`` keys,
+the Parameter objects, ``load_state_dict``, ``.to()``, and hooks behave exactly
+as before, and ``remove()`` can hand the original object back holding the
+current weights. The original is kept outside ``_modules`` (it must not add
+state_dict keys) and its class's ``forward`` is the fallback.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Optional
+
+import torch
+from torch import nn
+from torch.nn.utils import parametrize
+
+from conv_patch.runtime import dispatch, pack
+from conv_patch.ops.conv3d import Conv3dSpec
+from conv_patch.activations import activation_code, eager_epilogue
+from conv_patch.routing.select import Route, RouteDecision, select_route
+from conv_patch.specs import ConvSpec, needs_grad
+
+# Wrapper-private state lives under this prefix and is never copied back.
+PRIVATE = "_cp_"
+
+
+class PatchedConvMixin:
+    """Behaviour shared by both wrappers; mixed in before the torch class.
+
+    A wrapper may also be constructed like its torch class
+    (``PatchedConv2d(in, out, k)``): PEFT builds its LoRA convs as
+    ``type(base_layer)(...)``. Such a module has no original; its fallback is
+    the torch class's forward and ``unwrap`` makes a plain torch module.
+    """
+
+    _cp_torch_class = nn.Module
+    _cp_transposed = False
+    _cp_original = None
+    _cp_table = None
+    _cp_pack = None
+    _cp_last = None
+    _cp_spec = None
+
+    @classmethod
+    def wrap(cls, original: nn.Module, table=None):
+        self = cls.__new__(cls)
+        self.__dict__.update(original.__dict__)
+        self.__dict__.update(_cp_original=original, _cp_table=table, _cp_pack=None, _cp_last=None, _cp_plans=None,
+                             _cp_bare=None)
+        return self
+
+    def unwrap(self) -> nn.Module:
+        """The original module, given every public attribute of the wrapper
+        (training flag, edited hyper-parameters, attributes set since)."""
+        orig = self._cp_original
+        if orig is None:
+            orig = self._cp_torch_class.__new__(self._cp_torch_class)
+        for k, v in self.__dict__.items():
+            if not k.startswith(PRIVATE):
+                orig.__dict__[k] = v
+        if parametrize.is_parametrized(self):
+            orig.__class__ = parametrized_class(type(orig), type(self))
+        pack.release(self)
+        return orig
+
+    # -- routing -----------------------------------------------------------
+    @property
+    def spec(self) -> ConvSpec:
+        """The conv's description, rebuilt after any attribute assignment."""
+        spec = self.__dict__.get("_cp_spec")
+        if spec is None:
+            spec = self.__dict__["_cp_spec"] = ConvSpec.from_module(self)
+        return spec
+
+    def __setattr__(self, name, value):
+        super().__setattr__(name, value)
+        if not name.startswith(PRIVATE):
+            self.__dict__["_cp_spec"] = None
+            dispatch.clear(self)
+
+    def route(self, x: Optional[torch.Tensor] = None, residual=None, output_padding=None) -> RouteDecision:
+        """The route this module takes for input ``x`` (the router's choice
+        weighed against PyTorch as called, ``dispatch.decide``), or, without
+        ``x``, the kernel family it is eligible for."""
+        if x is None:
+            return select_route(self.spec)
+        return dispatch.decide(self, x, self.weight, self.bias, residual, 1.0, "none", 1.0, output_padding, None,
+                               x.is_cuda and pack.on_graph_path(x))[0]
+
+    # Whether the class can be a ComfyUI conv (``is_comfy_conv_class``): only
+    # then can ComfyUI cast or patch its weights per call.
+    _cp_comfy_class = False
+
+    def _cp_comfy_active(self) -> bool:
+        return self._cp_comfy_class and comfy_active(self)
+
+    def _cp_call(self, x, residual, beta, activation, out_scale, output_padding=None, fallback_args=(),
+                 out=None, padding=None, no_bias=False):
+        """``out`` (inference only; may be ``residual``) receives the result;
+        ``padding`` and ``no_bias`` as for ``dispatch.conv``."""
+        if activation != "none":
+            activation_code(activation)
+        if torch.compiler.is_compiling():
+            # Under autocast the original forward is traced too: the opaque op
+            # would compute in the input's dtype, not autocast's.
+            if padding is None and not no_bias and not self._cp_comfy_active() and not needs_grad(
+                    x, self.weight, self.bias, residual) and not torch.is_autocast_enabled(x.device.type):
+                # One opaque custom op in the graph; it routes when it runs.
+                from conv_patch.runtime import compiled
+                return _into(out, compiled.call(self, x, residual, beta, activation, out_scale, output_padding))
+            # The op has no backward: Dynamo traces the original forward.
+            return self._cp_eager(x, residual, beta, activation, out_scale, fallback_args, out, padding, no_bias)
+        if self._cp_comfy_class and comfy_active(self):
+            # The computation must use the per-call weight ComfyUI builds, never
+            # a pack of the stored parameter: the original forward does that.
+            self.__dict__["_cp_last"] = RouteDecision(Route.FALLBACK, "ComfyUI weight casting or patching active")
+            return self._cp_eager(x, residual, beta, activation, out_scale, fallback_args, out, padding, no_bias)
+        return dispatch.conv(self, x, residual, beta, activation, out_scale, output_padding, fallback_args, out,
+                             padding, no_bias)
+
+    def call_with_epilogue(self, x, residual=None, beta=1.0, activation="none", out_scale=1.0, out=None,
+                           padding=None):
+        """``out_scale * act(self(F.pad(x, padding)) + beta * residual)``
+        into ``out`` when given, without the module's hooks (the caller's
+        business): the bare fast path where PyTorch's route was planned for
+        such a call (no ``out``, no padding of its own), else the planned
+        call. The one body of ``forward`` and of the recipes' conv steps."""
+        if out is None and padding is None and not (self._cp_comfy_class and comfy_active(self)):
+            y = dispatch.bare_call(self, x, activation, residual, beta, out_scale)
+            if y is not None:
+                return y
+        return self._cp_call(x, residual, beta, activation, out_scale, out=out, padding=padding)
+
+    def _cp_eager(self, x, residual, beta, activation, out_scale, fallback_args, out, padding, no_bias):
+        """The original forward plus the epilogue as PyTorch ops."""
+        return dispatch.eager(self, x, residual, beta, activation, out_scale, fallback_args, out, padding, no_bias)
+
+    def forward_without_bias(self, x):
+        """``(y, b)`` with ``y + b`` (``b`` [C_out], per channel) equal to
+        ``self(x)``: where the kernels or the table's cuDNN route take the
+        call, ``y`` is computed without the bias and ``b`` is ``self.bias``,
+        for the GroupNorm that reads ``y`` next to fold in
+        (``ops.group_norm(input_bias=...)``): on the cuDNN route the bias
+        costs a pass over the output of its own. Elsewhere ``(self(x), None)``.
+        Hooks are the caller's business: a hook would see ``y`` without its
+        bias."""
+        if self.bias is None or self._cp_transposed or torch.compiler.is_compiling() or self._cp_comfy_active():
+            return self(x), None
+        return self._cp_call(x, None, 1.0, "none", 1.0, no_bias=True)
+
+    def _cp_own_class(self) -> Optional[type]:
+        """The class this wrapper runs as when ``conv_patch.runtime.passthrough``
+        passes it through: its original's. None for a parametrized weight
+        (the wrapper's class holds the parametrization)."""
+        if parametrize.is_parametrized(self):
+            return None
+        orig = self._cp_original
+        return type(orig) if orig is not None else self._cp_torch_class
+
+    @property
+    def _cp_fallback_forward(self):
+        orig = self._cp_original
+        return type(orig).forward if orig is not None else self._cp_torch_class.forward
+
+    # -- nn.Module plumbing --------------------------------------------------
+    def _apply(self, fn, *args, **kwargs):
+        # A weight that moves or changes dtype drops its pack now rather than
+        # at the next call (a model offloaded to the CPU frees its GPU packs).
+        pack.release(self)
+        dispatch.clear(self)
+        return super()._apply(fn, *args, **kwargs)
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["_cp_pack"] = None
+        state["_cp_plans"] = None  # plans hold kernels and this process's buffers
+        state["_cp_bare"] = state["_cp_subpixel"] = state["_cp_gate"] = None
+        return state
+
+    def extra_repr(self) -> str:
+        last = self.__dict__.get("_cp_last")
+        label = last.label() if last is not None else self.route().label()
+        return f"{super().extra_repr()}, route={label}"
+
+
+class PatchedConv2d(PatchedConvMixin, nn.Conv2d):
+    """``forward(x, *, residual=None, beta=1.0, activation="none", out_scale=1.0, out=None)``
+    computes ``out_scale * act(conv(x) + bias + beta * residual)`` (into
+    ``out`` when given, which may be ``residual``); with the defaults it is
+    the plain convolution."""
+
+    _cp_torch_class = nn.Conv2d
+
+    def forward(self, input, *, residual=None, beta=1.0, activation="none", out_scale=1.0, out=None):
+        # call_with_epilogue's body, one frame less on the commonest call.
+        if out is None and not self._cp_comfy_class:
+            y = dispatch.bare_call(self, input, activation, residual, beta, out_scale)
+            if y is not None:
+                return y
+            return self._cp_call(input, residual, beta, activation, out_scale)
+        return self.call_with_epilogue(input, residual, beta, activation, out_scale, out)
+
+
+def parametrized_class(cls: type, parametrized: type) -> type:
+    """``cls`` as torch's parametrize makes it for a module it parametrizes,
+    with the parametrized tensors of class ``parametrized`` (a wrapper's
+    class after ``register_parametrization``): a subclass holding the same
+    class dictionary, i.e. each tensor's property and parametrize's
+    ``__getstate__`` / ``__deepcopy__``. The parametrizations themselves are
+    in ``_modules``, which the original shares with its wrapper; and
+    ``remove_parametrizations`` restores ``__bases__[0]``, here ``cls``."""
+    own = {k: v for k, v in vars(parametrized).items()
+           if not k.startswith("__") or k in ("__getstate__", "__deepcopy__")}
+    name = parametrized.__name__.replace(parametrized.__bases__[0].__name__, cls.__name__, 1)
+    return type(name, (cls,), dict(own, __module__=parametrized.__module__, __qualname__=name))
+
+
+def _into(out: Optional[torch.Tensor], y: torch.Tensor) -> torch.Tensor:
+    return y if out is None else out.copy_(y)
+
+
+_COMFY_ATTRS = ("comfy_cast_weights", "weight_function", "bias_function")
+
+
+def comfy_active(m) -> bool:
+    """ComfyUI is casting this module's weights per call (low-VRAM) or
+    patching them (``weight_function``/``bias_function``, e.g. LoRA).
+    Read from the instance's and the class's dictionaries: a plain
+    ``getattr`` of a missing name goes through ``nn.Module.__getattr__`` and
+    an AttributeError, microseconds on every call of every conv."""
+    d, cls = m.__dict__, type(m)
+    return any(d[a] if a in d else getattr(cls, a, None) for a in _COMFY_ATTRS)
+
+
+def is_comfy_conv_class(cls: type) -> bool:
+    """ComfyUI's conv classes (``comfy.ops.disable_weight_init.Conv2d``,
+    ``manual_cast.Conv2d``, and copies in custom nodes) override ``forward``
+    with a known contract: they compute like their torch base unless
+    ``comfy_cast_weights`` or a weight/bias function is set. Recognised by
+    structure, not import path, so ComfyUI need not be importable."""
+    return (hasattr(cls, "comfy_cast_weights") and hasattr(cls, "weight_function")
+            and callable(getattr(cls, "forward_comfy_cast_weights", None)))
+
+
+_DYNAMIC: dict = {}
+
+
+def wrapper_class_for(cls: type) -> type:
+    """The wrapper class of a convolution class. For a ComfyUI conv class it
+    is a subclass of both our wrapper and that class: ComfyUI's model patcher
+    finds modules by ``hasattr(m, "comfy_cast_weights")``, and the class's own
+    ``forward`` (our fallback) calls ``super().forward``, which needs ``self``
+    to be an instance of it."""
+    if cls is nn.Conv2d or cls is PatchedConv2d:
+        return PatchedConv2d
+    if cls is nn.ConvTranspose2d or cls is PatchedConvTranspose2d:
+        return PatchedConvTranspose2d
+    if cls is nn.Conv3d or cls is PatchedConv3d:
+        return PatchedConv3d
+    if issubclass(cls, nn.Conv3d):
+        base = PatchedCausalConv3d  # the only Conv3d subclasses apply() takes (causal_conv3d_problem)
+    else:
+        base = PatchedConvTranspose2d if issubclass(cls, nn.ConvTranspose2d) else PatchedConv2d
+    if cls not in _DYNAMIC:
+        _DYNAMIC[cls] = type(f"Patched{cls.__name__}", (base, cls), {
+            "_cp_torch_class": cls, "_cp_comfy_class": is_comfy_conv_class(cls), "__module__": __name__,
+            "__qualname__": f"Patched{cls.__name__}",
+            "__doc__": f"conv-patch wrapper of {cls.__module__}.{cls.__qualname__}.",
+            "__reduce_ex__": _reduce_dynamic,
+        })
+    return _DYNAMIC[cls]
+
+
+def _reduce_dynamic(self, protocol):
+    # Dynamic classes cannot be found by name when unpickling: rebuild them
+    # from the original class, which can.
+    return (_rebuild_dynamic, (self._cp_torch_class,), self.__getstate__())
+
+
+def _rebuild_dynamic(cls):
+    return wrapper_class_for(cls).__new__(wrapper_class_for(cls))
+
+
+class PatchedConvTranspose2d(PatchedConvMixin, nn.ConvTranspose2d):
+    """Same extended call as PatchedConv2d, after ConvTranspose2d's own
+    ``output_size`` argument."""
+
+    _cp_torch_class = nn.ConvTranspose2d
+    _cp_transposed = True
+
+    def forward(self, input, output_size=None, *, residual=None, beta=1.0, activation="none",
+                out_scale=1.0):
+        output_padding = None
+        if output_size is not None:
+            output_padding = tuple(self._output_padding(
+                input, output_size, self.stride, self.padding, self.kernel_size, 2, self.dilation))
+        return self._cp_call(input, residual, beta, activation, out_scale, output_padding,
+                             fallback_args=(output_size,))
+
+
+class PatchedConv3d(PatchedConvMixin, nn.Conv3d):
+    """``forward(x, *, cache=None, residual=None, beta=1.0, activation="none", out_scale=1.0)``:
+    ``out_scale * act(conv(cat([cache, x], 2)) + bias + beta * residual)``;
+    with the defaults the plain convolution. Routed by ``dispatch.conv3d``."""
+
+    _cp_torch_class = nn.Conv3d
+
+    @property
+    def spec(self) -> Conv3dSpec:
+        spec = self.__dict__.get("_cp_spec")
+        if spec is None:
+            spec = self.__dict__["_cp_spec"] = Conv3dSpec.from_module(self, self._cp_own_pads())
+        return spec
+
+    def _cp_own_pads(self):
+        return None
+
+    def route(self, x: Optional[torch.Tensor] = None, residual=None, output_padding=None) -> RouteDecision:
+        """The route of input ``x`` (``dispatch.conv3d_decide``), or, without
+        ``x``, the kernel family the module is eligible for."""
+        if x is None:
+            problem = self.spec.problem()
+            return RouteDecision(Route.FALLBACK, problem) if problem else RouteDecision(Route.CONV3D_IGEMM)
+        return dispatch.conv3d_decide(self.spec, x, self.weight, self.bias, None, residual, False,
+                                      self._cp_table)[0]
+
+    def forward(self, input, *, cache=None, residual=None, beta=1.0, activation="none", out_scale=1.0):
+        if activation != "none":
+            activation_code(activation)
+
+        def own():
+            return self._cp_fallback_forward(self, input if cache is None else torch.cat([cache, input], 2))
+        if torch.compiler.is_compiling() or self._cp_comfy_active():
+            return eager_epilogue(own(), residual, beta, activation, out_scale)
+        return dispatch.conv3d(self, input, own, cache=cache, residual=residual, beta=beta, activation=activation,
+                               out_scale=out_scale)
+
+    def forward_without_bias(self, x):
+        return self(x), None
+
+
+class PatchedCausalConv3d(PatchedConv3d):
+    """The wrapper of a video VAE's causal Conv3d (``causal_conv3d_problem``
+    says which): ``forward(x, cache_x=None)`` as the module computes it (and
+    ComfyUI's ``cache_list``/``cache_idx``, which hand over the cached frames
+    by list slot and clear it), the cached frames and the front time padding
+    read in place by the kernel instead of ``torch.cat`` and ``F.pad``
+    copies. ``causal`` is the same call with the fused epilogue."""
+
+    def _cp_own_pads(self):
+        pw0, pw1, ph0, ph1, pt0, pt1 = self._padding
+        return (pt0, pt1), (ph0, ph1), (pw0, pw1)
+
+    def forward(self, x, cache_x=None, cache_list=None, cache_idx=None):
+        if cache_list is not None:
+            cache_x = cache_list[cache_idx]
+            cache_list[cache_idx] = None
+        return self.causal(x, cache_x)
+
+    def causal(self, x, cache_x=None, *, residual=None, beta=1.0, activation="none", out_scale=1.0):
+        """``out_scale * act(self(x, cache_x) + beta * residual)``."""
+        def own():
+            return self._cp_fallback_forward(self, x, cache_x)
+        if torch.compiler.is_compiling() or self._cp_comfy_active() or x.dim() != 5:
+            return eager_epilogue(own(), residual, beta, activation, out_scale)
+        (pt0, pt1), hw_h, hw_w = self._cp_own_pads()
+        cache = None
+        if cache_x is not None and pt0 > 0:
+            # The module pads time by what the cached frames do not cover.
+            if cache_x.dim() != 5 or cache_x.device != x.device:
+                return eager_epilogue(own(), residual, beta, activation, out_scale)
+            cache, pt0 = cache_x, pt0 - cache_x.shape[2]
+        if pt0 < 0:
+            # More cached frames than padding: F.pad would crop them.
+            return eager_epilogue(own(), residual, beta, activation, out_scale)
+        return dispatch.conv3d(self, x, own, cache=cache, pads=((pt0, pt1), hw_h, hw_w), residual=residual,
+                               beta=beta, activation=activation, out_scale=out_scale)
+
+
+def causal_conv3d_problem(m: nn.Module) -> Optional[str]:
+    """Why ``m`` is not a causal Conv3d of the Wan family (diffusers'
+    ``WanCausalConv3d``, ComfyUI's ``CausalConv3d``), or None. Recognised by
+    structure: ``forward(x, cache_x=None)`` (ComfyUI's also takes
+    ``cache_list=None, cache_idx=None``: the cached frames by list slot),
+    which puts ``cache_x`` in front of ``x`` along time where it pads time
+    and then pads by ``_padding`` (F.pad order, the time entries last, front
+    only, less the cached frames), with the module's own ``padding`` zero."""
+    cls = type(m)
+    if not (isinstance(m, nn.Conv3d) and cls.__name__.endswith("CausalConv3d")):
+        return "not a causal Conv3d"
+    try:
+        params = list(inspect.signature(cls.forward).parameters.values())
+    except (TypeError, ValueError):
+        return "forward has no readable signature"
+    names = [p.name for p in params]
+    if (names not in (["self", "x", "cache_x"], ["self", "x", "cache_x", "cache_list", "cache_idx"])
+            or any(p.default is not None for p in params[2:])):
+        return "forward is not forward(x, cache_x=None[, cache_list=None, cache_idx=None])"
+    pad = m.__dict__.get("_padding")
+    if not (isinstance(pad, (tuple, list)) and len(pad) == 6 and all(isinstance(v, int) and v >= 0 for v in pad)):
+        return "no _padding of six non-negative ints"
+    if pad[5] != 0:
+        return "pads time at the back too"
+    if tuple(m.padding) != (0, 0, 0):
+        return "pads through padding as well as _padding"
+    return None

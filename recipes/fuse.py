@@ -1,0 +1,502 @@
+"""How a recipe takes over a block, and the fused steps recipes are made of.
+
+A recipe does not replace the user's block object: it gives the *same object*
+a subclass of its own class whose ``forward`` runs the fused computation
+(``block.__class__ = Fused<Block>``). ``isinstance``, the state-dict keys, the
+parameters, hooks and attributes are untouched, and ``remove()`` puts the
+original class back. The fused forward checks at every call that it may run
+(eval-mode dropout, no autograd, no hooks on the parts it bypasses, the
+arguments it was written for); otherwise it calls the class's own forward.
+
+The steps (``group_norm``, ``conv``, ``upsample_conv``) run conv-patch's
+kernels where the module is patched and the kernels can take the call, and
+the module's own computation otherwise, so a conv excluded by ``filter_fn`` or
+falling back for any reason keeps its exact PyTorch semantics.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Dict, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.modules import module as torch_module
+
+from conv_patch.runtime import dispatch, pack, passthrough
+from conv_patch import functional
+from conv_patch.ops.conv2d import kernel_errors
+from conv_patch.routing.costs import group_norm_pays
+from conv_patch.specs import needs_grad
+from conv_patch.target import target_for
+from conv_patch.runtime.wrappers import PatchedCausalConv3d, PatchedConvMixin, comfy_active, is_comfy_conv_class
+
+if __name__.partition(".")[0] != "conv_patch":
+    # A checkout's root on sys.path shows recipes/ as a namespace package; its
+    # modules are conv_patch.recipes' and must not load twice under two names.
+    raise ImportError(f"{__name__} is conv-patch's conv_patch.recipes.{__name__.rpartition('.')[2]}: import that one")
+
+
+class Recipe:
+    """A named rewrite: ``match(module)`` says whether it applies (by class
+    name and structure, never by import path, so copies of a class in other
+    packages, like ComfyUI's, are recognised); ``forward(module, *a, **k)``
+    is the fused forward, ``base(module, *a, **k)`` the class's own."""
+
+    name = ""
+    what = ""
+    # Whether the block runs convs whose weight packs its calls refresh as
+    # a group (``pack.grouped``); a norm's recipe runs none.
+    runs_convs = True
+
+    def match(self, module: nn.Module) -> bool:
+        raise NotImplementedError
+
+    def forward(self, module, *args, **kwargs):
+        raise NotImplementedError
+
+    # ``unfused(module, args, kwargs)``, where a recipe defines it: for a
+    # call the recipe measured slower than its block's own forward with
+    # everything under it unpatched-but-for-the-convs (``recipes=False``),
+    # the class swaps that make it so (``passthrough.own_class_swaps``);
+    # None for a call the recipe runs. Asked at every call of the block,
+    # before its pack group is refreshed.
+    unfused = None
+
+    def upsample_convs(self, module) -> tuple:
+        """The convs this recipe runs on a nearest-x2 upsampled input as
+        the four 2x2 convs of ``functional.upsample_conv2d`` (the tuner traces
+        those, not the 3x3 conv on the 4x input the unpatched model runs)."""
+        return ()
+
+
+class FusedBlock:
+    """Mixed in first: the fused forward; the block's class stays a base."""
+
+    _cp_recipe: Recipe = None
+    _cp_base: type = nn.Module
+
+    def forward(self, *args, **kwargs):
+        if not kernels_may_run_on(args, kwargs):
+            # No kernel runs on this device (a CPU without the interpreter):
+            # the block's own forward, so that a patched model computes
+            # exactly what the unpatched one does (a recipe's NHWC layout
+            # alone changes the CPU's rounding).
+            return self._cp_base.forward(self, *args, **kwargs)
+        watch = passthrough.Watch.now
+        if watch is not None and watch.observes(self):
+            # A passthrough watch is learning which fused blocks do work.
+            return watch.observe(self, args, kwargs)
+        unfused = self._cp_recipe.unfused
+        if unfused is not None:
+            swaps = unfused(self, args, kwargs)
+            if swaps is not None:
+                return passthrough.run_unfused(self, swaps, functools.partial(self._cp_base.forward, self, *args,
+                                                                              **kwargs))
+        if (self._cp_recipe.runs_convs and pack.ACTIVE.group is None and self.__dict__.get("_cp_graphs") is None
+                and not pack.GRAPH_PATH and not torch.compiler.is_compiling()):
+            # The outermost fused block of this call (no group active in this
+            # thread): its convs' weight packs are refreshed together at its
+            # start (conv_patch/pack.py says why).
+            return pack.grouped(self, self._cp_run, args, kwargs)
+        return self._cp_run(*args, **kwargs)
+
+    def _cp_run(self, *args, **kwargs):
+        bands = self.__dict__.get("_cp_bands")
+        if bands is not None:
+            # PatchConfig(max_activation_gib=...) on a VAE Decoder/Encoder:
+            # the call in bands where its activations would not fit.
+            y = bands(self, args, kwargs)
+            if y is not None:
+                return y
+        graphs = self.__dict__.get("_cp_graphs")
+        if graphs is not None:
+            # PatchConfig(cuda_graphs=True) on an outermost fused block.
+            return graphs(self, functools.partial(self._cp_recipe.forward, self), args, kwargs)
+        return self._cp_recipe.forward(self, *args, **kwargs)
+
+    def _cp_own_class(self) -> type:
+        """The class this block runs as when ``conv_patch.runtime.passthrough``
+        passes it through: its own."""
+        return self._cp_base
+
+    def __reduce_ex__(self, protocol):
+        # The dynamic class cannot be found by name when unpickling.
+        return (_rebuild, (self._cp_base, self._cp_recipe.name), self.__getstate__())
+
+    def __getstate__(self):
+        state = super().__getstate__()
+        if any(state.get(k) is not None for k in ("_cp_plans", "_cp_norm_plan", "_cp_packs", "_cp_own_swaps")):
+            # Plans hold this process's kernels and recorded launches
+            # (conv_patch.runtime.dispatch), which neither pickle nor deep-copy; a
+            # pack group, this module's convs (a copy learns its own); the
+            # class swaps of a stack run unfused, the dynamic classes.
+            state = dict(state, _cp_plans=None, _cp_norm_plan=None, _cp_packs=None, _cp_own_swaps=None)
+        return state
+
+
+def kernels_may_run_on(args: tuple, kwargs: dict) -> bool:
+    """Whether conv-patch's kernels can run on the device of a block call's
+    first tensor argument (True where there is none: the recipe decides).
+    A CUDA tensor is asked no further: this runs at every fused block's
+    call, and a GPU without kernels (older than sm80) runs the recipes'
+    steps on PyTorch's ops in the same layout as the GPUs that have them."""
+    for v in (*args, *kwargs.values()):
+        if isinstance(v, torch.Tensor):
+            return v.is_cuda or target_for(v.device).kernels
+    return True
+
+
+REGISTRY: Dict[str, Recipe] = {}
+_CLASSES: Dict[tuple, type] = {}
+
+
+def register(recipe: Recipe) -> Recipe:
+    REGISTRY[recipe.name] = recipe
+    return recipe
+
+
+def fused_class(cls: type, recipe: Recipe) -> type:
+    key = (cls, recipe.name)
+    if key not in _CLASSES:
+        _CLASSES[key] = type(f"Fused{cls.__name__}", (FusedBlock, cls), {
+            "_cp_recipe": recipe, "_cp_base": cls, "__module__": __name__,
+            "__qualname__": f"Fused{cls.__name__}",
+            "__doc__": f"{cls.__module__}.{cls.__qualname__} with conv-patch's {recipe.name!r} recipe.",
+        })
+    return _CLASSES[key]
+
+
+def _rebuild(cls: type, name: str):
+    klass = fused_class(cls, REGISTRY[name])
+    return klass.__new__(klass)
+
+
+def is_fused(module: nn.Module) -> bool:
+    return isinstance(module, FusedBlock)
+
+
+def base(module, *args, **kwargs):
+    """The block's own forward (what it computes unpatched)."""
+    return module._cp_base.forward(module, *args, **kwargs)
+
+
+# -- call-time guards ---------------------------------------------------------
+def _global_hooks() -> bool:
+    m = torch_module
+    return bool(m._global_forward_hooks or m._global_forward_pre_hooks
+                or getattr(m, "_global_forward_hooks_always_called", None))
+
+
+def plain(*modules: Optional[nn.Module]) -> bool:
+    """No forward hooks on the modules a fused forward calls around (a hook
+    there expects to see that module run)."""
+    if _global_hooks():
+        return False
+    for m in modules:
+        if m is not None and (m._forward_hooks or m._forward_pre_hooks):
+            return False
+    return True
+
+
+def parts(m: nn.Module, *names: str) -> tuple:
+    """``m``'s submodules (or plain attributes) ``names``, None where
+    absent, read from its dictionaries: a fused forward runs at every call,
+    and ``m.name`` of a submodule goes through ``nn.Module.__getattr__``
+    (about a microsecond each on a GPU host, a dozen per block)."""
+    mods, d = m.__dict__["_modules"], m.__dict__
+    return tuple([mods[n] if n in mods else d.get(n) for n in names])  # a list: no generator frame
+
+
+def inference(x: torch.Tensor, *modules: Optional[nn.Module]) -> bool:
+    """Nothing needs autograd: the fused steps compute no backward."""
+    if not torch.is_grad_enabled():
+        return True  # no_grad / inference_mode: nothing is recorded (and no parameter walk per call)
+    params = [p for m in modules if m is not None for p in m.parameters(recurse=False)]
+    return not needs_grad(x, *params)
+
+
+def dropout_is_identity(m: Optional[nn.Module]) -> bool:
+    return m is None or isinstance(m, nn.Identity) or (
+        type(m) is nn.Dropout and (not m.training or m.p == 0.0))
+
+
+def is_silu(m) -> bool:
+    return type(m) is nn.SiLU
+
+
+def is_relu(m) -> bool:
+    return type(m) is nn.ReLU
+
+
+def is_conv(m, k: Optional[int] = None, stride: int = 1, padding: Optional[int] = None) -> bool:
+    """A plain (or patched) 2-D convolution with square ``k``, ``stride``,
+    dilation 1, groups 1, zero padding ``padding``."""
+    if not isinstance(m, nn.Conv2d) or isinstance(m, nn.ConvTranspose2d):
+        return False
+    if m.groups != 1 or tuple(m.dilation) != (1, 1) or m.padding_mode != "zeros":
+        return False
+    if k is not None and tuple(m.kernel_size) != (k, k):
+        return False
+    if tuple(m.stride) != (stride, stride):
+        return False
+    return padding is None or (not isinstance(m.padding, str) and tuple(m.padding) == (padding, padding))
+
+
+def is_group_norm(m) -> bool:
+    """``nn.GroupNorm`` whose forward is the torch one (ComfyUI's GroupNorm
+    overrides it with the same contract unless it is casting weights)."""
+    if not isinstance(m, nn.GroupNorm):
+        return False
+    cls = getattr(type(m), "_cp_base", type(m))
+    return cls.forward is nn.GroupNorm.forward or is_comfy_conv_class(cls)
+
+
+def rms_norm_params(m) -> Optional[tuple]:
+    """``(weight, bias, scale, eps)`` of an RMS norm over channels of the
+    Wan family (diffusers' ``WanRMS_norm`` and ``QwenImageRMS_norm``,
+    ComfyUI's ``RMS_norm``: ``F.normalize(x, dim=1) * scale * gamma +
+    bias``), or None. ``bias`` is None where the module adds nothing (its
+    ``0.0`` or ``None``)."""
+    cls = getattr(type(m), "_cp_base", type(m))
+    if not (isinstance(m, nn.Module) and cls.__name__.endswith("RMS_norm")):
+        return None
+    d, params = m.__dict__, m.__dict__["_parameters"]
+    gamma, scale = params.get("gamma"), d.get("scale")
+    if d.get("channel_first") is not True or gamma is None or not isinstance(scale, float):
+        return None
+    c = gamma.shape[0] if gamma.dim() else 0
+    if gamma.dim() < 2 or gamma.numel() != c or any(n != 1 for n in gamma.shape[1:]):
+        return None
+    bias = params["bias"] if "bias" in params else d.get("bias")
+    if bias is None or (isinstance(bias, float) and bias == 0.0):
+        bias = None
+    elif not (isinstance(bias, torch.Tensor) and bias.shape == gamma.shape):
+        return None
+    return gamma, bias, scale, 1e-12
+
+
+# -- fused steps ---------------------------------------------------------------
+def kernel_step(m: nn.Module, fn):
+    """``fn()``, a step of conv ``m`` run on the kernels outside its conv
+    plans (the subpixel upsample, GroupNorm+conv in bands); None where a
+    kernel cannot be built or launched here: warned once
+    (``dispatch.kernel_failure``) and remembered on ``m``, whose later calls
+    take its planned path, which has its own fallback."""
+    if m.__dict__.get("_cp_step_failed"):
+        return None
+    try:
+        return fn()
+    except kernel_errors() as e:
+        m.__dict__["_cp_step_failed"] = dispatch.kernel_failure(e)
+        return None
+
+
+def _kernels_may_run(m: nn.Module) -> bool:
+    return (isinstance(m, PatchedConvMixin) and not (m._cp_comfy_class and comfy_active(m))
+            and not (m._forward_hooks or m._forward_pre_hooks))
+
+
+def norm_is_eager(x: torch.Tensor, numel: Optional[int] = None) -> bool:
+    """Whether ``group_norm`` runs PyTorch's GroupNorm (below the kernels'
+    crossover) on ``x``, or on a tensor of ``numel`` elements on its device."""
+    return x.is_cuda and not group_norm_pays(x.numel() if numel is None else numel)
+
+
+def group_norm(norm: nn.GroupNorm, x: torch.Tensor, activation: str = "none",
+               out: Optional[torch.Tensor] = None, input_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``act(norm(x + input_bias))`` (``input_bias`` per channel, the bias
+    of the conv that made ``x``, see ``conv_without_bias``); one pass of
+    conv-patch's GroupNorm kernels where they can run, else the norm class's
+    own forward and PyTorch's activation. ``out`` (may be ``x``) receives
+    the result. Hooks are the caller's business (fused blocks check
+    ``plain`` first, the GroupNorm recipe runs inside the module's own
+    call)."""
+    if norm_is_eager(x):
+        # PyTorch's GroupNorm is faster at this size:
+        # decided here, before any signature is built.
+        return dispatch.group_norm_eager(norm, x, activation, out, input_bias)
+    if x.dim() == 4 and not comfy_active(norm):
+        return dispatch.group_norm(norm, x, activation, out, input_bias)
+    return dispatch.group_norm_eager(norm, x, activation, out, input_bias)
+
+
+def rms_norm(norm: nn.Module, x: torch.Tensor, activation: str = "none") -> torch.Tensor:
+    """``act(norm(x))`` for an RMS norm ``rms_norm_params`` recognises, on
+    ``x`` of one more axis than its gamma (the broadcast the module was
+    written for; the caller checks): one pass of conv-patch's kernel where it
+    takes the call (``dispatch.rms_norm``), else the norm's own forward and
+    PyTorch's activation. Hooks are the caller's business."""
+    own = getattr(type(norm), "_cp_base", type(norm)).forward
+    return dispatch.rms_norm(norm, x, rms_norm_params(norm), lambda: own(norm, x), activation)
+
+
+def causal_conv3d(m: nn.Conv3d, x: torch.Tensor, cache_x: Optional[torch.Tensor] = None, *,
+                  residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``m(x, cache_x) + residual`` for a causal Conv3d of the Wan family
+    (``wrappers.causal_conv3d_problem``): the cached frames read in place and
+    the residual in the epilogue where ``m`` is patched and the kernel takes
+    the call, the module's own call and a PyTorch add otherwise."""
+    if isinstance(m, PatchedCausalConv3d) and not (m._forward_hooks or m._forward_pre_hooks):
+        return m.causal(x, cache_x, residual=residual)
+    y = m(x, cache_x)
+    return y if residual is None else y + residual
+
+
+def conv(m: nn.Conv2d, x: torch.Tensor, *, padding=None, residual=None, beta: float = 1.0,
+         activation: str = "none", out_scale: float = 1.0, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``out_scale * act(m(F.pad(x, padding)) + beta * residual)``; one
+    kernel where ``m`` is patched and the kernels take the call. ``padding``
+    (F.pad order) is folded into the conv's bounds, in place of the
+    module's own padding (``dispatch.forward_with_padding``: a band of an
+    image padded on its image-edge sides only); ``out`` receives the result
+    (it may be ``residual``: the epilogue reads each residual element
+    before writing it)."""
+    if padding is not None and isinstance(m.padding, str):
+        raise ValueError(f"conv(padding=...) replaces a numeric padding; {m} pads {m.padding!r}")
+    if _kernels_may_run(m):
+        # The wrapper's own call (hooks were ruled out), through the one
+        # dispatch entry: the folded pad is part of the call's signature.
+        return m.call_with_epilogue(x, residual, beta, activation, out_scale, out,
+                                    None if padding is None else tuple(padding))
+    if padding is not None:
+        y = dispatch.forward_with_padding(m, x, padding, m)
+    else:
+        y = m(x)
+    y = functional.eager_epilogue(y, residual, beta, activation, out_scale)
+    return y if out is None else out.copy_(y)
+
+
+# A normalised conv input of at least BAND_FROM_BYTES is made band by band
+# (functional.group_norm_conv2d) in bands of BAND_BYTES: in a 2048^2 FLUX decode the
+# first full-resolution block's input is 2 GiB and its normalised copy
+# another 2; at 1024^2 no input reaches 1 GiB and every conv stays one launch.
+BAND_FROM_BYTES = 1 << 30
+BAND_BYTES = 256 << 20
+
+
+def conv_without_bias(m: nn.Conv2d, x: torch.Tensor):
+    """``(y, b)`` with ``y + b`` (``b`` per channel, or None) equal to
+    ``m(x)``, for the GroupNorm that reads ``y`` next to add ``b``
+    (``PatchedConv2d.forward_without_bias`` says where and why). Only for a
+    conv without hooks."""
+    if _kernels_may_run(m) and isinstance(m, nn.Conv2d) and not isinstance(m, nn.ConvTranspose2d):
+        return m.forward_without_bias(x)
+    return m(x), None
+
+
+def norm_conv(norm: nn.GroupNorm, m: nn.Conv2d, x: torch.Tensor, activation: str = "silu",
+              keep_bias: bool = False):
+    """``m(act(norm(x)))``: the normalised input made in row bands where it
+    would be large (and the kernels take both ops), else whole. With
+    ``keep_bias`` the pair ``conv_without_bias`` returns, for a GroupNorm to
+    add the bias."""
+    if (x.dim() == 4 and x.numel() * x.element_size() >= BAND_FROM_BYTES and _kernels_may_run(m)
+            and not comfy_active(norm) and is_conv(m, 3, 1, 1) and not torch.compiler.is_compiling()
+            and inference(x, norm, m)):
+        try:
+            y = kernel_step(m, lambda: functional.group_norm_conv2d(
+                x, norm.num_groups, norm.weight, norm.bias, norm.eps, activation,
+                pack.packed_weight(m, m.weight, False), m.bias, band_bytes=BAND_BYTES, table=m._cp_table))
+            if y is not None:
+                return (y, None) if keep_bias else y
+        except functional.UnsupportedConv:
+            pass
+    if keep_bias:
+        return conv_without_bias(m, group_norm(norm, x, activation))
+    return conv(m, group_norm(norm, x, activation))
+
+
+def resnet(x: torch.Tensor, norm1, conv1, norm2, conv2, shortcut=None, out_scale: float = 1.0,
+           shift: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The resnet block, ``(sc(x) + conv2(silu(norm2(conv1(silu(norm1(x))) + shift)))) * out_scale``
+    (``shift`` [B, C, 1, 1], a UNet's projected time embedding, added in
+    conv1's epilogue): GroupNorm+SiLU passes (the first in bands where
+    large), the residual in conv2's epilogue. Where norm2 runs on the
+    kernels, intermediates this function made are reused in place (norm2
+    over conv1's output, which leaves conv1's bias to norm2; conv2's output
+    over the shortcut's), which keeps a 2048^2 block at its input plus two
+    outputs; not where a hook on the conv that made them may hold on to
+    them. Where norm2 is PyTorch's, that would cost two more ops (the bias
+    added, the copy back) than the block's own forward, so it is not."""
+    if shift is not None:
+        h = conv(conv1, group_norm(norm1, x, "silu"),
+                 residual=shift.expand(x.shape[0], conv1.out_channels, x.shape[2], x.shape[3]))
+        h = group_norm(norm2, h, "silu", out=None if norm_is_eager(h) or not plain(conv1) else h)
+    elif plain(conv1) and not norm_is_eager(x, x.numel() // max(x.shape[1], 1) * conv1.out_channels):
+        h, b = norm_conv(norm1, conv1, x, keep_bias=True)
+        h = group_norm(norm2, h, "silu", out=h, input_bias=b)
+    else:
+        h = norm_conv(norm1, conv1, x)
+        h = group_norm(norm2, h, "silu")
+    if shortcut is None:
+        return like_input(conv(conv2, h, residual=x, out_scale=out_scale), x)
+    sc = conv(shortcut, x)
+    # Into the shortcut's output where the block runs on the kernels (the
+    # memory the large blocks need); where its norms are PyTorch's, its
+    # convs are too, and there ``out`` would cost a copy of its own.
+    into_sc = plain(shortcut) and not norm_is_eager(h)
+    return like_input(conv(conv2, h, residual=sc, out_scale=out_scale, out=sc if into_sc else None), x)
+
+
+def upsample_conv(m: nn.Conv2d, x: torch.Tensor, *, residual=None, activation: str = "none") -> torch.Tensor:
+    """``act(m(F.interpolate(x, scale_factor=2, mode="nearest")) + residual)``
+    for a 3x3, padding-1 conv: folded into four planned 2x2 convs of ``x``
+    (``dispatch.upsample_conv``) where ``m`` is patched and the problem is
+    large enough for that to pay (``functional.subpixel_pays``)."""
+    if _kernels_may_run(m) and functional.subpixel_pays(x, m.weight):
+        if torch.compiler.is_compiling():
+            # Traced as its plain expression (functional.upsample_conv2d), which Inductor fuses.
+            return functional.upsample_conv2d(x, m.weight, m.bias, residual=residual, activation=activation)
+        y = kernel_step(m, lambda: dispatch.upsample_conv(m, x, residual, activation))
+        if y is not None:
+            return y
+    if _kernels_may_run(m):
+        # Small: upsample, then one launch with the epilogue fused.
+        return m(F.interpolate(x, scale_factor=2.0, mode="nearest"), residual=residual, activation=activation)
+    y = m(F.interpolate(x, scale_factor=2.0, mode="nearest"))
+    return functional.eager_epilogue(y, residual, 1.0, activation, 1.0)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``softmax(q k^T / sqrt(D)) v`` over [B, N, D] tokens (the VAE
+    mid-block's one head): ``functional.attention``, which materialises the scores
+    in blocks where PyTorch has no fused kernel for the head width."""
+    return functional.attention(q, k, v)
+
+
+def to_tokens(x: torch.Tensor) -> torch.Tensor:
+    """[B, C, H, W] as [B, H*W, C] tokens: a view of an NHWC tensor."""
+    b, c, h, w = x.shape
+    return x.permute(0, 2, 3, 1).reshape(b, h * w, c)
+
+
+def from_tokens(t: torch.Tensor, h: int, w: int) -> torch.Tensor:
+    """[B, H*W, C] tokens back as [B, C, H, W]: an NHWC view of ``t``."""
+    return t.view(t.shape[0], h, w, t.shape[2]).permute(0, 3, 1, 2)
+
+
+def channels_last(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as dense NHWC: the layout the kernels read natively (NCHW costs
+    them a staging copy per conv), reached once at a model's entry."""
+    if x.dim() != 4 or x.is_contiguous(memory_format=torch.channels_last):
+        return x
+    if (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16, torch.float32) and x.is_contiguous()
+            and not torch.compiler.is_compiling()):
+        return functional.to_nhwc(x) if functional.target_for(x.device).kernels else x.contiguous(memory_format=torch.channels_last)
+    return x.contiguous(memory_format=torch.channels_last)
+
+
+def like_input(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``y`` in the memory format ``x`` came in, where ``x``'s strides say
+    which: recipes may work in NHWC inside (and PyTorch's own GroupNorm may
+    hand back NCHW from an NHWC input on the GPU), the block's output keeps
+    the caller's layout, as ``x + h`` does in the unpatched block."""
+    if y.dim() != 4 or x.dim() != 4:
+        return y
+    if x.is_contiguous():
+        return y if y.is_contiguous() else y.contiguous()
+    if x.is_contiguous(memory_format=torch.channels_last) and not y.is_contiguous(memory_format=torch.channels_last):
+        return y.contiguous(memory_format=torch.channels_last)
+    return y

@@ -13,7 +13,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from conv_patch import functional as ops
+from conv_patch import functional
 
 from .common import interleaved_ms, print_table, side_by_side_setup, write_results
 
@@ -40,10 +40,10 @@ def main(argv=None):
         for nhwc in (False, True):
             xx = x.contiguous(memory_format=torch.channels_last) if nhwc else x
             ref = F.silu(F.group_norm(xx.double(), args.groups, w.double(), b.double(), 1e-6))
-            y = ops.group_norm(xx, args.groups, w, b, 1e-6, "silu")
+            y = functional.group_norm(xx, args.groups, w, b, 1e-6, "silu")
             err = ((y.double() - ref).norm() / ref.norm()).item()
             ours, theirs = interleaved_ms([
-                lambda: ops.group_norm(xx, args.groups, w, b, 1e-6, "silu"),
+                lambda: functional.group_norm(xx, args.groups, w, b, 1e-6, "silu"),
                 lambda: F.silu(F.group_norm(xx, args.groups, w, b, 1e-6)),
             ], rounds=args.rounds)
             nbytes = 3 * x.numel() * x.element_size()

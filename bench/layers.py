@@ -23,9 +23,9 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from conv_patch import functional as ops
+from conv_patch import functional
 from conv_patch.tools.model_shapes import distinct_calls
-from conv_patch.routing.select import select_route
+from conv_patch.routing.decide import decide
 from conv_patch.specs import CallDesc
 from conv_patch.tools.tune import geomean, graph_replay
 from conv_patch.target import target_for
@@ -49,12 +49,12 @@ def run_layer(call, layout, dtype, rounds, fused, device, graph=False):
     st, pad, dil = spec.stride, spec.padding_arg, spec.dilation
     y = spec.torch_conv2d(x, w, b)
     r = torch.randn(y.shape, device=device, dtype=dtype, generator=g).contiguous(memory_format=fmt)
-    decision = select_route(spec, CallDesc.of_call(x, packed, b), target_for(x.device))
+    decision = decide(spec, CallDesc.of_call(x, packed, b), target_for(x.device), as_called=False)
 
     def ours(**kw):
         if refresh:
             packed.copy_(w)  # the per-call refresh the wrapper does
-        return ops.conv2d(x, packed, b, st, pad, dil, **kw)
+        return functional.conv2d(x, packed, b, st, pad, dil, **kw)
 
     if fused:
         fns = [lambda: F.silu(spec.torch_conv2d(x, w, b) + r),

@@ -20,16 +20,20 @@ import torch.nn.functional as F
 from torch import nn
 
 import conv_patch
+from conv_patch import functional
 from conv_patch.routing import tables as config_tables
-from conv_patch.runtime import dispatch
-from conv_patch import functional as ops
-from conv_patch.kernels import api as kernels
+from conv_patch.routing.decide import LEAN, LEAN_CONFIG
+from conv_patch.routing.registry import BY_ROUTE, CUDNN_TABLE_ROUTE, Route, launcher_of
+from conv_patch.runtime.call import Call
+from conv_patch.runtime.plans import conv_key
+from conv_patch.runtime.state import state_of
 from conv_patch.specs import ConvSpec
 
 from .common import kernel_device, print_table, write_results
 
+TMA = BY_ROUTE[Route.CONV2D_TMA].table  # the TMA route's name in a table
 KERNEL_TABLE = {"conv2d": {"any": {"BLOCK_M": 64, "BLOCK_N": 16, "BLOCK_K": 16}}}
-TMA_TABLE = {"conv2d": {"any": {"route": "tma", "BLOCK_M": 64, "BLOCK_N": 16, "BLOCK_K": 16, "BLOCK_W": 8}}}
+TMA_TABLE = {"conv2d": {"any": {"route": TMA, "BLOCK_M": 64, "BLOCK_N": 16, "BLOCK_K": 16, "BLOCK_W": 8}}}
 
 
 def _sync():
@@ -60,7 +64,7 @@ def main(argv=None, n=400, rounds=5, warmup=50):
     conv_patch.apply(kernel_net, config=conv_patch.PatchConfig(table=KERNEL_TABLE), recipes=False)
     # PyTorch's route, forced the same way: the table's cuDNN entry for the shape.
     key = config_tables.shape_key(ConvSpec.from_module(conv), tuple(x.shape), "nchw", dt)
-    torch_table = {"conv2d": {"exact": {key: {"route": "cudnn"}}, "any": KERNEL_TABLE["conv2d"]["any"]}}
+    torch_table = {"conv2d": {"exact": {key: {"route": CUDNN_TABLE_ROUTE}}, "any": KERNEL_TABLE["conv2d"]["any"]}}
     torch_net = nn.Sequential(nn.Conv2d(16, 16, 3, padding=1)).to(dev, dt)
     conv_patch.apply(torch_net, config=conv_patch.PatchConfig(table=torch_table), recipes=False)
     lean_net = nn.Sequential(nn.Conv2d(16, 16, 3, padding=1)).to(dev, dt)
@@ -78,8 +82,8 @@ def main(argv=None, n=400, rounds=5, warmup=50):
         routed(x)
         lean(x)
         tma(x_nhwc)
-        plan = next(iter(wrapper._cp_plans.values()))
-        roles = (x, plan._weight(wrapper, wrapper.weight), wrapper.bias, None, None)
+        plan = next(iter(state_of(wrapper).plans.values()))
+        roles = (x, plan.weight(wrapper, wrapper.weight), wrapper.bias, None, None)
         cases = {
             "nn.Conv2d module (unpatched)": lambda: conv(x),
             "F.conv2d": lambda: F.conv2d(x, conv.weight, conv.bias, padding=1),
@@ -87,22 +91,21 @@ def main(argv=None, n=400, rounds=5, warmup=50):
             "patched, lean route (planned call)": lambda: lean(x),
             "patched, packed portable kernel (planned call)": lambda: wrapper(x),
             "patched, TMA kernel on NHWC (planned call)": lambda: tma(x_nhwc),
-            "plan: signature + lookup": lambda: dispatch.conv_key(x, wrapper.weight, wrapper.bias, None, None, 1.0,
-                                                                  "none", 1.0, None, None, False),
-            "plan: pack refresh": lambda: plan._weight(wrapper, wrapper.weight),
+            "plan: signature + lookup": lambda: conv_key(Call(x), wrapper.weight, wrapper.bias),
+            "plan: pack refresh": lambda: plan.weight(wrapper, wrapper.weight),
             "plan: replayed launch": lambda: plan.program(roles),
-            "launcher (Triton launch path)": lambda: kernels.launch_conv2d(
+            "launcher (Triton launch path)": lambda: launcher_of(Route.CONV2D_IGEMM)(
                 x, w, conv.bias, out, None, stride=(1, 1), padding=(1, 1), dilation=(1, 1), beta=1.0,
                 activation=0, out_scale=1.0, config=cfg, precision="ieee", upcast=False),
             "F.group_norm + F.silu": lambda: F.silu(F.group_norm(gn_x, 32, None, None, 1e-6)),
-            "ops.group_norm (silu)": lambda: ops.group_norm(gn_x, 32, None, None, 1e-6, "silu"),
+            "functional.group_norm (silu)": lambda: functional.group_norm(gn_x, 32, None, None, 1e-6, "silu"),
             "torch copy_ (one small op)": lambda: out.copy_(x),
         }
         if dev.type == "cuda":
             # Off the GPU (the tests, under the interpreter) every route is the kernels'.
-            assert wrapper._cp_last.is_kernel and not routed._cp_last.is_kernel, (wrapper._cp_last, routed._cp_last)
-            assert lean._cp_last.tier == dispatch.LEAN and tma._cp_last.route.value == "conv2d_tma", (
-                lean._cp_last, tma._cp_last)
+            assert state_of(wrapper).last.is_kernel and not state_of(routed).last.is_kernel, (state_of(wrapper).last, state_of(routed).last)
+            assert state_of(lean).last.tier == LEAN and state_of(tma).last.route is Route.CONV2D_TMA, (
+                state_of(lean).last, state_of(tma).last)
         rows = [{"name": name, "us_per_call": per_call_us(fn, n, rounds, warmup)} for name, fn in cases.items()]
     print_table(rows, ["name", "us_per_call"])
     lean = lean_rows(dev, dt) if dev.type == "cuda" else []
@@ -130,7 +133,7 @@ def lean_rows(dev, dt):
         w = torch.randn(co, ci, 3, 3, device=dev, dtype=dt) * 0.05
         out = torch.empty(n, co, s, s, device=dev, dtype=dt)
         fl = 2.0 * n * s * s * co * ci * 9
-        lean = tune.graph_replay(lambda: ops.conv2d(x, w, None, padding=1, out=out, config=dispatch.LEAN_CONFIG))
+        lean = tune.graph_replay(lambda: functional.conv2d(x, w, None, padding=1, out=out, config=LEAN_CONFIG))
         cudnn = tune.graph_replay(lambda: F.conv2d(x, w, None, padding=1))
         t_l = triton.testing.do_bench(lean, return_mode="median")
         t_c = triton.testing.do_bench(cudnn, return_mode="median")

@@ -11,7 +11,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from conv_patch import functional as ops
+from conv_patch import functional
 
 from .common import print_table, time_ms, write_results
 
@@ -46,9 +46,9 @@ def main(argv=None):
             for bm, bn, bk, nw, ns in CANDIDATES:
                 cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "num_warps": nw, "num_stages": ns}
                 try:
-                    out = ops.conv2d(x, w, padding=k // 2, config=cfg)
+                    out = functional.conv2d(x, w, padding=k // 2, config=cfg)
                     err = ((out.float() - ref).norm() / ref.norm()).item()
-                    ms = time_ms(lambda: ops.conv2d(x, w, padding=k // 2, config=cfg)) if err < 1e-2 else None
+                    ms = time_ms(lambda: functional.conv2d(x, w, padding=k // 2, config=cfg)) if err < 1e-2 else None
                 except Exception as e:  # out of shared memory and similar: recorded, not fatal
                     err, ms = repr(e)[:80], None
                 rows.append({"name": name, "config": f"{bm}x{bn}x{bk} w{nw} s{ns}", "ms": ms, "err": err})

@@ -1,5 +1,5 @@
 """RMS norm + SiLU of the Wan-family video VAEs: conv-patch's kernel
-(``ops.rms_norm``) against the module's own PyTorch computation
+(``functional.rms_norm``) against the module's own PyTorch computation
 (``F.normalize`` of an fp32 copy, back to the dtype, ``* scale * gamma + 0.0``,
 then ``F.silu``), NCDHW and NDHWC, side by side. This is the measurement
 ``costs.rms_norm_pays`` models until it exists.
@@ -16,7 +16,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from conv_patch import functional as ops
+from conv_patch import functional
 
 from .common import interleaved_ms, print_table, side_by_side_setup, write_results
 
@@ -46,9 +46,9 @@ def main(argv=None):
         for last in (False, True):
             xx = x.contiguous(memory_format=torch.channels_last_3d) if last else x
             ref = F.silu(F.normalize(xx.double(), dim=1) * scale * gamma.double())
-            y = ops.rms_norm(xx, gamma, None, scale, activation="silu")
+            y = functional.rms_norm(xx, gamma, None, scale, activation="silu")
             err = ((y.double() - ref).norm() / ref.norm()).item()
-            ours, theirs = interleaved_ms([lambda: ops.rms_norm(xx, gamma, None, scale, activation="silu"),
+            ours, theirs = interleaved_ms([lambda: functional.rms_norm(xx, gamma, None, scale, activation="silu"),
                                            lambda: module_expr(xx, gamma, scale)], rounds=args.rounds)
             rows.append({
                 "name": f"rms_norm+silu {'x'.join(map(str, shape))} {'ndhwc' if last else 'ncdhw'}",

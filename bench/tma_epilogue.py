@@ -17,10 +17,14 @@ import copy
 import json
 
 import torch
+from torch import nn
 
-from conv_patch import functional as ops
+from conv_patch import functional
+from conv_patch.routing.registry import BY_ROUTE, Route
 
 from .common import interleaved_ms, print_table, side_by_side_setup, write_results
+
+TMA = BY_ROUTE[Route.CONV2D_TMA].table  # the TMA route's name in a table
 
 
 def shapes(res):
@@ -36,11 +40,12 @@ def _nhwc(t):
 
 
 def _table_config(x, w, b, r):
-    from conv_patch.routing.select import select_route
-    from conv_patch.specs import CallDesc
+    from conv_patch.routing.decide import decide
+    from conv_patch.specs import CallDesc, ConvSpec
     from conv_patch.target import target_for
-    k = w.shape[-1]
-    d = select_route(ops._spec(False, w, b, 1, k // 2, 1), CallDesc.of_call(x, w, b, r), target_for(x.device), None)
+    co, ci, k = w.shape[0], w.shape[1], w.shape[-1]
+    spec = ConvSpec.from_module(nn.Conv2d(ci, co, k, padding=k // 2, bias=b is not None, device="meta"))
+    d = decide(spec, CallDesc.of_call(x, w, b, r), target_for(x.device), None, as_called=False)
     return dict(d.config) if d.config else None
 
 
@@ -54,11 +59,11 @@ def layer_rows(args, device):
             b = torch.randn(co, generator=g).to(device, torch.bfloat16)
             r = _nhwc(torch.randn(1, co, h, h, generator=g).to(device, torch.bfloat16)) if res_on else None
             cfg = args.config or _table_config(x, w, b, r)
-            if not cfg or cfg.get("route") != "tma":
+            if not cfg or cfg.get("route") != TMA:
                 print(f"skip {ci}->{co} {k}x{k} @{h}: {cfg and cfg.get('route')} route")
                 continue
             out = {io: _nhwc(torch.empty(1, co, h, h, device=device, dtype=torch.bfloat16)) for io in (True, False)}
-            fns = [lambda io=io: ops.conv2d(x, w, b, 1, k // 2, residual=r, out=out[io], config={**cfg, "tma_io": io})
+            fns = [lambda io=io: functional.conv2d(x, w, b, 1, k // 2, residual=r, out=out[io], config={**cfg, "tma_io": io})
                    for io in (True, False)]
             for f in fns:
                 f()
@@ -80,7 +85,7 @@ def pointer_table(arch):
             continue
         cfgs = list((sec.get("exact") or {}).values()) + [b["config"] for b in sec.get("buckets") or []]
         for cfg in cfgs + ([sec["any"]] if "any" in sec else []):
-            if cfg.get("route") == "tma":
+            if cfg.get("route") == TMA:
                 cfg["tma_io"] = False
     return data
 

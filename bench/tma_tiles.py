@@ -19,13 +19,16 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from conv_patch import functional as ops
+from conv_patch import functional
+from conv_patch.routing.registry import BY_ROUTE, Route
 
 from .common import interleaved_ms, print_table, side_by_side_setup, write_results
 
+TMA = BY_ROUTE[Route.CONV2D_TMA].table  # the TMA route's name in a table
+
 
 def _tma(bm, bn, bw, warps, stages, persistent=0):
-    c = {"route": "tma", "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 64, "BLOCK_W": bw, "GROUP_M": 8,
+    c = {"route": TMA, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 64, "BLOCK_W": bw, "GROUP_M": 8,
          "num_warps": warps, "num_stages": stages}
     if persistent:
         c["persistent"] = persistent
@@ -67,7 +70,7 @@ def conv_rows(shape, device, rounds, repeat):
     b = torch.randn(co, generator=g).to(device, dtype)
     name = f"conv {ci}->{co} {k}x{k} @{h}x{w}"
     outs = {v: torch.empty(1, co, h, w, device=device, dtype=dtype).contiguous(memory_format=nhwc) for v in VARIANTS}
-    fns = [lambda v=v: ops.conv2d(x, w_nhwc, b, 1, k // 2, out=outs[v], config=VARIANTS[v]) for v in VARIANTS]
+    fns = [lambda v=v: functional.conv2d(x, w_nhwc, b, 1, k // 2, out=outs[v], config=VARIANTS[v]) for v in VARIANTS]
     first, det = {}, {}
     for v, fn in zip(VARIANTS, fns):
         runs = []

@@ -46,6 +46,7 @@ from pathlib import Path
 import torch
 
 import conv_patch
+from conv_patch.runtime.state import state_of
 
 from .common import ClockSampler, bench_device, clock_stats, print_table, write_results
 
@@ -103,7 +104,7 @@ def _resident(model) -> int:
             seen.add(t.data_ptr())
             total += t.numel() * t.element_size()
     for m in model.modules():
-        entry = m.__dict__.get("_cp_pack")
+        entry = state_of(m).pack
         if entry is not None:
             total += entry.buf.numel() * entry.buf.element_size()
     return total

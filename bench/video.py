@@ -40,6 +40,7 @@ import statistics
 import torch
 
 from .common import PEAK_TFLOPS, bench_device, launched_call, print_table, profile_top, rotated, write_results
+from conv_patch.runtime.state import state_of
 
 TINY = dict(base_dim=8, z_dim=4, dim_mult=[1, 2], num_res_blocks=1, attn_scales=[], temperal_downsample=[True],
             dropout=0.0)
@@ -164,7 +165,7 @@ def profile_decode(vae, z, device, top: int) -> list:
 def _routes(model) -> dict:
     out = {}
     for m in model.modules():
-        last = m.__dict__.get("_cp_last")
+        last = state_of(m).last
         if last is not None:
             out[last.label()] = out.get(last.label(), 0) + 1
     return out
@@ -180,12 +181,13 @@ def conv_calls(vae, z) -> list:
     seen, calls = set(), []
     real = dispatch.conv3d
 
-    def spy(m, x, eager_forward, cache=None, pads=None, **kw):
+    def spy(m, call):
+        x, cache, pads = call.x, call.cache, call.pads
         key = (m.spec, tuple(x.shape), x.stride(), None if cache is None else tuple(cache.shape), pads)
         if key not in seen:
             seen.add(key)
             calls.append((m, x.clone(), None if cache is None else cache.clone(), pads or m.spec.pads))
-        return real(m, x, eager_forward, cache=cache, pads=pads, **kw)
+        return real(m, call)
 
     dispatch.conv3d = spy
     try:
@@ -207,7 +209,7 @@ def layer_measurements(vae, z, device, limit: int = 0, layout: str = "ncdhw", me
     from conv_patch.routing import tables as config_tables, registry as routes
     from conv_patch.tools import tune
     from conv_patch.target import target_for
-    cands = routes.conv3d_candidates(target_for(device))
+    cands = routes.tuner_candidates(target_for(device), "conv3d")
     calls = conv_calls(vae, z)
     if limit:
         calls = sorted(calls, key=lambda c: c[2] is None)[:limit]

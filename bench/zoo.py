@@ -44,6 +44,7 @@ import torch
 from torch import nn
 
 import conv_patch
+from conv_patch.runtime.state import state_of
 
 from .common import bench_device, print_table, rotated, write_results
 
@@ -475,14 +476,14 @@ def _rel_err(a, b):
 def _kernel_convs(model) -> int:
     """Patched convs whose last call ran a conv-patch kernel."""
     return sum(1 for m in model.modules() if conv_patch.is_patched(m)
-               and m.__dict__.get("_cp_last") is not None and m._cp_last.is_kernel)
+               and state_of(m).last is not None and state_of(m).last.is_kernel)
 
 
 def route_counts(model) -> dict:
     """How many patched convs last ran each route ("lean" for the lean one)."""
     out = {}
     for m in model.modules():
-        last = m.__dict__.get("_cp_last") if conv_patch.is_patched(m) else None
+        last = state_of(m).last if conv_patch.is_patched(m) else None
         if last is not None:
             name = "lean" if last.tier == "lean" else last.route.value
             out[name] = out.get(name, 0) + 1

@@ -1,8 +1,15 @@
 """conv-patch: fast convolutions for diffusion VAEs, one line to apply.
 
     import conv_patch
-    report = conv_patch.apply(pipe.vae)   # swap eligible Conv2d / ConvTranspose2d
+    report = conv_patch.apply(pipe.vae)   # swap eligible Conv2d / ConvTranspose2d / Conv3d
+    conv_patch.last_route(pipe.vae.decoder.conv_in)   # what a conv's last call ran, and why
     conv_patch.remove(pipe.vae)           # original modules back
+
+The layers below: api/ (apply and remove), runtime/ (what runs at a
+patched call), routing/ (which route it takes), ops/ (what a route runs),
+the Triton kernels (conv_patch.kernels), the block recipes
+(conv_patch.recipes), parallel/ (bands), integrations/ (ComfyUI), tools/
+(the convpatch command); docs/design.md draws them.
 
 Importing this package does not import Triton; the kernels load on the first
 call that runs them.
@@ -12,18 +19,15 @@ __version__ = "0.1.0"
 
 import os as _os
 
-# kernels/, recipes/ and configs/ are sub-packages of this one (pyproject.toml
-# installs them as conv_patch.kernels, .recipes and .configs). They hold no
-# __init__.py: Python running from a checkout's root (pytest, ``python -c``,
-# a notebook) has the root on sys.path, and there a folder with one would be
-# a top-level package of that name, hiding an installed one (Hugging Face's
-# ``kernels``, which transformers imports). Without one a folder is at most a
-# namespace portion, which never wins over an installed package. An
-# installed wheel has them inside this folder; a checkout (editable installs
-# included) has them beside it, so there its parent is searched too.
+# kernels/, recipes/ and configs/ are sub-packages of this one, without
+# __init__.py (conv_patch/checkout.py says why). An installed wheel has them
+# inside this folder; a checkout (editable installs included) has them
+# beside it, so there its parent is searched too. A namespace portion never
+# wins over an installed package of the same name.
 if not _os.path.isdir(_os.path.join(__path__[0], "kernels")):
     __path__.append(_os.path.dirname(__path__[0]))
 del _os
+
 
 try:
     import torch as _torch  # noqa: F401  (every module below needs it)
@@ -43,15 +47,10 @@ except ModuleNotFoundError as _e:
 else:
     TORCH_MISSING = None
     from conv_patch import functional
-    from conv_patch.api.patcher import PatchConfig, PatchReport, apply, is_patched, patched, remove
-    from conv_patch.routing.select import ROUTE_INFO, Route, RouteDecision, select_route, static_route
-    from conv_patch.specs import CallDesc, ConvSpec
-    from conv_patch.runtime.wrappers import PatchedConv2d, PatchedConvTranspose2d
+    from conv_patch.api.patcher import PatchConfig, PatchReport, apply, is_patched, last_route, patched, remove
     del _torch
 
 __all__ = [
-    "apply", "remove", "patched", "is_patched", "PatchConfig", "PatchReport",
-    "Route", "RouteDecision", "ROUTE_INFO", "select_route", "static_route",
-    "ConvSpec", "CallDesc", "PatchedConv2d", "PatchedConvTranspose2d", "functional",
+    "apply", "remove", "patched", "is_patched", "last_route", "PatchConfig", "PatchReport", "functional",
     "__version__",
 ]

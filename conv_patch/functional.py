@@ -1,43 +1,46 @@
-"""Torch-facing ops besides the convolution's launch (conv_patch/conv.py)
-and GroupNorm (conv_patch/norm.py, re-exported here): the functional
-convolution API, GroupNorm+conv in bands, attention for wide heads, and the
-upsample folded into a conv.
+"""The convolutions as functions, routed like a patched module's call: the
+kernels where they take the call, cuDNN where the table measured it faster
+(the functional API is not weighed against PyTorch as called: it runs what
+it is asked to, so tests, the tuner and benchmarks can time each route).
 
-``conv2d`` / ``conv_transpose2d`` are the functional entry points (tests,
-the tuner, benchmarks; a given ``config`` picks the tile). They route
-through ``select_route`` and raise ``UnsupportedConv`` (with the router's
-reason) where the wrappers would fall back. The conv names of
-conv_patch/conv.py are re-exported here.
+``conv2d`` / ``conv_transpose2d`` / ``conv3d`` (a given ``config`` picks the
+tile and its route) raise ``UnsupportedConv`` with the decision's reason
+where a wrapper would fall back; ``upsample_conv2d`` is nearest x2 and a 3x3
+conv as four 2x2 convs, ``group_norm_conv2d`` GroupNorm + SiLU + a 3x3 conv
+in row bands; ``group_norm``, ``rms_norm``, ``attention`` and ``epilogue``
+are the ops themselves (conv_patch/ops/).
 """
 
 from __future__ import annotations
 
-import dataclasses
+import math
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
+from conv_patch.activations import activation_code, eager_epilogue
+from conv_patch.ops import conv2d as conv2d_op
+from conv_patch.ops import conv3d as conv3d_op
+from conv_patch.ops.attention import attention, attention_pays, attention_route, attention_routes  # noqa: F401
+from conv_patch.ops.epilogue import check_residual, epilogue  # noqa: F401  (the ops, as functions)
+from conv_patch.ops.group_norm import group_norm, group_norm_target, launch_sizes
+from conv_patch.ops.loader import kernels
+from conv_patch.ops.rms_norm import rms_norm  # noqa: F401
+from conv_patch.ops.subpixel import PARITIES, parity_padding, parity_view, parity_weight, subpixel_weights
+from conv_patch.routing.decide import decide
+from conv_patch.routing.registry import Route
 from conv_patch.runtime import pack
-from conv_patch.activations import ACTIVATIONS, activation_code, eager_epilogue  # noqa: F401  (re-exported)
-from conv_patch.routing.select import Route, RouteDecision, select_route, tma_arch
-from conv_patch.specs import CallDesc, ConvSpec, _pair, needs_grad, resolve_padding
-from conv_patch.target import Target, target_for
-from conv_patch.ops.conv2d import (EPILOGUE_BLOCK, check_residual, cudnn_conv2d, epilogue, kernels, nhwc,  # noqa: F401
-                                   output_memory_format, output_shape, run_kernel, to_nhwc)
-from conv_patch.ops.group_norm import (GN_LAUNCH, group_norm, group_norm_target, launch_sizes)  # noqa: F401  (re-exported)
-from conv_patch.ops.rms_norm import rms_norm, rms_norm_target  # noqa: F401  (re-exported)
-from conv_patch.ops.subpixel import PARITIES, parity_padding, parity_view, parity_weight
-from conv_patch.ops.subpixel import subpixel_weights  # noqa: F401  (re-exported)
-from conv_patch.ops.conv3d import conv3d, conv3d_padding  # noqa: F401  (re-exported)
+from conv_patch.specs import CallDesc, Conv3dSpec, ConvSpec, Pads, needs_grad, pair, resolve_padding
+from conv_patch.target import target_for
 
 
 class UnsupportedConv(RuntimeError):
-    """The kernels cannot run this call; the message is the router's reason."""
+    """The kernels cannot run this call; the message is the decision's reason."""
 
 
-def _functional(spec: ConvSpec, x, weight, bias, residual, beta, activation, out_scale,
-                out, force_int64, config, table=None):
+def _conv(spec: ConvSpec, x, weight, bias, residual, beta, activation, out_scale, out, force_int64, config,
+          table=None):
     activation_code(activation)
     if torch.compiler.is_compiling() and config is None:
         from conv_patch.runtime import compiled
@@ -45,43 +48,24 @@ def _functional(spec: ConvSpec, x, weight, bias, residual, beta, activation, out
                           list(spec.pad_end), list(spec.dilation), list(spec.output_padding), float(beta),
                           activation, float(out_scale))
         return out.copy_(y) if out is not None else y
-    call = CallDesc.of_call(x, weight, bias, residual)
     target = target_for(x.device)
-    decision = select_route(spec, call, target, table)
-    if config is not None and decision.route in (Route.CONV2D_IGEMM, Route.CONV2D_TMA, Route.CONV2D_TAPS,
-                                                 Route.CONV2D_FLAT, Route.CUDNN):
-        # A given config may name its route (tests, the tuner); the router
-        # still decides whether the call is eligible for it.
-        decision = _given(spec, call, target, config)
-    elif config is not None and decision.is_kernel:
-        decision = dataclasses.replace(decision, config=config, tier="given", table="")
+    decision = decide(spec, CallDesc.of_call(x, weight, bias, residual), target, table, config=config,
+                      as_called=False)
     if decision.route is Route.CUDNN:
-        return cudnn_conv2d(spec, x, weight, bias, residual=residual, beta=beta, activation=activation,
-                            out_scale=out_scale, out=out)
+        return conv2d_op.cudnn_conv2d(spec, x, weight, bias, residual=residual, beta=beta, activation=activation,
+                                      out_scale=out_scale, out=out)
     if not decision.is_kernel:
         raise UnsupportedConv(decision.reason)
-    check_residual(residual, output_shape(spec, tuple(x.shape)))
-    w = weight.transpose(0, 1) if spec.transposed else weight
-    return run_kernel(decision, target, spec, x, w, bias, residual=residual, beta=beta,
-                      activation=activation, out_scale=out_scale, out=out,
-                      force_int64=force_int64, memory_format=output_memory_format(x, weight))
-
-
-def _given(spec, call, target, config):
-    from conv_patch.routing.select import TABLE_ROUTES, route_problem
-    name = config.get("route", "igemm")
-    if name == "cudnn":
-        return RouteDecision(Route.CUDNN, "given config", config=config, tier="given")
-    shape = call.shape if len(call.shape) == 4 else (1,) + tuple(call.shape)
-    problem = route_problem(name, spec, call, shape, target)
-    if problem:
-        raise UnsupportedConv(f"{name} route: {problem}")
-    return RouteDecision(TABLE_ROUTES.get(("conv2d", name), Route.CONV2D_IGEMM), config=config, tier="given")
+    check_residual(residual, conv2d_op.output_shape(spec, tuple(x.shape)))
+    w = pack.route_weight(weight, decision.route, spec.transposed)
+    return conv2d_op.run_kernel(decision.route, decision.config, target, spec, x, w, bias, residual=residual,
+                                beta=beta, activation=activation, out_scale=out_scale, out=out,
+                                force_int64=force_int64, memory_format=conv2d_op.output_memory_format(x, weight))
 
 
 def _spec(transposed, weight, bias, stride, padding, dilation, output_padding=0):
     c_out, c_in = (weight.shape[1], weight.shape[0]) if transposed else (weight.shape[0], weight.shape[1])
-    k, d = _pair(tuple(weight.shape[2:])), _pair(dilation)
+    k, d = pair(tuple(weight.shape[2:])), pair(dilation)
     if not transposed and isinstance(padding, (tuple, list)) and len(padding) == 4:
         # F.pad's order, (left, right, top, bottom): a folded F.pad.
         left, right, top, bottom = (int(v) for v in padding)
@@ -90,8 +74,8 @@ def _spec(transposed, weight, bias, stride, padding, dilation, output_padding=0)
         begin, end = (top, left), (bottom, right)
     else:
         begin, end = resolve_padding(padding, k, d)
-    return ConvSpec(transposed, int(c_in), int(c_out), k, _pair(stride), d, begin, end,
-                    _pair(output_padding), 1, "zeros", bias is not None)
+    return ConvSpec(transposed, int(c_in), int(c_out), k, pair(stride), d, begin, end,
+                    pair(output_padding), 1, "zeros", bias is not None)
 
 
 def conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, *, residual=None,
@@ -102,13 +86,13 @@ def conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, *, residual=No
     ``padding`` is anything ``F.conv2d`` takes, or a 4-tuple in ``F.pad``'s
     order (left, right, top, bottom): ``conv2d(x, w, padding=(0, 1, 0, 1))``
     equals ``F.conv2d(F.pad(x, (0, 1, 0, 1)), w)`` without the padded copy.
-    The weight is read in place through its strides (no pack). ``out`` may be
-    a preallocated output of any layout; ``config`` overrides the table's tile
-    choice and ``force_int64`` forces 64-bit offsets (both for tests and
-    benchmarks); ``table`` is a user table (``PatchConfig.table``, loaded)."""
+    The weight is read in place through its strides (the TMA route packs a
+    copy). ``out`` may be a preallocated output of any layout; ``config``
+    overrides the table's tile choice and ``force_int64`` forces 64-bit
+    offsets (both for tests and benchmarks); ``table`` is a user table
+    (``PatchConfig.table``, loaded)."""
     spec = _spec(False, weight, bias, stride, padding, dilation)
-    return _functional(spec, x, weight, bias, residual, beta, activation, out_scale, out,
-                       force_int64, config, table)
+    return _conv(spec, x, weight, bias, residual, beta, activation, out_scale, out, force_int64, config, table)
 
 
 def conv_transpose2d(x, weight, bias=None, stride=1, padding=0, output_padding=0, dilation=1, *,
@@ -116,8 +100,7 @@ def conv_transpose2d(x, weight, bias=None, stride=1, padding=0, output_padding=0
                      config=None, force_int64=False):
     """Fused ``F.conv_transpose2d`` (groups=1); ``weight`` is [C_in, C_out, KH, KW]."""
     spec = _spec(True, weight, bias, stride, padding, dilation, output_padding)
-    return _functional(spec, x, weight, bias, residual, beta, activation, out_scale, out,
-                       force_int64, config)
+    return _conv(spec, x, weight, bias, residual, beta, activation, out_scale, out, force_int64, config)
 
 
 def group_norm_conv2d(x: torch.Tensor, num_groups: int, norm_weight, norm_bias, eps: float, activation: str,
@@ -182,191 +165,10 @@ def _band_config(x, weight, bias, table) -> Optional[dict]:
     """The config (route included) the table picks for the unbanded 3x3 conv
     of ``x``, for its bands to run; None where that is no kernel or cuDNN."""
     spec = _spec(False, weight, bias, 1, 1, 1)
-    decision = select_route(spec, CallDesc.of_call(x, weight, bias, None), target_for(x.device), table)
+    decision = decide(spec, CallDesc.of_call(x, weight, bias, None), target_for(x.device), table, as_called=False)
     if (decision.route is Route.CUDNN or decision.is_kernel) and decision.config:
         return dict(decision.config)
     return None
-
-
-# Attention with a head wider than 256 channels (the VAE mid-block's single
-# 512-channel head) has no FlashAttention or cuDNN kernel in PyTorch; its
-# memory-efficient kernel ran at ~150 TF/s on the H200 (3.6 ms at N = 16384,
-# 67 ms at N = 65536). So the scores of a block of query rows are
-# materialised. On Hopper (and under the interpreter) two Triton GEMMs do it
-# with the softmax folded into them and the scores written once, in the
-# input dtype (kernels/attention.py); elsewhere cuBLAS runs both GEMMs
-# with fp32 scores and a softmax pass between them (kernels/softmax.py). The
-# probabilities are rounded once to the input dtype for the second GEMM, as
-# FlashAttention rounds them. Blocks are bounded in bytes so that a 2048^2
-# decode stays within its memory budget: its mid-block runs where little
-# else is allocated, far below the decode's peak in the last up block.
-ATTENTION_BLOCK_BYTES = 256 << 20
-FUSED_ATTENTION_BLOCK_BYTES = 1 << 30
-# Softmax (block, warps) per program. H200, fp32 scores to bf16: 8192 with 16
-# warps ran a 4096 x 16384 block in 0.105 ms against 0.163 with (2048, 8) (the
-# second pass reads the row back from L2), and a 1024 x 65536 block at the
-# same 4 TB/s as every other choice. Under the interpreter one block per row.
-SOFTMAX_LAUNCH = {"gpu": (8192, 16), "interpreter": (1 << 16, 4)}
-# Tiles of the fused route: the score tile (its width is the granularity of
-# the softmax partials and the P V kernel's K step) and the P V tile. H200,
-# bf16, one 512-wide head (bench/results/attention-tiles-h200-2026-12-01.json):
-# scores 128x128x64 with 4 warps and 3 stages ran at 494-532 TF/s (8 warps
-# 442-480; 128x256 and 256x128 tiles 277-390; 4 stages 424; a persistent,
-# flattened loop no faster), P V 128x128 with 8 warps and 3 stages at 560-575
-# (whole attention at 65536 tokens 19.0 ms against 23.6 with 2 stages, 21.5
-# with 4 warps, 20.1 with 64-row and 21.7 with 128x256 tiles; 4 stages exceed
-# shared memory); GROUP_M 32 saved 2% over 8, and 32-row combine programs
-# 0.1 ms of 0.45 over 128-row ones (64 programs). Interpreter tiles are small so
-# that the tests' awkward sizes span several tiles and K blocks.
-FUSED_ATTENTION_TILES = {
-    "gpu": {"scores": {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 32, "num_warps": 4, "num_stages": 3},
-            "combine": {"BLOCK_R": 32, "BLOCK_T": 32, "num_warps": 4},
-            "pv": {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3}},
-    "interpreter": {"scores": {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 16, "GROUP_M": 2},
-                    "combine": {"BLOCK_R": 16, "BLOCK_T": 2},
-                    "pv": {"BLOCK_M": 16, "BLOCK_N": 16}},
-}
-
-
-def attention_pays(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether ``attention`` materialises the scores (a CUDA fp16/bf16 call
-    with a head wider than PyTorch's fused kernels take, or any call under
-    the interpreter, where the tests exercise it) instead of calling SDPA."""
-    return _attention_target(q, k, v) is not None
-
-
-def attention_route(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
-    """"fused" (kernels/attention.py), "blocked" (cuBLAS + softmax kernel) or
-    "sdpa": what ``attention`` runs for these tensors."""
-    if _attention_target(q, k, v) is None:
-        return "sdpa"
-    return "fused" if "fused" in attention_routes(q, k, v) else "blocked"
-
-
-def attention_routes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
-    """Every route that can compute this call, whether or not it pays: what
-    ``attention(..., route=)`` may ask for. "sdpa" always; "blocked" where
-    the kernels take the tensors; "fused" where, besides, TMA does (on a
-    GPU fp16/bf16 only: Triton's fp32 dot is TF32 there)."""
-    target = _attention_target(q, k, v, any_width=True)
-    if target is None:
-        return ("sdpa",)
-    fused = target.interpreter or (tma_arch(target.arch) and q.dtype in (torch.float16, torch.bfloat16))
-    return ("blocked", "fused", "sdpa") if fused else ("blocked", "sdpa")
-
-
-def _attention_target(q, k, v, any_width: bool = False) -> Optional[Target]:
-    if torch.compiler.is_compiling() or q.dim() < 2 or needs_grad(q, k, v):
-        return None
-    target = target_for(q.device)
-    if not target.kernels or not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
-        return None
-    if target.interpreter or any_width:
-        ok = q.dtype in (torch.float16, torch.bfloat16, torch.float32)
-    else:
-        ok = q.dtype in (torch.float16, torch.bfloat16) and max(q.shape[-1], v.shape[-1]) > 256
-    return target if ok else None
-
-
-def _tma_rows(t: torch.Tensor) -> torch.Tensor:
-    """``t`` (2-D) as a TMA can describe it: unit column stride, 16-byte
-    aligned base and row stride; otherwise a copy with its rows padded to a
-    16-byte multiple, returned as a view of the original width."""
-    align = 16 // t.element_size()
-    if t.stride(1) == 1 and t.stride(0) % align == 0 and t.data_ptr() % 16 == 0:
-        return t
-    cols = -(-t.shape[1] // align) * align
-    out = t.new_zeros((t.shape[0], cols))
-    out[:, :t.shape[1]] = t
-    return out[:, :t.shape[1]]
-
-
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float] = None, *,
-              route: Optional[str] = None) -> torch.Tensor:
-    """``F.scaled_dot_product_attention(q, k, v, scale=scale)`` (no mask, no
-    dropout) for [..., N, D] queries and [..., M, D] keys and values: scores
-    materialised in blocks of query rows where that pays (``attention_pays``;
-    ``attention_route`` names the kernels), SDPA otherwise. ``route``
-    ("fused", "blocked" or "sdpa"; benchmarks and tests) overrides the choice
-    where ``attention_routes`` lists it."""
-    if route is None:
-        route = attention_route(q, k, v)
-    else:
-        routes = attention_routes(q, k, v)
-        if route not in routes:
-            raise ValueError(f"attention route {route!r} is not available for these tensors "
-                             f"(available: {', '.join(sorted(routes))})")
-    if route == "sdpa":
-        return F.scaled_dot_product_attention(q, k, v, scale=scale)
-    interp = target_for(q.device).interpreter
-    kern = kernels()
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    n, d, m, dv = q.shape[-2], q.shape[-1], k.shape[-2], v.shape[-1]
-    lead = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
-    q3 = q.expand(*lead, n, d).reshape(-1, n, d)
-    k3 = k.expand(*lead, m, d).reshape(-1, m, d)
-    v3 = v.expand(*lead, m, dv).reshape(-1, m, dv)
-    out = torch.empty((q3.shape[0], n, dv), dtype=q.dtype, device=q.device)
-    if route == "fused":
-        config = FUSED_ATTENTION_TILES["interpreter" if interp else "gpu"]
-        align = 16 // q.element_size()
-        m_pad = -(-m // align) * align
-        rows = max(1, min(n, FUSED_ATTENTION_BLOCK_BYTES // (m_pad * q.element_size())))
-        t = kern.attention_partial_columns(m, config)
-        e = torch.empty((rows, m_pad), dtype=q.dtype, device=q.device)
-        mx = torch.empty((t, rows), dtype=torch.float32, device=q.device)
-        sm = torch.empty_like(mx)
-        for b in range(q3.shape[0]):
-            qb, kb, vb = _tma_rows(q3[b]), _tma_rows(k3[b]), _tma_rows(v3[b])
-            for i in range(0, n, rows):
-                r = min(rows, n - i)
-                kern.launch_attention_block(qb[i:i + r], kb, vb, out[b, i:i + r], e, mx, sm, scale, config,
-                                            interp)
-        return out.view(*lead, n, dv)
-    rows = max(1, min(n, ATTENTION_BLOCK_BYTES // (4 * max(m, 1))))
-    scores = torch.empty((rows, m), dtype=torch.float32, device=q.device)
-    probs = torch.empty((rows, m), dtype=q.dtype, device=q.device)
-    block, warps = SOFTMAX_LAUNCH["interpreter" if interp else "gpu"]
-    for b in range(q3.shape[0]):
-        kt = k3[b].t()
-        if interp:
-            kt = kt.float()
-        for i in range(0, n, rows):
-            r = min(rows, n - i)
-            if interp:
-                torch.mm(q3[b, i:i + r].float(), kt, out=scores[:r])
-            else:
-                torch.mm(q3[b, i:i + r], kt, out_dtype=torch.float32, out=scores[:r])
-            kern.launch_softmax_rows(scores[:r], probs[:r], scale, block, warps)
-            torch.mm(probs[:r], v3[b], out=out[b, i:i + r])
-    return out.view(*lead, n, dv)
-
-
-# The folded upsample (nearest x2 then a 3x3 conv as four 2x2 convs of the
-# source) and its weight fold: conv_patch/subpixel.py.
-
-
-# Below this many source multiply-adds per tap (N*H*W*C_in*C_out) the four
-# 2x2 launches cost more host time than they save GPU time: on the H200 each
-# Triton launch costs ~70 us of host time (bench/results/overhead-*.json), so
-# four of them (~0.6 ms with the weight folding) only pay once the GPU work
-# they replace is larger: 4e9 puts the FLUX VAE's 512-channel 128^2 upsample
-# and everything above on the folded path and TAEF2's 64-channel upsamples,
-# host-bound at every resolution, on upsample + one conv.
-SUBPIXEL_MIN_MACS = 4e9
-
-
-def subpixel_pays(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``upsample_conv2d``'s folded form is worth its four launches
-    here (always under the interpreter, where the tests exercise it, under
-    torch.compile, where ``upsample_conv2d`` traces the plain form, and while
-    a CUDA graph is captured or its warm-up runs, ``pack.on_graph_path``:
-    a replay costs no host time per launch)."""
-    if torch.compiler.is_compiling() or target_for(x.device).interpreter:
-        return True
-    n, _, h, w = x.shape
-    # (The size first: the graph question asks CUDA.)
-    return n * h * w * weight.shape[0] * weight.shape[1] >= SUBPIXEL_MIN_MACS or pack.on_graph_path(x)
 
 
 def upsample_conv2d(x, weight, bias=None, *, residual=None, beta=1.0, activation="none",
@@ -387,11 +189,11 @@ def upsample_conv2d(x, weight, bias=None, *, residual=None, beta=1.0, activation
         spec = _spec(False, weight.new_empty((weight.shape[0], weight.shape[1], 2, 2), device="meta"),
                      bias, 1, (1, 0, 1, 0), 1)
         call = CallDesc.of_call(x, weight, bias, residual)
-        decision = select_route(spec, call, target_for(x.device), table)
+        decision = decide(spec, call, target_for(x.device), table, as_called=False)
         if decision.is_kernel or decision.route is Route.CUDNN:
             if out is None:
                 out = torch.empty(shape, dtype=x.dtype, device=x.device,
-                                  memory_format=torch.channels_last if nhwc(x) else torch.contiguous_format)
+                                  memory_format=torch.channels_last if conv2d_op.nhwc(x) else torch.contiguous_format)
             subs = subpixel_weights(weight)
             for a, b in PARITIES:
                 conv2d(x, parity_weight(subs, a, b), bias, padding=parity_padding(a, b),
@@ -401,3 +203,92 @@ def upsample_conv2d(x, weight, bias=None, *, residual=None, beta=1.0, activation
     y = F.conv2d(F.interpolate(x, scale_factor=2.0, mode="nearest"), weight, bias, 1, 1)
     y = eager_epilogue(y, residual, beta, activation, out_scale)
     return out.copy_(y) if out is not None else y
+
+
+# -- Conv3d ------------------------------------------------------------------------
+def _triple(value, name: str) -> tuple:
+    if isinstance(value, int):
+        value = (value,) * 3
+    if not (isinstance(value, (tuple, list)) and len(value) == 3 and all(isinstance(v, int) for v in value)):
+        raise ValueError(f"conv3d: {name} {value!r}: expected an int or 3 ints (t, h, w)")
+    if min(value) < 1:
+        raise ValueError(f"conv3d: {name} {tuple(value)}: must be >= 1")
+    return tuple(int(v) for v in value)
+
+
+def _front_back(value, what: str) -> tuple:
+    if isinstance(value, int):
+        value = (value, value)
+    if not (isinstance(value, (tuple, list)) and len(value) == 2 and all(isinstance(v, int) for v in value)):
+        raise ValueError(f"conv3d: {what} {value!r}: expected an int or a (front, back) pair")
+    if min(value) < 0:
+        raise ValueError(f"conv3d: {what} {tuple(value)}: negative padding")
+    return int(value[0]), int(value[1])
+
+
+def conv3d_padding(padding, time_padding=None) -> Pads:
+    """``((front, back),) * 3`` per axis (t, h, w) from ``conv3d``'s
+    ``padding`` and ``time_padding`` arguments."""
+    if isinstance(padding, int):
+        padding = (padding,) * 3
+    if not (isinstance(padding, (tuple, list)) and len(padding) == 3):
+        raise ValueError(f"conv3d: padding {padding!r}: expected an int or 3 entries (t, h, w)")
+    pads = [_front_back(p, "padding") for p in padding]
+    if time_padding is not None:
+        pads[0] = _front_back(time_padding, "time_padding")
+    return tuple(pads)
+
+
+
+def conv3d(x, weight, bias=None, stride=1, padding=0, dilation=1, *, cache=None, time_padding=None,
+           residual=None, beta=1.0, activation="none", out_scale=1.0, out=None, route=None, config=None,
+           force_int64=False):
+    """``out_scale * act(F.conv3d(pad(cat([cache, x], 2)), weight, bias, stride, 0, dilation) + beta * residual)``
+    in one kernel, groups = 1, the concatenation and the padding never written.
+
+    ``x`` is [N, C, T, H, W] in any strides (NCDHW and channels_last_3d
+    alike); ``cache`` (optional) [N, C, Tc, H, W], the frames that precede
+    ``x`` in time (a causal video VAE's cached frames), read in place.
+    ``padding`` is, per axis (t, h, w), an int (both ends) or a
+    ``(front, back)`` pair; a single int pads every axis at both ends, as
+    F.conv3d does. ``time_padding=(front, back)`` replaces padding's time
+    entry: a causal conv is ``padding=(0, 1, 1), time_padding=(2, 0)``
+    (front only) for a 3x3x3 kernel. The output size follows from the padded,
+    concatenated input. ``out`` may be a preallocated output of any
+    strides. Where no kernel runs (no GPU and no interpreter, float64,
+    autograd, mixed devices or dtypes) PyTorch computes the same expression.
+    ``route``: None (the kernel under the interpreter; PyTorch on a GPU,
+    where only the dispatch core's measured table entries say when the
+    kernel beats cuDNN), "kernel" (the kernel wherever it can run) or
+    "pytorch". ``config`` overrides the tile; with ``"route": "tma"`` it runs
+    the sm90 TMA kernel (kernels/conv3d_tma.py: fp16/bf16, dense NDHWC input
+    and cache, H and W at stride 1; ValueError otherwise). ``force_int64``
+    forces 64-bit offsets (tests). Raises ValueError for groups > 1 and ill-shaped
+    arguments."""
+    if route not in (None, "kernel", "pytorch"):
+        raise ValueError(f"conv3d: route {route!r}: expected None, 'kernel' or 'pytorch'")
+    activation_code(activation)
+    stride, dilation = _triple(stride, "stride"), _triple(dilation, "dilation")
+    pads = conv3d_padding(padding, time_padding)
+    shape = conv3d_op.output_shape(x, weight, bias, cache, stride, pads, dilation)
+    check_residual(residual, shape)
+    if out is not None and tuple(out.shape) != shape:
+        raise ValueError(f"conv3d: out has shape {tuple(out.shape)}, the convolution's output is {shape}")
+    target = target_for(x.device)
+    decision = None
+    if route == "kernel" or (route is None and target.interpreter):
+        spec = Conv3dSpec(weight.shape[1], weight.shape[0], tuple(weight.shape[2:]), stride, dilation, pads, 1,
+                          "zeros", bias is not None)
+        desc = CallDesc.of_call(x, weight, bias, residual, cache=cache, out_numel=math.prod(shape))
+        decision = decide(spec, desc, target, config=config, as_called=False)
+        if decision.tier == "given" and not decision.is_kernel:
+            raise ValueError(f"conv3d: {decision.reason}")
+        if out is not None and (out.dtype != x.dtype or out.device != x.device):
+            decision = None
+    if decision is None or not decision.is_kernel:
+        y = eager_epilogue(conv3d_op.torch_conv3d(x, weight, bias, cache, pads, stride, dilation), residual, beta,
+                           activation, out_scale)
+        return out.copy_(y) if out is not None else y
+    return conv3d_op.run_kernel(decision.route, decision.config, target, x, pack.route_weight(weight, decision.route),
+                                bias, cache, pads, stride, dilation, residual=residual, beta=beta,
+                                activation=activation, out_scale=out_scale, out=out, force_int64=force_int64)

@@ -1,8 +1,9 @@
-"""Plain descriptions of a convolution and of one call to it.
+"""Plain descriptions of a convolution (``ConvSpec``, ``Conv3dSpec``) and of
+one call to it (``CallDesc``), and the dtypes the kernels take.
 
-The router (``conv_patch.routing.select``) decides from these alone, so the same
-decision can be made for a live call, for ``repr``, for the patch report and
-for the benchmarks.
+The decision (``conv_patch.routing.decide``) is made from these alone, so it
+can be made for a live call, for ``repr``, for the patch report and for the
+benchmarks alike.
 """
 
 from __future__ import annotations
@@ -15,9 +16,22 @@ import torch.nn.functional as F
 from torch import nn
 
 Pair = Tuple[int, int]
+Pads = Tuple[Tuple[int, int], Tuple[int, int], Tuple[int, int]]
+
+# The dtypes the kernels compute in (fp32 accumulation; fp32 as TF32 where
+# PyTorch allows it), and of those the 16-bit ones: the TMA kernels' and
+# wgmma's operands, the fused attention's, the tensor-core rate the tables
+# measure (one's exact entries serve the other).
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def _pair(v) -> Pair:
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def pair(v) -> Pair:
+    """An int or a sequence as an (h, w) pair."""
     if isinstance(v, int):
         return (v, v)
     v = tuple(int(i) for i in v)
@@ -34,7 +48,7 @@ def resolve_padding(padding, kernel: Pair, dilation: Pair) -> Tuple[Pair, Pair]:
         total = [dilation[i] * (kernel[i] - 1) for i in range(2)]
         begin = (total[0] // 2, total[1] // 2)
         return begin, (total[0] - begin[0], total[1] - begin[1])
-    p = _pair(padding)
+    p = pair(padding)
     return p, p
 
 
@@ -93,7 +107,7 @@ class ConvSpec:
 
     @classmethod
     def from_module(cls, m: nn.Module) -> "ConvSpec":
-        k, s, d = _pair(m.kernel_size), _pair(m.stride), _pair(m.dilation)
+        k, s, d = pair(m.kernel_size), pair(m.stride), pair(m.dilation)
         transposed = isinstance(m, nn.ConvTranspose2d)
         begin, end = resolve_padding(m.padding, k, d)
         return cls(
@@ -101,7 +115,7 @@ class ConvSpec:
             in_channels=int(m.in_channels),
             out_channels=int(m.out_channels),
             kernel=k, stride=s, dilation=d, pad_begin=begin, pad_end=end,
-            output_padding=_pair(getattr(m, "output_padding", 0)) if transposed else (0, 0),
+            output_padding=pair(getattr(m, "output_padding", 0)) if transposed else (0, 0),
             groups=int(m.groups),
             padding_mode=str(m.padding_mode),
             has_bias=m.bias is not None,
@@ -133,9 +147,66 @@ class ConvSpec:
         return txt
 
 
+@dataclass(frozen=True)
+class Conv3dSpec:
+    """A Conv3d's hyper-parameters; ``pads`` is (front, back) per axis
+    (t, h, w): a causal conv's time entry is (front, 0)."""
+
+    in_channels: int
+    out_channels: int
+    kernel: Tuple[int, int, int]
+    stride: Tuple[int, int, int]
+    dilation: Tuple[int, int, int]
+    pads: Pads
+    groups: int
+    padding_mode: str
+    has_bias: bool
+
+    @classmethod
+    def from_module(cls, m: nn.Conv3d, pads: Optional[Pads] = None) -> "Conv3dSpec":
+        """``pads`` replaces the module's own ``padding`` (a causal conv
+        pads in its forward, not through ``padding``)."""
+        if pads is None:
+            if isinstance(m.padding, str):
+                # "same"/"valid": what PyTorch pads, the odd element at the end.
+                total = [d * (k - 1) for d, k in zip(m.dilation, m.kernel_size)] if m.padding == "same" else [0] * 3
+                pads = tuple((t // 2, t - t // 2) for t in total)
+            else:
+                pads = tuple((int(p), int(p)) for p in m.padding)
+        return cls(int(m.in_channels), int(m.out_channels), tuple(m.kernel_size), tuple(m.stride),
+                   tuple(m.dilation), pads, int(m.groups), str(m.padding_mode), m.bias is not None)
+
+    @property
+    def kind(self) -> str:
+        return "conv3d"
+
+    def describe(self) -> str:
+        """``96->96 k3x3x3 s1x1x1 p2/0x1x1``: per axis the padding, front/back
+        where they differ (a causal conv's time axis)."""
+        k, s, d = self.kernel, self.stride, self.dilation
+        pads = "x".join(str(f) if f == b else f"{f}/{b}" for f, b in self.pads)
+        txt = f"{self.in_channels}->{self.out_channels} k{k[0]}x{k[1]}x{k[2]} s{s[0]}x{s[1]}x{s[2]} p{pads}"
+        if d != (1, 1, 1):
+            txt += f" d{d[0]}x{d[1]}x{d[2]}"
+        return txt
+
+    def problem(self) -> Optional[str]:
+        """Why the kernel never takes this conv (whatever the call), or None."""
+        if self.groups != 1:
+            return f"groups={self.groups}"
+        if self.padding_mode != "zeros":
+            return f"padding_mode={self.padding_mode!r}"
+        return None
+
+
+
 def layout_of(x: torch.Tensor) -> str:
     """'nchw' for contiguous, 'nhwc' for channels_last, 'strided' otherwise.
-    Tensors that are both (one channel, or 1x1 spatial) count as 'nchw'."""
+    Tensors that are both (one channel, or 1x1 spatial) count as 'nchw'. A
+    5-D one: 'ndhwc' for a channels_last_3d activation, else 'ncdhw'."""
+    if x.dim() == 5:
+        return "ndhwc" if x.is_contiguous(memory_format=torch.channels_last_3d) and not x.is_contiguous() \
+            else "ncdhw"
     if x.dim() != 4 or x.is_contiguous():
         return "nchw"
     if x.is_contiguous(memory_format=torch.channels_last):
@@ -171,7 +242,12 @@ def needs_grad(*tensors) -> bool:
 
 @dataclass(frozen=True)
 class CallDesc:
-    """What the router needs to know about one call."""
+    """What the decision needs to know about one call. Beside the tensors'
+    facts: ``epilogue``, the eager ops its fused epilogue stands for;
+    ``graph``, whether it runs on a CUDA graph's path (only GPU time counts
+    there); ``packed``, whether its weight is refreshed into a pack at every
+    call; for a Conv3d call its cached frames (count, layout, dtype), its
+    output's elements, and whether autocast is on."""
 
     shape: tuple
     dtype: torch.dtype
@@ -184,16 +260,30 @@ class CallDesc:
     output_padding: Optional[Pair] = None
     compiling: bool = False
     aligned16: bool = True
+    epilogue: int = 0
+    graph: bool = False
+    packed: bool = False
+    residual_dtype: Optional[torch.dtype] = None
+    cache_frames: int = 0
+    cache_layout: Optional[str] = None
+    cache_dtype: Optional[torch.dtype] = None
+    out_numel: int = 0
+    cast: bool = False
 
     @classmethod
-    def of_call(cls, x, weight, bias=None, residual=None, output_padding=None) -> "CallDesc":
-        grad = needs_grad(x, weight, bias, residual)
-        same = weight.device == x.device and (bias is None or bias.device == x.device) and (
-            residual is None or residual.device == x.device)
+    def of_call(cls, x, weight, bias=None, residual=None, output_padding=None, *, cache=None, epilogue: int = 0,
+                graph: bool = False, packed: bool = False, out_numel: int = 0, cast: bool = False) -> "CallDesc":
+        grad = needs_grad(x, weight, bias, residual, cache)
+        same = all(t is None or t.device == x.device for t in (weight, bias, residual, cache))
+        aligned = x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0 and (
+            cache is None or cache.data_ptr() % 16 == 0)
         return cls(
             shape=tuple(x.shape), dtype=x.dtype, device_type=x.device.type,
             layout=layout_of(x), needs_grad=bool(grad), weight_dtype=weight.dtype,
             same_device=same, bias_dtype=None if bias is None else bias.dtype,
-            output_padding=output_padding, compiling=torch.compiler.is_compiling(),
-            aligned16=x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0,
+            output_padding=output_padding, compiling=torch.compiler.is_compiling(), aligned16=aligned,
+            epilogue=epilogue, graph=graph, packed=packed,
+            residual_dtype=None if residual is None else residual.dtype,
+            cache_frames=0 if cache is None else cache.shape[2], cache_layout=None if cache is None else layout_of(cache),
+            cache_dtype=None if cache is None else cache.dtype, out_numel=out_numel, cast=cast,
         )

@@ -21,19 +21,22 @@ MIN_CUDA_CAPABILITY = (8, 0)
 class Target:
     """``arch`` names the config table: ``sm90``, ``sm80``, ``gfx942``, ...,
     ``interpreter`` for CPU tensors under TRITON_INTERPRET=1, or ``cpu``/
-    ``none`` where no kernel can run (``reason`` says why)."""
+    ``none`` where no kernel can run (``reason`` says why). ``sms``: a GPU's
+    streaming multiprocessors, read from the device (0 elsewhere: the cost
+    model then takes its table's)."""
 
     arch: str
     kernels: bool
     reason: str = ""
     interpreter: bool = False
+    sms: int = 0
 
 
 def interpreter_enabled() -> bool:
     """Whether the kernels were (or will be) decorated for the interpreter.
     Triton fixes this when a kernel is decorated, so once the kernels are
     imported its value wins over a later change of the environment."""
-    mod = sys.modules.get("conv_patch.kernels.launch")
+    mod = sys.modules.get("conv_patch.kernels.common")
     if mod is not None:
         return bool(mod.INTERPRET)
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -85,7 +88,7 @@ def _target(kind: str, index: Optional[int], interp: bool, triton: bool) -> Targ
         arch, ok = _gpu_arch(index)
         if not ok:
             return Target(arch, False, f"GPU {arch} is older than sm80")
-        return Target(arch, True)
+        return Target(arch, True, sms=gpu_sms(index))
     return Target(device.type, False, f"device type {device.type!r} has no kernels")
 
 

@@ -35,8 +35,8 @@ grids); the torch-facing layer is ``conv_patch.functional.attention``.
 import triton
 import triton.language as tl
 
-from conv_patch.kernels.common import grouped_tile
-from conv_patch.kernels.launch import cdiv, launch, sm_count
+from .common import grouped_tile
+from .launch import cdiv, launch, sm_count
 
 LOG2E = 1.4426950408889634
 

@@ -11,12 +11,23 @@ Index conventions used throughout:
     address span of a tensor reaches 2**31 elements.
 """
 
+import os
+
 import triton
 import triton.language as tl
 
 from conv_patch.activations import CODES
+from conv_patch.checkout import refuse_top_level
 
-# Activation codes: conv_patch/epilogue.py's table, which the eager fallback reads too.
+refuse_top_level(__name__)
+
+# Whether the kernels run through the Triton interpreter: read from
+# TRITON_INTERPRET when this module is imported, right before its first
+# decoration, which is when Triton decides it (every kernel module imports
+# this one first).
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+# Activation codes: conv_patch/activations.py's table, which the eager fallback reads too.
 ACT_RELU = tl.constexpr(CODES["relu"])
 ACT_SILU = tl.constexpr(CODES["silu"])
 ACT_GELU = tl.constexpr(CODES["gelu"])

@@ -10,8 +10,8 @@ The torch-facing wrapper lives in ``conv_patch.functional``.
 import triton
 import triton.language as tl
 
-from conv_patch.kernels.common import accumulate_tap, epilogue_store, output_tile
-from conv_patch.kernels.launch import cdiv, run_conv_kernel
+from .common import accumulate_tap, epilogue_store, output_tile
+from .launch import cdiv, run_conv_kernel
 
 
 @triton.jit

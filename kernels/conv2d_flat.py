@@ -17,8 +17,8 @@ Layer 1: ``conv2d_flat_kernel`` (the portable kernels' signature); layer 2:
 import triton
 import triton.language as tl
 
-from conv_patch.kernels.common import epilogue_store, mma, output_tile, wide
-from conv_patch.kernels.launch import cdiv, run_conv_kernel
+from .common import epilogue_store, mma, output_tile, wide
+from .launch import cdiv, run_conv_kernel
 
 
 @triton.jit

@@ -23,9 +23,9 @@ and takes a fixed block).
 import triton
 import triton.language as tl
 
-from conv_patch.kernels.common import epilogue_store, wide
-from conv_patch.kernels.launch import cdiv, empty, launch, needs_int64, next_pow2
-from conv_patch.kernels.conv2d import launch_conv2d
+from .common import epilogue_store, wide
+from .launch import cdiv, empty, launch, needs_int64, next_pow2
+from .conv2d import launch_conv2d
 
 
 @triton.jit

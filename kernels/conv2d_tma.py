@@ -64,8 +64,8 @@ Design:
 import triton
 import triton.language as tl
 
-from conv_patch.kernels.common import epilogue_store, epilogue_values, grouped_tile, wide
-from conv_patch.kernels.launch import MIN_DOT_BLOCK, cdiv, launch, needs_int64, next_pow2, sm_count
+from .common import epilogue_store, epilogue_values, grouped_tile, wide
+from .launch import MIN_DOT_BLOCK, TMA_ALIGN, cdiv, launch, needs_int64, next_pow2, sm_count
 
 
 @triton.jit
@@ -235,7 +235,7 @@ def dense_nhwc(t) -> bool:
     """``t`` ([N, C, H, W]) can be a TMA box target: dense NHWC (a band of
     rows of a one-sample tensor is), 16-byte aligned base and pixel rows."""
     n, c, h, w = t.shape
-    return ((c * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0 and t.stride(1) == 1
+    return ((c * t.element_size()) % TMA_ALIGN == 0 and t.data_ptr() % TMA_ALIGN == 0 and t.stride(1) == 1
             and t.stride(3) == c and t.stride(2) == w * c and (n == 1 or t.stride(0) == h * w * c))
 
 
@@ -243,7 +243,7 @@ def dense_nchw(t) -> bool:
     """``t`` ([N, C, H, W]) is dense NCHW with 16-byte aligned base and
     pixel rows: an NCHW box target."""
     n, c, h, w = t.shape
-    return ((w * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0 and t.stride(3) == 1
+    return ((w * t.element_size()) % TMA_ALIGN == 0 and t.data_ptr() % TMA_ALIGN == 0 and t.stride(3) == 1
             and t.stride(2) == w and t.stride(1) == h * w and (n == 1 or t.stride(0) == c * h * w))
 
 

@@ -23,8 +23,8 @@ padding only decides the output size, which the caller passes in.
 import triton
 import triton.language as tl
 
-from conv_patch.kernels.common import accumulate_tap, epilogue_store, output_tile, wide
-from conv_patch.kernels.launch import cdiv, conv_meta, empty, launch
+from .common import accumulate_tap, epilogue_store, output_tile, wide
+from .launch import cdiv, conv_meta, empty, launch
 
 
 @triton.jit

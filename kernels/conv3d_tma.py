@@ -34,10 +34,9 @@ Design (the 2-D TMA kernel's, kernels/conv2d_tma.py, one axis up):
 import triton
 import triton.language as tl
 
-from conv_patch.kernels.common import epilogue_store, grouped_tile, wide
-from conv_patch.kernels.launch import MIN_DOT_BLOCK, cdiv, launch, needs_int64, next_pow2
+from .common import epilogue_store, grouped_tile, wide
+from .launch import MIN_DOT_BLOCK, TMA_ALIGN, cdiv, launch, needs_int64, next_pow2
 
-TMA_ALIGN = 16
 
 
 @triton.jit

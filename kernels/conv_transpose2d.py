@@ -14,8 +14,8 @@ as in conv2d.py; the epilogue is the shared one.
 import triton
 import triton.language as tl
 
-from conv_patch.kernels.common import accumulate_tap, epilogue_store, grouped_tile, wide
-from conv_patch.kernels.launch import cdiv, run_conv_kernel
+from .common import accumulate_tap, epilogue_store, grouped_tile, wide
+from .launch import cdiv, run_conv_kernel
 
 
 @triton.jit

@@ -18,8 +18,8 @@ stride being 1 in the NHWC tensors this is launched for.
 import triton
 import triton.language as tl
 
-from conv_patch.kernels.common import epilogue_store, wide
-from conv_patch.kernels.launch import cdiv, launch, needs_int64, next_pow2
+from .common import epilogue_store, wide
+from .launch import cdiv, launch, needs_int64, next_pow2
 
 
 @triton.jit

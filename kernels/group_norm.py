@@ -31,8 +31,8 @@ helpers (``merge_moments``, ``combine_moments``) for all of them.
 import triton
 import triton.language as tl
 
-from conv_patch.kernels.common import activate
-from conv_patch.kernels.launch import cdiv, empty, launch, next_pow2
+from .common import activate
+from .launch import cdiv, empty, launch, next_pow2
 
 
 @triton.jit

@@ -10,23 +10,18 @@ import os
 import threading
 
 from torch import Tensor
+from conv_patch.checkout import refuse_top_level
 
-if __name__.partition(".")[0] != "conv_patch":
-    # A checkout's root on sys.path shows kernels/ as a namespace package; its
-    # modules are conv_patch.kernels' and must not load twice under two names.
-    raise ImportError(f"{__name__} is conv-patch's conv_patch.kernels.{__name__.rpartition('.')[2]}: import that one")
+refuse_top_level(__name__)
 
 from conv_patch.work import Work
-
-# Whether the kernels run through the Triton interpreter: read from
-# TRITON_INTERPRET when the first kernel module is imported (every one
-# imports this module), which is when Triton decides it for its decorations.
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 INT32_LIMIT = 2**31 - 1
 
 # tl.dot needs every block dimension >= 16.
 MIN_DOT_BLOCK = 16
+# TMA needs 16-byte aligned base addresses and strides.
+TMA_ALIGN = 16
 
 
 def cdiv(a: int, b: int) -> int:
@@ -143,7 +138,6 @@ _FAST_STATE: dict = {}
 def _fast_launch_on() -> bool:
     on = _FAST_STATE.get("on")
     if on is None:
-        import os
         interp = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
         on = _FAST_STATE["on"] = not interp and os.environ.get("CONV_PATCH_FAST_LAUNCH", "1") != "0"
     return on

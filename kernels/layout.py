@@ -12,7 +12,8 @@ reads along the pixels and writes along the channels, each side coalesced
 import triton
 import triton.language as tl
 
-from conv_patch.kernels.launch import cdiv, launch
+from .common import INTERPRET  # noqa: F401  (fixed before this module's decorations)
+from .launch import cdiv, launch
 
 
 @triton.jit

@@ -23,8 +23,8 @@ the output's dtype (PyTorch rounds the normalised value before the affine).
 import triton
 import triton.language as tl
 
-from conv_patch.kernels.common import activate
-from conv_patch.kernels.launch import cdiv, launch, needs_int64
+from .common import activate
+from .launch import cdiv, launch, needs_int64
 
 
 @triton.jit

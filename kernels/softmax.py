@@ -19,7 +19,8 @@ fp32 before the exponent, folded with log2(e) so that the kernel uses exp2.
 import triton
 import triton.language as tl
 
-from conv_patch.kernels.launch import launch
+from .common import INTERPRET  # noqa: F401  (fixed before this module's decorations)
+from .launch import launch
 
 LOG2E = 1.4426950408889634
 

@@ -22,7 +22,8 @@ tile through shared memory between the two).
 import triton
 import triton.language as tl
 
-from conv_patch.kernels.launch import cdiv, launch, next_pow2
+from .common import INTERPRET  # noqa: F401  (fixed before this module's decorations)
+from .launch import cdiv, launch, next_pow2
 
 
 @triton.jit

@@ -13,9 +13,9 @@ from typing import List, Tuple
 
 from torch import nn
 
-from conv_patch.recipes import common, diffusers, ldm, wan  # noqa: F401  (registration)
-from conv_patch.recipes import fuse as steps
-from conv_patch.recipes.fuse import REGISTRY, FusedBlock, Recipe, fused_class, is_fused
+from . import common, diffusers, ldm, wan  # noqa: F401  (registration)
+from .fuse import REGISTRY, FusedBlock, Recipe, fused_class, is_fused
+from conv_patch.runtime.state import peek
 
 ORDER = [
     diffusers.RESNET, diffusers.UPSAMPLE, diffusers.DOWNSAMPLE, diffusers.ATTENTION, diffusers.DECODER,
@@ -60,15 +60,12 @@ def fuse(module: nn.Module, recipe: Recipe) -> None:
 def unfuse(module: nn.Module) -> None:
     if is_fused(module):
         module.__class__ = module._cp_base
-        module.__dict__.pop("_cp_graphs", None)
-        module.__dict__.pop("_cp_plans", None)
-        module.__dict__.pop("_cp_chain", None)
-        module.__dict__.pop("_cp_packs", None)
-        module.__dict__.pop("_cp_bands", None)
-        module.__dict__.pop("_cp_band_report", None)
+        st = peek(module)
+        if st is not None:
+            st.drop_block()
 
 
-__all__ = ["ORDER", "REGISTRY", "FusedBlock", "Recipe", "recipe_for", "plan", "fuse", "unfuse", "is_fused", "steps"]
+__all__ = ["ORDER", "REGISTRY", "FusedBlock", "Recipe", "recipe_for", "plan", "fuse", "unfuse", "is_fused"]
 
 
 def upsample_convs(model: nn.Module) -> set:

@@ -8,11 +8,11 @@ import torch
 from torch import nn
 
 from conv_patch.runtime import dispatch, pack, passthrough
+from conv_patch.runtime.state import peek, state_of
 from conv_patch.routing.costs import group_norm_pays
 
-from conv_patch.recipes.fuse import (Recipe, base, channels_last, conv, group_norm, inference, is_conv, is_fused,
-                                     is_group_norm, is_relu, is_silu, like_input, norm_is_eager, plain, register,
-                                     upsample_conv)
+from .fuse import (Recipe, base, channels_last, conv, group_norm, inference, is_conv, is_fused, is_group_norm,
+                   is_relu, is_silu, like_input, norm_is_eager, plain, register, upsample_conv)
 
 
 class GroupNormRecipe(Recipe):
@@ -137,9 +137,10 @@ class SequentialChain(Recipe):
         # The plan and the layout choice are the children's: kept until one
         # is replaced, added or removed (the upsample steps' conv geometry,
         # which the fold relies on, is checked again at every call).
-        held = m.__dict__.get("_cp_chain")
+        st = state_of(m)
+        held = st.chain
         if held is None or held[0] != children:
-            held = m.__dict__["_cp_chain"] = (children, chain_plan(list(children)), _has_convs(m, 3),
+            held = st.chain = (children, chain_plan(list(children)), _has_convs(m, 3),
                                               _group_norm_channels(m))
         _, steps, many_convs, gn_channels = held
         if any(kind == "upconv" and not is_conv(mod, 3, 1, 1) for kind, mod, _ in steps):
@@ -162,17 +163,18 @@ class SequentialChain(Recipe):
         with its recipes (docs/performance.md). Not on the graph path nor
         inside torch.compile, where host time is not the cost, nor before
         the stack's first call has made its plan."""
-        held = m.__dict__.get("_cp_chain")
+        st = peek(m)
+        held = None if st is None else st.chain
         if held is None or kwargs or len(args) != 1 or pack.GRAPH_PATH:
             return None
         x = args[0]
         if (not isinstance(x, torch.Tensor) or x.dim() != 4 or not _norms_eager(x, held[3])
-                or m.__dict__.get("_cp_graphs") is not None or m.__dict__.get("_cp_bands") is not None
+                or st.graphs is not None or st.bands is not None
                 or torch.compiler.is_compiling()):
             return None
-        swaps = m.__dict__.get("_cp_own_swaps")
+        swaps = st.own_swaps
         if swaps is None or swaps[0] is not held:
-            swaps = m.__dict__["_cp_own_swaps"] = (held, passthrough.own_class_swaps(fused_below(m)))
+            swaps = st.own_swaps = (held, passthrough.own_class_swaps(fused_below(m)))
         return swaps[1]
 
     def upsample_convs(self, m):

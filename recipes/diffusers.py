@@ -9,17 +9,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conv_patch.functional import output_shape
+from conv_patch.ops.conv2d import output_shape
 from conv_patch.specs import ConvSpec
 from conv_patch.target import target_for
 
-from conv_patch.recipes.fuse import (Recipe, attention, base, channels_last, conv, dropout_is_identity, from_tokens,
-                                     group_norm, inference, is_conv, is_group_norm, is_relu, is_silu, like_input,
-                                     norm_conv, parts, plain, register, resnet, to_tokens, upsample_conv)
-
-
-def _named(m, name: str) -> bool:
-    return getattr(type(m), "_cp_base", type(m)).__name__ == name
+from .layers import Conv, Layers, NormConv, Resnet, Up, Whole, need, own_pad, plus
+from .fuse import (Recipe, attention, base, channels_last, conv, dropout_is_identity, from_tokens, group_norm,
+                   inference, is_conv, is_group_norm, is_relu, is_silu, like_input, matches, named, norm_conv,
+                   parts, plain, register, resnet, to_tokens, upsample_conv)
 
 
 class ResnetBlock2D(Recipe):
@@ -32,7 +29,7 @@ class ResnetBlock2D(Recipe):
     what = "GroupNorm+SiLU, time embedding in conv1's epilogue, residual and 1/output_scale_factor in conv2's"
 
     def match(self, m):
-        return (_named(m, "ResnetBlock2D") and is_group_norm(getattr(m, "norm1", None))
+        return (named(m, "ResnetBlock2D") and is_group_norm(getattr(m, "norm1", None))
                 and is_group_norm(getattr(m, "norm2", None)) and is_silu(getattr(m, "nonlinearity", None))
                 and is_conv(getattr(m, "conv1", None), 3, 1, 1) and is_conv(getattr(m, "conv2", None), 3, 1, 1)
                 and getattr(m, "upsample", 0) is None and getattr(m, "downsample", 0) is None
@@ -74,7 +71,7 @@ class Upsample2D(Recipe):
     what = "upsample folded into the conv"
 
     def match(self, m):
-        return (_named(m, "Upsample2D") and getattr(m, "use_conv", False) and not getattr(m, "use_conv_transpose", True)
+        return (named(m, "Upsample2D") and getattr(m, "use_conv", False) and not getattr(m, "use_conv_transpose", True)
                 and getattr(m, "interpolate", False) and getattr(m, "norm", 0) is None
                 and is_conv(_up_conv(m), 3, 1, 1))
 
@@ -95,7 +92,7 @@ class Downsample2D(Recipe):
     what = "asymmetric pad folded into the stride-2 conv"
 
     def match(self, m):
-        return (_named(m, "Downsample2D") and getattr(m, "use_conv", False) and getattr(m, "padding", 1) == 0
+        return (named(m, "Downsample2D") and getattr(m, "use_conv", False) and getattr(m, "padding", 1) == 0
                 and getattr(m, "norm", 0) is None and is_conv(getattr(m, "conv", None), 3, 2, 0))
 
     def forward(self, m, hidden_states, *args, **kwargs):
@@ -117,7 +114,7 @@ class Attention(Recipe):
 
     def match(self, m):
         out = getattr(m, "to_out", None)
-        return (_named(m, "Attention") and getattr(m, "spatial_norm", 0) is None
+        return (named(m, "Attention") and getattr(m, "spatial_norm", 0) is None
                 and getattr(m, "norm_q", 0) is None and getattr(m, "norm_k", 0) is None
                 and not getattr(m, "is_cross_attention", True)
                 # The VAE's spatial form; a UNet's token attention has neither.
@@ -162,7 +159,7 @@ class NHWCInside(Recipe):
         self.name, self.cls_name, self.parts = name, cls_name, parts
 
     def match(self, m):
-        return _named(m, self.cls_name) and all(hasattr(m, p) for p in self.parts)
+        return named(m, self.cls_name) and all(hasattr(m, p) for p in self.parts)
 
     def forward(self, m, sample, *args, **kwargs):
         if not hasattr(sample, "dim") or sample.dim() != 4 or (
@@ -171,6 +168,27 @@ class NHWCInside(Recipe):
             return base(m, sample, *args, **kwargs)
         # The block's own forward, fed NHWC: not a fallback.
         return like_input(m._cp_base.forward(m, channels_last(sample), *args, **kwargs), sample)
+
+
+def _resnet_layer(r) -> Resnet:
+    need(matches(RESNET, r), f"{type(r).__name__} is not a VAE ResnetBlock2D")
+    return Resnet(r.norm1, r.conv1, r.norm2, r.conv2, r.conv_shortcut, 1.0 / r.output_scale_factor)
+
+
+def _mid_layers(mid) -> list:
+    need(named(mid, "UNetMidBlock2D"), "the mid block is not UNetMidBlock2D")
+    out = [_resnet_layer(mid.resnets[0])]
+    for attn, r in zip(mid.attentions, mid.resnets[1:]):
+        if attn is not None:
+            out.append(Whole(attn))
+        out.append(_resnet_layer(r))
+    return out
+
+
+def tail_layer(norm, conv_out, act_ok: bool) -> NormConv:
+    """GroupNorm, SiLU, conv_out: the tail of a VAE half, as a band layer."""
+    need(is_group_norm(norm) and act_ok and is_conv(conv_out, 3, 1, 1), "unknown tail")
+    return NormConv(norm, conv_out)
 
 
 class Decoder(NHWCInside):
@@ -184,7 +202,7 @@ class Decoder(NHWCInside):
     def match(self, m):
         ups = getattr(m, "up_blocks", None)
         return (super().match(m) and ups is not None and len(ups) > 0
-                and all(_named(u, "UpDecoderBlock2D") and hasattr(u, "resnets") and hasattr(u, "upsamplers")
+                and all(named(u, "UpDecoderBlock2D") and hasattr(u, "resnets") and hasattr(u, "upsamplers")
                         for u in ups)
                 and is_group_norm(getattr(m, "conv_norm_out", None)) and is_silu(getattr(m, "conv_act", None))
                 and is_conv(getattr(m, "conv_out", None), 3, 1, 1))
@@ -203,6 +221,17 @@ class Decoder(NHWCInside):
             for u in up.upsamplers or ():
                 x = u(x)
         return like_input(norm_conv(m.conv_norm_out, m.conv_out, x, "silu"), sample)
+
+    def bands(self, m) -> Layers:
+        need(is_conv(m.conv_in, 3, 1, 1), "conv_in is not a 3x3 conv")
+        steps = [Conv(m.conv_in, own_pad(m.conv_in))] + _mid_layers(m.mid_block)
+        for up in m.up_blocks:
+            steps += [_resnet_layer(r) for r in up.resnets]
+            for u in up.upsamplers or ():
+                need(matches(UPSAMPLE, u), "an upsampler is not a nearest-x2 Upsample2D with a conv")
+                steps.append(Up(_up_conv(u)))
+        steps.append(tail_layer(m.conv_norm_out, m.conv_out, is_silu(m.conv_act)))
+        return Layers("decoder", steps)
 
 
 class Encoder(NHWCInside):
@@ -233,6 +262,19 @@ class Encoder(NHWCInside):
         x = m.mid_block(x)
         return like_input(norm_conv(m.conv_norm_out, m.conv_out, x, "silu"), sample)
 
+    def bands(self, m) -> Layers:
+        need(is_conv(m.conv_in, 3, 1, 1), "conv_in is not a 3x3 conv")
+        steps = [Conv(m.conv_in, own_pad(m.conv_in))]
+        for d in m.down_blocks:
+            need(named(d, "DownEncoderBlock2D"), "a down block is not DownEncoderBlock2D")
+            steps += [_resnet_layer(r) for r in d.resnets]
+            for s in d.downsamplers or ():
+                need(matches(DOWNSAMPLE, s), "a downsampler is not Downsample2D(padding=0)")
+                steps.append(Conv(s.conv, plus(own_pad(s.conv), (0, 1, 0, 1))))
+        steps += _mid_layers(m.mid_block)
+        steps.append(tail_layer(m.conv_norm_out, m.conv_out, is_silu(m.conv_act)))
+        return Layers("encoder", steps)
+
 
 class TinyBlock(Recipe):
     """``fuse(conv(x) + skip(x))`` of AutoencoderTiny / TAESD: conv, act,
@@ -248,7 +290,7 @@ class TinyBlock(Recipe):
 
     def match(self, m):
         seq = getattr(m, "conv", None)
-        if not any(_named(m, n) for n in self.cls_names) or seq is None or len(seq) != 5:
+        if not any(named(m, n) for n in self.cls_names) or seq is None or len(seq) != 5:
             return False
         c0, a0, c1, a1, c2 = list(seq)
         acts_ok = (is_relu(a0) or is_silu(a0)) and (is_relu(a1) or is_silu(a1))

@@ -24,18 +24,20 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules import module as torch_module
 
-from conv_patch.runtime import dispatch, pack, passthrough
 from conv_patch import functional
-from conv_patch.ops.conv2d import kernel_errors
-from conv_patch.routing.costs import group_norm_pays
-from conv_patch.specs import needs_grad
+from conv_patch.activations import eager_epilogue
+from conv_patch.ops.conv2d import to_nhwc
+from conv_patch.ops.loader import kernel_errors
+from conv_patch.routing import costs
+from conv_patch.runtime import dispatch, pack, passthrough
+from conv_patch.runtime.plans import forward_with_padding, kernel_failure
+from conv_patch.runtime.state import peek, state_of
+from conv_patch.specs import KERNEL_DTYPES, needs_grad
 from conv_patch.target import target_for
 from conv_patch.runtime.wrappers import PatchedCausalConv3d, PatchedConvMixin, comfy_active, is_comfy_conv_class
+from conv_patch.checkout import refuse_top_level
 
-if __name__.partition(".")[0] != "conv_patch":
-    # A checkout's root on sys.path shows recipes/ as a namespace package; its
-    # modules are conv_patch.recipes' and must not load twice under two names.
-    raise ImportError(f"{__name__} is conv-patch's conv_patch.recipes.{__name__.rpartition('.')[2]}: import that one")
+refuse_top_level(__name__)
 
 
 class Recipe:
@@ -63,6 +65,12 @@ class Recipe:
     # None for a call the recipe runs. Asked at every call of the block,
     # before its pack group is refreshed.
     unfused = None
+
+    # ``bands(module)``, where a recipe defines it: the block's layers as
+    # ``layers.Layers`` for a call in row bands (conv_patch.parallel runs
+    # them; ``layers.UnsupportedModel`` where this block's structure is not
+    # the one the recipe knows). None: the block is not run in bands.
+    bands = None
 
     def upsample_convs(self, module) -> tuple:
         """The convs this recipe runs on a nearest-x2 upsampled input as
@@ -94,7 +102,8 @@ class FusedBlock:
             if swaps is not None:
                 return passthrough.run_unfused(self, swaps, functools.partial(self._cp_base.forward, self, *args,
                                                                               **kwargs))
-        if (self._cp_recipe.runs_convs and pack.ACTIVE.group is None and self.__dict__.get("_cp_graphs") is None
+        st = peek(self)
+        if (self._cp_recipe.runs_convs and pack.ACTIVE.group is None and (st is None or st.graphs is None)
                 and not pack.GRAPH_PATH and not torch.compiler.is_compiling()):
             # The outermost fused block of this call (no group active in this
             # thread): its convs' weight packs are refreshed together at its
@@ -103,14 +112,15 @@ class FusedBlock:
         return self._cp_run(*args, **kwargs)
 
     def _cp_run(self, *args, **kwargs):
-        bands = self.__dict__.get("_cp_bands")
+        st = peek(self)
+        bands = None if st is None else st.bands
         if bands is not None:
             # PatchConfig(max_activation_gib=...) on a VAE Decoder/Encoder:
             # the call in bands where its activations would not fit.
             y = bands(self, args, kwargs)
             if y is not None:
                 return y
-        graphs = self.__dict__.get("_cp_graphs")
+        graphs = None if st is None else st.graphs
         if graphs is not None:
             # PatchConfig(cuda_graphs=True) on an outermost fused block.
             return graphs(self, functools.partial(self._cp_recipe.forward, self), args, kwargs)
@@ -122,18 +132,9 @@ class FusedBlock:
         return self._cp_base
 
     def __reduce_ex__(self, protocol):
-        # The dynamic class cannot be found by name when unpickling.
+        # The dynamic class cannot be found by name when unpickling. (The
+        # state's caches do not travel: runtime/state.py.)
         return (_rebuild, (self._cp_base, self._cp_recipe.name), self.__getstate__())
-
-    def __getstate__(self):
-        state = super().__getstate__()
-        if any(state.get(k) is not None for k in ("_cp_plans", "_cp_norm_plan", "_cp_packs", "_cp_own_swaps")):
-            # Plans hold this process's kernels and recorded launches
-            # (conv_patch.runtime.dispatch), which neither pickle nor deep-copy; a
-            # pack group, this module's convs (a copy learns its own); the
-            # class swaps of a stack run unfused, the dynamic classes.
-            state = dict(state, _cp_plans=None, _cp_norm_plan=None, _cp_packs=None, _cp_own_swaps=None)
-        return state
 
 
 def kernels_may_run_on(args: tuple, kwargs: dict) -> bool:
@@ -222,6 +223,20 @@ def dropout_is_identity(m: Optional[nn.Module]) -> bool:
         type(m) is nn.Dropout and (not m.training or m.p == 0.0))
 
 
+def named(m, name: str) -> bool:
+    """``m``'s own class (a fused block's base class) is called ``name``:
+    recipes match by class name and structure, never by import path."""
+    return getattr(type(m), "_cp_base", type(m)).__name__ == name
+
+
+def matches(recipe: Recipe, m) -> bool:
+    """``recipe.match(m)``, False for a module it chokes on."""
+    try:
+        return bool(recipe.match(m))
+    except Exception:  # noqa: BLE001 - an odd module simply does not match
+        return False
+
+
 def is_silu(m) -> bool:
     return type(m) is nn.SiLU
 
@@ -282,14 +297,15 @@ def kernel_step(m: nn.Module, fn):
     """``fn()``, a step of conv ``m`` run on the kernels outside its conv
     plans (the subpixel upsample, GroupNorm+conv in bands); None where a
     kernel cannot be built or launched here: warned once
-    (``dispatch.kernel_failure``) and remembered on ``m``, whose later calls
+    (``plans.kernel_failure``) and remembered on ``m``, whose later calls
     take its planned path, which has its own fallback."""
-    if m.__dict__.get("_cp_step_failed"):
+    st = state_of(m)
+    if st.step_failed:
         return None
     try:
         return fn()
     except kernel_errors() as e:
-        m.__dict__["_cp_step_failed"] = dispatch.kernel_failure(e)
+        st.step_failed = kernel_failure(e)
         return None
 
 
@@ -301,7 +317,7 @@ def _kernels_may_run(m: nn.Module) -> bool:
 def norm_is_eager(x: torch.Tensor, numel: Optional[int] = None) -> bool:
     """Whether ``group_norm`` runs PyTorch's GroupNorm (below the kernels'
     crossover) on ``x``, or on a tensor of ``numel`` elements on its device."""
-    return x.is_cuda and not group_norm_pays(x.numel() if numel is None else numel)
+    return x.is_cuda and not costs.group_norm_pays(x.numel() if numel is None else numel)
 
 
 def group_norm(norm: nn.GroupNorm, x: torch.Tensor, activation: str = "none",
@@ -349,7 +365,7 @@ def conv(m: nn.Conv2d, x: torch.Tensor, *, padding=None, residual=None, beta: fl
     """``out_scale * act(m(F.pad(x, padding)) + beta * residual)``; one
     kernel where ``m`` is patched and the kernels take the call. ``padding``
     (F.pad order) is folded into the conv's bounds, in place of the
-    module's own padding (``dispatch.forward_with_padding``: a band of an
+    module's own padding (``plans.forward_with_padding``: a band of an
     image padded on its image-edge sides only); ``out`` receives the result
     (it may be ``residual``: the epilogue reads each residual element
     before writing it)."""
@@ -361,10 +377,10 @@ def conv(m: nn.Conv2d, x: torch.Tensor, *, padding=None, residual=None, beta: fl
         return m.call_with_epilogue(x, residual, beta, activation, out_scale, out,
                                     None if padding is None else tuple(padding))
     if padding is not None:
-        y = dispatch.forward_with_padding(m, x, padding, m)
+        y = forward_with_padding(m, x, padding, m)
     else:
         y = m(x)
-    y = functional.eager_epilogue(y, residual, beta, activation, out_scale)
+    y = eager_epilogue(y, residual, beta, activation, out_scale)
     return y if out is None else out.copy_(y)
 
 
@@ -398,7 +414,7 @@ def norm_conv(norm: nn.GroupNorm, m: nn.Conv2d, x: torch.Tensor, activation: str
         try:
             y = kernel_step(m, lambda: functional.group_norm_conv2d(
                 x, norm.num_groups, norm.weight, norm.bias, norm.eps, activation,
-                pack.packed_weight(m, m.weight, False), m.bias, band_bytes=BAND_BYTES, table=m._cp_table))
+                pack.packed_weight(m, m.weight, False), m.bias, band_bytes=BAND_BYTES, table=state_of(m).table))
             if y is not None:
                 return (y, None) if keep_bias else y
         except functional.UnsupportedConv:
@@ -440,12 +456,26 @@ def resnet(x: torch.Tensor, norm1, conv1, norm2, conv2, shortcut=None, out_scale
     return like_input(conv(conv2, h, residual=sc, out_scale=out_scale, out=sc if into_sc else None), x)
 
 
+def subpixel_pays(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``functional.upsample_conv2d``'s folded form is worth its four
+    launches here (``costs.subpixel_pays``; always under the interpreter,
+    where the tests exercise it, under torch.compile, where
+    ``upsample_conv2d`` traces the plain form, and while a CUDA graph is
+    captured or its warm-up runs, ``pack.on_graph_path``: a replay costs no
+    host time per launch)."""
+    if torch.compiler.is_compiling() or target_for(x.device).interpreter:
+        return True
+    n, _, h, w = x.shape
+    # (The size first: the graph question asks CUDA.)
+    return costs.subpixel_pays(n * h * w * weight.shape[0] * weight.shape[1]) or pack.on_graph_path(x)
+
+
 def upsample_conv(m: nn.Conv2d, x: torch.Tensor, *, residual=None, activation: str = "none") -> torch.Tensor:
     """``act(m(F.interpolate(x, scale_factor=2, mode="nearest")) + residual)``
     for a 3x3, padding-1 conv: folded into four planned 2x2 convs of ``x``
     (``dispatch.upsample_conv``) where ``m`` is patched and the problem is
-    large enough for that to pay (``functional.subpixel_pays``)."""
-    if _kernels_may_run(m) and functional.subpixel_pays(x, m.weight):
+    large enough for that to pay (``subpixel_pays``)."""
+    if _kernels_may_run(m) and subpixel_pays(x, m.weight):
         if torch.compiler.is_compiling():
             # Traced as its plain expression (functional.upsample_conv2d), which Inductor fuses.
             return functional.upsample_conv2d(x, m.weight, m.bias, residual=residual, activation=activation)
@@ -456,7 +486,7 @@ def upsample_conv(m: nn.Conv2d, x: torch.Tensor, *, residual=None, activation: s
         # Small: upsample, then one launch with the epilogue fused.
         return m(F.interpolate(x, scale_factor=2.0, mode="nearest"), residual=residual, activation=activation)
     y = m(F.interpolate(x, scale_factor=2.0, mode="nearest"))
-    return functional.eager_epilogue(y, residual, 1.0, activation, 1.0)
+    return eager_epilogue(y, residual, 1.0, activation, 1.0)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -482,9 +512,9 @@ def channels_last(x: torch.Tensor) -> torch.Tensor:
     them a staging copy per conv), reached once at a model's entry."""
     if x.dim() != 4 or x.is_contiguous(memory_format=torch.channels_last):
         return x
-    if (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16, torch.float32) and x.is_contiguous()
+    if (x.is_cuda and x.dtype in KERNEL_DTYPES and x.is_contiguous()
             and not torch.compiler.is_compiling()):
-        return functional.to_nhwc(x) if functional.target_for(x.device).kernels else x.contiguous(memory_format=torch.channels_last)
+        return to_nhwc(x) if target_for(x.device).kernels else x.contiguous(memory_format=torch.channels_last)
     return x.contiguous(memory_format=torch.channels_last)
 
 

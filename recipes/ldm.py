@@ -12,10 +12,11 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from conv_patch.recipes.fuse import (Recipe, attention, base, conv, dropout_is_identity, from_tokens, group_norm,
-                                     inference, is_conv, is_group_norm, is_silu, plain, register, resnet, to_tokens,
-                                     upsample_conv)
-from conv_patch.recipes.diffusers import NHWCInside, _named
+from .fuse import (Recipe, attention, base, conv, dropout_is_identity, from_tokens, group_norm, inference,
+                   is_conv, is_group_norm, is_silu, matches, named, plain, register, resnet, to_tokens,
+                   upsample_conv)
+from .diffusers import NHWCInside, tail_layer
+from .layers import Conv, Layers, Resnet, Up, Whole, need, own_pad, plus
 
 
 @functools.lru_cache(maxsize=None)
@@ -39,13 +40,6 @@ def _silu_of(m) -> bool:
     return _module_swish(getattr(type(m), "_cp_base", type(m)).__module__)
 
 
-def uses_silu(m) -> bool:
-    """Whether ``m`` (an ldm block, or the Encoder/Decoder whose forward
-    calls its file's ``nonlinearity``) applies SiLU: for walkers of these
-    models outside this file (``conv_patch.parallel``)."""
-    return _silu_of(m)
-
-
 def _shortcut(m):
     if m.in_channels == m.out_channels:
         return None
@@ -60,7 +54,7 @@ class ResnetBlock(Recipe):
     what = "GroupNorm+SiLU, residual in conv2's epilogue"
 
     def match(self, m):
-        if not (_named(m, "ResnetBlock") and all(hasattr(m, a) for a in (
+        if not (named(m, "ResnetBlock") and all(hasattr(m, a) for a in (
                 "norm1", "conv1", "norm2", "conv2", "dropout", "in_channels", "out_channels", "use_conv_shortcut"))):
             return False
         try:
@@ -90,7 +84,7 @@ class AttnBlock(Recipe):
     what = "GroupNorm kernel, token views, blocked attention, residual in proj_out's epilogue"
 
     def match(self, m):
-        return (_named(m, "AttnBlock") and is_group_norm(getattr(m, "norm", None))
+        return (named(m, "AttnBlock") and is_group_norm(getattr(m, "norm", None))
                 and all(is_conv(getattr(m, p, None), 1, 1, 0) for p in ("q", "k", "v", "proj_out")))
 
     def forward(self, m, x):
@@ -113,7 +107,7 @@ class WithConv(Recipe):
         self.step = step
 
     def match(self, m):
-        return _named(m, self.cls_name) and getattr(m, "with_conv", False) is True and is_conv(
+        return named(m, self.cls_name) and getattr(m, "with_conv", False) is True and is_conv(
             getattr(m, "conv", None), 3, self.stride, self.padding)
 
     def forward(self, m, x):
@@ -129,10 +123,67 @@ def _padded_conv(c, x):
     return conv(c, x, padding=(0, 1, 0, 1))
 
 
+def _resnet_layer(r) -> Resnet:
+    need(matches(RESNET, r), f"{type(r).__name__} is not an ldm ResnetBlock")
+    return Resnet(r.norm1, r.conv1, r.norm2, r.conv2, _shortcut(r), 1.0)
+
+
+def _attn_layers(a) -> list:
+    if type(a).__name__ == "Identity":
+        return []
+    need(isinstance(a, torch.nn.Module), "unknown attention")
+    return [Whole(a)]
+
+
+def _mid_layers(m) -> list:
+    return [_resnet_layer(m.mid.block_1), *_attn_layers(m.mid.attn_1), _resnet_layer(m.mid.block_2)]
+
+
+class Decoder(NHWCInside):
+    """The ldm ``Decoder`` (NHWC inside), and its layers for bands."""
+
+    def bands(self, m) -> Layers:
+        need(not getattr(m, "give_pre_end", False) and not getattr(m, "tanh_out", False),
+             "give_pre_end / tanh_out are not taken")
+        need(_silu_of(m) and is_conv(m.conv_in, 3, 1, 1), "unknown ldm Decoder")
+        steps = [Conv(m.conv_in, own_pad(m.conv_in)), *_mid_layers(m)]
+        for lvl in reversed(range(m.num_resolutions)):
+            up = m.up[lvl]
+            for j, b in enumerate(up.block):
+                steps.append(_resnet_layer(b))
+                if len(up.attn) > 0:
+                    steps += _attn_layers(up.attn[j])
+            if lvl != 0:
+                need(matches(UPSAMPLE, up.upsample), "an Upsample has no conv")
+                steps.append(Up(up.upsample.conv))
+        steps.append(tail_layer(m.norm_out, m.conv_out, True))
+        return Layers("decoder", steps)
+
+
+class Encoder(NHWCInside):
+    """The ldm ``Encoder`` (NHWC inside), and its layers for bands."""
+
+    def bands(self, m) -> Layers:
+        need(_silu_of(m) and is_conv(m.conv_in, 3, 1, 1), "unknown ldm Encoder")
+        steps = [Conv(m.conv_in, own_pad(m.conv_in))]
+        for lvl in range(m.num_resolutions):
+            down = m.down[lvl]
+            for j, b in enumerate(down.block):
+                steps.append(_resnet_layer(b))
+                if len(down.attn) > 0:
+                    steps += _attn_layers(down.attn[j])
+            if lvl != m.num_resolutions - 1:
+                need(matches(DOWNSAMPLE, down.downsample), "a Downsample has no conv (avg-pool)")
+                steps.append(Conv(down.downsample.conv, plus(own_pad(down.downsample.conv), (0, 1, 0, 1))))
+        steps += _mid_layers(m)
+        steps.append(tail_layer(m.norm_out, m.conv_out, True))
+        return Layers("encoder", steps)
+
+
 RESNET = register(ResnetBlock())
 ATTN = register(AttnBlock())
 UPSAMPLE = register(WithConv("ldm.Upsample", "Upsample", 1, 1, "upsample folded into the conv", upsample_conv))
 DOWNSAMPLE = register(WithConv("ldm.Downsample", "Downsample", 2, 0, "asymmetric pad folded into the stride-2 conv",
                                _padded_conv))
-DECODER = register(NHWCInside("ldm.Decoder", "Decoder", ("conv_in", "mid", "up", "conv_out")))
-ENCODER = register(NHWCInside("ldm.Encoder", "Encoder", ("conv_in", "mid", "down", "conv_out")))
+DECODER = register(Decoder("ldm.Decoder", "Decoder", ("conv_in", "mid", "up", "conv_out")))
+ENCODER = register(Encoder("ldm.Encoder", "Encoder", ("conv_in", "mid", "down", "conv_out")))

@@ -37,13 +37,14 @@ from typing import Optional
 import torch
 from torch import nn
 
-from conv_patch.recipes.fuse import (Recipe, attention, base, causal_conv3d, conv, dropout_is_identity, from_tokens,
-                                     inference, is_conv, is_silu, parts, plain, register, rms_norm, rms_norm_params,
-                                     to_tokens)
+from .fuse import (Recipe, attention, base, causal_conv3d, conv, dropout_is_identity, from_tokens, inference,
+                   is_conv, is_silu, parts, plain, register, rms_norm, rms_norm_params, to_tokens)
 from conv_patch.routing import tables
 from conv_patch.runtime import pack
-from conv_patch.target import target_for
+from conv_patch.runtime.state import state_of
 from conv_patch.runtime.wrappers import causal_conv3d_problem
+from conv_patch.specs import HALF_DTYPES, layout_of
+from conv_patch.target import target_for
 
 # The frames a block keeps from each chunk for the next one's causal convs.
 CACHE_T = 2
@@ -235,7 +236,7 @@ def like_input_3d(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """``y`` as the unpatched decoder hands it back for ``x``: NDHWC for an
     NDHWC input, dense NCDHW for anything else (a chunk sliced out of an
     NCDHW latent included)."""
-    return y if tables.conv3d_layout(x) == "ndhwc" else y.contiguous()
+    return y if layout_of(x) == "ndhwc" else y.contiguous()
 
 
 def _ndhwc_pays(x) -> bool:
@@ -251,7 +252,7 @@ def _ndhwc_pays(x) -> bool:
         return False
     if target.interpreter:
         return True
-    return x.dtype in (torch.float16, torch.bfloat16) and tables.packaged_table(target.arch).has_conv3d
+    return x.dtype in HALF_DTYPES and tables.packaged_table(target.arch).has_conv3d
 
 
 class Decoder3d(Recipe):
@@ -318,7 +319,7 @@ class Resample(Recipe):
         tconv, res = parts(m, "time_conv", "resample")
         own = _own_args(x, feat_cache, feat_idx)
         if (feat_cache is None or feat_idx is None or not isinstance(x, torch.Tensor) or x.dim() != 5
-                or tables.conv3d_layout(x) != "ndhwc" or x.shape[1] != tconv.in_channels
+                or layout_of(x) != "ndhwc" or x.shape[1] != tconv.in_channels
                 or not inference(x, tconv) or not plain(tconv)):
             return base(m, *own)
         b, c, t, h, w = x.shape
@@ -354,7 +355,7 @@ def add_dup_up(y: torch.Tensor, x: torch.Tensor, dup, first_chunk: bool) -> torc
     its permuted copy and an add of NDHWC to NCDHW (PyTorch's slow
     non-vectorised path). Returns None where the shapes are not the ones
     this expects (the caller adds the module's own output)."""
-    ft, fs, rep, cout = dup.factor_t, dup.factor_s, dup.repeats, dup.out_channels
+    ft, fs, cout = dup.factor_t, dup.factor_s, dup.out_channels
     b, c, t, h, w = x.shape
     off = ft - 1 if first_chunk else 0
     if y.shape != (b, cout, t * ft - off, h * fs, w * fs):
@@ -375,12 +376,13 @@ def dup_index(dup, device) -> torch.Tensor:
     """[F, out_channels]: the input channel each output channel of
     sub-position ``(i*fs + j)*fs + k`` repeats, kept with the module per
     device (a dozen small index ops per call otherwise)."""
-    held = dup.__dict__.get("_cp_dup_index")
+    st = state_of(dup)
+    held = st.dup_index
     if held is None or held.device != device:
         f = dup.factor_t * dup.factor_s * dup.factor_s
         o = torch.arange(dup.out_channels) * f
         held = pack.persistent(lambda: ((o[None, :] + torch.arange(f)[:, None]) // dup.repeats).to(device))
-        dup.__dict__["_cp_dup_index"] = held
+        st.dup_index = held
     return held
 
 
@@ -420,14 +422,14 @@ class ResidualUpBlock(Recipe):
         dup = parts(m, "avg_shortcut")[0]
         own = _own_args(x, feat_cache, feat_idx)
         if ((feat_cache is not None and feat_idx is None) or not isinstance(x, torch.Tensor) or x.dim() != 5
-                or tables.conv3d_layout(x) != "ndhwc" or not plain(dup) or not inference(x, *m.modules())):
+                or layout_of(x) != "ndhwc" or not plain(dup) or not inference(x, *m.modules())):
             return base(m, *own, first_chunk=first_chunk)
         y = x
         for step in _up_steps(m):
             y = step(y) if feat_cache is None else step(y, feat_cache, feat_idx)
         if dup is None:
             return y  # (a level without up-sampling: diffusers' clone of the input was all it added)
-        out = (add_dup_up(y, x, dup, first_chunk) if y is not x and tables.conv3d_layout(y) == "ndhwc"
+        out = (add_dup_up(y, x, dup, first_chunk) if y is not x and layout_of(y) == "ndhwc"
                else None)
         return y + dup(x, first_chunk=first_chunk) if out is None else out
 

@@ -12,6 +12,8 @@ from torch import nn
 
 import conv_patch
 from conv_patch.runtime import dispatch
+from conv_patch.runtime.state import state_of
+from conv_patch.runtime import planner
 from _util import TOL, rel_err
 
 
@@ -49,7 +51,7 @@ def _check_autocast(device_type, dtype):
             for layer, ref_layer in ((net[0], twin[0]), (net[1], twin[1])):
                 y, ref = layer(x if layer is net[0] else h), ref_layer(x if layer is net[0] else h)
                 assert y.dtype == ref.dtype == dtype
-                assert layer._cp_last.is_kernel, layer._cp_last
+                assert state_of(layer).last.is_kernel, state_of(layer).last
                 assert rel_err(y, _ref64(layer, x if layer is net[0] else h, dtype)) <= TOL[dtype]
                 h = y
     # Outside autocast the same module computes in its own dtype again.
@@ -90,7 +92,7 @@ def test_autocast_epilogue_promotes_like_pytorch(device, exact_fp32):
             assert rel_err(y, want) <= 1e-6
             rb = r.bfloat16()
             y = conv(x, residual=rb)
-            assert y.dtype == torch.bfloat16 and conv._cp_last.is_kernel
+            assert y.dtype == torch.bfloat16 and state_of(conv).last.is_kernel
             assert rel_err(y, (_ref64(conv, x, torch.bfloat16) + rb.double())) <= TOL[torch.bfloat16]
             # A double input is not cast: PyTorch then refuses the mixed
             # dtypes, and so does the patched module (its own error).
@@ -115,7 +117,7 @@ def test_autocast_off_keeps_the_plans_key_apart(device, exact_fp32):
         with torch.autocast(device.type, dtype=torch.bfloat16):
             net(x)
         net(x)
-    plans = net[0].__dict__["_cp_plans"]
+    plans = state_of(net[0]).plans
     assert len(plans) == 2
     assert sorted(type(p).__name__ for p in plans.values()) == ["AutocastPlan", "ConvPlan"]
 
@@ -166,7 +168,7 @@ def test_weight_norm_after_apply_then_removed(kind, device, exact_fp32):
     _same(net, twin, x)
     add(net[0]), add(twin[0])
     _same(net, twin, x)
-    assert not net[0]._cp_last.is_kernel  # the module's own forward, through the parametrization
+    assert not state_of(net[0]).last.is_kernel  # the module's own forward, through the parametrization
     # Training through the parametrization sees PyTorch's gradients.
     net(x).square().sum().backward()
     twin(x).square().sum().backward()
@@ -175,7 +177,7 @@ def test_weight_norm_after_apply_then_removed(kind, device, exact_fp32):
     drop(net[0]), drop(twin[0])
     assert isinstance(net[0].weight, nn.Parameter) and conv_patch.is_patched(net[0])
     _same(net, twin, x)
-    assert net[0]._cp_last.is_kernel  # a Parameter again: the kernels take it back
+    assert state_of(net[0]).last.is_kernel  # a Parameter again: the kernels take it back
     # Parametrized again, then conv-patch removed: the original module keeps
     # the parametrization (its weight), and loses it like any module.
     add(net[0]), add(twin[0])
@@ -240,7 +242,7 @@ def _fuzz_strides(device, n, seed):
             x = x[0]  # unbatched
         with torch.no_grad():
             y, want = net(x), ref(x)
-        assert net[0]._cp_last.is_kernel, net[0]._cp_last
+        assert state_of(net[0]).last.is_kernel, state_of(net[0]).last
         case = (transposed, tuple(x.shape), x.stride(), tuple(conv.weight.shape), conv.weight.stride())
         assert y.stride() == want.stride(), (case, y.stride(), want.stride())
         assert rel_err(y, want) <= TOL[torch.float32], case
@@ -314,14 +316,14 @@ def test_concurrent_misses_build_one_plan(monkeypatch):
     import time
     net, twin = _pair(nn.Conv2d(4, 6, 3, padding=1))
     builds = []
-    real = dispatch._build
+    real = planner._build
 
     def slow_build(*a, **k):
         builds.append(threading.get_ident())
         time.sleep(0.05)  # a compile: long enough for the others to miss too
         return real(*a, **k)
 
-    monkeypatch.setattr(dispatch, "_build", slow_build)
+    monkeypatch.setattr(planner, "_build", slow_build)
     # Autograd on: the plan is PyTorch's own, so no kernel runs concurrently
     # (the Triton interpreter is not thread-safe; the GPU test runs kernels).
     x = torch.randn(1, 4, 6, 6)

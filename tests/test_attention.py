@@ -1,4 +1,4 @@
-"""Blocked attention for wide heads (ops.attention, the softmax kernel) and
+"""Blocked attention for wide heads (functional.attention, the softmax kernel) and
 the mid-block attention recipes (diffusers ``Attention``, ldm ``AttnBlock``)
 against float64 references and the unpatched blocks."""
 
@@ -8,7 +8,8 @@ import torch.nn.functional as F
 
 import conv_patch
 from _util import TOL, poisoned, rel_err
-from conv_patch import functional as ops
+from conv_patch import functional
+from conv_patch.ops import attention as attention_op
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -44,18 +45,18 @@ def test_attention_blocks_match_float64(device, monkeypatch, route, q_shape, m, 
     # routes (the cuBLAS one is the GPU's off Hopper). A few query rows per
     # block, not dividing N: every block boundary and the short last block
     # are exercised.
-    monkeypatch.setattr(ops, "ATTENTION_BLOCK_BYTES", 4 * m * 7)
-    monkeypatch.setattr(ops, "FUSED_ATTENTION_BLOCK_BYTES", 4 * (m + 8) * 7)
+    monkeypatch.setattr(attention_op, "ATTENTION_BLOCK_BYTES", 4 * m * 7)
+    monkeypatch.setattr(attention_op, "FUSED_ATTENTION_BLOCK_BYTES", 4 * (m + 8) * 7)
     q_, k_, v_ = (t.to(device, dtype) for t in (q, k, v))
-    if route not in ops.attention_routes(q_, k_, v_):
+    if route not in functional.attention_routes(q_, k_, v_):
         pytest.skip(f"no {route} route for {dtype} here (fp32 TMA dots are TF32)")
-    out = ops.attention(q_, k_, v_, scale=0.3, route=route)
+    out = functional.attention(q_, k_, v_, scale=0.3, route=route)
     ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), scale=0.3)
     assert out.dtype == dtype and rel_err(out, ref) <= TOL[dtype]
     # The default scale is SDPA's, 1/sqrt(D); one key/value set broadcast
     # over the leading dimensions.
     kb, vb = (k.flatten(0, -3)[0], v.flatten(0, -3)[0]) if k.dim() > 2 else (k, v)
-    out = ops.attention(q.to(device, dtype), kb.to(device, dtype), vb.to(device, dtype), route=route)
+    out = functional.attention(q.to(device, dtype), kb.to(device, dtype), vb.to(device, dtype), route=route)
     ref = F.scaled_dot_product_attention(q.double(), kb.double().expand(*q.shape[:-2], m, q.shape[-1]),
                                          vb.double().expand(*q.shape[:-2], m, dv))
     assert rel_err(out, ref) <= TOL[dtype]
@@ -72,7 +73,7 @@ def test_fused_attention_kernels_write_every_output_and_nothing_else(device, spl
     3 of one each), their fp32 partials summed."""
     from conv_patch.kernels import api as kernels
     interp = device.type == "cpu"
-    cfg = ops.FUSED_ATTENTION_TILES["interpreter" if interp else "gpu"]
+    cfg = attention_op.FUSED_ATTENTION_TILES["interpreter" if interp else "gpu"]
     # fp32 under the interpreter; on GPUs the route's bf16 (the GPU tiles
     # hold no fp32 pipeline in shared memory, and tl.dot rounds fp32 to TF32).
     dtype = torch.float32 if interp else torch.bfloat16
@@ -100,7 +101,7 @@ def test_fused_attention_kernels_write_every_output_and_nothing_else(device, spl
 
 def test_pv_splits_fill_the_gpu_only_where_a_block_leaves_it_idle():
     from conv_patch.kernels import attention as kattn
-    cfg = ops.FUSED_ATTENTION_TILES["gpu"]  # 128x128 P V tiles, 128-key score tiles
+    cfg = attention_op.FUSED_ATTENTION_TILES["gpu"]  # 128x128 P V tiles, 128-key score tiles
     # 8192^2 decode: 1M keys, 512-row blocks (16 tiles) -> 2 programs per SM.
     assert kattn.pv_splits(512, 512, 1 << 20, cfg, 132) == 17
     # 4096^2: 2048-row blocks (64 tiles, under half the SMs) -> split.
@@ -115,22 +116,22 @@ def test_pv_splits_fill_the_gpu_only_where_a_block_leaves_it_idle():
 
 def test_attention_route_can_be_asked_for_where_it_is_available(device):
     q = torch.randn(1, 6, 8, device=device)
-    chosen = ops.attention_route(q, q, q)
+    chosen = functional.attention_route(q, q, q)
     assert chosen == ("fused" if device.type == "cpu" else "sdpa")  # fp32: SDPA on GPUs
     # ... where the cuBLAS route can still be asked for (the fused one's dots would be TF32).
-    assert ops.attention_routes(q, q, q) == (("blocked", "fused", "sdpa") if device.type == "cpu"
+    assert functional.attention_routes(q, q, q) == (("blocked", "fused", "sdpa") if device.type == "cpu"
                                              else ("blocked", "sdpa"))
     ref = F.scaled_dot_product_attention(q.double(), q.double(), q.double())
-    assert rel_err(ops.attention(q, q, q, route="blocked"), ref) <= 1e-5
-    assert rel_err(ops.attention(q, q, q, route="sdpa"), ref) <= 1e-5
+    assert rel_err(functional.attention(q, q, q, route="blocked"), ref) <= 1e-5
+    assert rel_err(functional.attention(q, q, q, route="sdpa"), ref) <= 1e-5
     with pytest.raises(ValueError, match="'fused' is not available.*available: (blocked, fused, )?sdpa"):
-        ops.attention(q.requires_grad_(), q, q, route="fused")
+        functional.attention(q.requires_grad_(), q, q, route="fused")
 
 
 def test_attention_leaves_autograd_to_sdpa(device):
     q = torch.randn(1, 5, 8, device=device, requires_grad=True)
-    assert not ops.attention_pays(q, q, q)
-    ops.attention(q, q, q).sum().backward()
+    assert not functional.attention_pays(q, q, q)
+    functional.attention(q, q, q).sum().backward()
     assert q.grad is not None
 
 
@@ -160,12 +161,12 @@ def test_diffusers_attention_fused_matches_unpatched(device, exact_fp32, channel
         ref = m(x)
         assert conv_patch.apply(m).fused[""].startswith("diffusers.Attention")
         calls = []
-        orig = ops.attention
+        orig = functional.attention
         try:
-            ops.attention = lambda *a, **k: calls.append(1) or orig(*a, **k)
+            functional.attention = lambda *a, **k: calls.append(1) or orig(*a, **k)
             out = m(x)
         finally:
-            ops.attention = orig
+            functional.attention = orig
     assert calls == [1], "the fused forward did not run"
     assert rel_err(out, ref) <= 1e-5
     assert out.is_contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
@@ -209,8 +210,8 @@ def test_wide_head_attention_on_the_gpu(dtype):
     # The FLUX VAE mid-block at a 512^2 image: one 512-wide head, 4096 tokens.
     g = torch.Generator(device="cuda").manual_seed(5)
     q, k, v = (torch.randn(1, 1, 4096, 512, device="cuda", generator=g).to(dtype) for _ in range(3))
-    assert ops.attention_pays(q, k, v)
-    out = ops.attention(q, k, v)
+    assert functional.attention_pays(q, k, v)
+    out = functional.attention(q, k, v)
     ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double())
     sdpa = F.scaled_dot_product_attention(q, k, v)
     assert rel_err(out, ref) <= TOL[dtype]
@@ -228,11 +229,11 @@ def test_wide_head_attention_routes_on_the_gpu(monkeypatch, route):
     n, m = 2500, 2000 + 37
     q = torch.randn(2, 1, n, 512, device="cuda", generator=g).to(torch.bfloat16)
     k, v = (torch.randn(2, 1, m, 512, device="cuda", generator=g).to(torch.bfloat16) for _ in range(2))
-    monkeypatch.setattr(ops, "FUSED_ATTENTION_BLOCK_BYTES", 2 * (m + 3) * 999)
-    monkeypatch.setattr(ops, "ATTENTION_BLOCK_BYTES", 4 * m * 999)
-    if route not in ops.attention_routes(q, k, v):
+    monkeypatch.setattr(attention_op, "FUSED_ATTENTION_BLOCK_BYTES", 2 * (m + 3) * 999)
+    monkeypatch.setattr(attention_op, "ATTENTION_BLOCK_BYTES", 4 * m * 999)
+    if route not in functional.attention_routes(q, k, v):
         pytest.skip("the fused route needs TMA (sm90+)")
-    out = ops.attention(q, k, v, scale=0.27, route=route)
+    out = functional.attention(q, k, v, scale=0.27, route=route)
     check = slice(0, 1200)
     ref = F.scaled_dot_product_attention(q[..., check, :].double(), k.double(), v.double(), scale=0.27)
     sdpa = F.scaled_dot_product_attention(q, k, v, scale=0.27)[..., check, :]

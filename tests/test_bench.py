@@ -47,7 +47,7 @@ def test_graph_replay_redoes_the_captured_work():
     the captured conv-patch call on the inputs' current values."""
     import torch
 
-    from conv_patch import functional as ops
+    from conv_patch import functional
     from conv_patch.tools.tune import graph_replay
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(1, 64, 40, 24, device="cuda", generator=g, dtype=torch.bfloat16)
@@ -55,7 +55,7 @@ def test_graph_replay_redoes_the_captured_work():
     w = torch.randn(96, 64, 3, 3, device="cuda", generator=g, dtype=torch.bfloat16).contiguous(
         memory_format=torch.channels_last) * 0.05
     out = torch.empty(1, 96, 40, 24, device="cuda", dtype=torch.bfloat16).contiguous(memory_format=torch.channels_last)
-    replay = graph_replay(lambda: ops.conv2d(x, w, None, (1, 1), (1, 1), (1, 1), out=out))
+    replay = graph_replay(lambda: functional.conv2d(x, w, None, (1, 1), (1, 1), (1, 1), out=out))
     x.copy_(torch.randn(x.shape, device="cuda", generator=g))
     out.fill_(float("nan"))
     replay()
@@ -184,7 +184,7 @@ def test_bench_zoo_rows(tmp_path):
         assert 0 < lo <= hi and r["noise_iqr"][0] <= 1.0 <= r["noise_iqr"][1] and r["runs"] == 1
         assert r["speedup"] == pytest.approx(r["baseline_ms"] / r["ours_ms"])
         assert r["rel_err_vs_unpatched"] < 1e-5 and r["graph_rel_err_vs_unpatched"] < 1e-5
-        # (convs a recipe runs as the folded upsample are not counted: ops.upsample_conv2d)
+        # (convs a recipe runs as the folded upsample are not counted: functional.upsample_conv2d)
         assert r["kernel_convs"] > 0 and 0 < sum(r["routes"].values()) <= r["patched_convs"]
     assert doc["geomean_speedup"] > 0
 

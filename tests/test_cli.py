@@ -5,7 +5,7 @@ import json
 import pytest
 
 from conv_patch.tools import cli
-from conv_patch import functional as ops
+from conv_patch.ops import conv2d as conv2d_op
 
 
 def test_verify_embedded_default_passes(tmp_path, capsys, device):
@@ -33,13 +33,13 @@ def test_verify_embedded_default_passes(tmp_path, capsys, device):
 
 def test_verify_detects_wrong_kernels(monkeypatch, capsys, device):
     """A kernel that computes the wrong thing must fail verification (exit 1)."""
-    real = ops.run_kernel
+    real = conv2d_op.run_kernel
 
     def off_by_a_bit(*args, **kwargs):
         return real(*args, **kwargs) * 1.05
 
     from conv_patch.ops import conv2d as conv
-    monkeypatch.setattr(ops, "run_kernel", off_by_a_bit)  # the functional API's (per-layer checks)
+    monkeypatch.setattr(conv2d_op, "run_kernel", off_by_a_bit)  # the functional API's (per-layer checks)
     monkeypatch.setattr(conv, "run_kernel", off_by_a_bit)  # the dispatch core's (the patched model)
     assert cli.main(["verify", "--device", str(device), "--size", "16"]) == 1
     out = capsys.readouterr().out

@@ -13,7 +13,6 @@ import pickle
 import subprocess
 import sys
 import uuid
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -27,6 +26,7 @@ from conv_patch.runtime import pack
 from conv_patch.recipes.catalog import is_fused
 from conv_patch.target import target_for
 from conv_patch.runtime.wrappers import PatchedConvMixin
+from conv_patch.runtime.state import state_of
 from _util import rel_err
 
 
@@ -393,7 +393,7 @@ def test_node_runs_are_idempotent_and_independent(node, device, exact_fp32):
         (aa,) = node.patch(a)
         dec = aa.patcher.object_patches["decoder"]
         assert dec is not pa["decoder"] and conv_patch.is_patched(dec[0])
-        assert not conv_patch.is_patched(dec[0]._cp_original) and dec[0].weight is pa["decoder"][0].weight
+        assert not conv_patch.is_patched(state_of(dec[0]).original) and dec[0].weight is pa["decoder"][0].weight
         assert rel_err(aa.decode(z), ref) <= 1e-5
         # recipes off on the output: convolutions only; a stays fused.
         (plain,) = node.patch(a, recipes=False)

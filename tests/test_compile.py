@@ -6,7 +6,8 @@ with aot_eager (Inductor's C++/Triton codegen is not needed to check this)."""
 import torch
 
 import conv_patch
-from conv_patch import functional as ops
+from conv_patch import functional
+from conv_patch.runtime.state import state_of
 from _util import rel_err
 
 
@@ -60,7 +61,7 @@ def test_fused_call_and_functional_api_under_compile(device, exact_fp32):
         fused = torch.compile(lambda a, b: wrapped(a, residual=b, beta=0.5, activation="relu"),
                               backend="aot_eager", fullgraph=True)
         assert rel_err(fused(x, r), ref) <= 1e-5
-        func = torch.compile(lambda a: ops.conv2d(a, w, padding=1).sigmoid(), backend="aot_eager",
+        func = torch.compile(lambda a: functional.conv2d(a, w, padding=1).sigmoid(), backend="aot_eager",
                              fullgraph=True)
         assert rel_err(func(x), ref_f) <= 1e-5
 
@@ -106,7 +107,8 @@ def test_the_compiled_op_runs_through_the_dispatch_core(device, exact_fp32, monk
     per geometry and weight), replayed, and weighed like a wrapper's: where
     dispatch says PyTorch, the op runs PyTorch."""
     from conv_patch.runtime import compiled, dispatch
-    from conv_patch.routing.select import Route, RouteDecision
+    from conv_patch.routing.registry import Route
+    from conv_patch.routing.decide import RouteDecision
     torch.manual_seed(0)
     x = torch.randn(1, 5, 7, 6, device=device)
     w, b = torch.randn(6, 5, 3, 3, device=device), torch.randn(6, device=device)
@@ -120,11 +122,12 @@ def test_the_compiled_op_runs_through_the_dispatch_core(device, exact_fp32, monk
             assert rel_err(op(w), ref) <= 1e-5
         spec = compiled._spec(x, w, b, False, [1, 1], [1, 1], [1, 1], [1, 1], [0, 0])
         site = dispatch.call_site(spec, w, b)
-        assert len(site._cp_plans) == 1 and site._cp_last.is_kernel
-        assert next(iter(site._cp_plans.values())).program is not None  # recorded, then replayed
+        assert len(state_of(site).plans) == 1 and state_of(site).last.is_kernel
+        assert next(iter(state_of(site).plans.values())).program is not None  # recorded, then replayed
 
-        monkeypatch.setattr(dispatch, "weigh", lambda decision, *a, **k: RouteDecision(Route.FALLBACK, "test"))
+        from conv_patch.runtime import planner
+        monkeypatch.setattr(planner, "decide", lambda *a, **k: RouteDecision(Route.FALLBACK, "test"))
         w2 = w.clone()
         assert rel_err(op(w2), ref) <= 1e-6
-        last = dispatch.call_site(spec, w2, b)._cp_last
+        last = state_of(dispatch.call_site(spec, w2, b)).last
         assert not last.is_kernel and last.reason == "test"

@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from conv_patch.ops import conv3d as conv3d_mod
-from conv_patch import functional as ops
+from conv_patch import functional
+from conv_patch.runtime.state import state_of
 from _util import TOL, act64, randn, rel_err
 
 CL3 = torch.channels_last_3d
@@ -95,7 +96,7 @@ def _reference(case: Case, x, cache, w, b):
     full = x.double().cpu()
     if cache is not None:
         full = torch.cat([cache.double().cpu(), full], dim=2)
-    (t0, t1), (h0, h1), (w0, w1) = ops.conv3d_padding(case.padding, case.time_padding)
+    (t0, t1), (h0, h1), (w0, w1) = functional.conv3d_padding(case.padding, case.time_padding)
     full = F.pad(full, (w0, w1, h0, h1, t0, t1))
     return F.conv3d(full, w.double().cpu(), None if b is None else b.double().cpu(), case.stride, 0,
                     case.dilation)
@@ -123,7 +124,7 @@ def check(case: Case, dtype, device, *, seed=0, config=None, force_int64=False, 
         out = out.contiguous(memory_format=CL3 if case.nhwc else torch.contiguous_format)
     else:
         out = out_view(ref.shape, dtype, device)
-    y = ops.conv3d(x, w, b, case.stride, case.padding, case.dilation, cache=cache,
+    y = functional.conv3d(x, w, b, case.stride, case.padding, case.dilation, cache=cache,
                    time_padding=case.time_padding, residual=r, beta=beta, activation=case.act,
                    out_scale=scale, out=out, config=config, force_int64=force_int64)
     assert y.data_ptr() == out.data_ptr()
@@ -204,9 +205,9 @@ def test_conv3d_tma_refuses_what_it_cannot_take(device):
     x = torch.randn(1, 8, 3, 5, 5, device=device, dtype=dt)  # NCDHW
     w = torch.randn(4, 8, 3, 3, 3, device=device, dtype=dt)
     with pytest.raises(ValueError, match="not dense NDHWC"):
-        ops.conv3d(x, w, padding=1, config=TMA, route="kernel")
+        functional.conv3d(x, w, padding=1, config=TMA, route="kernel")
     with pytest.raises(ValueError, match="H and W at stride 1"):
-        ops.conv3d(x.contiguous(memory_format=CL3), w, stride=(1, 2, 2), padding=1, config=TMA, route="kernel")
+        functional.conv3d(x.contiguous(memory_format=CL3), w, stride=(1, 2, 2), padding=1, config=TMA, route="kernel")
 
 
 def test_conv3d_int64_offsets(device, exact_fp32):
@@ -239,7 +240,7 @@ def test_conv3d_cache_strided_view(device, exact_fp32):
     prev = randn(g, 1, 5, 4, 7, 6, device=device)
     w = randn(g, 6, 5, 3, 3, 3, scale=0.1, device=device)
     b = randn(g, 6, device=device)
-    y = ops.conv3d(x, w, b, padding=(0, 1, 1), cache=prev[:, :, -2:])
+    y = functional.conv3d(x, w, b, padding=(0, 1, 1), cache=prev[:, :, -2:])
     assert y.is_contiguous(memory_format=CL3)
     full = torch.cat([prev[:, :, -2:], x], dim=2).double().cpu()
     ref = F.conv3d(full, w.double().cpu(), b.double().cpu(), 1, (0, 1, 1))
@@ -264,8 +265,8 @@ def test_conv3d_output_layout(device):
     g = torch.Generator().manual_seed(4)
     x = randn(g, 1, 3, 3, 5, 5, device=device)
     w = randn(g, 4, 3, 1, 3, 3, device=device)
-    assert ops.conv3d(x, w, padding=(0, 1, 1)).is_contiguous()
-    assert ops.conv3d(x.contiguous(memory_format=CL3), w, padding=(0, 1, 1)).is_contiguous(memory_format=CL3)
+    assert functional.conv3d(x, w, padding=(0, 1, 1)).is_contiguous()
+    assert functional.conv3d(x.contiguous(memory_format=CL3), w, padding=(0, 1, 1)).is_contiguous(memory_format=CL3)
 
 
 def test_conv3d_pytorch_fallback(device):
@@ -276,7 +277,7 @@ def test_conv3d_pytorch_fallback(device):
     x, cache, w, b = _inputs(case, torch.float64, device, g)
     r = randn(g, 1, 5, 3, 5, 5, dtype=torch.float64, device=device)
     ref = 0.5 * F.silu(_reference(case, x, cache, w, b) + 0.7 * r.cpu())
-    y = ops.conv3d(x, w, b, padding=(0, 1, 1), time_padding=(1, 0), cache=cache, residual=r, beta=0.7,
+    y = functional.conv3d(x, w, b, padding=(0, 1, 1), time_padding=(1, 0), cache=cache, residual=r, beta=0.7,
                    activation="silu", out_scale=0.5)
     assert rel_err(y, ref) <= 1e-12
 
@@ -286,21 +287,21 @@ def test_conv3d_bad_calls_raise(device):
     x = randn(g, 1, 4, 3, 5, 5, device=device)
     w = randn(g, 6, 4, 3, 3, 3, device=device)
     with pytest.raises(ValueError, match="groups = 2"):
-        ops.conv3d(x, randn(g, 6, 2, 3, 3, 3, device=device), padding=1)
+        functional.conv3d(x, randn(g, 6, 2, 3, 3, 3, device=device), padding=1)
     with pytest.raises(ValueError, match="input channels"):
-        ops.conv3d(x, randn(g, 6, 3, 3, 3, 3, device=device), padding=1)
+        functional.conv3d(x, randn(g, 6, 3, 3, 3, 3, device=device), padding=1)
     with pytest.raises(ValueError, match="5-D"):
-        ops.conv3d(x[0], w)
+        functional.conv3d(x[0], w)
     with pytest.raises(ValueError, match="cache has shape"):
-        ops.conv3d(x, w, padding=1, cache=randn(g, 1, 4, 2, 5, 4, device=device))
+        functional.conv3d(x, w, padding=1, cache=randn(g, 1, 4, 2, 5, 4, device=device))
     with pytest.raises(ValueError, match="larger than the padded input"):
-        ops.conv3d(x[:, :, :2], w, padding=(0, 1, 1))
+        functional.conv3d(x[:, :, :2], w, padding=(0, 1, 1))
     with pytest.raises(ValueError, match="residual has shape"):
-        ops.conv3d(x, w, padding=1, residual=torch.ones(1, 6, 3, 5, 4, device=device))
+        functional.conv3d(x, w, padding=1, residual=torch.ones(1, 6, 3, 5, 4, device=device))
     with pytest.raises(ValueError, match="negative padding"):
-        ops.conv3d(x, w, padding=1, time_padding=(-1, 0))
+        functional.conv3d(x, w, padding=1, time_padding=(-1, 0))
     with pytest.raises(ValueError, match="activation 'tanh'"):
-        ops.conv3d(x, w, padding=1, activation="tanh")
+        functional.conv3d(x, w, padding=1, activation="tanh")
 
 
 @pytest.mark.gpu
@@ -315,7 +316,7 @@ def test_conv3d_bf16_wan_shape_gpu():
     w = randn(g, 96, 96, 3, 3, 3, scale=(96 * 27) ** -0.5, dtype=torch.bfloat16, device=dev)
     b = randn(g, 96, dtype=torch.bfloat16, device=dev)
     out = torch.full((1, 96, 5, 40, 40), float("nan"), dtype=torch.bfloat16, device=dev)
-    y = ops.conv3d(x, w, b, padding=(0, 1, 1), cache=cache, out=out.contiguous(memory_format=CL3),
+    y = functional.conv3d(x, w, b, padding=(0, 1, 1), cache=cache, out=out.contiguous(memory_format=CL3),
                    route="kernel")
     full = torch.cat([cache, x], dim=2)
     ref = F.conv3d(full.double(), w.double(), b.double(), 1, (0, 1, 1))
@@ -330,20 +331,20 @@ def test_gpu_default_route_is_pytorch_until_measured(monkeypatch):
     it is not known to beat cuDNN. ``route="pytorch"`` never launches."""
     from conv_patch.target import Target
     launched = []
-    k = ops.kernels()
-    monkeypatch.setattr(k, "launch_conv3d", lambda *a, **kw: launched.append(1) or kw and a[4])
+    from conv_patch.kernels import conv3d as kernel_module
+    monkeypatch.setattr(kernel_module, "launch_conv3d", lambda *a, **kw: launched.append(1) or kw and a[4])
     g = torch.Generator().manual_seed(3)
     x, w = randn(g, 1, 3, 3, 5, 5), randn(g, 4, 3, 3, 3, 3)
     ref = F.conv3d(x, w, None, 1, 1)
-    assert rel_err(ops.conv3d(x, w, padding=1, route="pytorch"), ref) <= TOL[torch.float32]
+    assert rel_err(functional.conv3d(x, w, padding=1, route="pytorch"), ref) <= TOL[torch.float32]
     assert not launched
-    monkeypatch.setattr(conv3d_mod, "target_for", lambda device: Target("sm90", True))
-    assert rel_err(ops.conv3d(x, w, padding=1), ref) <= TOL[torch.float32]
+    monkeypatch.setattr(functional, "target_for", lambda device: Target("sm90", True))
+    assert rel_err(functional.conv3d(x, w, padding=1), ref) <= TOL[torch.float32]
     assert not launched
-    ops.conv3d(x, w, padding=1, route="kernel")
+    functional.conv3d(x, w, padding=1, route="kernel")
     assert launched
     with pytest.raises(ValueError, match="route"):
-        ops.conv3d(x, w, route="cudnn")
+        functional.conv3d(x, w, route="cudnn")
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)
@@ -364,7 +365,7 @@ def test_cudnn_route_equals_the_padded_concatenation(case, exact_fp32):
         beta, scale = 0.7, 0.5
         ref = ref + beta * r.double()
     ref = scale * act64(ref, case.act)
-    pads = ops.conv3d_padding(case.padding, case.time_padding)
+    pads = functional.conv3d_padding(case.padding, case.time_padding)
     y = conv3d_mod.cudnn_conv3d(x, w, b, cache, pads, case.stride, case.dilation, residual=r, beta=beta,
                                 activation=case.act, out_scale=scale)
     assert y.shape == ref.shape and rel_err(y, ref) <= TOL[torch.float32], case
@@ -378,7 +379,7 @@ def test_dispatch_takes_the_cudnn_route_for_unmeasured_calls_on_a_gpu(monkeypatc
     pytest.importorskip("diffusers")
     from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d
     import conv_patch
-    from conv_patch.routing.select import Route
+    from conv_patch.routing.registry import Route
     from conv_patch.target import Target
     torch.manual_seed(0)
     holder = torch.nn.Module()
@@ -386,7 +387,9 @@ def test_dispatch_takes_the_cudnn_route_for_unmeasured_calls_on_a_gpu(monkeypatc
     twin = copy.deepcopy(holder.conv)
     conv_patch.apply(holder)
     m = holder.conv
-    monkeypatch.setattr(conv3d_mod, "target_for", lambda device: Target("sm90", True))
+    from conv_patch.runtime import dispatch, planner
+    for mod in (dispatch, planner):
+        monkeypatch.setattr(mod, "target_for", lambda device: Target("sm90", True, sms=132))
     g = torch.Generator().manual_seed(1)
     x = randn(g, 1, 5, 3, 6, 7).contiguous(memory_format=CL3)
     cache = randn(g, 1, 5, 2, 6, 7).contiguous(memory_format=CL3)
@@ -394,7 +397,7 @@ def test_dispatch_takes_the_cudnn_route_for_unmeasured_calls_on_a_gpu(monkeypatc
         for args in ((x,), (x, cache)):
             y = m(*args)
             assert rel_err(y, twin(*args)) <= TOL[torch.float32]
-            assert m._cp_last.route is Route.CUDNN and "not measured on sm90" in m._cp_last.label()
+            assert state_of(m).last.route is Route.CUDNN and "not measured on sm90" in state_of(m).last.label()
     x.requires_grad_(True)
     m(x).sum().backward()
-    assert m._cp_last.route is Route.FALLBACK and x.grad is not None
+    assert state_of(m).last.route is Route.FALLBACK and x.grad is not None

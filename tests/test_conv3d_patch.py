@@ -1,5 +1,6 @@
 """Conv3d through ``conv_patch.apply``: plain ``nn.Conv3d`` and the causal
-convs of Wan-family video VAEs wrapped, planned by ``dispatch.conv3d``,
+convs of Wan-family video VAEs wrapped, planned by ``dispatch.conv3d``
+(routed by ``routing.decide``),
 equal to the unpatched model; the cached frames and the causal padding read
 in place; what the kernels do not take (groups, padding modes, autograd,
 unknown subclasses, a GPU without measured conv3d entries) left to PyTorch
@@ -15,15 +16,34 @@ import torch.nn.functional as F
 from torch import nn
 
 import conv_patch
+import math
+
 from conv_patch.ops import conv3d as conv3d_op
-from conv_patch.runtime import dispatch
-from conv_patch.kernels import api as kernels
-from conv_patch.routing.select import Route
+from conv_patch.routing.decide import decide
+from conv_patch.runtime import dispatch, planner
+from conv_patch.routing.registry import Route
+from conv_patch.specs import CallDesc, Conv3dSpec
 from conv_patch.target import Target
 from conv_patch.runtime.wrappers import PatchedCausalConv3d, PatchedConv3d
+from conv_patch.runtime.state import state_of
+from conv_patch.runtime.plans import KernelFailureWarning
 from _util import TOL, rel_err
 
 diffusers = pytest.importorskip("diffusers")
+SM90 = Target("sm90", True, sms=132)
+
+
+def _decide3d(spec, x, w, b, cache, table, target=SM90):
+    """The decision of a Conv3d call on ``target`` (a GPU faked: decisions
+    only, nothing runs)."""
+    shape = conv3d_op.output_shape(x, w, b, cache, spec.stride, spec.pads, spec.dilation)
+    return decide(spec, CallDesc.of_call(x, w, b, cache=cache, out_numel=math.prod(shape)), target, table)
+
+
+def _fake_target(monkeypatch, target):
+    """Every Conv3d call of a patched module on ``target``."""
+    for mod in (dispatch, planner):
+        monkeypatch.setattr(mod, "target_for", lambda device: target)
 from diffusers.models.autoencoders.autoencoder_kl_wan import WanResidualBlock  # noqa: E402
 
 
@@ -52,8 +72,8 @@ def test_apply_patches_conv3d_and_matches_the_module(layout, exact_fp32):
             y = net(x)
             assert rel_err(y, ref64(x.double())) <= TOL[torch.float32]
     for i in (0, 2, 3):
-        assert net[i]._cp_last.route is Route.CONV3D_IGEMM
-        assert len(net[i]._cp_plans) == 1
+        assert state_of(net[i]).last.route is Route.CONV3D_IGEMM
+        assert len(state_of(net[i]).plans) == 1
     assert "route=conv3d_igemm" in repr(net[0])
     keys = set(_net().state_dict())
     assert set(net.state_dict()) == keys
@@ -74,7 +94,7 @@ def test_epilogue_and_cache_of_a_plain_conv3d(exact_fp32):
     with torch.no_grad():
         y = m(x, cache=cache, residual=res, beta=0.5, activation="silu", out_scale=2.0)
         full = F.conv3d(torch.cat([cache, x], 2).double(), conv.weight.double(), conv.bias.double(), 1, (0, 1, 1))
-    assert m._cp_last.route is Route.CONV3D_IGEMM
+    assert state_of(m).last.route is Route.CONV3D_IGEMM
     assert rel_err(y, 2.0 * F.silu(full + 0.5 * res.double())) <= TOL[torch.float32]
 
 
@@ -95,8 +115,8 @@ def test_wan_causal_convs_read_the_cache_and_padding_in_place(monkeypatch, exact
     monkeypatch.setattr(torch.nn.functional, "pad", lambda *a, **k: pads.append(1) or real_pad(*a, **k))
     seen = []
     real_conv3d = dispatch.conv3d
-    monkeypatch.setattr(dispatch, "conv3d", lambda m, x, own, cache=None, **k: seen.append(cache is not None)
-                        or real_conv3d(m, x, own, cache=cache, **k))
+    monkeypatch.setattr(dispatch, "conv3d", lambda m, call: seen.append(call.cache is not None)
+                        or real_conv3d(m, call))
     with torch.no_grad():
         caches, caches_ref = [None] * 2, [None] * 2
         for x in chunks:
@@ -106,7 +126,7 @@ def test_wan_causal_convs_read_the_cache_and_padding_in_place(monkeypatch, exact
             assert rel_err(y, ref) <= TOL[torch.float32]
             assert pads_ref > 0 and not pads
     assert seen[3:].count(True) == 4  # conv1 and conv2 of the later chunks read their caches
-    assert blk.conv1._cp_last.route is Route.CONV3D_IGEMM
+    assert state_of(blk.conv1).last.route is Route.CONV3D_IGEMM
     conv_patch.remove(blk)
     assert type(blk.conv1) is type(twin.conv1)
 
@@ -136,7 +156,7 @@ def test_what_the_kernel_does_not_take_runs_pytorch_and_says_why(monkeypatch):
     x = torch.randn(1, 3, 3, 5, 5)
     # Autograd: the kernels compute no backward.
     y = m(x)
-    assert y.requires_grad and "autograd" in m._cp_last.reason
+    assert y.requires_grad and "autograd" in state_of(m).last.reason
     y.sum().backward()
     twin(x).sum().backward()
     assert rel_err(m.weight.grad, twin[0].weight.grad) <= TOL[torch.float32]
@@ -144,23 +164,24 @@ def test_what_the_kernel_does_not_take_runs_pytorch_and_says_why(monkeypatch):
         # float64: no kernel dtype.
         net.double(), twin.double()
         assert rel_err(m(x.double()), twin(x.double())) <= 1e-12
-        assert "float64" in m._cp_last.reason
+        assert "float64" in state_of(m).last.reason
         net.float(), twin.float()
         # A GPU target whose table measured no conv3d: cuDNN's conv3d runs.
         launched = []
-        monkeypatch.setattr(kernels, "launch_conv3d", lambda *a, **k: launched.append(1))
-        monkeypatch.setattr(conv3d_op, "target_for", lambda device: Target("sm80", True))
+        from conv_patch.kernels import conv3d as kernel_module
+        monkeypatch.setattr(kernel_module, "launch_conv3d", lambda *a, **k: launched.append(1))
+        _fake_target(monkeypatch, Target("sm80", True, sms=108))
         dispatch.clear(m)  # (the device's decision is kept with the plans)
         assert rel_err(m(x), twin(x)) <= TOL[torch.float32]
-        assert not launched and m._cp_last.route is Route.FALLBACK
-        assert m._cp_last.reason.startswith("no measured conv3d entries for sm80")
+        assert not launched and state_of(m).last.route is Route.FALLBACK
+        assert state_of(m).last.reason.startswith("no measured conv3d entries for sm80")
         # One that measured others (sm90's Wan decoder shapes): this shape is not among them, and
         # the cuDNN route runs it (the padding given to cuDNN, no F.pad copy).
-        monkeypatch.setattr(conv3d_op, "target_for", lambda device: Target("sm90", True))
+        _fake_target(monkeypatch, SM90)
         dispatch.clear(m)
         assert rel_err(m(x), twin(x)) <= TOL[torch.float32]
-        assert not launched and m._cp_last.route is Route.CUDNN
-        assert "not measured on sm90" in m._cp_last.reason
+        assert not launched and state_of(m).last.route is Route.CUDNN
+        assert "not measured on sm90" in state_of(m).last.reason
 
 
 def test_a_kernel_that_fails_to_build_falls_back_once(monkeypatch, exact_fp32):
@@ -174,13 +195,14 @@ def test_a_kernel_that_fails_to_build_falls_back_once(monkeypatch, exact_fp32):
     net = nn.Sequential(nn.Conv3d(3, 4, 3, padding=1))
     twin = copy.deepcopy(net)
     conv_patch.apply(net)
-    monkeypatch.setattr(kernels, "launch_conv3d", no_room)
+    from conv_patch.kernels import conv3d as kernel_module
+    monkeypatch.setattr(kernel_module, "launch_conv3d", no_room)
     x = torch.randn(1, 3, 3, 5, 5)
-    with torch.no_grad(), pytest.warns(dispatch.KernelFailureWarning, match="OutOfResources"):
+    with torch.no_grad(), pytest.warns(KernelFailureWarning, match="OutOfResources"):
         y = net(x)
     with torch.no_grad():
         y2 = net(x)  # the plan remembers: no second attempt
-    assert len(calls) == 1 and "OutOfResources" in net[0]._cp_last.reason
+    assert len(calls) == 1 and "OutOfResources" in state_of(net[0]).last.reason
     assert rel_err(y, twin(x)) <= TOL[torch.float32] and rel_err(y2, twin(x)) <= TOL[torch.float32]
 
 
@@ -221,7 +243,7 @@ def test_causal_convs_recognised_by_structure_and_others_skipped(exact_fp32):
         assert rel_err(net["causal"](x, long), twin["causal"](x, long)) <= TOL[torch.float32]
     # Pickled and deep-copied like any wrapper (plans are this process's).
     clone = pickle.loads(pickle.dumps(net))
-    assert isinstance(clone["causal"], PatchedConv3d) and clone["causal"].__dict__.get("_cp_plans") is None
+    assert isinstance(clone["causal"], PatchedConv3d) and state_of(clone["causal"]).plans is None
     with torch.no_grad():
         assert rel_err(clone["causal"](x, cache), twin["causal"](x, cache)) <= TOL[torch.float32]
 
@@ -235,10 +257,10 @@ def test_a_gpu_takes_the_kernel_only_for_shapes_its_table_measured_faster(monkey
     from conv_patch.routing import tables as config_tables
     from conv_patch.api.patcher import PatchConfig
     from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d
-    monkeypatch.setattr(conv3d_op, "target_for", lambda device: Target("sm90", True))
+    _fake_target(monkeypatch, SM90)
     torch.manual_seed(6)
     conv = WanCausalConv3d(4, 6, 3, padding=1).eval()
-    spec = conv3d_op.Conv3dSpec.from_module(conv, ((2, 0), (1, 1), (1, 1)))
+    spec = Conv3dSpec.from_module(conv, ((2, 0), (1, 1), (1, 1)))
     x, cache = torch.randn(1, 4, 2, 5, 6), torch.randn(1, 4, 2, 5, 6)
     key = config_tables.conv3d_shape_key
     tile = {"route": "igemm", "BLOCK_M": 64, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 8, "num_warps": 4,
@@ -253,27 +275,28 @@ def test_a_gpu_takes_the_kernel_only_for_shapes_its_table_measured_faster(monkey
     conv_patch.apply(net, config=PatchConfig(table=table))
     conv = net["c"]
     seen = []
-    real = kernels.launch_conv3d
-    monkeypatch.setattr(kernels, "launch_conv3d", lambda *a, **k: seen.append(k["config"]) or real(*a, **k))
+    from conv_patch.kernels import conv3d as kernel_module
+    real = kernel_module.launch_conv3d
+    monkeypatch.setattr(kernel_module, "launch_conv3d", lambda *a, **k: seen.append(k["config"]) or real(*a, **k))
     with torch.no_grad():
         assert rel_err(conv(x), twin(x)) <= TOL[torch.float32]
-        assert conv._cp_last.route is Route.CONV3D_IGEMM and conv._cp_last.tier == "exact"
+        assert state_of(conv).last.route is Route.CONV3D_IGEMM and state_of(conv).last.tier == "exact"
         assert seen and seen[0]["BLOCK_M"] == 64
         assert rel_err(conv(x, cache), twin(x, cache)) <= TOL[torch.float32]
-        assert conv._cp_last.route is Route.CUDNN and "cuDNN measured faster" in conv._cp_last.reason
+        assert state_of(conv).last.route is Route.CUDNN and "cuDNN measured faster" in state_of(conv).last.reason
         # One cached frame and one of padding: the same GEMM as two cached frames.
         assert rel_err(conv(x, cache[:, :, :1]), twin(x, cache[:, :, :1])) <= TOL[torch.float32]
-        assert conv._cp_last.route is Route.CUDNN and "cuDNN measured faster" in conv._cp_last.reason
+        assert state_of(conv).last.route is Route.CUDNN and "cuDNN measured faster" in state_of(conv).last.reason
         narrow, narrow_cache = x[..., :5].contiguous(), cache[..., :5].contiguous()
         assert rel_err(conv(narrow, narrow_cache), twin(narrow, narrow_cache)) <= TOL[torch.float32]
-        assert conv._cp_last.route is Route.CUDNN and "not measured on sm90" in conv._cp_last.reason
+        assert state_of(conv).last.route is Route.CUDNN and "not measured on sm90" in state_of(conv).last.reason
     assert len(seen) == 1
     # A table without conv3d entries: decided by the device alone.
     bare = nn.ModuleDict({"c": copy.deepcopy(twin)})
     conv_patch.apply(bare, config=PatchConfig(table={"schema": 1, "arch": "sm90"}))
     with torch.no_grad():
         bare["c"](x, cache)
-    assert "no measured conv3d entries for sm90" in bare["c"]._cp_last.reason
+    assert "no measured conv3d entries for sm90" in state_of(bare["c"]).last.reason
 
 
 def test_conv3d_entries_weigh_the_kernel_against_the_cudnn_route(monkeypatch):
@@ -285,7 +308,7 @@ def test_conv3d_entries_weigh_the_kernel_against_the_cudnn_route(monkeypatch):
     from conv_patch.tools import tune
     from conv_patch.target import target_for
     conv = nn.Conv3d(8, 8, 3, padding=(0, 1, 1))
-    spec = conv3d_op.Conv3dSpec.from_module(conv, ((2, 0), (1, 1), (1, 1)))
+    spec = Conv3dSpec.from_module(conv, ((2, 0), (1, 1), (1, 1)))
     x, cache = torch.randn(1, 8, 2, 5, 6), torch.randn(1, 8, 2, 5, 6)
     real_route = conv3d_op.cudnn_conv3d
     timed = []
@@ -305,7 +328,7 @@ def test_conv3d_entries_weigh_the_kernel_against_the_cudnn_route(monkeypatch):
         fn()
         return {"route": 1.0, "module": 3.0}.get(timed[-1] if timed else "", 2.0)
 
-    cands = routes.conv3d_candidates(target_for(x.device))[:1]
+    cands = routes.tuner_candidates(target_for(x.device), "conv3d")[:1]
     with torch.no_grad():
         m = tune.measure_conv3d(spec, x, cache, conv.weight.detach(), conv.bias.detach(), module_forward, cands,
                                 timer=timer)
@@ -334,22 +357,20 @@ def test_a_measured_tma_entry_takes_ndhwc_calls_it_can(monkeypatch):
     """(Decisions only: on the fake sm90 target the kernel is not run; the
     TMA kernel's answers are test_conv3d's.)"""
     from conv_patch.routing import tables as config_tables
-    monkeypatch.setattr(conv3d_op, "target_for", lambda device: Target("sm90", True))
     tile = {"route": "tma", "BLOCK_M": 64, "BLOCK_N": 16, "BLOCK_K": 16, "BLOCK_W": 8, "num_warps": 4,
             "num_stages": 1, "ours_ms": 1.0, "cudnn_ms": 2.0}
     for c_in, want in ((8, Route.CONV3D_TMA), (4, Route.CUDNN)):  # 4 fp16 channels: 8-byte rows
-        spec = conv3d_op.Conv3dSpec(c_in, 4, (3, 3, 3), (1, 1, 1), (1, 1, 1), ((2, 0), (1, 1), (1, 1)), 1,
-                                    "zeros", True)
+        spec = Conv3dSpec(c_in, 4, (3, 3, 3), (1, 1, 1), (1, 1, 1), ((2, 0), (1, 1), (1, 1)), 1, "zeros", True)
         x = torch.randn(1, c_in, 2, 5, 6, dtype=torch.float16).contiguous(memory_format=torch.channels_last_3d)
         w, b = torch.randn(4, c_in, 3, 3, 3, dtype=torch.float16), torch.randn(4, dtype=torch.float16)
         key = config_tables.conv3d_shape_key(spec, tuple(x.shape), 0, "ndhwc", torch.float16)
         table = config_tables.Table(config_tables.validate_table({"conv3d": {"exact": {key: tile}}}, "t"), "t")
-        decision, target, config = dispatch.conv3d_decide(spec, x, w, b, None, None, False, table)
+        decision = _decide3d(spec, x, w, b, None, table)
         assert decision.route is want, decision
         if want is Route.CONV3D_TMA:
-            assert target is not None and config["route"] == "tma" and config["BLOCK_W"] == 8
+            assert decision.config["route"] == "tma" and decision.config["BLOCK_W"] == 8
         else:
-            assert "cannot take this call" in decision.reason and target is None
+            assert "cannot take this call" in decision.reason
 
 
 def test_conv3d_cost_rule_counts_host_time_where_launched():
@@ -363,9 +384,9 @@ def test_conv3d_cost_rule_counts_host_time_where_launched():
     assert costs.conv3d_choice(0.02, 0.012, 0, False).kernel
     assert not costs.conv3d_choice(0.02, 0.012, 0, True).kernel
     # The weight repack of the TMA route is host time too.
-    host = dict(costs.HOST_US, unplanned=55.0)
-    assert costs.conv3d_choice(0.02, 0.012, 0, False, host=host).kernel
-    assert not costs.conv3d_choice(0.02, 0.012, 0, False, repack=True, host=host).kernel
+    cal = costs.default_calibration().with_host(unplanned=55.0)
+    assert costs.conv3d_choice(0.02, 0.012, 0, False, cal=cal).kernel
+    assert not costs.conv3d_choice(0.02, 0.012, 0, False, cal=cal, repack=True).kernel
 
 
 def test_the_packaged_sm90_table_routes_a_wan_decoders_conv3d_as_measured(monkeypatch):
@@ -374,7 +395,6 @@ def test_the_packaged_sm90_table_routes_a_wan_decoders_conv3d_as_measured(monkey
     on cuDNN, an unmeasured shape runs PyTorch. (Decisions only: the fake
     sm90 target runs nothing.)"""
     from conv_patch.routing import tables as config_tables
-    monkeypatch.setattr(conv3d_op, "target_for", lambda device: Target("sm90", True))
     table = config_tables.packaged_table("sm90")
     causal = ((2, 0), (1, 1), (1, 1))
     cases = [  # (c_in, c_out, kernel, pads, (T, H, W), want)
@@ -384,13 +404,13 @@ def test_the_packaged_sm90_table_routes_a_wan_decoders_conv3d_as_measured(monkey
         (384, 384, (3, 3, 3), causal, (1, 60, 100), Route.CUDNN),  # not measured
     ]
     for c_in, c_out, k, pads, (t, h, w), want in cases:
-        spec = conv3d_op.Conv3dSpec(c_in, c_out, k, (1, 1, 1), (1, 1, 1), pads, 1, "zeros", True)
+        spec = Conv3dSpec(c_in, c_out, k, (1, 1, 1), (1, 1, 1), pads, 1, "zeros", True)
         x = torch.zeros(1, c_in, t, h, w, dtype=torch.bfloat16)
         wt, b = torch.zeros(c_out, c_in, *k, dtype=torch.bfloat16), torch.zeros(c_out, dtype=torch.bfloat16)
-        decision, target, config = dispatch.conv3d_decide(spec, x, wt, b, None, None, False, table)
+        decision = _decide3d(spec, x, wt, b, None, table)
         assert decision.route is want, (c_in, c_out, k, h, w, decision)
         if want is Route.CONV3D_IGEMM:
-            assert decision.tier == "exact" and config["route"] == "igemm" and target is not None
+            assert decision.tier == "exact" and decision.config["route"] == "igemm"
         elif w == 104:
             assert "cuDNN measured faster" in decision.reason
         else:
@@ -404,20 +424,19 @@ def test_a_steady_state_chunk_is_routed_by_the_measured_chunk_of_the_same_gemm(m
     measurement of those routes it. Keys with another sum of cached and
     padded frames are not looked at."""
     from conv_patch.routing import tables as config_tables
-    monkeypatch.setattr(conv3d_op, "target_for", lambda device: Target("sm90", True))
     table = config_tables.packaged_table("sm90")
     steady = ((0, 0), (1, 1), (1, 1))
-    spec = conv3d_op.Conv3dSpec(16, 384, (3, 3, 3), (1, 1, 1), (1, 1, 1), steady, 1, "zeros", True)
+    spec = Conv3dSpec(16, 384, (3, 3, 3), (1, 1, 1), (1, 1, 1), steady, 1, "zeros", True)
     keys = config_tables.conv3d_keys(spec, (1, 16, 1, 60, 104), 2, "ncdhw", torch.bfloat16)
     assert [k.split(".")[8:11] for k in keys] == [["p0x1x1", "d1x1x1", "cache2"], ["p1/0x1x1", "d1x1x1", "cache1"],
                                                  ["p2/0x1x1", "d1x1x1", "cache0"]]
     assert table.conv3d_exact(keys[0]) is None
     for c_in, want in ((16, Route.CONV3D_IGEMM), (384, Route.CUDNN)):
-        spec = conv3d_op.Conv3dSpec(c_in, 384, (3, 3, 3), (1, 1, 1), (1, 1, 1), steady, 1, "zeros", True)
+        spec = Conv3dSpec(c_in, 384, (3, 3, 3), (1, 1, 1), (1, 1, 1), steady, 1, "zeros", True)
         x = torch.zeros(1, c_in, 1, 60, 104, dtype=torch.bfloat16)
         cache = torch.zeros(1, c_in, 2, 60, 104, dtype=torch.bfloat16)
         wt, b = torch.zeros(384, c_in, 3, 3, 3, dtype=torch.bfloat16), torch.zeros(384, dtype=torch.bfloat16)
-        decision, _, _ = dispatch.conv3d_decide(spec, x, wt, b, cache, None, False, table)
+        decision = _decide3d(spec, x, wt, b, cache, table)
         assert decision.route is want, (c_in, decision)
         if want is Route.CUDNN:
             assert "cuDNN measured faster" in decision.reason
@@ -425,6 +444,6 @@ def test_a_steady_state_chunk_is_routed_by_the_measured_chunk_of_the_same_gemm(m
     x = torch.zeros(1, 16, 1, 60, 104, dtype=torch.bfloat16)
     cache = torch.zeros(1, 16, 3, 60, 104, dtype=torch.bfloat16)
     wt, b = torch.zeros(384, 16, 3, 3, 3, dtype=torch.bfloat16), torch.zeros(384, dtype=torch.bfloat16)
-    spec = conv3d_op.Conv3dSpec(16, 384, (3, 3, 3), (1, 1, 1), (1, 1, 1), steady, 1, "zeros", True)
-    decision, _, _ = dispatch.conv3d_decide(spec, x, wt, b, cache, None, False, table)
+    spec = Conv3dSpec(16, 384, (3, 3, 3), (1, 1, 1), (1, 1, 1), steady, 1, "zeros", True)
+    decision = _decide3d(spec, x, wt, b, cache, table)
     assert decision.route is Route.CUDNN and "not measured on sm90" in decision.reason

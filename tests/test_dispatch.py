@@ -1,6 +1,7 @@
-"""The dispatch core (conv_patch/dispatch.py): one plan per call signature,
-replayed launches, invalidation, the work a planned call does, and the
-cost model's decisions (conv_patch/costs.py)."""
+"""The dispatch core (conv_patch/runtime/dispatch.py, planner.py, plans.py):
+one plan per call signature, replayed launches, invalidation, the work a
+planned call does, and the cost model's decisions (routing/costs.py, as
+routing/decide.py weighs a call)."""
 
 import copy
 
@@ -11,12 +12,16 @@ from torch import nn
 
 import conv_patch
 from conv_patch.routing import tables as config_tables, costs
-from conv_patch.runtime import dispatch
-from conv_patch.kernels import api as kernels
+from conv_patch.runtime import dispatch, planner
 from conv_patch.kernels import launch as _launch
-from conv_patch.routing.select import Route, RouteDecision
-from conv_patch.specs import ConvSpec
+from conv_patch.routing.registry import Route
+from conv_patch.routing.decide import RouteDecision, decide
+from conv_patch.specs import CallDesc, ConvSpec
 from conv_patch.target import Target
+from conv_patch.runtime.state import state_of
+from conv_patch.runtime.plans import KernelFailureWarning
+from conv_patch.routing.decide import LEAN
+from conv_patch.runtime.plans import KERNEL
 from _util import TOL, rel_err
 
 
@@ -31,15 +36,15 @@ def _net(device, k=3):
 
 
 def _plans(m):
-    return m.__dict__.get("_cp_plans") or {}
+    return state_of(m).plans or {}
 
 
 def test_one_plan_per_signature_and_replayed_launches(device, exact_fp32, monkeypatch):
     net, twin = _net(device)
     conv = net[0]
     builds = []
-    real_build = dispatch.build
-    monkeypatch.setattr(dispatch, "build", lambda *a, **k: builds.append(1) or real_build(*a, **k))
+    real_build = planner.build
+    monkeypatch.setattr(planner, "build", lambda *a, **k: builds.append(1) or real_build(*a, **k))
     launches = []
     real_launch = _launch.launch
     monkeypatch.setattr(_launch, "launch", lambda *a, **k: launches.append(1) or real_launch(*a, **k))
@@ -49,7 +54,7 @@ def test_one_plan_per_signature_and_replayed_launches(device, exact_fp32, monkey
             assert rel_err(net(x), twin(x)) <= TOL[torch.float32]
     assert len(builds) == 1 and len(_plans(conv)) == 1
     plan = next(iter(_plans(conv).values()))
-    assert plan.kind == dispatch.KERNEL and plan.program is not None
+    assert plan.kind == KERNEL and plan.program is not None
     # The launchers ran once, while the plan was built; later calls replay.
     assert len(plan.program.launches) == 1
     assert len(launches) <= 1
@@ -75,7 +80,7 @@ def test_plan_cache_follows_the_signature(change, device, exact_fp32):
         kw = {"activation": "silu"}
     if change == "grad":
         y = conv(x)
-        assert y.requires_grad and "autograd" in conv._cp_last.reason
+        assert y.requires_grad and "autograd" in state_of(conv).last.reason
         ref = twin(x)
     else:
         with torch.no_grad():
@@ -118,7 +123,7 @@ def test_weight_replaced_by_another_shape_computes_like_pytorch(k, device, exact
         twin[0].weight = nn.Parameter(w.clone())
         out, ref = net(x), twin(x)
     assert out.shape == ref.shape and rel_err(out, ref) <= TOL[torch.float32]
-    assert "does not match" in net[0]._cp_last.reason
+    assert "does not match" in state_of(net[0]).last.reason
     # Fewer input channels than the input has: PyTorch's own error.
     net[0].weight = nn.Parameter(torch.randn(10, 4, 3, 3, device=device))
     twin[0].weight = nn.Parameter(net[0].weight.detach().clone())
@@ -170,29 +175,30 @@ def test_kernel_failure_falls_back_once_for_every_caller(device, exact_fp32, mon
     def no_room(*a, **k):
         raise OutOfResources(262144, 232448, "shared memory")
 
-    monkeypatch.setattr(kernels, "launch_conv2d", no_room)
+    from conv_patch.kernels import conv2d as kernel_module
+    monkeypatch.setattr(kernel_module, "launch_conv2d", no_room)
     torch.manual_seed(0)
     net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(),
                         nn.Conv2d(8, 4, 3, padding=1)).to(device)
     twin = copy.deepcopy(net)
     conv_patch.apply(net)  # the Sequential chain recipe calls the convs with fused ReLUs
     x = torch.randn(1, 3, 8, 8, device=device)
-    with torch.no_grad(), pytest.warns(dispatch.KernelFailureWarning):
+    with torch.no_grad(), pytest.warns(KernelFailureWarning):
         out = net(x)
     assert rel_err(out, twin(x)) <= TOL[torch.float32]
-    assert "kernel failed here" in net[0]._cp_last.reason
+    assert "kernel failed here" in state_of(net[0]).last.reason
 
 
 def _pytorch_route_counting_keys(device, monkeypatch):
     """``_net``'s pair with every call planned on PyTorch's route, and the
     list that grows by one at each ``conv_key`` (each full signature built)."""
-    real_decide = dispatch.decide
+    real_decide = planner.decide_call
 
     def pytorch_route(*a, **k):
         decision, spec = real_decide(*a, **k)
         return RouteDecision(Route.FALLBACK, "test: PyTorch's route"), spec
 
-    monkeypatch.setattr(dispatch, "decide", pytorch_route)
+    monkeypatch.setattr(planner, "decide_call", pytorch_route)
     keys = []
     real_key = dispatch.conv_key
     monkeypatch.setattr(dispatch, "conv_key", lambda *a, **k: keys.append(1) or real_key(*a, **k))
@@ -211,7 +217,7 @@ def test_bare_plan_fast_path_is_the_module_whatever_changes(device, exact_fp32, 
     with torch.no_grad():
         for _ in range(3):
             assert rel_err(net(x), twin(x)) <= TOL[torch.float32]
-        assert len(keys) == 1 and conv._cp_last.reason == "test: PyTorch's route"
+        assert len(keys) == 1 and state_of(conv).last.reason == "test: PyTorch's route"
         for _ in range(2):  # an activation after it: a plan of its own, then the fast path
             assert rel_err(conv(x, activation="silu"), F.silu(twin(x))) <= TOL[torch.float32]
         assert len(keys) == 2
@@ -298,10 +304,10 @@ def test_bare_fast_path_stays_off_conv_patchs_graph_path(device, exact_fp32, mon
         with pack.graph_path():
             for _ in range(2):
                 assert rel_err(conv(x), twin[0](x)) <= TOL[torch.float32]
-        assert len(keys) == 2 and bool(conv.__dict__.get("_cp_bare")) == (not x.is_cuda)
+        assert len(keys) == 2 and bool(state_of(conv).bare) == (not x.is_cuda)
         for _ in range(3):
             assert rel_err(conv(x), twin[0](x)) <= TOL[torch.float32]
-        assert len(keys) == 2 + x.is_cuda and len(conv._cp_bare) == 1
+        assert len(keys) == 2 + x.is_cuda and len(state_of(conv).bare) == 1
         with pack.graph_path():
             conv(x)
         assert len(keys) == 3 + x.is_cuda
@@ -318,14 +324,14 @@ def test_a_plan_built_inside_someone_elses_capture_is_weighed_for_it_and_not_kep
     net, twin = _net(device)
     conv = net[0]
     graphs = []
-    real_decide = dispatch.decide
-    monkeypatch.setattr(dispatch, "decide", lambda *a: graphs.append(a[-1]) or real_decide(*a))
+    real_decide = planner.decide_call
+    monkeypatch.setattr(planner, "decide_call", lambda *a: graphs.append(a[-1]) or real_decide(*a))
     monkeypatch.setattr(pack, "foreign_capture", lambda t: True)
     x = torch.randn(2, 6, 7, 9, device=device)
     with torch.no_grad():
         for _ in range(2):
             assert rel_err(conv(x), twin(x)) <= TOL[torch.float32]
-        assert graphs == [True, True] and not _plans(conv) and not conv.__dict__.get("_cp_bare")
+        assert graphs == [True, True] and not _plans(conv) and not state_of(conv).bare
         monkeypatch.setattr(pack, "foreign_capture", lambda t: False)
         for _ in range(2):
             assert rel_err(conv(x), twin(x)) <= TOL[torch.float32]
@@ -457,7 +463,7 @@ def _problem(n=1, c_in=64, c_out=64, size=64, k=3, layout="nchw"):
 
 def _fit(cudnn_tflops=500.0, ours_tflops=650.0, c0=0.01, ours_c0=None):
     models = {}
-    for side, tf, c in (("cudnn", cudnn_tflops, c0), ("ours", ours_tflops, c0 if ours_c0 is None else ours_c0)):
+    for side, tf, c in (("theirs", cudnn_tflops, c0), ("ours", ours_tflops, c0 if ours_c0 is None else ours_c0)):
         for one in (False, True):
             models[(side, one, "any")] = (c, 1.0 / tf, 0.0)
     return costs.Fit(models, 10)
@@ -495,13 +501,13 @@ def test_lean_route_needs_a_real_host_saving():
     fitted = _fit(c0=0.002)
     one = _problem(size=16, c_in=16, c_out=16, k=1)
     three = _problem(size=16, c_in=16, c_out=16)
-    assert (costs.conv_host_ms(three) - costs.host_ms(1)) * 1e3 >= costs.LEAN_MIN_SAVING_US
+    assert (costs.conv_host_ms(three) - costs.host_ms(1)) * 1e3 >= costs.default_calibration().lean_min_saving_us
     assert costs.choose_lean(three, fitted, None, ops=0).kernel
     got = costs.choose_lean(one, fitted, None, ops=0)
     assert not got.kernel and "would save" in got.why
     # Where cuDNN's 1x1 call were dearer, the same rule would take it.
-    host = dict(costs.HOST_US, conv_1x1=costs.HOST_US["conv"])
-    assert costs.choose_lean(one, fitted, None, ops=0, host=host).kernel
+    cal = costs.default_calibration()
+    assert costs.choose_lean(one, fitted, None, ops=0, cal=cal.with_host(conv_1x1=cal.host_us["conv"])).kernel
     # A call whose cuDNN GPU time exceeds its host time is not the lean
     # route's, even where its model says the lean kernel is faster still.
     measured = {"cudnn_ms": costs.conv_host_ms(three) * 1.5}
@@ -534,8 +540,8 @@ def test_a_config_whose_tiles_leave_sms_idle_is_slowed_by_the_fill_factor():
     judged by its measurement alone."""
     p = _problem(c_in=2560, c_out=1280, size=16)
     cfg = {"route": "tma", "BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64}
-    assert costs.fill_factor(p, cfg) == pytest.approx(132 / 10)
-    assert costs.fill_factor(_problem(size=512), cfg) == 1.0
+    assert costs.fill_factor(p, cfg, 132) == pytest.approx(132 / 10)
+    assert costs.fill_factor(_problem(size=512), cfg, 132) == 1.0
     fitted = _fit(cudnn_tflops=300, ours_tflops=600, c0=0.002)
     assert costs.choose(p, fitted, None, launches=1, ops=0, graph=True).kernel
     assert not costs.choose(p, fitted, None, launches=1, ops=0, graph=True, config=cfg).kernel
@@ -577,24 +583,21 @@ def test_fit_recovers_the_model_it_was_measured_with():
     assert costs.fit({"conv2d": {"exact": {}}}) is None
 
 
-def test_weigh_keeps_pytorch_where_nothing_was_measured(monkeypatch):
+def test_weigh_keeps_pytorch_where_nothing_was_measured():
     """An architecture without a table of its own (the curated default has
     no measurements): every call stays on PyTorch, never a guess."""
-    monkeypatch.setattr(dispatch, "target_for", lambda device: Target("sm80", True))
     spec = ConvSpec(False, 64, 64, (3, 3), (1, 1), (1, 1), (1, 1), (1, 1), (0, 0), 1, "zeros", True)
     x, w = torch.zeros(1, 64, 32, 32), torch.zeros(64, 64, 3, 3)
-    decision = RouteDecision(Route.CONV2D_IGEMM, config={"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64})
-    out = dispatch.weigh(decision, spec, x, w, None, True, None, 1.0, "none", 1.0, False)
+    out = decide(spec, CallDesc.of_call(x, w, torch.zeros(64), packed=True), Target("sm80", True, sms=108))
     assert not out.is_kernel and "no measurement" in out.reason
 
 
-def test_weigh_takes_the_lean_route_for_host_bound_calls(monkeypatch):
-    monkeypatch.setattr(dispatch, "target_for", lambda device: Target("sm90", True))
+def test_weigh_takes_the_lean_route_for_host_bound_calls():
     spec = ConvSpec(False, 16, 16, (3, 3), (1, 1), (1, 1), (1, 1), (1, 1), (0, 0), 1, "zeros", True)
     x, w = torch.zeros(1, 16, 8, 8, dtype=torch.bfloat16), torch.zeros(16, 16, 3, 3, dtype=torch.bfloat16)
-    decision = RouteDecision(Route.CONV2D_TMA, config={"route": "tma", "BLOCK_M": 64, "BLOCK_N": 64,
-                                                       "BLOCK_K": 64})
-    out = dispatch.weigh(decision, spec, x, w, None, True, None, 1.0, "none", 1.0, False)
-    assert out.route is Route.CONV2D_IGEMM and out.tier == dispatch.LEAN
+    b = torch.zeros(16, dtype=torch.bfloat16)
+    sm90 = Target("sm90", True, sms=132)
+    out = decide(spec, CallDesc.of_call(x, w, b, packed=True), sm90)
+    assert out.route is Route.CONV2D_IGEMM and out.tier == LEAN
     # Inside a CUDA graph host time is free: the table's route stays.
-    assert dispatch.weigh(decision, spec, x, w, None, True, None, 1.0, "none", 1.0, True).tier != dispatch.LEAN
+    assert decide(spec, CallDesc.of_call(x, w, b, packed=True, graph=True), sm90).tier != LEAN

@@ -13,9 +13,9 @@ import torch.nn.functional as F
 
 import conv_patch
 from conv_patch.routing import tables as config_tables
-from conv_patch import functional as ops
+from conv_patch import functional
 from conv_patch.kernels import api as kernels
-from conv_patch.routing.select import Route
+from conv_patch.routing.registry import Route
 from conv_patch.target import target_for
 from _util import TOL, act64, poisoned, randn, rel_err
 from test_kernels import check_conv
@@ -45,7 +45,7 @@ def test_cudnn_route_matches_float64(case, device, exact_fp32, launches):
     dtype = _dtype(device)
     check_conv(case, dtype, device, config={"route": "cudnn"}, seed=11)
     nhwc = case[9]
-    # NHWC outputs take the kernel; NCHW ones keep PyTorch's ops.
+    # NHWC outputs take the kernel; NCHW ones keep PyTorch's functional.
     assert bool(launches) == (nhwc and (case[10] or case[11] != "none" or case[12] is not None))
 
 
@@ -71,7 +71,7 @@ def test_epilogue_matches_float64(shape, act, res, device, launches):
         ref = ref + beta * r.double().cpu()
     ref = scale * act64(ref, act)
     out = poisoned(shape, dtype, device, channels_last=True)
-    got = ops.epilogue(y, b, r, beta, act, scale, out=out)
+    got = functional.epilogue(y, b, r, beta, act, scale, out=out)
     assert got.data_ptr() == out.data_ptr() and launches
     assert rel_err(got, ref) <= TOL[dtype]
 
@@ -91,7 +91,7 @@ def test_epilogue_in_place_and_into_views(into, device, launches):
         out = big[:, :, 1::2, 0::2]
     else:
         out = y if into == "y" else r
-    got = ops.epilogue(y, b, r, 1.0, "relu", out=out)
+    got = functional.epilogue(y, b, r, 1.0, "relu", out=out)
     assert got.data_ptr() == out.data_ptr() and launches
     assert rel_err(got, ref) <= TOL[dtype]
     if into == "parity view":
@@ -105,10 +105,10 @@ def test_epilogue_int64_offsets_match(device, monkeypatch):
     b = randn(g, 24, dtype=dtype, device=device)
     if not target_for(y.device).kernels:
         pytest.skip("no kernels here")
-    plain = ops.epilogue(y, b, activation="silu")
+    plain = functional.epilogue(y, b, activation="silu")
     from conv_patch.kernels import epilogue as mod
     monkeypatch.setattr(mod, "needs_int64", lambda *t: True)
-    assert torch.equal(ops.epilogue(y, b, activation="silu"), plain)
+    assert torch.equal(functional.epilogue(y, b, activation="silu"), plain)
 
 
 def test_cudnn_route_takes_unbatched_inputs(device):
@@ -119,19 +119,19 @@ def test_cudnn_route_takes_unbatched_inputs(device):
     w = randn(g, 4, 6, 3, 3, device=device)
     b = randn(g, 4, device=device)
     r = randn(g, 4, 5, 7, device=device)
-    y = ops.conv2d(x, w, b, padding=1, residual=r, activation="silu", config={"route": "cudnn"})
+    y = functional.conv2d(x, w, b, padding=1, residual=r, activation="silu", config={"route": "cudnn"})
     ref = F.silu(F.conv2d(x.double().cpu(), w.double().cpu(), b.double().cpu(), padding=1) + r.double().cpu())
     assert y.shape == (4, 5, 7) and rel_err(y, ref) <= 1e-3
-    y = ops.conv2d(x, w, b, padding=1, config={"route": "cudnn"})
+    y = functional.conv2d(x, w, b, padding=1, config={"route": "cudnn"})
     assert rel_err(y, F.conv2d(x.double().cpu(), w.double().cpu(), b.double().cpu(), padding=1)) <= 1e-3
 
 
 def test_epilogue_refuses_mismatched_out(device):
     y = torch.randn(1, 4, 3, 3, device=device)
     with pytest.raises(ValueError, match="out has shape"):
-        ops.epilogue(y, out=torch.empty(1, 4, 3, 2, device=device))
+        functional.epilogue(y, out=torch.empty(1, 4, 3, 2, device=device))
     with pytest.raises(ValueError, match="residual has shape"):
-        ops.epilogue(y, residual=torch.empty(1, 4, 2, 3, device=device))
+        functional.epilogue(y, residual=torch.empty(1, 4, 2, 3, device=device))
 
 
 @pytest.mark.gpu

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from conv_patch.routing import tables as config_tables
-from conv_patch import functional as ops
-from conv_patch.routing.select import MAX_FLAT_REDUCTION, Route, flat_problem, select_route
+from conv_patch import functional
+from conv_patch.routing.registry import MAX_FLAT_REDUCTION, Route, flat_problem
+from conv_patch.routing.decide import decide
 from conv_patch.specs import CallDesc, ConvSpec
 from conv_patch.target import Target
 from test_kernels import check_conv
@@ -66,7 +67,7 @@ def test_table_routes_flat_only_where_eligible(device):
     for c_in, route in ((3, Route.CONV2D_FLAT), (8, Route.CONV2D_IGEMM)):
         call = CallDesc(shape=(1, c_in, 16, 16), dtype=torch.bfloat16, device_type="cuda", layout="nchw",
                         weight_dtype=torch.bfloat16)
-        assert select_route(_spec(c_in), call, sm90, tbl).route is route
-    with pytest.raises(ops.UnsupportedConv, match="C_in"):
-        ops.conv2d(torch.randn(1, 8, 6, 6, device=device), torch.randn(16, 8, 3, 3, device=device),
+        assert decide(_spec(c_in), call, sm90, tbl, as_called=False).route is route
+    with pytest.raises(functional.UnsupportedConv, match="C_in"):
+        functional.conv2d(torch.randn(1, 8, 6, 6, device=device), torch.randn(16, 8, 3, 3, device=device),
                    padding=1, config=FLAT)

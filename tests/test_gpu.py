@@ -8,10 +8,13 @@ import torch
 import torch.nn.functional as F
 
 import conv_patch
-from conv_patch import functional as ops
-from conv_patch.routing.select import Route, select_route
+from conv_patch import functional
+from conv_patch.routing.registry import Route
+from conv_patch.routing.decide import decide
 from conv_patch.specs import CallDesc, ConvSpec
 from conv_patch.target import conv_tf32, target_for
+from conv_patch.runtime.state import state_of
+from conv_patch.routing import costs
 from _util import TOL, rel_err
 
 pytestmark = pytest.mark.gpu
@@ -46,10 +49,10 @@ def test_vae_conv_shapes_half(shape, dtype, nhwc):
     out = torch.full(ref.shape, float("nan"), device="cuda", dtype=dtype)
     if nhwc:
         out = out.contiguous(memory_format=torch.channels_last)
-    ops.conv2d(x, w, b, padding=k // 2, out=out)
+    functional.conv2d(x, w, b, padding=k // 2, out=out)
     cudnn = F.conv2d(x, w, b, padding=k // 2)
-    route = select_route(ConvSpec.from_module(torch.nn.Conv2d(c_in, c_out, k, padding=k // 2)),
-                         CallDesc.of_call(x, w, b), target_for(x.device))
+    route = decide(ConvSpec.from_module(torch.nn.Conv2d(c_in, c_out, k, padding=k // 2)),
+                         CallDesc.of_call(x, w, b), target_for(x.device), as_called=False)
     if route.route is Route.CUDNN:
         # The table sends this shape to cuDNN: its answer is the module's own
         # (in fp16 cuDNN's 1x1 can be 2x over our fp32-accumulated bound).
@@ -67,7 +70,7 @@ def test_offsets_past_int32():
     x = torch.randn(1, c, hw, hw, device="cuda", dtype=torch.bfloat16)
     assert x.numel() > 2**31
     w = (torch.randn(8, c, 3, 3, device="cuda") * (9 * c) ** -0.5).to(torch.bfloat16)
-    out = ops.conv2d(x, w, padding=1)
+    out = functional.conv2d(x, w, padding=1)
     ref = F.conv2d(x, w, padding=1)
     assert rel_err(out, ref.float()) <= 1e-2
     # The far end of the tensor is where a wrapped 32-bit offset would land.
@@ -86,12 +89,13 @@ def test_new_resolution_compiles_nothing():
     """Shapes are runtime arguments: resolutions of the same divisibility
     (multiples of 16) in the same M-bucket of the table (16384 < M <= 65536)
     reuse the compiled kernels, whichever route the table picks."""
-    from conv_patch.kernels.api import KERNELS
+    from _util import conv_kernels
+    KERNELS = conv_kernels()
     w = torch.randn(64, 32, 3, 3, device="cuda", dtype=torch.bfloat16)
-    ops.conv2d(torch.randn(1, 32, 144, 144, device="cuda", dtype=torch.bfloat16), w, padding=1)
+    functional.conv2d(torch.randn(1, 32, 144, 144, device="cuda", dtype=torch.bfloat16), w, padding=1)
     before = sum(_compiled_variants(k) for k in KERNELS.values())
     for hw in (160, 176, 208, 240):
-        ops.conv2d(torch.randn(1, 32, hw, hw, device="cuda", dtype=torch.bfloat16), w, padding=1)
+        functional.conv2d(torch.randn(1, 32, hw, hw, device="cuda", dtype=torch.bfloat16), w, padding=1)
     assert sum(_compiled_variants(k) for k in KERNELS.values()) == before
 
 
@@ -103,10 +107,10 @@ def test_tf32_follows_pytorch():
     w = torch.randn(256, 256, 3, 3, device="cuda") / 48
     ref = F.conv2d(x.double(), w.double(), padding=1)
     with conv_tf32(True):
-        tf32 = rel_err(ops.conv2d(x, w, padding=1), ref)
+        tf32 = rel_err(functional.conv2d(x, w, padding=1), ref)
         cudnn_tf32 = rel_err(F.conv2d(x, w, padding=1), ref)
     with conv_tf32(False):
-        exact = rel_err(ops.conv2d(x, w, padding=1), ref)
+        exact = rel_err(functional.conv2d(x, w, padding=1), ref)
     assert exact <= 1e-6 < tf32 <= 5e-3
     assert tf32 <= 1.5 * cudnn_tf32
 
@@ -131,7 +135,7 @@ def test_flux_vae_decode_bf16():
     assert len(report.patched) > 30 and not report.skipped
     assert {"diffusers.ResnetBlock2D", "diffusers.Upsample2D", "diffusers.Decoder"} <= {
         v.split()[0] for v in report.fused.values()}
-    assert any(m._cp_last is not None and m._cp_last.is_kernel for m in vae.modules() if conv_patch.is_patched(m))
+    assert any(state_of(m).last is not None and state_of(m).last.is_kernel for m in vae.modules() if conv_patch.is_patched(m))
     assert rel_err(patched, ref) <= 1.5 * rel_err(plain, ref)
 
 
@@ -161,9 +165,9 @@ def test_tma_is_deterministic_and_cudnn_accurate(cfg, c_in, c_out, k, hw):
     w = (torch.randn(c_out, c_in, k, k, device="cuda", generator=g) * (c_in * k * k) ** -0.5).to(torch.bfloat16)
     b = torch.randn(c_out, device="cuda", generator=g).to(torch.bfloat16)
     ref = _fp32_reference(x, w, b, k // 2)
-    first = ops.conv2d(x, w, b, padding=k // 2, config=cfg)
+    first = functional.conv2d(x, w, b, padding=k // 2, config=cfg)
     for _ in range(19):
-        assert torch.equal(ops.conv2d(x, w, b, padding=k // 2, config=cfg), first)
+        assert torch.equal(functional.conv2d(x, w, b, padding=k // 2, config=cfg), first)
     cudnn = F.conv2d(x, w, b, padding=k // 2)
     assert rel_err(first, ref) <= 1.5 * rel_err(cudnn, ref) + 1e-3
 
@@ -195,11 +199,11 @@ def test_cuda_graph_capture_and_replay_of_a_patched_decode(monkeypatch):
     dec = taesd.seeded_(taesd.decoder(16, 32)).to("cuda", torch.float16).eval()
     plain = copy.deepcopy(dec)
     conv_patch.apply(dec)
-    # A capture always takes the folded upsample (ops.subpixel_pays) and
+    # A capture always takes the folded upsample (recipes.fuse.subpixel_pays) and
     # routes by GPU time alone (dispatch.weigh); eager calls do too here, so
     # that replay and eager are bitwise comparable.
     from conv_patch.runtime import pack
-    monkeypatch.setattr(ops, "SUBPIXEL_MIN_MACS", 0)
+    monkeypatch.setattr(costs, "SUBPIXEL_MIN_MACS", 0)
     monkeypatch.setattr(pack, "GRAPH_PATH", True)
     static_in = torch.randn(1, 16, 16, 16, device="cuda", dtype=torch.float16)
     with torch.no_grad():
@@ -233,7 +237,7 @@ def test_group_norm_silu_vae_shapes(shape, nhwc):
     b = (0.1 * torch.randn(shape[1], device="cuda", generator=g)).to(torch.bfloat16)
     ref = F.silu(F.group_norm(x.double(), 32, w.double(), b.double(), 1e-6))
     with torch.no_grad():
-        y = ops.group_norm(x, 32, w, b, 1e-6, "silu")
+        y = functional.group_norm(x, 32, w, b, 1e-6, "silu")
         torch_bf16 = F.silu(F.group_norm(x, 32, w, b, 1e-6))
     assert y.is_contiguous(memory_format=torch.channels_last) == nhwc
     assert rel_err(y, ref) <= 1.5 * rel_err(torch_bf16, ref) + 1e-3
@@ -253,8 +257,8 @@ def test_group_norm_conv_in_bands_bf16():
     with torch.no_grad(), conv_tf32(False):
         ref = F.conv2d(F.silu(F.group_norm(x.float(), 32, gw.float(), gb.float(), 1e-6)), w.float(), b.float(),
                        padding=1)
-        whole = ops.conv2d(ops.group_norm(x, 32, gw, gb, 1e-6, "silu"), w, b, padding=1)
-        banded = ops.group_norm_conv2d(x, 32, gw, gb, 1e-6, "silu", w, b, band_bytes=16 << 20)
+        whole = functional.conv2d(functional.group_norm(x, 32, gw, gb, 1e-6, "silu"), w, b, padding=1)
+        banded = functional.group_norm_conv2d(x, 32, gw, gb, 1e-6, "silu", w, b, band_bytes=16 << 20)
     assert rel_err(banded, ref) <= 1.2 * rel_err(whole, ref) + 1e-4 and rel_err(banded, ref) <= TOL[torch.bfloat16]
 
 

@@ -16,6 +16,8 @@ from torch import nn
 import conv_patch
 from conv_patch.runtime import graphs
 from conv_patch.tools import taesd
+from conv_patch.runtime.state import state_of
+from conv_patch.routing import costs
 from _util import rel_err
 
 
@@ -68,7 +70,7 @@ def test_apply_installs_graphs_on_outermost_fused_blocks_and_remove_drops_them(d
     assert graphs.cache_of(twin) is not graphs.cache_of(dec) and not graphs.cache_of(twin).graphs
     assert graphs.cache_of(pickle.loads(pickle.dumps(dec))) is not None
     conv_patch.remove(dec)
-    assert graphs.cache_of(dec) is None and "_cp_graphs" not in dec.__dict__
+    assert graphs.cache_of(dec) is None and state_of(dec).graphs is None
 
 
 def test_config_is_checked():
@@ -173,12 +175,11 @@ def test_unhashable_arguments_and_cpu_tensors_are_not_graphed(device, exact_fp32
 @pytest.fixture
 def same_upsample_form(monkeypatch):
     """A capture always folds the upsample into four 2x2 convs
-    (ops.subpixel_pays) and routes by GPU time alone (dispatch.weigh); the
+    (recipes.fuse.subpixel_pays) and routes by GPU time alone (dispatch.weigh); the
     eager twin runs as on the graph path here, so that both take the same
     routes and round the same way."""
-    from conv_patch import functional as ops
     from conv_patch.runtime import pack
-    monkeypatch.setattr(ops, "SUBPIXEL_MIN_MACS", 0)
+    monkeypatch.setattr(costs, "SUBPIXEL_MIN_MACS", 0)
     monkeypatch.setattr(pack, "GRAPH_PATH", True)
 
 

@@ -7,8 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conv_patch import functional as ops
+from conv_patch import functional
 from conv_patch.target import target_for
+from conv_patch.ops import group_norm as group_norm_op
 from _util import TOL, act64, poisoned, randn, rel_err
 
 # (N, C, H, W, groups, nhwc, affine, activation, mean offset)
@@ -30,7 +31,7 @@ def test_group_norm(case, dtype, device, monkeypatch):
     if not target_for(device).kernels:
         pytest.skip("no kernels here")
     # Small launch sizes: several blocks per program, several programs per group.
-    monkeypatch.setitem(ops.GN_LAUNCH, "interpreter", (64, 16, 64))
+    monkeypatch.setitem(group_norm_op.GN_LAUNCH, "interpreter", (64, 16, 64))
     g = torch.Generator().manual_seed(11)
     # Channel means that differ by a few std within each group: the merge of
     # per-channel moments into the group's must count their spread.
@@ -42,17 +43,17 @@ def test_group_norm(case, dtype, device, monkeypatch):
     ref = act64(F.group_norm(x.double().cpu(), G, None if w is None else w.double().cpu(),
                              None if b is None else b.double().cpu(), 1e-5), act)
     with torch.no_grad():
-        y = ops.group_norm(x, G, w, b, 1e-5, act)
+        y = functional.group_norm(x, G, w, b, 1e-5, act)
     assert y.dtype == dtype and y.is_contiguous(memory_format=torch.channels_last) == nhwc
     assert rel_err(y, ref) <= max(TOL[dtype], 1e-5 if dtype == torch.float32 else 0)
 
 
 def test_group_norm_falls_back_where_kernels_cannot(device):
     x = torch.randn(2, 8, 5, 6, device=device)[:, :, :, 1:]  # strided: PyTorch path
-    y = ops.group_norm(x, 4, activation="silu")
+    y = functional.group_norm(x, 4, activation="silu")
     assert rel_err(y, F.silu(F.group_norm(x.double(), 4))) <= 1e-5
     with pytest.raises(ValueError, match="divisible"):
-        ops.group_norm(torch.randn(1, 6, 2, 2, device=device), 4)
+        functional.group_norm(torch.randn(1, 6, 2, 2, device=device), 4)
 
 
 # (N, C, H, W, groups, nhwc, mean offset, launch sizes): odd sizes, Cg not a
@@ -78,8 +79,8 @@ def test_group_norm_outliers_at_chunk_starts(case, device, monkeypatch):
     if not target_for(device).kernels:
         pytest.skip("no kernels here")
     if launch is not None:
-        monkeypatch.setitem(ops.GN_LAUNCH, "interpreter" if device.type == "cpu" else "gpu", launch)
-    _, stats_block, programs = ops.GN_LAUNCH["interpreter" if device.type == "cpu" else "gpu"]
+        monkeypatch.setitem(group_norm_op.GN_LAUNCH, "interpreter" if device.type == "cpu" else "gpu", launch)
+    _, stats_block, programs = group_norm_op.GN_LAUNCH["interpreter" if device.type == "cpu" else "gpu"]
     g = torch.Generator().manual_seed(5)
     x = randn(g, N, C, H, W) + offset
     flat = x.permute(0, 2, 3, 1).reshape(N, H * W, C)  # a view: writes reach x
@@ -100,7 +101,7 @@ def test_group_norm_outliers_at_chunk_starts(case, device, monkeypatch):
     ref = F.group_norm(x.double().cpu(), G, w.double().cpu(), b.double().cpu(), 1e-5)
     out = poisoned(x.shape, x.dtype, device, channels_last=nhwc)
     with torch.no_grad():
-        y = ops.group_norm(x, G, w, b, 1e-5, "none", out=out)
+        y = functional.group_norm(x, G, w, b, 1e-5, "none", out=out)
     assert y is out
     assert rel_err(y, ref) <= 1e-5
 
@@ -116,7 +117,7 @@ def test_group_norm_past_int32_offsets():
     x[:, :, -1, -1] += 40.0  # the last pixel, past 2^31 elements, moves its groups' statistics
     w = torch.randn(128, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(128, device="cuda", dtype=torch.bfloat16)
-    out = ops.group_norm(x, 32, w, b, 1e-6, "silu")
+    out = functional.group_norm(x, 32, w, b, 1e-6, "silu")
     torch.cuda.synchronize()
     ref = F.silu(F.group_norm(x, 32, w, b, 1e-6))
     assert rel_err(out[:, :, -64:], ref[:, :, -64:]) <= 2e-2

@@ -164,7 +164,7 @@ def test_plain_install_runs_verify(tmp_path):
                 return None
 
         sys.meta_path.insert(0, PlainInstall())
-        from conv_patch import cli
+        from conv_patch.tools import cli
         rc = cli.main(["verify", "one.safetensors", "--device", "cpu", "--image", "img.png", "--json", "r.json"])
         # info second: its "import triton" would fix Triton's own jit functions as compiled, not
         # interpreted, before verify turns the interpreter on (one command per process in real use).
@@ -217,7 +217,7 @@ def test_without_torch_the_command_says_so_in_one_line(tmp_path):
             conv_patch.apply
         except ModuleNotFoundError as e:
             print(e)
-        from conv_patch import cli
+        from conv_patch.tools import cli
         sys.exit(cli.main(["verify"]))
     """)
     r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)

@@ -6,7 +6,9 @@ import inspect
 import pytest
 import triton.language as tl
 
-from conv_patch.kernels.api import KERNELS
+from _util import conv_kernels
+
+KERNELS = conv_kernels()
 
 SWITCHES = {"HAS_BIAS", "HAS_RES", "ACT", "IDX64", "UPCAST"}
 TILES = {"BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M"}

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from conv_patch import functional as ops
+from conv_patch import functional
 from conv_patch.kernels.common import round_to_tf32
 from _util import TOL, act64, poisoned, randn, rel_err
 
@@ -126,7 +126,7 @@ def check_conv(case, dtype, device, config=None, force_int64=False, seed=0):
     ref = F.conv2d(x.double().cpu(), w.double().cpu(), None if b is None else b.double().cpu(), s, p, d)
     r, beta, scale, ref = _epilogue_inputs(g, ref, residual, act, dtype, device)
     out = poisoned(ref.shape, dtype, device, channels_last=nhwc)
-    y = ops.conv2d(x, w, b, s, p, d, residual=r, beta=beta, activation=act, out_scale=scale,
+    y = functional.conv2d(x, w, b, s, p, d, residual=r, beta=beta, activation=act, out_scale=scale,
                    out=out, config=config, force_int64=force_int64)
     assert y.data_ptr() == out.data_ptr()
     err = rel_err(y, ref)
@@ -143,7 +143,7 @@ def check_convt(case, dtype, device, config=None, force_int64=False, seed=0):
                              s, p, op, 1, d)
     r, beta, scale, ref = _epilogue_inputs(g, ref, residual, act, dtype, device)
     out = poisoned(ref.shape, dtype, device, channels_last=nhwc)
-    y = ops.conv_transpose2d(x, w, b, s, p, op, d, residual=r, beta=beta, activation=act,
+    y = functional.conv_transpose2d(x, w, b, s, p, op, d, residual=r, beta=beta, activation=act,
                              out_scale=scale, out=out, config=config, force_int64=force_int64)
     assert y.data_ptr() == out.data_ptr()
     err = rel_err(y, ref)
@@ -201,11 +201,11 @@ def test_output_keeps_input_layout(nhwc, device):
     g = torch.Generator().manual_seed(3)
     x = _inputs(g, torch.float32, device, 2, 6, 9, 7, nhwc)
     w = randn(g, 5, 6, 3, 3, device=device)
-    y = ops.conv2d(x, w, padding=1)
+    y = functional.conv2d(x, w, padding=1)
     assert y.is_contiguous(memory_format=torch.channels_last) == nhwc
     assert y.is_contiguous() == (not nhwc)
     wt = randn(g, 6, 5, 2, 2, device=device)
-    yt = ops.conv_transpose2d(x, wt, stride=2)
+    yt = functional.conv_transpose2d(x, wt, stride=2)
     assert yt.is_contiguous(memory_format=torch.channels_last) == nhwc
 
 
@@ -218,7 +218,7 @@ def test_strided_views_read_in_place(device, exact_fp32):
     w = wbig[:, ::2]
     b = randn(g, 6, device=device)
     ref = F.conv2d(x.double().cpu(), w.double().cpu(), b.double().cpu(), 1, 1)
-    assert rel_err(ops.conv2d(x, w, b, 1, 1), ref) <= TOL[torch.float32]
+    assert rel_err(functional.conv2d(x, w, b, 1, 1), ref) <= TOL[torch.float32]
 
 
 def test_bad_calls_raise(device):
@@ -226,13 +226,13 @@ def test_bad_calls_raise(device):
     x = randn(g, 1, 4, 6, 6, device=device)
     w = randn(g, 3, 4, 3, 3, device=device)
     with pytest.raises(ValueError, match="activation 'tanh'"):
-        ops.conv2d(x, w, activation="tanh")
+        functional.conv2d(x, w, activation="tanh")
     with pytest.raises(ValueError, match="residual has shape"):
-        ops.conv2d(x, w, residual=torch.ones(1, 3, 6, 6, device=device))
-    with pytest.raises(ops.UnsupportedConv, match="float64"):
-        ops.conv2d(x.double(), w.double())
-    with pytest.raises(ops.UnsupportedConv, match="channels"):
-        ops.conv2d(x[:, :3], w)
+        functional.conv2d(x, w, residual=torch.ones(1, 3, 6, 6, device=device))
+    with pytest.raises(functional.UnsupportedConv, match="float64"):
+        functional.conv2d(x.double(), w.double())
+    with pytest.raises(functional.UnsupportedConv, match="channels"):
+        functional.conv2d(x[:, :3], w)
 
 
 @triton.jit

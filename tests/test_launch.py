@@ -47,7 +47,7 @@ def test_cached_launches_equal_tritons_own(monkeypatch):
     """Conv (portable and TMA), GroupNorm and the epilogue, each launched
     through the cache twice (miss, hit), equal Triton's own path bitwise,
     including a call whose input is not 16-byte aligned after an aligned one."""
-    from conv_patch import functional as ops
+    from conv_patch import functional
     torch.manual_seed(0)
     dev, dt = "cuda", torch.bfloat16
     x = torch.randn(2, 32, 19, 23, device=dev, dtype=dt).contiguous(memory_format=torch.channels_last)
@@ -58,11 +58,11 @@ def test_cached_launches_equal_tritons_own(monkeypatch):
     tma = {"route": "tma", "BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 32, "BLOCK_W": 16, "num_warps": 4,
            "num_stages": 3}
     calls = [
-        lambda: ops.conv2d(x, w, b, padding=1, activation="silu"),
-        lambda: ops.conv2d(x, w, b, padding=1, config=tma),
-        lambda: ops.conv2d(unaligned, w, b, padding=1),
-        lambda: ops.group_norm(x, 8, None, None, 1e-6, "silu"),
-        lambda: ops.epilogue(x, x[0, :, 0, 0].contiguous(), x, 0.5, "silu"),
+        lambda: functional.conv2d(x, w, b, padding=1, activation="silu"),
+        lambda: functional.conv2d(x, w, b, padding=1, config=tma),
+        lambda: functional.conv2d(unaligned, w, b, padding=1),
+        lambda: functional.group_norm(x, 8, None, None, 1e-6, "silu"),
+        lambda: functional.epilogue(x, x[0, :, 0, 0].contiguous(), x, 0.5, "silu"),
     ]
     monkeypatch.setitem(_launch._FAST_STATE, "on", False)
     with torch.no_grad():

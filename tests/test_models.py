@@ -11,6 +11,7 @@ import torch
 
 import conv_patch
 from conv_patch.tools import taesd
+from conv_patch.runtime.state import state_of
 from _util import TOL, rel_err
 
 # ../shared beside the checkout; CONV_PATCH_SHARED points elsewhere (a copy
@@ -30,10 +31,10 @@ def _check_patched(model, run, device, tol):
         out = run()
     assert list(model.state_dict()) == keys
     assert set(report.patched) == _dense_convs(model)
-    kernel_runs = [m for m in model.modules() if conv_patch.is_patched(m) and m._cp_last is not None]
-    assert kernel_runs and all(m._cp_last.is_kernel for m in kernel_runs)
+    kernel_runs = [m for m in model.modules() if conv_patch.is_patched(m) and state_of(m).last is not None]
+    assert kernel_runs and all(state_of(m).last.is_kernel for m in kernel_runs)
     assert rel_err(out, ref) <= tol
-    originals = {n: m._cp_original for n, m in model.named_modules() if conv_patch.is_patched(m)}
+    originals = {n: state_of(m).original for n, m in model.named_modules() if conv_patch.is_patched(m)}
     conv_patch.remove(model)
     assert all(model.get_submodule(n) is o for n, o in originals.items())
     return report
@@ -53,7 +54,7 @@ def test_diffusers_autoencoder_kl(device, exact_fp32):
     # Grad enabled: every conv falls back and says why.
     conv_patch.apply(vae)
     vae.decoder.conv_in(torch.randn(1, 4, 8, 8, device=device))
-    assert "autograd" in vae.decoder.conv_in._cp_last.reason
+    assert "autograd" in state_of(vae.decoder.conv_in).last.reason
 
 
 def test_diffusers_autoencoder_tiny(device, exact_fp32):
@@ -96,7 +97,7 @@ def test_taef2_real_weights_on_real_photo(device, exact_fp32):
         lat_p = enc(img)
         rec_p = dec(lat_p).clamp(0, 1)
     # (The upsample convs run as four 2x2 kernels through ops, not their module.)
-    ran = [m._cp_last for m in dec.modules() if conv_patch.is_patched(m) and m._cp_last is not None]
+    ran = [state_of(m).last for m in dec.modules() if conv_patch.is_patched(m) and state_of(m).last is not None]
     assert ran and all(d.is_kernel for d in ran)
     assert rel_err(lat_p, lat) <= TOL[torch.float32]
     assert rel_err(rec_p, rec) <= TOL[torch.float32]

@@ -16,6 +16,8 @@ import torch
 from torch import nn
 
 import conv_patch
+from conv_patch.runtime.state import state_of
+from conv_patch.recipes.fuse import subpixel_pays
 from _util import rel_err
 
 # "frozen": grad enabled, no parameter requiring grad (the kernels run);
@@ -93,7 +95,7 @@ def run_every_mode(model, x, call, kept, modes=MODES, tol=1e-5):
 
 
 def _pack_of(m):
-    entry = m.__dict__.get("_cp_pack")
+    entry = state_of(m).pack
     return [] if entry is None else [entry.buf]
 
 
@@ -107,11 +109,10 @@ def test_the_folded_upsample_weights(exact_fp32, device):
                         nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 3, 3, padding=1)).to(device).eval()
 
     def kept(m):
-        held = m[3].__dict__.get("_cp_subpixel")
+        held = state_of(m[3]).subpixel
         return [] if held is None else [held[1]]
     x = torch.randn(1, 4, 6, 5, device=device)
-    from conv_patch import functional as ops
-    if not ops.subpixel_pays(x, net[3].weight):
+    if not subpixel_pays(x, net[3].weight):
         pytest.skip("the folded upsample does not pay at this size here")
     run_every_mode(net, x, lambda m, t: m(t), kept)
 
@@ -123,7 +124,7 @@ def test_group_norm_plans(exact_fp32, device):
     plans = []
 
     def kept(m):
-        p = norm.__dict__.get("_cp_plans") or {}
+        p = state_of(norm).plans or {}
         plans.append([id(v) for v in p.values() if v.kernel])
         return None  # (a plan keeps no tensor: its recorded launches allocate afresh at each replay)
     from conv_patch.recipes import common
@@ -139,8 +140,8 @@ def test_conv3d_plans(exact_fp32, device):
     plans = []
 
     def kept(m):
-        p = m[0].__dict__.get("_cp_plans") or {}
-        plans.append(sorted(id(v) for v in p.values() if v.kernel))
+        p = state_of(m[0]).plans or {}
+        plans.append(sorted(id(v) for v in p.values() if v.decision.is_kernel))
         return None
     run_every_mode(net, torch.randn(1, 3, 4, 6, 5, device=device), lambda m, t: m(t), kept)
     kernel_plans = [p for p in plans if p]

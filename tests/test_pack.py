@@ -13,6 +13,8 @@ from torch import nn
 
 import conv_patch
 from conv_patch.runtime import pack
+from conv_patch.runtime.state import state_of
+from conv_patch.runtime.wrappers import PatchedConv2d
 from _util import TOL, rel_err
 
 
@@ -36,7 +38,7 @@ def check_same(net, twin, device, dtype=torch.float32):
     x = torch.randn(2, 6, 7, 9, device=device, dtype=dtype)
     with torch.no_grad():
         out, ref = net(x), twin(x)
-    assert net[0]._cp_last.is_kernel
+    assert state_of(net[0]).last.is_kernel
     assert rel_err(out, ref) <= TOL[dtype]
 
 
@@ -102,13 +104,13 @@ def test_dtype_moves_release_old_pack(device, exact_fp32):
     check_same(net, twin, device)
     # conv 3x3 and the transposed conv need packs; the 1x1 conv is read as is.
     assert pack.stats()["live"] == base + 2
-    assert net[0]._cp_pack.buf.dtype == torch.float32
+    assert state_of(net[0]).pack.buf.dtype == torch.float32
     net.half()
     twin.half()
-    assert net[0]._cp_pack is None  # released at the move, not at the next call
+    assert state_of(net[0]).pack is None  # released at the move, not at the next call
     check_same(net, twin, device, torch.float16)
     gc.collect()
-    assert pack.stats()["live"] == base + 2 and net[0]._cp_pack.buf.dtype == torch.float16
+    assert pack.stats()["live"] == base + 2 and state_of(net[0]).pack.buf.dtype == torch.float16
     conv_patch.remove(net)
     gc.collect()
     assert pack.stats()["live"] == base
@@ -120,7 +122,7 @@ def test_channels_last_weights_need_no_pack(device, exact_fp32):
     net, twin = make(device, channels_last=True)
     check_same(net, twin, device)
     # The transposed conv's [C_in, C_out, k, k] weight still needs one.
-    assert pack.stats()["live"] == base + 1 and net[0]._cp_pack is None
+    assert pack.stats()["live"] == base + 1 and state_of(net[0]).pack is None
 
 
 def test_pack_made_in_inference_mode_refreshes_outside(device, exact_fp32):
@@ -146,7 +148,7 @@ def test_peft_lora_merge_unmerge(order, device, exact_fp32):
         net = copy.deepcopy(base)
         conv_patch.apply(net)
         net = peft.inject_adapter_in_model(cfg, net)
-        assert isinstance(net[0].base_layer, conv_patch.PatchedConv2d)
+        assert isinstance(net[0].base_layer, PatchedConv2d)
     else:
         net = peft.inject_adapter_in_model(cfg, copy.deepcopy(base))
         report = conv_patch.apply(net)
@@ -158,7 +160,7 @@ def test_peft_lora_merge_unmerge(order, device, exact_fp32):
     def compare():
         with torch.no_grad():
             out, ref = net(x), twin(x)
-        assert net[0].base_layer._cp_last.is_kernel
+        assert state_of(net[0].base_layer).last.is_kernel
         assert rel_err(out, ref) <= TOL[torch.float32]
         return out
 
@@ -241,10 +243,10 @@ def test_group_is_reset_after_an_error_and_not_copied(device, exact_fp32):
             net(torch.randn(2, 5, 7, 9, device=device))  # wrong channel count
         assert pack.ACTIVE.group is None and pack.ACTIVE.epoch == 0
         copied = copy.deepcopy(net)
-        assert copied.__dict__.get("_cp_packs") is None
+        assert state_of(copied).packs is None
         assert _counts(lambda: copied(x))[0] == 2  # the copy learns its own
         conv_patch.remove(net)
-        assert "_cp_packs" not in net.__dict__
+        assert state_of(net).packs is None
 
 
 @pytest.mark.gpu
@@ -263,7 +265,7 @@ def test_nhwc_pytorch_route_reads_the_grouped_pack():
     x = torch.randn(1, 64, 64, 64, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
         net(x)
-        assert not any(net[i]._cp_last.is_kernel for i in (0, 2, 4)), [net[i]._cp_last for i in (0, 2, 4)]
+        assert not any(state_of(net[i]).last.is_kernel for i in (0, 2, 4)), [state_of(net[i]).last for i in (0, 2, 4)]
         for edit in EDITS:
             assert _counts(lambda: net(x)) == (0, 1)
             assert rel_err(net(x), twin(x)) <= TOL[torch.bfloat16]
@@ -289,7 +291,7 @@ def test_a_failed_grouped_launch_leaves_each_pack_to_its_conv(device, exact_fp32
         _data_mul(net[0].weight)
         twin.load_state_dict(net.state_dict())
         assert _counts(lambda: check_same(net, twin, device)) == (2, 0)
-        assert "out of resources" in net.__dict__["_cp_packs"].broken
+        assert "out of resources" in state_of(net).packs.broken
         _data_mul(net[2].weight)
         twin.load_state_dict(net.state_dict())
         assert _counts(lambda: check_same(net, twin, device)) == (2, 0)
@@ -307,7 +309,7 @@ def test_a_norm_is_no_pack_group_and_leaves_the_enclosing_one_alone(device, exac
     norm[0].register_forward_hook(lambda m, a, y: seen.append(pack.ACTIVE.group))
     with torch.no_grad():
         assert rel_err(norm[0](x), torch.nn.functional.group_norm(x, 2, norm[0].weight, norm[0].bias)) <= 1e-5
-    assert seen == [None] and norm[0].__dict__.get("_cp_packs") is None
+    assert seen == [None] and state_of(norm[0]).packs is None
     net = nn.Sequential(nn.Conv2d(6, 6, 3, padding=1), nn.ReLU(), nn.GroupNorm(2, 6), nn.Conv2d(6, 5, 3, padding=1),
                         nn.ReLU(), nn.Conv2d(5, 4, 3, padding=1)).to(device)
     conv_patch.apply(net)
@@ -315,4 +317,4 @@ def test_a_norm_is_no_pack_group_and_leaves_the_enclosing_one_alone(device, exac
     net[2].register_forward_hook(lambda m, a, y: inner.append(pack.ACTIVE.group))
     with torch.no_grad():
         net(x)
-    assert inner == [net.__dict__["_cp_packs"]] and net[2].__dict__.get("_cp_packs") is None
+    assert inner == [state_of(net).packs] and state_of(net[2]).packs is None

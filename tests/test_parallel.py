@@ -18,6 +18,8 @@ import conv_patch
 from _util import rel_err
 from conv_patch import parallel
 from conv_patch.parallel import geometry, stats
+from conv_patch.runtime.state import state_of
+from conv_patch.runtime.call import Call
 
 diffusers = pytest.importorskip("diffusers")
 
@@ -234,10 +236,10 @@ def test_dispatch_padding_replaces_the_modules_own(exact_fp32):
         xb = band.to(dtype)
         for pad in ((1, 1, 0, 0), (1, 1, 1, 0), (1, 1, 0, 1)):
             with torch.no_grad():
-                y = dispatch.conv(wrapper, xb, padding=pad)
+                y = dispatch.conv(wrapper, Call(xb, padding=pad))
                 ref = F.conv2d(F.pad(xb, pad), wrapper.weight, wrapper.bias)
             assert y.shape == ref.shape and rel_err(y, ref) <= 1e-5, (dtype, pad)
-        assert wrapper.__dict__["_cp_last"].is_kernel == (dtype == torch.float32)
+        assert state_of(wrapper).last.is_kernel == (dtype == torch.float32)
 
 
 def test_patched_decode_through_the_budget_hook_runs_the_kernels():
@@ -255,14 +257,14 @@ def test_patched_decode_through_the_budget_hook_runs_the_kernels():
             report = parallel.last_report(vae)
             assert report.mode == "bands" and report.bands == 2 and report.staged and report.staged_layers
             assert rel_err(y, ref) <= 1e-5
-            assert vae.decoder.up_blocks[1].resnets[0].conv2.__dict__["_cp_last"].is_kernel
+            assert state_of(vae.decoder.up_blocks[1].resnets[0].conv2).last.is_kernel
             # Bands on the device: each band's conv reads a view of the layer
             # and writes its rows of the next through ``out``.
             y, report = parallel.decode_in_bands(vae, z, bands=2, return_report=True)
             assert not report.staged and rel_err(y, ref) <= 1e-5
         finally:
             conv_patch.remove(vae)
-    assert "_cp_bands" not in vae.decoder.__dict__
+    assert state_of(vae.decoder).bands is None
     with pytest.raises(ValueError, match="max_activation_gib"):
         conv_patch.apply(vae, config=conv_patch.PatchConfig(max_activation_gib=0))
 

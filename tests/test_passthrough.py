@@ -16,6 +16,7 @@ import conv_patch
 from conv_patch.runtime import passthrough
 from conv_patch.runtime.wrappers import PatchedConvMixin
 from conv_patch.recipes.catalog import is_fused
+from conv_patch.runtime.state import state_of
 
 # The busy branch is the interpreter's routing of CPU tensors; on a GPU
 # machine the CPU has no kernels (bench.zoo's passed_through is the GPU check).
@@ -190,7 +191,7 @@ def test_off_by_config_with_graphs_and_after_remove():
     conv_patch.apply(net)
     assert net._forward_pre_hooks and net._forward_hooks
     conv_patch.remove(net)
-    assert not net._forward_pre_hooks and not net._forward_hooks and "_cp_passthrough" not in net.__dict__
+    assert not net._forward_pre_hooks and not net._forward_hooks and state_of(net).passthrough is None
 
 
 def test_a_fused_block_as_the_model_keeps_its_class_and_passes_through_what_it_calls():

@@ -9,7 +9,10 @@ import torch
 from torch import nn
 
 import conv_patch
-from conv_patch import PatchConfig, PatchedConv2d, PatchedConvTranspose2d, Route
+from conv_patch import PatchConfig
+from conv_patch.routing.registry import Route
+from conv_patch.runtime.wrappers import PatchedConv2d, PatchedConvTranspose2d
+from conv_patch.runtime.state import state_of
 from _util import TOL, rel_err
 
 
@@ -50,8 +53,8 @@ def test_apply_reports_and_matches(device, exact_fp32):
     assert isinstance(net.up, nn.ConvTranspose2d) and isinstance(net.up, PatchedConvTranspose2d)
     assert type(net.grouped) is nn.Conv2d
     assert rel_err(out, ref) <= TOL[torch.float32]
-    assert net.conv_in._cp_last.route is Route.CONV2D_IGEMM  # the kernel ran
-    assert net.up._cp_last.route is Route.CONV_TRANSPOSE2D_IGEMM
+    assert state_of(net.conv_in).last.route is Route.CONV2D_IGEMM  # the kernel ran
+    assert state_of(net.up).last.route is Route.CONV_TRANSPOSE2D_IGEMM
     with torch.no_grad():
         assert net.conv_in.route(x).route is Route.CONV2D_IGEMM
     assert "patched  conv_in: conv2d_igemm" in str(report)
@@ -90,7 +93,7 @@ def test_apply_is_idempotent(device):
     wrapper = net.conv_in
     second = conv_patch.apply(net)
     assert second.patched == {} and sorted(second.already_patched) == sorted(first.patched)
-    assert net.conv_in is wrapper and type(net.conv_in._cp_original) is nn.Conv2d
+    assert net.conv_in is wrapper and type(state_of(net.conv_in).original) is nn.Conv2d
 
 
 def test_filter_fn_and_context_manager(device):
@@ -245,7 +248,7 @@ def test_unbatched_input_and_output_size(device, exact_fp32):
         a = net.up(h, output_size=[11, 9])
         assert a.shape[-2:] == (11, 9)
         assert rel_err(a, twin.up(h, output_size=[11, 9])) <= TOL[torch.float32]
-        assert net.up._cp_last.is_kernel
+        assert state_of(net.up).last.is_kernel
 
 
 @pytest.mark.parametrize("act", ["none", "relu", "silu", "gelu", "gelu_tanh"])
@@ -261,7 +264,7 @@ def test_extended_call_kernel_and_fallback_agree(act, device, exact_fp32):
     twin = copy.deepcopy(net.conv_in).double()  # float64: the fallback path
     with torch.no_grad():
         eager = twin(x.double(), residual=res.double(), beta=0.5, activation=act, out_scale=0.25)
-    assert twin._cp_last.reason == "dtype float64 unsupported"
+    assert state_of(twin).last.reason == "dtype float64 unsupported"
     assert rel_err(eager, ref) <= TOL[torch.float32]
     with pytest.raises(ValueError, match="residual has shape"):
         net.conv_in(x, residual=res[:, :, :8])
@@ -278,10 +281,10 @@ def test_pickle_and_deepcopy(device):
     torch.save(net, buf)
     buf.seek(0)
     loaded = torch.load(buf, weights_only=False)
-    assert isinstance(loaded.conv_in, PatchedConv2d) and loaded.conv_in._cp_pack is None
+    assert isinstance(loaded.conv_in, PatchedConv2d) and state_of(loaded.conv_in).pack is None
     clone = copy.deepcopy(net)
     assert clone.conv_in.weight is not net.conv_in.weight
-    assert clone.conv_in._parameters is clone.conv_in._cp_original._parameters
+    assert clone.conv_in._parameters is state_of(clone.conv_in).original._parameters
     assert pickle.loads(pickle.dumps(clone)).conv_in.weight.shape == net.conv_in.weight.shape
 
 
@@ -308,7 +311,7 @@ def test_wrapper_constructed_directly(device, exact_fp32):
     x = torch.randn(1, 4, 7, 7, device=device)
     with torch.no_grad():
         out = net(x)
-    assert m._cp_last.is_kernel
+    assert state_of(m).last.is_kernel
     assert rel_err(out, nn.Conv2d.forward(m, x)) <= TOL[torch.float32]
     assert conv_patch.remove(net) == ["0"]
     assert type(net[0]) is nn.Conv2d and net[0].weight is m.weight
@@ -318,8 +321,7 @@ def test_kernel_launch_failure_falls_back_with_warning(device, exact_fp32, monke
     """A kernel that cannot run here (out of shared memory on a small GPU)
     must not crash the user's model: that call runs on PyTorch, and says so."""
     from triton.runtime.errors import OutOfResources
-    from conv_patch.kernels import api as kernels
-    from conv_patch.runtime.dispatch import KernelFailureWarning
+    from conv_patch.runtime.plans import KernelFailureWarning
 
     def no_room(*a, **k):
         raise OutOfResources(262144, 232448, "shared memory")
@@ -327,11 +329,12 @@ def test_kernel_launch_failure_falls_back_with_warning(device, exact_fp32, monke
     net = make_net(device)
     twin = copy.deepcopy(net)
     conv_patch.apply(net)
-    monkeypatch.setattr(kernels, "launch_conv2d", no_room)
+    from conv_patch.kernels import conv2d as kernel_module
+    monkeypatch.setattr(kernel_module, "launch_conv2d", no_room)
     x = torch.randn(1, 3, 8, 8, device=device)
     with torch.no_grad(), pytest.warns(KernelFailureWarning, match="OutOfResources"):
         out = net.conv_in(x, activation="relu")
-    assert "kernel failed here: OutOfResources" in net.conv_in._cp_last.reason
+    assert "kernel failed here: OutOfResources" in state_of(net.conv_in).last.reason
     assert rel_err(out, torch.relu(twin.conv_in(x))) <= TOL[torch.float32]
 
 
@@ -345,5 +348,5 @@ def test_attribute_change_after_patching_is_honoured(device, exact_fp32):
     x = torch.randn(1, 3, 9, 8, device=device)
     with torch.no_grad():
         out = net.conv_in(x)
-    assert net.conv_in._cp_last.is_kernel and out.shape == (1, 12, 11, 6)
+    assert state_of(net.conv_in).last.is_kernel and out.shape == (1, 12, 11, 6)
     assert rel_err(out, twin.conv_in(x)) <= TOL[torch.float32]

@@ -16,9 +16,10 @@ from torch import nn
 import conv_patch
 from _util import poisoned, rel_err
 from conv_patch.runtime import dispatch
-from conv_patch import functional as ops
+from conv_patch import functional
 from conv_patch.tools import taesd
 from conv_patch.recipes import catalog as recipes
+from conv_patch.recipes import fuse
 
 diffusers = pytest.importorskip("diffusers")
 from diffusers.models.downsampling import Downsample2D  # noqa: E402
@@ -46,25 +47,25 @@ def test_folded_pad_and_upsample_ops_match_float64(device, exact_fp32, channels_
     xd = x.to(device).contiguous(memory_format=fmt)
     # Downsample2D's F.pad (0, 1, 0, 1) + stride-2 conv, pad folded into the bounds.
     out = poisoned((2, 10, 3, 4), torch.float32, device, channels_last)
-    ops.conv2d(xd, w.to(device), b.to(device), stride=2, padding=(0, 1, 0, 1), out=out)
+    functional.conv2d(xd, w.to(device), b.to(device), stride=2, padding=(0, 1, 0, 1), out=out)
     ref = F.conv2d(F.pad(x.double(), (0, 1, 0, 1)), w.double(), b.double(), stride=2)
     assert rel_err(out, ref) <= 1e-5
     # Asymmetric on both sides, stride 1.
-    got = ops.conv2d(xd, w.to(device), None, padding=(2, 0, 1, 3))
+    got = functional.conv2d(xd, w.to(device), None, padding=(2, 0, 1, 3))
     ref = F.conv2d(F.pad(x.double(), (2, 0, 1, 3)), w.double())
     assert rel_err(got, ref) <= 1e-5
     # Nearest x2 + 3x3 conv as four 2x2 convs, with the residual epilogue.
     out = poisoned((2, 10, 14, 18), torch.float32, device, channels_last)
-    ops.upsample_conv2d(xd, w.to(device), b.to(device), residual=res.to(device), activation="silu", out=out)
+    functional.upsample_conv2d(xd, w.to(device), b.to(device), residual=res.to(device), activation="silu", out=out)
     ref = F.silu(F.conv2d(F.interpolate(x.double(), scale_factor=2.0), w.double(), b.double(), padding=1)
                  + res.double())
     assert rel_err(out, ref) <= 1e-5
-    got = ops.upsample_conv2d(xd, w.to(device))
+    got = functional.upsample_conv2d(xd, w.to(device))
     assert got.is_contiguous(memory_format=fmt)
     with pytest.raises(ValueError, match="3x3"):
-        ops.upsample_conv2d(xd, w[:, :, :2, :2].to(device))
+        functional.upsample_conv2d(xd, w[:, :, :2, :2].to(device))
     with pytest.raises(ValueError, match="negative"):
-        ops.conv2d(xd, w.to(device), padding=(0, -1, 0, 1))
+        functional.conv2d(xd, w.to(device), padding=(0, -1, 0, 1))
 
 
 @pytest.mark.parametrize("band_rows", [1, 3, None], ids=["1row", "3rows", "whole"])
@@ -75,13 +76,13 @@ def test_group_norm_conv_in_bands_matches_float64(device, exact_fp32, band_rows)
     w, b = torch.randn(10, 12, 3, 3, generator=g), torch.randn(10, generator=g)
     # band_bytes counts the halo rows: rows + 2 of them per band.
     band = 1 << 30 if band_rows is None else (band_rows + 2) * 7 * 12 * 4
-    y = ops.group_norm_conv2d(x, 3, gw.to(device), gb.to(device), 1e-6, "silu", w.to(device), b.to(device),
+    y = functional.group_norm_conv2d(x, 3, gw.to(device), gb.to(device), 1e-6, "silu", w.to(device), b.to(device),
                               band_bytes=band)
     ref = F.conv2d(F.silu(F.group_norm(x.double().cpu(), 3, gw.double(), gb.double(), 1e-6)), w.double(),
                    b.double(), padding=1)
     assert rel_err(y, ref) <= 1e-5 and y.is_contiguous(memory_format=torch.channels_last)
     # NCHW: not banded (a row band of NCHW is not dense), same answer.
-    y = ops.group_norm_conv2d(x.contiguous(), 3, gw.to(device), gb.to(device), 1e-6, "silu", w.to(device),
+    y = functional.group_norm_conv2d(x.contiguous(), 3, gw.to(device), gb.to(device), 1e-6, "silu", w.to(device),
                               b.to(device), band_bytes=band)
     assert rel_err(y, ref) <= 1e-5
 
@@ -105,17 +106,17 @@ def test_group_norm_conv_bands_run_the_whole_convs_route(device, exact_fp32, mon
         # The router offers cuDNN to CUDA calls only; the bands' side of it
         # runs anywhere.
         whole = {"route": "cudnn"}
-        monkeypatch.setattr(ops, "_band_config", lambda *a: dict(whole))
+        monkeypatch.setattr(functional, "_band_config", lambda *a: dict(whole))
     table = config_tables.load_user_table({"schema": 1, "arch": "test", "conv2d": {
         "exact": {config_tables.shape_key(spec, tuple(x.shape), "nhwc", torch.float32): whole},
         "any": {"route": "igemm", "BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 1}}})
     seen = []
-    orig = ops.conv2d
-    monkeypatch.setattr(ops, "conv2d", lambda src, *a, **k: seen.append((src.shape[2], k.get("config")))
+    orig = functional.conv2d
+    monkeypatch.setattr(functional, "conv2d", lambda src, *a, **k: seen.append((src.shape[2], k.get("config")))
                         or orig(src, *a, **k))
     # At most 5 rows a band: 11 rows make bands of 4, 4 and 3 rows (plus
     # their 2 halo rows each), not 5, 5 and a 1-row tail.
-    y = ops.group_norm_conv2d(x, 3, gw.to(device), gb.to(device), 1e-6, "silu", w.to(device), b.to(device),
+    y = functional.group_norm_conv2d(x, 3, gw.to(device), gb.to(device), 1e-6, "silu", w.to(device), b.to(device),
                               band_bytes=(5 + 2) * 7 * 12 * 4, table=table)
     assert [rows for rows, _ in seen] == [6, 6, 5] and all(cfg == whole for _, cfg in seen)
     ref = F.conv2d(F.silu(F.group_norm(x.double().cpu(), 3, gw.double(), gb.double(), 1e-6)), w.double(),
@@ -128,9 +129,9 @@ def test_in_place_group_norm_and_conv_into_its_residual(device, exact_fp32):
     x = torch.randn(2, 6, 5, 7, generator=g).to(device)
     ref = F.silu(F.group_norm(x.double(), 3, None, None, 1e-5))
     y = x.clone()
-    assert ops.group_norm(y, 3, activation="silu", out=y) is y and rel_err(y, ref) <= 1e-5
+    assert functional.group_norm(y, 3, activation="silu", out=y) is y and rel_err(y, ref) <= 1e-5
     with pytest.raises(ValueError, match="out must match"):
-        ops.group_norm(x, 3, out=y.contiguous(memory_format=torch.channels_last)[:, :, :, :6])
+        functional.group_norm(x, 3, out=y.contiguous(memory_format=torch.channels_last)[:, :, :, :6])
     # A patched conv writing over its own residual (the epilogue reads each
     # residual element before writing that element).
     m = nn.Sequential(nn.Conv2d(6, 6, 3, padding=1)).to(device)
@@ -146,7 +147,7 @@ def test_in_place_group_norm_and_conv_into_its_residual(device, exact_fp32):
 def test_subpixel_weights_fold_the_taps_exactly():
     w = torch.randn(3, 5, 3, 3, dtype=torch.float64)
     x = torch.randn(1, 5, 4, 6, dtype=torch.float64)
-    subs = ops.subpixel_weights(w)
+    subs = functional.subpixel_weights(w)
     ref = F.conv2d(F.interpolate(x, scale_factor=2.0), w, padding=1)
     for a in (0, 1):
         for b in (0, 1):
@@ -188,10 +189,10 @@ def test_unet_resnet_block_adds_its_time_embedding_in_conv1s_epilogue(device, ex
     seen = []
     real = dispatch.conv
 
-    def spy(m, xx, residual=None, *a, **k):
+    def spy(m, call):
         if m is block.conv1:
-            seen.append(None if residual is None else residual.stride())
-        return real(m, xx, residual, *a, **k)
+            seen.append(None if call.residual is None else call.residual.stride())
+        return real(m, call)
 
     with torch.no_grad():
         ref = block(x, temb)
@@ -362,8 +363,8 @@ def test_decoder_walks_up_blocks_and_bands_large_inputs(device, exact_fp32, no_f
         monkeypatch.setattr(_fuse, "BAND_FROM_BYTES", 0)
         monkeypatch.setattr(_fuse, "BAND_BYTES", 4 * 16 * 14 * 4)
         calls = []
-        orig = ops.group_norm_conv2d
-        monkeypatch.setattr(ops, "group_norm_conv2d", lambda *a, **k: calls.append(a[0].shape) or orig(*a, **k))
+        orig = functional.group_norm_conv2d
+        monkeypatch.setattr(functional, "group_norm_conv2d", lambda *a, **k: calls.append(a[0].shape) or orig(*a, **k))
         out = vae.decode(z).sample
     assert rel_err(out, ref) <= 1e-5 and out.is_contiguous()
     # The first conv of all six resnets (mid block and up blocks) and the
@@ -448,15 +449,15 @@ def test_ldm_blocks_are_fused(device, exact_fp32, no_fallback):
 
 def test_subpixel_only_where_it_pays(monkeypatch):
     from conv_patch import target as tgt
-    monkeypatch.setattr(ops, "target_for", lambda d: tgt.Target("sm90", True))
+    monkeypatch.setattr(fuse, "target_for", lambda d: tgt.Target("sm90", True))
     w = torch.empty(64, 64, 3, 3)
-    assert not ops.subpixel_pays(torch.empty(1, 64, 512, 512), w)  # TAEF2: host-bound, unfolded
-    assert ops.subpixel_pays(torch.empty(1, 512, 128, 128), torch.empty(512, 512, 3, 3))  # FLUX
+    assert not fuse.subpixel_pays(torch.empty(1, 64, 512, 512), w)  # TAEF2: host-bound, unfolded
+    assert fuse.subpixel_pays(torch.empty(1, 512, 128, 128), torch.empty(512, 512, 3, 3))  # FLUX
     # Captured into a CUDA graph, launches cost nothing at replay: folded.
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     x = torch.empty(1, 64, 512, 512)
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
-    assert ops.subpixel_pays(x, w)
+    assert fuse.subpixel_pays(x, w)
 
 
 def test_a_recipe_step_whose_kernel_cannot_run_falls_back_once(device, exact_fp32, monkeypatch):
@@ -476,8 +477,8 @@ def test_a_recipe_step_whose_kernel_cannot_run_falls_back_once(device, exact_fp3
         ref = up(x)
         conv_patch.apply(up)
         monkeypatch.setattr(conv_patch.runtime.dispatch, "subpixel_weights", fails)
-        monkeypatch.setattr(ops, "subpixel_pays", lambda x, w: True)  # (a GPU would not fold this small one)
-        with pytest.warns(conv_patch.runtime.dispatch.KernelFailureWarning, match="OutOfResources"):
+        monkeypatch.setattr(fuse, "subpixel_pays", lambda x, w: True)  # (a GPU would not fold this small one)
+        with pytest.warns(conv_patch.runtime.plans.KernelFailureWarning, match="OutOfResources"):
             assert rel_err(up(x), ref) <= 1e-5
         assert rel_err(up(x), ref) <= 1e-5
     assert len(tries) == 1

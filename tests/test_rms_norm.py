@@ -11,9 +11,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from conv_patch.routing import costs
-from conv_patch.runtime import dispatch
-from conv_patch import functional as ops
+from conv_patch import functional
 from conv_patch.ops import rms_norm as rms_op
+from conv_patch.runtime.state import state_of
+from conv_patch.runtime.plans import KernelFailureWarning
 from _util import TOL, act64, poisoned, randn, rel_err
 
 
@@ -47,7 +48,7 @@ def test_rms_norm_matches_float64(device, shape, fmt, dtype, activation, bias):
     b = randn(g, *w.shape, dtype=dtype, device=device) if bias else None
     scale = shape[1] ** 0.5
     out = poisoned(shape, dtype, device).contiguous(memory_format=fmt)
-    y = ops.rms_norm(x, w, b, scale, activation=activation, out=out)
+    y = functional.rms_norm(x, w, b, scale, activation=activation, out=out)
     assert y is out and y.stride() == x.stride()
     assert rel_err(y, _ref(x, w, b, scale, activation)) <= TOL[dtype]
 
@@ -58,7 +59,7 @@ def test_a_zero_position_gives_the_bias_and_in_place_works(device):
     x[1, :, 2, 3, 4] = 0.0  # F.normalize: 0 / max(0, eps) = 0
     w, b = randn(g, 6, 1, 1, 1, device=device), randn(g, 6, 1, 1, 1, device=device)
     ref = _ref(x, w, b, 2.0, "silu")
-    y = ops.rms_norm(x, w, b, 2.0, activation="silu", out=x)
+    y = functional.rms_norm(x, w, b, 2.0, activation="silu", out=x)
     assert y is x and rel_err(y, ref) <= TOL[torch.float32]
     assert torch.allclose(y[1, :, 2, 3, 4].double(), F.silu(b.double().view(-1)), atol=1e-6)
 
@@ -66,14 +67,14 @@ def test_a_zero_position_gives_the_bias_and_in_place_works(device):
 def test_the_op_refuses_misshaped_calls_and_runs_pytorch_on_strided_views(device):
     x = torch.randn(2, 4, 3, 6, device=device)
     with pytest.raises(ValueError, match="out must match"):
-        ops.rms_norm(x, out=torch.empty(2, 4, 3, 5, device=device))
+        functional.rms_norm(x, out=torch.empty(2, 4, 3, 5, device=device))
     with pytest.raises(ValueError, match=r"\[N, C, \.\.\.\]"):
-        ops.rms_norm(torch.randn(3, 4, device=device))
+        functional.rms_norm(torch.randn(3, 4, device=device))
     # A view whose positions do not share one stride: the eager expression.
     view = torch.randn(2, 4, 6, 8, device=device)[:, :, ::2, 1:7]
     assert rms_op.rms_norm_target(view, None, None) is None
     w = torch.randn(4, 1, 1, device=device)
-    assert rel_err(ops.rms_norm(view, w, None, 2.0), _ref(view, w, None, 2.0, "none")) <= TOL[torch.float32]
+    assert rel_err(functional.rms_norm(view, w, None, 2.0), _ref(view, w, None, 2.0, "none")) <= TOL[torch.float32]
 
 
 class RMS_norm(nn.Module):
@@ -99,8 +100,8 @@ def test_planned_module_calls_replay_and_fall_back_once(device, monkeypatch):
         ref = norm(x)
         y1, y2 = step(norm, x, "silu"), step(norm, x, "silu")
     assert rel_err(y1, F.silu(ref)) <= TOL[torch.float32] and torch.equal(y1, y2)
-    plan = norm._cp_norm_plan
-    assert plan.kernel and plan.program is not None and len(norm._cp_plans) == 1
+    plan = state_of(norm).norm_plan
+    assert plan.kernel and plan.program is not None and len(state_of(norm).plans) == 1
     # A kernel that cannot be built here: PyTorch's answer, warned once.
     other = RMS_norm(9).to(device).eval()
     tries = []
@@ -109,15 +110,15 @@ def test_planned_module_calls_replay_and_fall_back_once(device, monkeypatch):
         tries.append(1)
         raise OutOfResources(262144, 232448, "shared memory")
     monkeypatch.setattr(rms_op, "rms_norm", fails)
-    with torch.no_grad(), pytest.warns(dispatch.KernelFailureWarning, match="OutOfResources"):
+    with torch.no_grad(), pytest.warns(KernelFailureWarning, match="OutOfResources"):
         assert rel_err(step(other, x), other(x)) <= TOL[torch.float32]
     with torch.no_grad():
         assert rel_err(step(other, x), other(x)) <= TOL[torch.float32]
-    assert len(tries) == 1 and not other._cp_norm_plan.kernel and "OutOfResources" in other._cp_norm_plan.why
+    assert len(tries) == 1 and not state_of(other).norm_plan.kernel and "OutOfResources" in state_of(other).norm_plan.why
     # Autograd: the module's own computation.
     norm.gamma.requires_grad_(True)
     y = step(norm, x)
-    assert y.requires_grad and not norm._cp_norm_plan.kernel
+    assert y.requires_grad and not state_of(norm).norm_plan.kernel
 
 
 def test_cost_rule_keeps_pytorch_only_where_it_is_predicted_faster():
@@ -125,9 +126,9 @@ def test_cost_rule_keeps_pytorch_only_where_it_is_predicted_faster():
     for n in (1 << 10, 1 << 20, 1 << 28):
         assert costs.rms_norm_pays(n, 2, True) and costs.rms_norm_pays(n, 2, False, graph=True)
     # ... unless its host time were far above PyTorch's eight launches.
-    slow_host = dict(costs.HOST_US, base=200.0)
-    assert not costs.rms_norm_pays(1 << 10, 2, False, host=slow_host)
-    assert costs.rms_norm_pays(1 << 28, 2, False, host=slow_host)  # GPU-bound there
+    slow_host = costs.default_calibration().with_host(base=200.0)
+    assert not costs.rms_norm_pays(1 << 10, 2, False, cal=slow_host)
+    assert costs.rms_norm_pays(1 << 28, 2, False, cal=slow_host)  # GPU-bound there
 
 
 def test_launch_tiles_read_a_position_once_up_to_512_channels():

@@ -7,7 +7,8 @@ import torch
 from torch import nn
 
 from conv_patch.routing import tables as config_tables
-from conv_patch.routing.select import Route, select_route, static_route
+from conv_patch.routing.registry import Route
+from conv_patch.routing.decide import decide, static_route
 from conv_patch.specs import CallDesc, ConvSpec
 from conv_patch.target import Target
 
@@ -31,11 +32,11 @@ CONVT = spec_of(nn.ConvTranspose2d(8, 4, 4, stride=2, padding=1))
 def test_kernel_routes():
     # sm90 has a table that sends this stride-1 bf16 conv to the TMA kernel;
     # an sm80 part (no table of its own, no TMA) runs the portable one.
-    assert select_route(CONV, call(), GPU).route is Route.CONV2D_TMA
-    assert select_route(CONV, call(), Target("sm80", True)).route is Route.CONV2D_IGEMM
-    assert select_route(CONVT, call(), GPU).route is Route.CONV_TRANSPOSE2D_IGEMM
+    assert decide(CONV, call(), GPU, as_called=False).route is Route.CONV2D_TMA
+    assert decide(CONV, call(), Target("sm80", True), as_called=False).route is Route.CONV2D_IGEMM
+    assert decide(CONVT, call(), GPU, as_called=False).route is Route.CONV_TRANSPOSE2D_IGEMM
     assert static_route(CONV).route is Route.CONV2D_IGEMM
-    assert select_route(CONV).route is Route.CONV2D_IGEMM  # module only
+    assert decide(CONV, as_called=False).route is Route.CONV2D_IGEMM  # module only
 
 
 @pytest.mark.parametrize("module,reason", [
@@ -43,7 +44,7 @@ def test_kernel_routes():
     (nn.Conv2d(8, 8, 3, padding=1, padding_mode="reflect"), "padding_mode='reflect'"),
 ])
 def test_static_fallbacks(module, reason):
-    d = select_route(spec_of(module), call(), GPU)
+    d = decide(spec_of(module), call(), GPU, as_called=False)
     assert d.route is Route.FALLBACK and d.reason == reason
     assert static_route(spec_of(module)).reason == reason
 
@@ -64,7 +65,7 @@ def test_static_fallbacks(module, reason):
     (call(), Target("sm75", False, "GPU sm75 is older than sm80"), "sm75"),
 ])
 def test_call_fallbacks(desc, target, needle):
-    d = select_route(CONV, desc, target)
+    d = decide(CONV, desc, target, as_called=False)
     if needle is None:
         assert d.is_kernel
     else:
@@ -73,19 +74,19 @@ def test_call_fallbacks(desc, target, needle):
 
 def test_output_size_and_output_padding_rejected():
     small = spec_of(nn.Conv2d(8, 4, 5))
-    assert "not positive" in select_route(small, call(shape=(1, 8, 3, 3)), GPU).reason
-    assert "output_padding" in select_route(CONVT, call(output_padding=(2, 0)), GPU).reason
-    assert select_route(CONVT, call(output_padding=(1, 1)), GPU).is_kernel
+    assert "not positive" in decide(small, call(shape=(1, 8, 3, 3)), GPU, as_called=False).reason
+    assert "output_padding" in decide(CONVT, call(output_padding=(2, 0)), GPU, as_called=False).reason
+    assert decide(CONVT, call(output_padding=(1, 1)), GPU, as_called=False).is_kernel
 
 
 def test_label_names_route_or_reason():
-    assert select_route(CONV, call(), GPU).label() == "conv2d_tma"
-    assert select_route(CONV, call(), NO_TABLE_GPU).label() == "conv2d_igemm"
-    assert select_route(CONV, call(needs_grad=True), GPU).label().startswith("fallback (autograd")
+    assert decide(CONV, call(), GPU, as_called=False).label() == "conv2d_tma"
+    assert decide(CONV, call(), NO_TABLE_GPU, as_called=False).label() == "conv2d_igemm"
+    assert decide(CONV, call(needs_grad=True), GPU, as_called=False).label().startswith("fallback (autograd")
 
 
 def test_architecture_without_table_uses_default():
-    d = select_route(CONV, call(), NO_TABLE_GPU)
+    d = decide(CONV, call(), NO_TABLE_GPU, as_called=False)
     assert d.is_kernel and d.table == "default" and d.config["BLOCK_M"] >= 16
     assert config_tables.has_table("default") and not config_tables.has_table("sm1000")
 
@@ -102,18 +103,18 @@ def test_lookup_tiers():
         }
     }
     t = config_tables.Table(config_tables.validate_table(table, "t"), "t")
-    exact = select_route(CONV, call(layout="nhwc"), GPU, t)
+    exact = decide(CONV, call(layout="nhwc"), GPU, t, as_called=False)
     assert (exact.tier, exact.config["BLOCK_M"]) == ("exact", 32)
-    small = select_route(CONV, call(shape=(1, 8, 8, 8)), GPU, t)  # 64 output pixels: below min_m
+    small = decide(CONV, call(shape=(1, 8, 8, 8)), GPU, t, as_called=False)  # 64 output pixels: below min_m
     assert (small.tier, small.config["BLOCK_M"]) == ("bucket", 16)
-    mid = select_route(CONV, call(shape=(1, 8, 20, 20)), GPU, t)  # 400: inside (300, 1000]
+    mid = decide(CONV, call(shape=(1, 8, 20, 20)), GPU, t, as_called=False)  # 400: inside (300, 1000]
     assert (mid.tier, mid.config["BLOCK_M"]) == ("bucket", 256)
-    f32 = select_route(CONV, call(dtype=torch.float32), GPU, t)
+    f32 = decide(CONV, call(dtype=torch.float32), GPU, t, as_called=False)
     assert (f32.tier, f32.config["BLOCK_M"]) == ("bucket", 64)
-    anyd = select_route(CONV, call(), GPU, t)
+    anyd = decide(CONV, call(), GPU, t, as_called=False)
     assert (anyd.tier, anyd.config["BLOCK_M"]) == ("any", 128)
     # No conv_transpose2d section: falls through to default.json.
-    dt = select_route(CONVT, call(shape=(1, 8, 64, 64)), GPU, t)
+    dt = decide(CONVT, call(shape=(1, 8, 64, 64)), GPU, t, as_called=False)
     default = config_tables.packaged_table("default").data["conv_transpose2d"]["any"]
     assert dt.is_kernel and dt.config is default
 
@@ -162,19 +163,43 @@ def test_user_table_file_errors(tmp_path):
 
 
 def test_one_registry_names_every_route():
-    """Routing, the tables, the launch layer, the tuner and `convpatch info`
-    read one registry (conv_patch/routes.py): every route is in it once,
-    every table name validates, every kernel route has a launcher."""
-    from conv_patch.routing import tables as config_tables, registry as routes
-    from conv_patch.kernels import api as kernels
-    assert {e.route for e in routes.REGISTRY} == set(Route)
-    assert config_tables.ROUTES == routes.TABLE_NAMES and set(routes.ROUTE_INFO) == set(Route)
-    for e in routes.REGISTRY:
-        if e.launcher:
-            assert callable(routes.launcher(kernels, e.route))
-    for name in routes.TABLE_NAMES:
+    """The decision, the tables, the ops that launch a route, the tuner and
+    `convpatch info` read one registry (conv_patch/routing/registry.py), for
+    2-D and 3-D alike: every route is in it once, every table name
+    validates, every kernel route has a launcher and its kind's candidates."""
+    from conv_patch.routing import registry, tables
+    assert {e.route for e in registry.REGISTRY} == set(Route)
+    assert tables.ROUTES == registry.TABLE_NAMES and set(registry.ROUTE_INFO) == set(Route)
+    for e in registry.REGISTRY:
+        if e.is_kernel:
+            assert callable(registry.launcher_of(e.route)) and e.kind in ("conv2d", "conv_transpose2d", "conv3d")
+    for name in registry.TABLE_NAMES:
         cfg = {"route": name, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64}
-        config_tables.validate_table({"conv2d": {"exact": {"k": cfg}}}, "t")
-    labels = {c["route"] for c in routes.tuner_candidates(Target("sm90", True))}
+        tables.validate_table({"conv2d": {"exact": {"k": cfg}}}, "t")
+    assert set(registry.table_names("conv3d")) == {"igemm", "tma", "cudnn"}
+    labels = {c["route"] for c in registry.tuner_candidates(Target("sm90", True))}
     assert labels == {"igemm", "tma", "taps", "flat"}
-    assert "tma" not in {c["route"] for c in routes.tuner_candidates(Target("sm80", True))}
+    assert "tma" not in {c["route"] for c in registry.tuner_candidates(Target("sm80", True))}
+    assert {c["route"] for c in registry.tuner_candidates(Target("sm90", True), "conv3d")} == {"igemm", "tma"}
+    assert {c["route"] for c in registry.tuner_candidates(Target("interpreter", True, interpreter=True),
+                                                          "conv3d")} == {"igemm", "tma"}
+
+
+def test_route_names_are_spelled_only_in_the_registry():
+    """Outside conv_patch/routing/registry.py no code of the package spells
+    a route's name or a table's route value as a literal: each caller asks
+    the registry (a literal elsewhere is a second copy that can drift)."""
+    import ast
+    from pathlib import Path
+
+    from conv_patch.routing import registry
+    root = Path(__file__).resolve().parents[1]
+    names = {r.value for r in Route} | set(registry.TABLE_NAMES)
+    found = []
+    for path in sorted([*root.glob("conv_patch/**/*.py"), *root.glob("kernels/*.py"), *root.glob("recipes/*.py")]):
+        if path.name == "registry.py" and path.parent.name == "routing":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and node.value in names:
+                found.append(f"{path.relative_to(root)}:{node.lineno}: {node.value!r}")
+    assert not found, found

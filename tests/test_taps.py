@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from conv_patch.routing import tables as config_tables
-from conv_patch import functional as ops
-from conv_patch.routing.select import MAX_TAP_OUTPUTS, Route, select_route, taps_problem
+from conv_patch import functional
+from conv_patch.routing.registry import MAX_TAP_OUTPUTS, Route, taps_problem
+from conv_patch.routing.decide import decide
 from conv_patch.specs import CallDesc, ConvSpec
 from conv_patch.target import Target
 from _util import TOL
@@ -69,15 +70,15 @@ def test_table_routes_taps_only_where_eligible():
     call = CallDesc(shape=(1, 8, 16, 16), dtype=torch.bfloat16, device_type="cuda", layout="nhwc",
                     weight_dtype=torch.bfloat16)
     sm90 = Target("sm90", True)
-    assert select_route(_spec(3), call, sm90, tbl).route is Route.CONV2D_TAPS
-    assert select_route(_spec(16), call, sm90, tbl).route is Route.CONV2D_IGEMM
+    assert decide(_spec(3), call, sm90, tbl, as_called=False).route is Route.CONV2D_TAPS
+    assert decide(_spec(16), call, sm90, tbl, as_called=False).route is Route.CONV2D_IGEMM
 
 
 def test_given_taps_config_on_ineligible_conv_says_why(device):
     x = torch.randn(1, 8, 6, 6, device=device)
     w = torch.randn(16, 8, 3, 3, device=device)
-    with pytest.raises(ops.UnsupportedConv, match="C_out"):
-        ops.conv2d(x, w, padding=1, config=TAPS)
+    with pytest.raises(functional.UnsupportedConv, match="C_out"):
+        functional.conv2d(x, w, padding=1, config=TAPS)
 
 
 def test_taps_wrapper_keeps_pack_and_matches(device, exact_fp32):

@@ -10,11 +10,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conv_patch import PatchConfig, functional as ops
+from conv_patch import PatchConfig, functional
 from conv_patch.routing import tables as config_tables
-from conv_patch.routing.select import Route, select_route, tma_problem
+from conv_patch.routing.registry import Route, tma_problem
+from conv_patch.routing.decide import decide
 from conv_patch.specs import CallDesc, ConvSpec
 from conv_patch.target import Target, target_for
+from conv_patch.ops import conv2d as conv2d_op
 from _util import poisoned, rel_err
 from test_kernels import check_conv
 
@@ -77,7 +79,7 @@ def test_tma_stride2_with_a_folded_downsample_pad(n, c, h, w, device):
     ref = F.conv2d(F.pad(x.double().cpu(), (0, 1, 0, 1)), wt.double().cpu(), b.double().cpu(), 2)
     out = poisoned(ref.shape, torch.bfloat16, device, channels_last=True)
     for cfg in (TMA_TILES, TMA_WIDE):
-        y = ops.conv2d(x, wt, b, 2, (0, 1, 0, 1), config=cfg, out=out)
+        y = functional.conv2d(x, wt, b, 2, (0, 1, 0, 1), config=cfg, out=out)
         assert rel_err(y, ref) <= 1e-2
 
 
@@ -121,7 +123,7 @@ def test_tma_boxed_epilogue_equals_the_pointer_epilogue(c_out, stride, with_res,
             res = out
             res.copy_(r)
         cfg = {**TMA_WIDE, "tma_io": tma_io}
-        ops.conv2d(x, w, b, stride, 1, residual=res, beta=0.5, activation="silu" if with_res else "none",
+        functional.conv2d(x, w, b, stride, 1, residual=res, beta=0.5, activation="silu" if with_res else "none",
                    out=out, config=cfg)
         assert torch.isnan(big[:, :, :2].float()).all() and torch.isnan(big[:, :, 2 + oh:].float()).all()
         assert rel_err(out, ref) <= 1e-2
@@ -159,7 +161,7 @@ def test_tma_persistent_walks_every_tile_once(n, w, stride, dil, persists, devic
     outs = []
     for cfg in (TMA_ROW, {**TMA_ROW, "persistent": 0}):
         out = poisoned(ref.shape, torch.bfloat16, device, channels_last=True)
-        ops.conv2d(x, wt, b, stride, dil, dil, residual=r, beta=0.5, activation="silu", out=out, config=cfg)
+        functional.conv2d(x, wt, b, stride, dil, dil, residual=r, beta=0.5, activation="silu", out=out, config=cfg)
         assert rel_err(out, ref) <= 1e-2
         outs.append(out)
     assert torch.equal(outs[0], outs[1])
@@ -193,7 +195,7 @@ def test_tma_nchw_output_boxes_equal_the_pointer_epilogue(n, w, with_res, io, de
     for tma_io in (True, False):
         big = poisoned((n + 1,) + tuple(ref.shape[1:]), torch.bfloat16, device)
         out = big[:n]
-        ops.conv2d(x, wt, b, 1, 1, residual=r, beta=0.5, activation="silu" if with_res else "none",
+        functional.conv2d(x, wt, b, 1, 1, residual=r, beta=0.5, activation="silu" if with_res else "none",
                    out=out, config={**TMA_ROW, "persistent": 0, "tma_io": tma_io})
         assert torch.isnan(big[n:].float()).all()
         assert rel_err(out, ref) <= 1e-2
@@ -229,7 +231,7 @@ def test_tma_reads_nchw_in_place_where_boxes_start_aligned(c_in, k, pad, w, in_p
     for flag in (True, False):
         big = poisoned((3,) + tuple(ref.shape[1:]), torch.bfloat16, device)
         out = big[:2]
-        ops.conv2d(x, wt, b, 1, pad, residual=r, beta=0.5, activation="silu", out=out,
+        functional.conv2d(x, wt, b, 1, pad, residual=r, beta=0.5, activation="silu", out=out,
                    config={**TMA_ROW, "persistent": 0, "nchw_in_place": flag})
         assert torch.isnan(big[2:].float()).all()
         assert rel_err(out, ref) <= 1e-2
@@ -284,13 +286,13 @@ IGEMM = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32}
 def test_table_routes_tma_and_skips_it_when_ineligible():
     tbl = _table(buckets=[{"max_m": None, "config": dict(TMA_TILES)},
                           {"max_m": None, "config": IGEMM}])
-    ok = select_route(_spec(), _call((1, 16, 8, 8)), SM90, tbl)
+    ok = decide(_spec(), _call((1, 16, 8, 8)), SM90, tbl, as_called=False)
     assert ok.route is Route.CONV2D_TMA and ok.tier == "bucket"
-    stride2 = select_route(_spec(stride=2), _call((1, 16, 9, 9)), SM90, tbl)
+    stride2 = decide(_spec(stride=2), _call((1, 16, 9, 9)), SM90, tbl, as_called=False)
     assert stride2.route is Route.CONV2D_IGEMM and stride2.config is IGEMM
     # No portable entry at all: the curated defaults take over, never a crash.
     only_tma = _table(any_cfg=dict(TMA_TILES))
-    d = select_route(_spec(c_in=12), _call((1, 12, 8, 8)), SM90, only_tma)
+    d = decide(_spec(c_in=12), _call((1, 12, 8, 8)), SM90, only_tma, as_called=False)
     assert d.route is Route.CONV2D_IGEMM and d.is_kernel
 
 
@@ -299,11 +301,11 @@ def test_cudnn_route_is_exact_only_and_shared_by_fp16():
     key = config_tables.shape_key(spec, shape, "nhwc", torch.bfloat16)
     tbl = _table(exact={key: {"route": "cudnn", "cudnn_ms": 0.01, "ours_ms": 0.02}}, any_cfg=IGEMM)
     for dtype in (torch.bfloat16, torch.float16):
-        d = select_route(spec, _call(shape, dtype=dtype), SM90, tbl)
+        d = decide(spec, _call(shape, dtype=dtype), SM90, tbl, as_called=False)
         assert d.route is Route.CUDNN and not d.is_kernel and "0.01 vs 0.02" in d.label()
     # fp32 has keys of its own; under the interpreter cuDNN is no option.
-    assert select_route(spec, _call(shape, dtype=torch.float32), SM90, tbl).route is Route.CONV2D_IGEMM
-    interp = select_route(spec, _call(shape, device_type="cpu"), Target("interpreter", True, interpreter=True), tbl)
+    assert decide(spec, _call(shape, dtype=torch.float32), SM90, tbl, as_called=False).route is Route.CONV2D_IGEMM
+    interp = decide(spec, _call(shape, device_type="cpu"), Target("interpreter", True, interpreter=True), tbl, as_called=False)
     assert interp.route is Route.CONV2D_IGEMM
     with pytest.raises(config_tables.TableError, match="only allowed for an exact shape"):
         _table(any_cfg={"route": "cudnn"})
@@ -329,7 +331,7 @@ def test_functional_cudnn_config_computes_with_pytorch(device):
     x = torch.randn(1, 8, 6, 7, generator=g).to(device)
     w = torch.randn(4, 8, 3, 3, generator=g).to(device)
     r = torch.randn(1, 4, 6, 7, generator=g).to(device)
-    y = ops.conv2d(x, w, None, padding=1, residual=r, beta=0.5, activation="relu",
+    y = functional.conv2d(x, w, None, padding=1, residual=r, beta=0.5, activation="relu",
                    config={"route": "cudnn"})
     ref = torch.relu(torch.nn.functional.conv2d(x.double(), w.double(), padding=1) + 0.5 * r.double())
     assert torch.allclose(y.double(), ref, atol=1e-4, rtol=1e-4)
@@ -340,8 +342,8 @@ def test_functional_tma_config_on_ineligible_call_says_why(device):
     w = torch.randn(8, 12, 3, 3, device=device, dtype=torch.bfloat16)
     if not target_for(x.device).kernels:
         pytest.skip("no kernels here")
-    with pytest.raises(ops.UnsupportedConv, match="C_in=12"):
-        ops.conv2d(x, w, padding=1, config=TMA_TILES)
+    with pytest.raises(functional.UnsupportedConv, match="C_in=12"):
+        functional.conv2d(x, w, padding=1, config=TMA_TILES)
 
 
 @pytest.mark.parametrize("shape", [(2, 24, 9, 16), (1, 3, 5, 7), (1, 70, 1, 65), (3, 8, 4, 1)])
@@ -349,9 +351,9 @@ def test_nchw_to_nhwc_copy(shape, device):
     if not target_for(device).kernels:
         pytest.skip("no kernels here")
     x = torch.randn(shape, generator=torch.Generator().manual_seed(6)).to(device, torch.bfloat16)
-    y = ops.to_nhwc(x)
+    y = conv2d_op.to_nhwc(x)
     assert y.is_contiguous(memory_format=torch.channels_last) and torch.equal(y, x)
-    assert ops.to_nhwc(y) is y
+    assert conv2d_op.to_nhwc(y) is y
 
 
 def test_patched_model_takes_the_tma_route_through_a_table(device):

@@ -11,7 +11,8 @@ import torch
 from conv_patch.tools import cli, tune
 from conv_patch.routing import tables as config_tables, registry as routes
 from conv_patch.tools.model_shapes import ConvCall, distinct_calls, family_convs
-from conv_patch.routing.select import Route, select_route
+from conv_patch.routing.registry import Route
+from conv_patch.routing.decide import decide
 from conv_patch.specs import CallDesc, ConvSpec
 from conv_patch.target import target_for
 
@@ -87,8 +88,8 @@ def test_tune_measures_rejects_and_builds_a_table(monkeypatch):
     assert len(table["conv2d"]["exact"]) == 6 and table["conv2d"]["buckets"]
     tbl = config_tables.Table(table, "t")
     call = _tiny_calls()[0]
-    d = select_route(call.spec, CallDesc(call.shape, torch.float16, "cpu", "nhwc", weight_dtype=torch.float16),
-                     target, tbl)
+    d = decide(call.spec, CallDesc(call.shape, torch.float16, "cpu", "nhwc", weight_dtype=torch.float16),
+                     target, tbl, as_called=False)
     assert d.tier == "exact" and d.route in (Route.CONV2D_TMA, Route.CONV2D_IGEMM)
 
 
@@ -127,7 +128,8 @@ def test_base_table_entries_survive_a_partial_retune():
     assert t["conv2d"]["exact"]["new.key"]["route"] == "igemm" and "old.key" in t["conv2d"]["exact"]
     layouts = [b.get("layouts") for b in t["conv2d"]["buckets"]]
     assert ["nhwc"] in layouts and all(b["config"]["BLOCK_M"] == 64 for b in t["conv2d"]["buckets"])
-    assert "first run" in t["source"] and "second run" in t["source"]
+    # One line, this run's: the base's runs are its history (docs/tuning-log.md).
+    assert "second run" in t["source"] and "first run" not in t["source"] and "\n" not in t["source"]
     # exact_only: the base's buckets (both layouts) and 'any' stay untouched.
     t = tune.build_table([m], "sm90", torch.bfloat16, "third run", base, exact_only=True)
     assert t["conv2d"]["buckets"] == base["conv2d"]["buckets"] and t["conv2d"]["any"] == base["conv2d"]["any"]
@@ -187,7 +189,7 @@ def test_config_labels_read_back_to_their_configs():
     candidate of every route must come back exactly, anything else not."""
     sm90 = dataclasses.replace(target_for(torch.device("cpu")), arch="sm90", interpreter=False)
     cands = tune.candidates(sm90) + routes.INTERPRETER_CANDIDATES
-    cands += routes.conv3d_candidates(sm90)
+    cands += routes.tuner_candidates(sm90, "conv3d")
     assert any(c.get("persistent") for c in cands) and any("BLOCK_W" in c for c in cands)
     assert any(c.get("BLOCK_N2") for c in cands)
     for c in cands:

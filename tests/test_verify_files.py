@@ -16,7 +16,8 @@ import torch
 from safetensors.torch import save_file
 
 from conv_patch.tools import cli, taesd
-from conv_patch import functional as ops
+from conv_patch import functional
+from conv_patch.ops import conv2d as conv2d_op
 
 SHARED = Path(os.environ.get("CONV_PATCH_SHARED") or Path(__file__).resolve().parents[1].parent / "shared")
 HAVE_TAEF2 = (SHARED / "models" / "taef2_decoder.safetensors").exists()
@@ -206,8 +207,8 @@ def test_unknown_architecture_per_layer_only(tmp_path, capsys):
 def test_mismatch_exits_1(tmp_path, capsys, monkeypatch):
     path = _good_file(tmp_path)
     from conv_patch.ops import conv2d as conv
-    real = ops.run_kernel
-    monkeypatch.setattr(ops, "run_kernel", lambda *a, **k: real(*a, **k) + 0.5)  # the functional API's
+    real = conv2d_op.run_kernel
+    monkeypatch.setattr(conv2d_op, "run_kernel", lambda *a, **k: real(*a, **k) + 0.5)  # the functional API's
     monkeypatch.setattr(conv, "run_kernel", lambda *a, **k: real(*a, **k) + 0.5)  # the dispatch core's
     code, out, err = run_cli(["verify", str(path)], capsys)
     assert code == 1 and "FAIL" in out
@@ -539,8 +540,8 @@ def test_wan_video_vae_layouts(layout, tmp_path, capsys):
 
 def test_wan_per_layer_check_catches_a_wrong_conv3d(tmp_path, capsys, monkeypatch):
     path = _wan_file(tmp_path, "diffusers")
-    real = ops.conv3d
-    monkeypatch.setattr(ops, "conv3d", lambda *a, **k: real(*a, **k) * 1.01)
+    real = functional.conv3d
+    monkeypatch.setattr(functional, "conv3d", lambda *a, **k: real(*a, **k) * 1.01)
     code, out, err = run_cli(["verify", str(path), "--size", "16"], capsys)
     assert code == 1 and "FAIL" in out
     assert all("FAIL" in line for line in out.splitlines() if "k3x3x3" in line)

@@ -17,6 +17,7 @@ from torch import nn
 
 import conv_patch
 from conv_patch.recipes import wan
+from conv_patch.runtime.state import state_of
 from _util import TOL, rel_err
 
 diffusers = pytest.importorskip("diffusers")
@@ -78,7 +79,7 @@ def test_diffusers_residual_blocks_over_a_chunked_decode(cls, cin, cout, exact_f
             assert rel_err(c, r) <= TOL[torch.float32]  # the cache handed to the next chunk
         # Without a cache: the plain (zero-padded in time) block.
         assert rel_err(block(xs[1]), ref(xs[1].double())) <= TOL[torch.float32]
-    assert block.conv1._cp_last.reason == "interpreter"
+    assert state_of(block.conv1).last.reason == "interpreter"
 
 
 def test_a_fused_block_runs_its_own_forward_where_it_must(exact_fp32):
@@ -188,7 +189,7 @@ def test_rms_norms_alone_and_the_upsample_chain(exact_fp32):
     x = torch.randn(2, 6, 5, 7)
     with torch.no_grad():
         assert rel_err(net["norm"](x), ref["norm"](x.double())) <= TOL[torch.float32]
-        assert net["norm"]._cp_norm_plan.kernel
+        assert state_of(net["norm"]).norm_plan.kernel
         assert rel_err(net["up"](x), ref["up"](x.double())) <= TOL[torch.float32]
         # A 5-D input to an image norm broadcasts gamma differently: its own forward.
         x5 = torch.randn(1, 6, 6, 5, 7)
@@ -247,7 +248,7 @@ def test_wan_decoder_block_bf16_gpu():
         r32, _ = _run_chunks(ref32, xs, 2)
     for y, a, b in zip(ys, r16, r32):
         assert rel_err(y, b) <= 1.5 * rel_err(a, b) + 1e-4
-    assert block.norm1._cp_norm_plan.kernel
+    assert state_of(block.norm1).norm_plan.kernel
 
 
 @pytest.mark.parametrize("family", ["AutoencoderKLHunyuanVideo", "AutoencoderKLLTXVideo"])
@@ -498,7 +499,7 @@ def test_wan21_decode_ndhwc_inside_bf16_gpu(exact_fp32):
         y = patched.decode(z.bfloat16()).sample
     assert y.shape == r32.shape and y.is_contiguous()
     assert rel_err(y, r32) <= 1.5 * rel_err(r16, r32) + 1e-4
-    routes = {m._cp_last.label() for m in patched.modules() if m.__dict__.get("_cp_last") is not None}
+    routes = {state_of(m).last.label() for m in patched.modules() if state_of(m).last is not None}
     assert any(r.startswith("conv3d_tma") for r in routes), routes
 
 
@@ -529,14 +530,14 @@ def test_a_patched_vae_that_ran_deep_copies(exact_fp32):
     z = torch.randn(1, 4, 2, 2, 2)
     with torch.no_grad():
         want = vae.decode(z).sample
-    held = [m for m in vae.modules() if m.__dict__.get("_cp_norm_plan") is not None]
+    held = [m for m in vae.modules() if state_of(m).norm_plan is not None]
     assert held
     for m in vae.modules():
-        if m.__dict__.get("_cp_norm_plan") is not None:
-            m.__dict__["_cp_norm_plan"].program = threading.RLock()
-        if m.__dict__.get("_cp_plans"):
-            m.__dict__["_cp_plans"] = {"k": threading.RLock()}
+        if state_of(m).norm_plan is not None:
+            state_of(m).norm_plan.program = threading.RLock()
+        if state_of(m).plans:
+            state_of(m).plans = {"k": threading.RLock()}
     twin = copy.deepcopy(vae)
-    assert all(m.__dict__.get("_cp_norm_plan") is None and not m.__dict__.get("_cp_plans") for m in twin.modules())
+    assert all(state_of(m).norm_plan is None and not state_of(m).plans for m in twin.modules())
     with torch.no_grad():
         assert rel_err(twin.decode(z).sample, want) <= TOL[torch.float32]

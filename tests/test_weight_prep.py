@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from _util import poisoned, randn, rel_err
 
-from conv_patch import functional as ops
+from conv_patch import functional
 from conv_patch.kernels.api import (grouped_pack_args, launch_grouped_weight_pack, launch_subpixel_fold,
                                     launch_weight_pack)
 
@@ -71,8 +71,8 @@ def test_subpixel_fold_kernel_against_float64(device, dtype, tol, co, ci):
     out = poisoned((2, 2, co, 2, 2, ci), dtype, device)
     launch_subpixel_fold(w, out)
     assert rel_err(out, _fold64(w)) <= tol
-    # ... and ops.subpixel_weights (the kernel on a GPU) folds the same.
-    assert rel_err(ops.subpixel_weights(w), _fold64(w)) <= tol
+    # ... and functional.subpixel_weights (the kernel on a GPU) folds the same.
+    assert rel_err(functional.subpixel_weights(w), _fold64(w)) <= tol
     with pytest.raises(ValueError, match="3x3"):
         launch_subpixel_fold(w[:, :, :2], out)
 
@@ -84,7 +84,7 @@ def test_subpixel_weights_run_the_fold_kernel_on_a_gpu(device, exact_fp32, monke
     monkeypatch.setattr(kernels, "launch_subpixel_fold", lambda w, o: calls.append(1) or real(w, o))
     w = torch.randn(4, 6, 3, 3, device=device)
     x = torch.randn(1, 6, 5, 7, device=device)
-    y = ops.upsample_conv2d(x, w)
+    y = functional.upsample_conv2d(x, w)
     # Under the interpreter PyTorch folds (the kernel alone is tested above).
     assert calls == ([1] if device.type == "cuda" else [])
     ref = F.conv2d(F.interpolate(x.double(), scale_factor=2.0), w.double(), padding=1)
@@ -101,20 +101,21 @@ def test_group_norm_adds_the_input_bias_a_conv_left_out(device, channels_last, c
     b = randn(g, c, scale=3.0, device=device)
     w, beta = randn(g, c, device=device), randn(g, c, device=device)
     ref = F.silu(F.group_norm(x.double() + b.double().view(-1, 1, 1), groups, w.double(), beta.double(), 1e-6))
-    out = ops.group_norm(x, groups, w, beta, 1e-6, "silu", input_bias=b)
+    out = functional.group_norm(x, groups, w, beta, 1e-6, "silu", input_bias=b)
     assert out.is_contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
     assert rel_err(out, ref) <= 1e-5
     # In place, as the resnet recipe normalises conv1's output.
     y = x.clone()
-    assert ops.group_norm(y, groups, w, beta, 1e-6, "silu", out=y, input_bias=b) is y
+    assert functional.group_norm(y, groups, w, beta, 1e-6, "silu", out=y, input_bias=b) is y
     assert rel_err(y, ref) <= 1e-5
     with pytest.raises(ValueError, match="input_bias"):
-        ops.group_norm(x, groups, w, beta, 1e-6, input_bias=b[:-1])
+        functional.group_norm(x, groups, w, beta, 1e-6, input_bias=b[:-1])
 
 
 def test_conv_without_bias_leaves_the_bias_to_the_norm(device, exact_fp32, monkeypatch):
     import conv_patch
-    from conv_patch.routing.select import Route, RouteDecision
+    from conv_patch.routing.registry import Route
+    from conv_patch.routing.decide import RouteDecision
     g = torch.Generator().manual_seed(3)
     conv = torch.nn.Conv2d(6, 10, 3, padding=1).to(device)
     x = randn(g, 1, 6, 9, 7, device=device).contiguous(memory_format=torch.channels_last)
@@ -127,13 +128,13 @@ def test_conv_without_bias_leaves_the_bias_to_the_norm(device, exact_fp32, monke
         assert b is m.bias and rel_err(y + b.view(-1, 1, 1), ref) <= 1e-5
         assert rel_err(y, ref - conv.bias.double().view(-1, 1, 1)) <= 1e-5
         # The table's cuDNN route: F.conv2d without its bias, no epilogue pass.
-        from conv_patch.runtime import dispatch
-        monkeypatch.setattr(dispatch, "decide", lambda mod, *a: (RouteDecision(Route.CUDNN, "test"), mod.spec))
+        from conv_patch.runtime import dispatch, planner
+        monkeypatch.setattr(planner, "decide_call", lambda mod, *a: (RouteDecision(Route.CUDNN, "test"), mod.spec))
         dispatch.clear(m)
         y, b = m.forward_without_bias(x)
         assert b is m.bias and rel_err(y + b.view(-1, 1, 1), ref) <= 1e-5
         # A call the original module takes keeps its bias.
-        monkeypatch.setattr(dispatch, "decide", lambda mod, *a: (RouteDecision(Route.FALLBACK, "test"), mod.spec))
+        monkeypatch.setattr(planner, "decide_call", lambda mod, *a: (RouteDecision(Route.FALLBACK, "test"), mod.spec))
         dispatch.clear(m)
         y, b = m.forward_without_bias(x)
         assert b is None and rel_err(y, ref) <= 1e-5

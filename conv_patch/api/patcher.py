@@ -16,9 +16,9 @@ from torch.nn.utils import parametrize
 
 from conv_patch.routing import tables
 from conv_patch.runtime import passthrough
-from conv_patch.ops.conv3d import Conv3dSpec
-from conv_patch.routing.select import static_route
-from conv_patch.specs import ConvSpec
+from conv_patch.routing.decide import static_route
+from conv_patch.runtime.state import peek, state_of
+from conv_patch.specs import Conv3dSpec, ConvSpec
 from conv_patch.target import Target, default_target, what_runs
 from conv_patch.runtime.wrappers import (PatchedConvMixin, causal_conv3d_problem, is_comfy_conv_class,
                                          wrapper_class_for)
@@ -238,8 +238,8 @@ def apply(model, *, filter_fn: Optional[FilterFn] = None,
     if fusions and budget != float("inf"):
         from conv_patch.parallel import BandHook
         for _, module, recipe in fusions:
-            if recipe.name in BAND_RECIPES:
-                module.__dict__["_cp_bands"] = BandHook(budget)
+            if recipe.bands is not None:
+                state_of(module).bands = BandHook(budget)
     if _passthrough_option(config) and not graphs:
         for prefix, m in targets:
             if passthrough.install(m):
@@ -250,10 +250,6 @@ def apply(model, *, filter_fn: Optional[FilterFn] = None,
             cg.install(module, config.max_graphs)
             report.graphed.append(fqn)
     return report
-
-
-# The fused blocks a decode or encode in bands can take over.
-BAND_RECIPES = ("diffusers.Decoder", "diffusers.Encoder", "ldm.Decoder", "ldm.Encoder")
 
 
 def _budget_option(config: Optional[PatchConfig]) -> Optional[float]:
@@ -320,3 +316,11 @@ def patched(model: nn.Module, *, filter_fn: Optional[FilterFn] = None,
 
 def is_patched(module: nn.Module) -> bool:
     return isinstance(module, PatchedConvMixin)
+
+
+def last_route(module: nn.Module):
+    """The route (a ``routing.decide.RouteDecision``: the route, why, the
+    tile) a patched conv's last call ran, or None before its first call or
+    for a module conv-patch did not patch."""
+    st = peek(module)
+    return None if st is None else st.last

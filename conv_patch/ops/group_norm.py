@@ -11,9 +11,10 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from conv_patch.ops.conv2d import kernels, nhwc
+from conv_patch.ops.conv2d import nhwc
+from conv_patch.ops.loader import kernels
 from conv_patch.activations import activation_code, eager_epilogue
-from conv_patch.specs import needs_grad
+from conv_patch.specs import KERNEL_DTYPES, needs_grad
 from conv_patch.target import Target, target_for
 
 
@@ -36,7 +37,7 @@ def group_norm_target(x, num_groups, weight, bias) -> Optional[Target]:
     if torch.compiler.is_compiling():
         return None
     target = target_for(x.device)
-    ok = (target.kernels and x.dtype in (torch.float16, torch.bfloat16, torch.float32)
+    ok = (target.kernels and x.dtype in KERNEL_DTYPES
           and (x.is_contiguous() or nhwc(x)) and x.numel() > 0 and not needs_grad(x, weight, bias)
           and all(t is None or (t.device == x.device and t.dim() == 1 and t.is_contiguous())
                   for t in (weight, bias)))

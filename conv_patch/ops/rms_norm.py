@@ -12,9 +12,9 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from conv_patch.ops.conv2d import kernels
+from conv_patch.ops.loader import kernels
 from conv_patch.activations import activation_code, eager_epilogue
-from conv_patch.specs import needs_grad
+from conv_patch.specs import KERNEL_DTYPES, needs_grad
 from conv_patch.target import Target, target_for
 
 # (BLOCK_C, BLOCK_S) of the kernel: 32 channels x 128 positions a step on a
@@ -71,7 +71,7 @@ def rms_norm_target(x: torch.Tensor, weight, bias) -> Optional[Target]:
     if torch.compiler.is_compiling():
         return None  # traced as its eager expression (Inductor fuses it)
     target = target_for(x.device)
-    ok = (target.kernels and x.dtype in (torch.float16, torch.bfloat16, torch.float32) and x.numel() > 0
+    ok = (target.kernels and x.dtype in KERNEL_DTYPES and x.numel() > 0
           and not needs_grad(x, weight, *([bias] if isinstance(bias, torch.Tensor) else []))
           and all(t is None or (isinstance(t, torch.Tensor) and t.device == x.device and t.numel() == x.shape[1])
                   for t in (weight, bias))

@@ -15,7 +15,8 @@ from typing import Optional
 
 import torch
 
-from conv_patch.ops.conv2d import kernels
+from conv_patch.ops.loader import kernels
+from conv_patch.specs import KERNEL_DTYPES
 from conv_patch.target import target_for
 
 
@@ -40,7 +41,7 @@ def subpixel_weights(weight: torch.Tensor, out: Optional[torch.Tensor] = None) -
     Into ``out`` (dense, the weight's dtype) when given."""
     w = weight.detach()
     target = target_for(w.device)
-    if (not torch.compiler.is_compiling() and w.dtype in (torch.float16, torch.bfloat16, torch.float32)
+    if (not torch.compiler.is_compiling() and w.dtype in KERNEL_DTYPES
             and target.kernels and not target.interpreter):
         c_out, c_in = w.shape[:2]
         if out is None:

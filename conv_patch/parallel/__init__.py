@@ -16,7 +16,7 @@ and holds the ``BandReport``. docs/design.md ("Bands") describes the scheme.
 from conv_patch.parallel.api import BandHook, decode, decode_in_bands, encode, encode_in_bands, last_report
 from conv_patch.parallel.staging import release_host_staging
 from conv_patch.parallel.budget import BandReport
-from conv_patch.parallel.walker import UnsupportedModel
+from conv_patch.recipes.layers import UnsupportedModel
 
 __all__ = ["decode", "encode", "decode_in_bands", "encode_in_bands", "BandReport", "BandHook", "UnsupportedModel",
            "last_report", "release_host_staging"]

@@ -12,9 +12,11 @@ import torch
 from torch import nn
 
 from conv_patch.parallel import budget as bd
+from conv_patch.runtime.state import peek, state_of
 from conv_patch.parallel.comm import DistComm, LocalComm
 from conv_patch.parallel.geometry import Level, check_bands, split_rows
-from conv_patch.parallel.walker import Conv, Program, UnsupportedModel, blocked_reason, program_of, run
+from conv_patch.parallel.walker import Program, blocked_reason, program_of, run
+from conv_patch.recipes.layers import Conv, UnsupportedModel
 
 
 def _parts(vae, encode: bool):
@@ -202,7 +204,7 @@ class BandHook:
     block's forward, where the plain forward's activations would not fit the
     budget (``max_activation_gib``; None: derived from free memory on CUDA,
     never on the CPU), the call runs in bands instead, and the block's
-    ``_cp_band_report`` says what happened. Returns None to let the block's
+    state's ``band_report`` says what happened. Returns None to let the block's
     own forward run."""
 
     # Plain-forward estimates kept per input signature: the per-call check
@@ -244,7 +246,7 @@ class BandHook:
         reason = blocked_reason(module, x) if report.bands > 1 else None
         if reason is not None:
             report = bd.BandReport("plain", 1, budget_gib=report.budget_gib, fallback=reason)
-        module.__dict__["_cp_band_report"] = report
+        state_of(module).band_report = report
         if report.bands == 1:
             return None
         first = first_level(program, x.shape[2], report.bands)
@@ -260,6 +262,7 @@ def last_report(module: nn.Module) -> Optional[bd.BandReport]:
     """The ``BandReport`` of ``module``'s (a VAE, or its Decoder/Encoder)
     last call through ``PatchConfig(max_activation_gib=...)``'s hook."""
     for m in (module, getattr(module, "decoder", None), getattr(module, "encoder", None)):
-        if m is not None and "_cp_band_report" in m.__dict__:
-            return m.__dict__["_cp_band_report"]
+        st = None if m is None else peek(m)
+        if st is not None and st.band_report is not None:
+            return st.band_report
     return None

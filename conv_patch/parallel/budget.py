@@ -18,7 +18,8 @@ from typing import Optional, Tuple
 
 import torch
 
-from conv_patch.parallel.walker import Program, Resnet, Whole
+from conv_patch.parallel.walker import Program
+from conv_patch.recipes.layers import Resnet, Whole
 
 GIB = float(1 << 30)
 # The attention's score blocks (ops.attention bounds them at 1 GiB).

@@ -98,7 +98,7 @@ def group_norm_kernels(x: torch.Tensor, dtypes) -> Optional[tuple]:
     nhwc = x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
     if x.dtype not in dtypes or not (nhwc or x.is_contiguous()):
         return None
-    from conv_patch.ops.conv2d import kernels
+    from conv_patch.ops.loader import kernels
     from conv_patch.ops.group_norm import launch_sizes
     from conv_patch.target import target_for
     target = target_for(x.device)

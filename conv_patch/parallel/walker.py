@@ -1,123 +1,37 @@
-"""The VAE encoders and decoders the recipes recognise, as a list of layer
-steps, and those steps run over bands, layer-major: each layer over all bands
-before the next layer starts, because a GroupNorm must see every band's
-statistics before it normalises any band.
+"""A VAE encoder's or decoder's layers run over bands, layer-major: each
+layer over all bands before the next layer starts, because a GroupNorm must
+see every band's statistics before it normalises any band.
 
-A model becomes a ``Program`` (``program_of``): ``Conv`` (any conv, with its
-padding over the whole image, an F.pad folded in: the stride-2 downsample),
-``Resnet``, ``Up`` (nearest x2 + 3x3 conv), ``Whole`` (a module that must see
-every row at once: the attention) and ``NormConv`` (GroupNorm, SiLU, conv:
-the tail). Each step reads its input band plus halo (``Comm.window``) and
-calls the recipes' fused steps (``conv_patch.recipes.steps``), so a patched
-model runs its kernels, cache and fallback exactly as in an unbanded call,
-and an unpatched one runs PyTorch.
+The layers are what the block's recipe declares (``Recipe.bands``:
+``recipes/layers.py``'s ``Conv``, ``Resnet``, ``Up``, ``Whole``,
+``NormConv``); ``program_of`` asks it, so the model families are known in
+one place, their recipes. Each layer reads its input band plus halo
+(``Comm.window``) and calls the recipes' fused steps
+(``conv_patch.recipes.fuse``), so a patched model runs its kernels, cache and
+fallback exactly as in an unbanded call, and an unpatched one runs PyTorch.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import List, Optional, Tuple
+from typing import List, Optional
 
 import torch
 from torch import nn
 
-from conv_patch.recipes.catalog import REGISTRY, steps
-from conv_patch.recipes.ldm import uses_silu
+from conv_patch.recipes import catalog
+from conv_patch.recipes import fuse as steps
+from conv_patch.recipes.layers import Conv, NormConv, Resnet, Up, UnsupportedModel, Whole, own_pad
 from conv_patch.runtime.wrappers import PatchedConvMixin
 from conv_patch.parallel.comm import Banded, Comm
 from conv_patch.parallel.geometry import Level, check_halo, window
 from conv_patch.parallel.stats import band_moments, merge, normalise, scale_shift
 
 
-class UnsupportedModel(ValueError):
-    """The module is not an encoder or decoder whose layers the band walker
-    knows (its structure differs from what the recipes recognise)."""
-
-
-# -- the steps -------------------------------------------------------------------
-@dataclasses.dataclass
-class Conv:
-    """A conv over the whole image with padding ``pad`` (F.pad order: the
-    module's own plus a folded F.pad)."""
-
-    m: nn.Conv2d
-    pad: Tuple[int, int, int, int]
-
-    def out_hw(self, h: int, w: int) -> Tuple[int, int]:
-        (kh, kw), (sh, sw) = self.m.kernel_size, self.m.stride
-        l, r, t, b = self.pad
-        return (h + t + b - kh) // sh + 1, (w + l + r - kw) // sw + 1
-
-    def run(self, ctx, x):
-        return conv_layer(ctx, self.m, self.pad, x, next_norm=ctx.next_norm)
-
-
-@dataclasses.dataclass
-class Resnet:
-    norm1: nn.GroupNorm
-    conv1: nn.Conv2d
-    norm2: nn.GroupNorm
-    conv2: nn.Conv2d
-    shortcut: Optional[nn.Conv2d]
-    out_scale: float
-
-    def out_hw(self, h, w):
-        return h, w
-
-    def run(self, ctx, x):
-        h = conv_layer(ctx, self.conv1, own_pad(self.conv1), x, pre=self.norm1, next_norm=self.norm2)
-        sc = x if self.shortcut is None else conv_layer(ctx, self.shortcut, own_pad(self.shortcut), x)
-        return conv_layer(ctx, self.conv2, own_pad(self.conv2), h, pre=self.norm2, residual=sc,
-                          out_scale=self.out_scale, next_norm=ctx.next_norm)
-
-
-@dataclasses.dataclass
-class Up:
-    """Nearest x2 then a 3x3 conv with padding 1."""
-
-    conv: nn.Conv2d
-
-    def out_hw(self, h, w):
-        return 2 * h, 2 * w
-
-    def run(self, ctx, x):
-        return up_layer(ctx, self.conv, x, next_norm=ctx.next_norm)
-
-
-@dataclasses.dataclass
-class Whole:
-    """A module computed over all rows at once (the attention, which every
-    token of the image attends to): run on the whole tensor, gathered to
-    every process (it runs at the latent resolution, the smallest)."""
-
-    m: nn.Module
-
-    def out_hw(self, h, w):
-        return h, w
-
-    def run(self, ctx, x):
-        y = self.m(ctx.comm.whole(x))
-        return Banded.of_whole(x.level, y)
-
-
-@dataclasses.dataclass
-class NormConv:
-    """GroupNorm, SiLU, then a conv (the tail of every VAE half)."""
-
-    norm: nn.GroupNorm
-    conv: nn.Conv2d
-
-    def out_hw(self, h, w):
-        return Conv(self.conv, own_pad(self.conv)).out_hw(h, w)
-
-    def run(self, ctx, x):
-        return conv_layer(ctx, self.conv, own_pad(self.conv), x, pre=self.norm, next_norm=ctx.next_norm)
-
-
 @dataclasses.dataclass
 class Program:
     kind: str  # "decoder" | "encoder"
-    family: str  # "diffusers" | "ldm"
+    recipe: str  # the recipe that declared the layers
     steps: list
     module: nn.Module
 
@@ -149,11 +63,6 @@ class Context:
 def first_norm(step) -> Optional[nn.GroupNorm]:
     """The GroupNorm a step applies to its input first, if any."""
     return getattr(step, "norm1", None) or getattr(step, "norm", None)
-
-
-def own_pad(m: nn.Conv2d) -> Tuple[int, int, int, int]:
-    ph, pw = m.padding
-    return (pw, pw, ph, ph)
 
 
 # -- running the steps over bands ----------------------------------------------------
@@ -249,7 +158,7 @@ def run(program: Program, x: torch.Tensor, comm: Comm, first: Level) -> Banded:
     act = Banded.of_whole(first, x)
     for k, step in enumerate(program.steps):
         ctx.next_norm = first_norm(program.steps[k + 1]) if k + 1 < len(program.steps) else None
-        act = step.run(ctx, act)
+        act = RUNNERS[type(step)](step, ctx, act)
     return act
 
 
@@ -258,114 +167,45 @@ def _kernels_here(x) -> bool:
     return target_for(x.device).kernels
 
 
-# -- recognising the models ------------------------------------------------------
-def _match(name: str, m) -> bool:
-    try:
-        return bool(REGISTRY[name].match(m))
-    except Exception:  # noqa: BLE001 - an odd module simply does not match
-        return False
+def _run_conv(step: Conv, ctx, x):
+    return conv_layer(ctx, step.m, step.pad, x, next_norm=ctx.next_norm)
 
 
-def _need(ok: bool, what: str) -> None:
-    if not ok:
-        raise UnsupportedModel(f"bands: {what}")
+def _run_resnet(step: Resnet, ctx, x):
+    h = conv_layer(ctx, step.conv1, own_pad(step.conv1), x, pre=step.norm1, next_norm=step.norm2)
+    sc = x if step.shortcut is None else conv_layer(ctx, step.shortcut, own_pad(step.shortcut), x)
+    return conv_layer(ctx, step.conv2, own_pad(step.conv2), h, pre=step.norm2, residual=sc,
+                      out_scale=step.out_scale, next_norm=ctx.next_norm)
 
 
-def _resnet(r, family: str) -> Resnet:
-    if family == "diffusers":
-        _need(_match("diffusers.ResnetBlock2D", r), f"{type(r).__name__} is not a VAE ResnetBlock2D")
-        return Resnet(r.norm1, r.conv1, r.norm2, r.conv2, r.conv_shortcut, 1.0 / r.output_scale_factor)
-    _need(_match("ldm.ResnetBlock", r), f"{type(r).__name__} is not an ldm ResnetBlock")
-    sc = None if r.in_channels == r.out_channels else (r.conv_shortcut if r.use_conv_shortcut else r.nin_shortcut)
-    return Resnet(r.norm1, r.conv1, r.norm2, r.conv2, sc, 1.0)
+def _run_up(step: Up, ctx, x):
+    return up_layer(ctx, step.conv, x, next_norm=ctx.next_norm)
 
 
-def _tail(m, norm, act_ok: bool):
-    _need(steps.is_group_norm(norm) and act_ok and steps.is_conv(m.conv_out, 3, 1, 1), "unknown tail")
-    return NormConv(norm, m.conv_out)
+def _run_whole(step: Whole, ctx, x):
+    # Run on the whole tensor, gathered to every process (it runs at the
+    # latent resolution, the smallest).
+    y = step.m(ctx.comm.whole(x))
+    return Banded.of_whole(x.level, y)
 
 
-def _diffusers_mid(mid) -> list:
-    _need(getattr(type(mid), "_cp_base", type(mid)).__name__ == "UNetMidBlock2D", "the mid block is not "
-          "UNetMidBlock2D")
-    out = [_resnet(mid.resnets[0], "diffusers")]
-    for attn, r in zip(mid.attentions, mid.resnets[1:]):
-        if attn is not None:
-            out.append(Whole(attn))
-        out.append(_resnet(r, "diffusers"))
-    return out
+def _run_norm_conv(step: NormConv, ctx, x):
+    return conv_layer(ctx, step.conv, own_pad(step.conv), x, pre=step.norm, next_norm=ctx.next_norm)
 
 
-def _ldm_attn(a) -> list:
-    if type(a) is nn.Identity:
-        return []
-    _need(isinstance(a, nn.Module), "unknown attention")
-    return [Whole(a)]
+# How each kind of layer runs over bands.
+RUNNERS = {Conv: _run_conv, Resnet: _run_resnet, Up: _run_up, Whole: _run_whole, NormConv: _run_norm_conv}
 
 
 def program_of(m: nn.Module) -> Program:
-    """The band program of a diffusers or ldm/ComfyUI ``Decoder`` or
-    ``Encoder``; ``UnsupportedModel`` for anything else."""
-    if _match("diffusers.Decoder", m):
-        _need(steps.is_conv(m.conv_in, 3, 1, 1), "conv_in is not a 3x3 conv")
-        ops = [Conv(m.conv_in, own_pad(m.conv_in))] + _diffusers_mid(m.mid_block)
-        for up in m.up_blocks:
-            ops += [_resnet(r, "diffusers") for r in up.resnets]
-            for u in up.upsamplers or ():
-                _need(_match("diffusers.Upsample2D", u), "an upsampler is not a nearest-x2 Upsample2D with a conv")
-                ops.append(Up(u.conv if getattr(u, "name", "conv") == "conv" else u.Conv2d_0))
-        ops.append(_tail(m, m.conv_norm_out, steps.is_silu(m.conv_act)))
-        return Program("decoder", "diffusers", ops, m)
-    if _match("diffusers.Encoder", m):
-        _need(steps.is_conv(m.conv_in, 3, 1, 1), "conv_in is not a 3x3 conv")
-        ops = [Conv(m.conv_in, own_pad(m.conv_in))]
-        for d in m.down_blocks:
-            _need(getattr(d, "_cp_base", type(d)).__name__ == "DownEncoderBlock2D", "a down block is not "
-                  "DownEncoderBlock2D")
-            ops += [_resnet(r, "diffusers") for r in d.resnets]
-            for s in d.downsamplers or ():
-                _need(_match("diffusers.Downsample2D", s), "a downsampler is not Downsample2D(padding=0)")
-                ops.append(Conv(s.conv, _plus(own_pad(s.conv), (0, 1, 0, 1))))
-        ops += _diffusers_mid(m.mid_block)
-        ops.append(_tail(m, m.conv_norm_out, steps.is_silu(m.conv_act)))
-        return Program("encoder", "diffusers", ops, m)
-    if _match("ldm.Decoder", m):
-        _need(not getattr(m, "give_pre_end", False) and not getattr(m, "tanh_out", False),
-              "give_pre_end / tanh_out are not taken")
-        _need(uses_silu(m) and steps.is_conv(m.conv_in, 3, 1, 1), "unknown ldm Decoder")
-        ops = [Conv(m.conv_in, own_pad(m.conv_in)), _resnet(m.mid.block_1, "ldm"), *_ldm_attn(m.mid.attn_1),
-               _resnet(m.mid.block_2, "ldm")]
-        for lvl in reversed(range(m.num_resolutions)):
-            up = m.up[lvl]
-            for j, b in enumerate(up.block):
-                ops.append(_resnet(b, "ldm"))
-                if len(up.attn) > 0:
-                    ops += _ldm_attn(up.attn[j])
-            if lvl != 0:
-                _need(_match("ldm.Upsample", up.upsample), "an Upsample has no conv")
-                ops.append(Up(up.upsample.conv))
-        ops.append(_tail(m, m.norm_out, True))
-        return Program("decoder", "ldm", ops, m)
-    if _match("ldm.Encoder", m):
-        _need(uses_silu(m) and steps.is_conv(m.conv_in, 3, 1, 1), "unknown ldm Encoder")
-        ops = [Conv(m.conv_in, own_pad(m.conv_in))]
-        for lvl in range(m.num_resolutions):
-            down = m.down[lvl]
-            for j, b in enumerate(down.block):
-                ops.append(_resnet(b, "ldm"))
-                if len(down.attn) > 0:
-                    ops += _ldm_attn(down.attn[j])
-            if lvl != m.num_resolutions - 1:
-                _need(_match("ldm.Downsample", down.downsample), "a Downsample has no conv (avg-pool)")
-                ops.append(Conv(down.downsample.conv, _plus(own_pad(down.downsample.conv), (0, 1, 0, 1))))
-        ops += [_resnet(m.mid.block_1, "ldm"), *_ldm_attn(m.mid.attn_1), _resnet(m.mid.block_2, "ldm")]
-        ops.append(_tail(m, m.norm_out, True))
-        return Program("encoder", "ldm", ops, m)
-    raise UnsupportedModel(f"bands: {type(m).__name__} is not a VAE Decoder or Encoder the recipes recognise")
-
-
-def _plus(a, b):
-    return tuple(x + y for x, y in zip(a, b))
+    """The band program of a decoder or encoder whose recipe declares its
+    layers (``Recipe.bands``: diffusers' and the ldm/ComfyUI ones);
+    ``UnsupportedModel`` for anything else."""
+    recipe = getattr(type(m), "_cp_recipe", None) or catalog.recipe_for(m)
+    if recipe is None or recipe.bands is None:
+        raise UnsupportedModel(f"bands: {type(m).__name__} is not a VAE Decoder or Encoder the recipes recognise")
+    layers = recipe.bands(m)
+    return Program(layers.kind, recipe.name, layers.steps, m)
 
 
 def blocked_reason(m: nn.Module, x: torch.Tensor) -> Optional[str]:

@@ -22,8 +22,9 @@ cannot fill the GPU (the fit's shapes do). The lean route's GPU time is
 modelled from its tiles and K steps (``lean_ms``). A table without
 measurements (the
 curated default of an architecture nobody tuned) predicts nothing, so
-nothing leaves PyTorch there. Host times are ``HOST_US``; docs/performance.md
-says where they were measured.
+nothing leaves PyTorch there. Host times, copy bandwidth and the lean
+route's model are the table's ``Calibration``; docs/performance.md says where
+they were measured.
 """
 
 from __future__ import annotations
@@ -34,42 +35,17 @@ import re
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
-# Microseconds of host time, measured on the H200's host (bench.overhead
-# and the per-call rows of the zoo's A/B run, docs/performance.md), all on
-# one host: "conv" F.conv2d of a 3x3 (or larger) kernel, "conv_1x1" of a
-# 1x1 one (cuDNN's 1x1 call is about two thirds of its 3x3 one), "op" one
-# PyTorch elementwise op, "base" a planned call's own Python (signature,
-# lookup, bookkeeping), "refresh" a weight pack's refresh (a PyTorch copy),
-# "launch" one replayed Triton launch, "alloc" one output or scratch
-# allocation, "desc" one TMA descriptor rebuilt. "unplanned" is the cuDNN
-# route's epilogue pass, launched through its launcher with its output
-# allocated (measured as that route's host time over the module's call).
-HOST_US = {"conv": 43.0, "conv_1x1": 29.0, "op": 10.0, "base": 5.5, "refresh": 12.0, "launch": 19.0,
-           "alloc": 3.0, "desc": 4.0, "unplanned": 40.0}
-# The lean route is taken for its host time only where it saves at least
-# this much of it per call: in the UNets' A/B on the H200 1x1 convs on the
-# lean route (about 7 us of host time less than cuDNN's call in a loop of
-# one conv) made the whole model 3-10% slower than with cuDNN there.
-LEAN_MIN_SAVING_US = 10.0
-# The lean route's GPU time (the portable kernel reading an NCHW input and
-# the weight in place, dispatch.LEAN_CONFIG: 128x64 tiles, 32-deep K steps)
-# is modelled from its tiles: each wave of up to LEAN_CTAS_PER_SM tiles per
-# SM takes LEAN_STEP_US per K step (a 1x1 conv's steps gather nothing and
-# are shorter; fp16/bf16, fp32 LEAN_FP32_FACTOR times that). Fitted on the
-# H200 (bench.overhead's lean rows and the zoo's convs, docs/performance.md)
-# from the slow side: a 1280-channel 3x3 conv at 16x16 runs 40 tiles of 360
-# steps, 0.35 ms, where its arithmetic alone at the kernel's full-GPU rate
-# would say 0.1 ms.
+from conv_patch.routing import tables
+from conv_patch.routing.calibration import Calibration
+
+# The lean route's tile (the portable kernel reading an NCHW input and the
+# weight in place: 128x64 tiles, 32-deep K steps; decide.LEAN_CONFIG).
 LEAN_TILE = (128, 64, 32)
-LEAN_CTAS_PER_SM = 2
-LEAN_STEP_US = {False: 1.3, True: 0.65}  # by Problem.one_by_one
-LEAN_FP32_FACTOR = 4.0
-# SMs assumed where the caller does not say (an H200 has 132).
-DEFAULT_SMS = 132
-# Device-to-device copy bandwidth (H200, measured) and a launch's fixed GPU
-# latency: the memory-bound terms of the lean route and the epilogue passes.
-COPY_TBPS = 4.18
-LAUNCH_MS = 0.004
+def default_calibration() -> Calibration:
+    """The curated calibration (configs/default.json's)."""
+    return tables.packaged_table("default").calibration
+
+
 # A kernel must be predicted at least this much faster than PyTorch: run-to-run
 # noise (~5% on one shape) must not flip a call to a slower route. (The fit's
 # own error is allowed for in ``Fit.bias``.)
@@ -124,7 +100,7 @@ def problem_of_key(key: str) -> Optional[Problem]:
 @dataclass(frozen=True)
 class Fit:
     """GPU time models fitted to a table's measured shapes: per side
-    ("cudnn", "ours") and kernel class (1x1 or larger) and layout,
+    ("theirs": cuDNN as PyTorch calls it, "ours") and kernel class (1x1 or larger) and layout,
     ms = c0 + c1 * GFLOP + c2 * MB moved (least squares on relative error,
     so small and large shapes count alike). c0 is each side's fixed cost,
     1/c1 its arithmetic rate, 1/c2 its bandwidth."""
@@ -136,6 +112,8 @@ class Fit:
     # percentile, ours at its 75th. A shape never measured is then judged by
     # a fast cuDNN and a slow kernel, never by the fit's optimistic middle.
     bias: Dict[Tuple[str, bool, str], float] = dataclasses.field(default_factory=dict)
+    # No prediction below a launch's fixed GPU latency (the calibration's).
+    floor_ms: float = 0.004
 
     def _key(self, side, p):
         k = (side, p.one_by_one, p.layout)
@@ -146,11 +124,11 @@ class Fit:
         c = self.models.get(self._key(side, p))
         if c is None:
             return None
-        return max(LAUNCH_MS, c[0] + c[1] * p.flops / 1e9 + c[2] * p.bytes / 1e6)
+        return max(self.floor_ms, c[0] + c[1] * p.flops / 1e9 + c[2] * p.bytes / 1e6)
 
     def cudnn_ms(self, p: Problem) -> Optional[float]:
-        t = self.ms("cudnn", p)
-        return None if t is None else t * self.bias.get(self._key("cudnn", p), 1.0)
+        t = self.ms("theirs", p)
+        return None if t is None else t * self.bias.get(self._key("theirs", p), 1.0)
 
     def ours_ms(self, p: Problem) -> Optional[float]:
         t = self.ms("ours", p)
@@ -199,8 +177,10 @@ def _least_squares(points) -> Optional[Tuple[float, float, float]]:
 MIN_FIT_POINTS = 4
 
 
-def fit(table_data: dict) -> Optional[Fit]:
-    """The cost fit of a table's measured exact entries (None without any)."""
+def fit(table_data: dict, floor_ms: Optional[float] = None) -> Optional[Fit]:
+    """The cost fit of a table's measured exact entries (None without any);
+    ``floor_ms``: no time below it (default: the calibration's launch)."""
+    floor_ms = default_calibration().launch_ms if floor_ms is None else floor_ms
     exact = (table_data.get("conv2d") or {}).get("exact") or {}
     groups: Dict[Tuple[str, bool, str], list] = {}
     for key, cfg in exact.items():
@@ -208,7 +188,7 @@ def fit(table_data: dict) -> Optional[Fit]:
         p = problem_of_key(key)
         if p is None or not ours or not cudnn or ours <= 0 or cudnn <= 0:
             continue
-        for side, t in (("cudnn", cudnn), ("ours", ours)):
+        for side, t in (("theirs", cudnn), ("ours", ours)):
             for layout in (p.layout, "any"):
                 groups.setdefault((side, p.one_by_one, layout), []).append((p.flops / 1e9, p.bytes / 1e6, t))
     models, bias = {}, {}
@@ -217,17 +197,17 @@ def fit(table_data: dict) -> Optional[Fit]:
             c = _least_squares(pts)
             if c is not None:
                 models[k] = c
-                ratios = sorted(t / max(LAUNCH_MS, c[0] + c[1] * f + c[2] * b) for f, b, t in pts)
-                bias[k] = ratios[int((0.25 if k[0] == "cudnn" else 0.75) * (len(ratios) - 1))]
+                ratios = sorted(t / max(floor_ms, c[0] + c[1] * f + c[2] * b) for f, b, t in pts)
+                bias[k] = ratios[int((0.25 if k[0] == "theirs" else 0.75) * (len(ratios) - 1))]
     if not models:
         return None
-    return Fit(models, sum(len(v) for k, v in groups.items() if k[2] != "any") // 2, bias)
+    return Fit(models, sum(len(v) for k, v in groups.items() if k[2] != "any") // 2, bias, floor_ms)
 
 
 @functools.lru_cache(maxsize=None)
 def fit_of(table) -> Optional[Fit]:
-    """``fit`` of a ``config_tables.Table``, computed once per table."""
-    return fit(table.data)
+    """``fit`` of a ``tables.Table``, computed once per table."""
+    return fit(table.data, table.calibration.launch_ms)
 
 
 @dataclass(frozen=True)
@@ -243,31 +223,39 @@ def epilogue_ops(has_residual: bool, beta: float, activation: str, out_scale: fl
     return int(has_residual) + int(activation != "none") + int(out_scale != 1.0)
 
 
-def host_ms(launches: int, packed: bool = False, descriptors: int = 0, host: Optional[dict] = None) -> float:
+def _cal(cal: Optional[Calibration]) -> Calibration:
+    return default_calibration() if cal is None else cal
+
+
+def pass_ms(p: Problem, cal: Calibration) -> float:
+    """GPU time of one elementwise pass over the call's output."""
+    return cal.launch_ms + 2 * p.out_bytes / (cal.copy_tbps * 1e9)
+
+
+def host_ms(launches: int, packed: bool = False, descriptors: int = 0, cal: Optional[Calibration] = None) -> float:
     """Host time of a planned kernel call: its Python, the pack refresh
     where the weight is packed, each launch with its allocation and
     descriptors."""
-    h = HOST_US if host is None else host
+    h = _cal(cal).host_us
     return (h["base"] + packed * h["refresh"] + launches * (h["launch"] + h["alloc"])
             + descriptors * h["desc"]) / 1e3
 
 
-def conv_host_ms(p: Problem, host: Optional[dict] = None) -> float:
+def conv_host_ms(p: Problem, cal: Optional[Calibration] = None) -> float:
     """Host time of PyTorch's conv call on the planned path: the wrapper's
     own Python ("base", paid on PyTorch's route too) and F.conv2d's, by
     kernel class."""
-    h = HOST_US if host is None else host
+    h = _cal(cal).host_us
     return (h["base"] + h["conv_1x1" if p.one_by_one else "conv"]) / 1e3
 
 
-def torch_ms(p: Problem, gpu_cudnn: float, ops: int, graph: bool, host: Optional[dict] = None) -> float:
+def torch_ms(p: Problem, gpu_cudnn: float, ops: int, graph: bool, cal: Optional[Calibration] = None) -> float:
     """PyTorch's time for the call as made: the module's call, then each
     eager epilogue op."""
-    h = HOST_US if host is None else host
-    pass_ms = LAUNCH_MS + 2 * p.out_bytes / (COPY_TBPS * 1e9)
+    cal = _cal(cal)
     if graph:
-        return gpu_cudnn + ops * pass_ms
-    return max(conv_host_ms(p, h), gpu_cudnn) + ops * max(h["op"] / 1e3, pass_ms)
+        return gpu_cudnn + ops * pass_ms(p, cal)
+    return max(conv_host_ms(p, cal), gpu_cudnn) + ops * max(cal.host_us["op"] / 1e3, pass_ms(p, cal))
 
 
 def gpu_times(p: Problem, fitted: Optional[Fit], exact: Optional[dict]):
@@ -282,41 +270,45 @@ def gpu_times(p: Problem, fitted: Optional[Fit], exact: Optional[dict]):
 
 
 def choose(p: Problem, fitted: Optional[Fit], exact: Optional[dict], *, launches: int, ops: int,
-           graph: bool, packed: bool = True, descriptors: int = 0, host: Optional[dict] = None,
-           config: Optional[dict] = None, sms: int = DEFAULT_SMS) -> Choice:
+           graph: bool, packed: bool = True, descriptors: int = 0, cal: Optional[Calibration] = None,
+           config: Optional[dict] = None, sms: Optional[int] = None) -> Choice:
     """Whether the table's kernel route beats PyTorch for this call (see the
     module docstring). ``exact``: the table's entry for the shape, if any;
     ``launches``: the route's launches; ``ops``: eager ops its fused
     epilogue replaces; ``graph``: the call runs inside a CUDA graph;
     ``packed``: its weight is refreshed into a pack at every call;
     ``config``: the route's kernel config (a shape never measured is slowed
-    by ``fill_factor`` where its tiles leave SMs idle)."""
+    by ``fill_factor`` where its tiles leave SMs idle); ``sms``: the
+    device's (default: the calibration's)."""
+    cal = _cal(cal)
     gpu_c, gpu_o = gpu_times(p, fitted, exact)
     if gpu_c is None or gpu_o is None:
         return Choice(False, "no measurement or model of this shape on this GPU")
     if not (exact and exact.get("ours_ms")):
-        gpu_o *= fill_factor(p, config, sms)
-    gpu_o += (launches - 1) * LAUNCH_MS
-    theirs = torch_ms(p, gpu_c, ops, graph, host)
-    ours = gpu_o if graph else max(host_ms(launches, packed, descriptors, host), gpu_o)
+        gpu_o *= fill_factor(p, config, sms or cal.sms)
+    gpu_o += (launches - 1) * cal.launch_ms
+    theirs = torch_ms(p, gpu_c, ops, graph, cal)
+    ours = gpu_o if graph else max(host_ms(launches, packed, descriptors, cal), gpu_o)
     how = "graph" if graph else "launched"
     if ours <= MARGIN * theirs:
         return Choice(True, f"kernel {ours:.4g} ms vs PyTorch {theirs:.4g} ms {how}", ours)
     return Choice(False, f"PyTorch faster as called ({theirs:.4g} ms vs kernel {ours:.4g} ms {how})", ours)
 
 
-def lean_ms(p: Problem, sms: int = DEFAULT_SMS) -> float:
+def lean_ms(p: Problem, cal: Optional[Calibration] = None, sms: Optional[int] = None) -> float:
     """GPU time of the lean route (the portable kernel, input and weight
     read in place): its waves of tiles times their K steps, or its bytes at
     copy bandwidth where that is longer."""
+    cal = _cal(cal)
     bm, bn, bk = LEAN_TILE
-    waves = -(-p.tiles(bm, bn) // (LEAN_CTAS_PER_SM * sms))
-    step = LEAN_STEP_US[p.one_by_one] * (LEAN_FP32_FACTOR if p.elem_bytes >= 4 else 1.0)
+    waves = -(-p.tiles(bm, bn) // (cal.lean_ctas_per_sm * (sms or cal.sms)))
+    step = (cal.lean_step_1x1_us if p.one_by_one else cal.lean_step_us) * (
+        cal.lean_fp32_factor if p.elem_bytes >= 4 else 1.0)
     steps_ms = waves * -(-p.k // bk) * step / 1e3
-    return LAUNCH_MS + max(steps_ms, p.bytes / (COPY_TBPS * 1e9))
+    return cal.launch_ms + max(steps_ms, p.bytes / (cal.copy_tbps * 1e9))
 
 
-def fill_factor(p: Problem, config: Optional[dict], sms: int = DEFAULT_SMS) -> float:
+def fill_factor(p: Problem, config: Optional[dict], sms: int) -> float:
     """How much slower than its fitted rate a kernel config runs on a shape
     whose tiles cannot fill the GPU: SMs / tiles where there are fewer
     tiles than SMs (each tile runs on one SM however few there are), else 1.
@@ -328,19 +320,20 @@ def fill_factor(p: Problem, config: Optional[dict], sms: int = DEFAULT_SMS) -> f
 
 
 def choose_lean(p: Problem, fitted: Optional[Fit], exact: Optional[dict], *, ops: int,
-                host: Optional[dict] = None, sms: int = DEFAULT_SMS) -> Choice:
+                cal: Optional[Calibration] = None, sms: Optional[int] = None) -> Choice:
     """Whether the lean route beats PyTorch for a call launched eagerly: one
     launch, no pack, no staging copy, so the least host time of any route,
     where its slower GPU work still hides behind the host's."""
+    cal = _cal(cal)
     gpu_c, _ = gpu_times(p, fitted, exact)
     if gpu_c is None:
         return Choice(False, "no measurement or model of this shape on this GPU")
-    theirs = torch_ms(p, gpu_c, ops, False, host)
-    ours_host, theirs_host = host_ms(1, False, 0, host), conv_host_ms(p, host)
+    theirs = torch_ms(p, gpu_c, ops, False, cal)
+    ours_host, theirs_host = host_ms(1, False, 0, cal), conv_host_ms(p, cal)
     saving_us = (theirs_host - ours_host) * 1e3
-    if saving_us < LEAN_MIN_SAVING_US:
+    if saving_us < cal.lean_min_saving_us:
         return Choice(False, f"PyTorch: the lean kernel would save {saving_us:.0f} us of host time per call "
-                             f"(under {LEAN_MIN_SAVING_US:.0f})")
+                             f"(under {cal.lean_min_saving_us:.0f})")
     if gpu_c > theirs_host:
         # Only where PyTorch's own call is host-bound: its GPU time is then
         # hidden and the lean route's, modelled, only has to hide as well. On
@@ -348,14 +341,14 @@ def choose_lean(p: Problem, fitted: Optional[Fit], exact: Optional[dict], *, ops
         # A/B a ControlNet's few-channel 3x3 convs at 512^2, modelled 25-50 us
         # on the lean route, made the model 10% slower).
         return Choice(False, f"PyTorch: its call is GPU-bound ({gpu_c:.4g} ms), not the lean route's case")
-    ours = max(ours_host, lean_ms(p, sms))
+    ours = max(ours_host, lean_ms(p, cal, sms))
     if ours <= MARGIN * theirs:
         return Choice(True, f"lean kernel {ours:.4g} ms vs PyTorch {theirs:.4g} ms launched "
                             "(host-bound: input and weight read in place)", ours)
     return Choice(False, f"PyTorch faster as called ({theirs:.4g} ms vs lean kernel {ours:.4g} ms)", ours)
 
 
-def fused_epilogue_pays(p: Problem, ops: int, bias_pass: bool, graph: bool, host: Optional[dict] = None,
+def fused_epilogue_pays(p: Problem, ops: int, bias_pass: bool, graph: bool, cal: Optional[Calibration] = None,
                         gpu_conv: float = 0.0) -> bool:
     """Where PyTorch runs the conv: whether cuDNN without its bias plus one
     epilogue pass (bias, residual, activation, scale) beats the module's
@@ -363,17 +356,36 @@ def fused_epilogue_pays(p: Problem, ops: int, bias_pass: bool, graph: bool, host
     bias in a pass of its own, as it does on an NHWC output). Launched, each
     side costs the larger of its host time and its GPU time (``gpu_conv``:
     the convolution's own, the same on both sides)."""
-    host = HOST_US if host is None else host
+    cal = _cal(cal)
+    host = cal.host_us
     passes = ops + int(bias_pass)
     if passes == 0:
         return False
-    pass_ms = LAUNCH_MS + 2 * p.out_bytes / (COPY_TBPS * 1e9)
+    one = pass_ms(p, cal)
     if graph:
-        return passes * pass_ms > pass_ms
-    conv_host = conv_host_ms(p, host)
-    eager = max(conv_host + ops * host["op"] / 1e3, gpu_conv + passes * pass_ms)
-    fused = max(conv_host + host["unplanned"] / 1e3, gpu_conv + pass_ms)
+        return passes * one > one
+    conv_host = conv_host_ms(p, cal)
+    eager = max(conv_host + ops * host["op"] / 1e3, gpu_conv + passes * one)
+    fused = max(conv_host + host["unplanned"] / 1e3, gpu_conv + one)
     return fused <= MARGIN * eager
+
+
+# Below this many source multiply-adds per tap (N*H*W*C_in*C_out) the four
+# 2x2 launches of the folded upsample cost more host time than they save GPU
+# time: on the H200 each Triton launch costs ~70 us of host time
+# (bench/results/overhead-*.json), so four of them (~0.6 ms with the weight
+# folding) only pay once the GPU work they replace is larger: 4e9 puts the
+# FLUX VAE's 512-channel 128^2 upsample and everything above on the folded
+# path and TAEF2's 64-channel upsamples, host-bound at every resolution, on
+# upsample + one conv. On a CUDA graph's path (no host time per launch) it
+# always pays.
+SUBPIXEL_MIN_MACS = 4e9
+
+
+def subpixel_pays(macs: float) -> bool:
+    """Whether the folded upsample's four launches pay for ``macs`` source
+    multiply-adds per tap, launched eagerly."""
+    return macs >= SUBPIXEL_MIN_MACS
 
 
 # The GroupNorm kernels (statistics, finalize, apply) beat PyTorch's GroupNorm
@@ -403,17 +415,18 @@ RMS_NORM_BW_FACTOR = 0.5
 
 
 def rms_norm_pays(numel: int, element_size: int, activation: bool, graph: bool = False,
-                  host: Optional[dict] = None) -> bool:
+                  cal: Optional[Calibration] = None) -> bool:
     """Whether the RMS-norm kernel (with the activation fused where
     ``activation``) beats PyTorch's passes on ``numel`` elements of
     ``element_size`` bytes, launched eagerly (host time included) or from a
     graph (GPU time only)."""
-    host = HOST_US if host is None else host
+    cal = _cal(cal)
+    host = cal.host_us
     t = RMS_NORM_TORCH
     ops = t["ops"] - (2 if element_size >= 4 else 0) + (t["act_ops"] if activation else 0)
     per_elem = t["bytes"] + (t["act_bytes"] if activation else 0.0)
-    torch_gpu = ops * LAUNCH_MS + numel * per_elem / (COPY_TBPS * 1e9)
-    ours_gpu = LAUNCH_MS + 3 * numel * element_size / (RMS_NORM_BW_FACTOR * COPY_TBPS * 1e9)
+    torch_gpu = ops * cal.launch_ms + numel * per_elem / (cal.copy_tbps * 1e9)
+    ours_gpu = cal.launch_ms + 3 * numel * element_size / (RMS_NORM_BW_FACTOR * cal.copy_tbps * 1e9)
     if graph:
         return ours_gpu <= MARGIN * torch_gpu
     torch_host = ops * host["op"] / 1e3
@@ -421,8 +434,8 @@ def rms_norm_pays(numel: int, element_size: int, activation: bool, graph: bool =
     return max(ours_host, ours_gpu) <= MARGIN * max(torch_host, torch_gpu)
 
 
-def conv3d_choice(ours_ms: float, cudnn_ms: float, ops: int, graph: bool, out_bytes: float = 0.0,
-                  repack: bool = False, host: Optional[dict] = None) -> Choice:
+def conv3d_choice(ours_ms: float, cudnn_ms: float, ops: int, graph: bool, cal: Optional[Calibration] = None,
+                  out_bytes: float = 0.0, repack: bool = False) -> Choice:
     """Whether a Conv3d call takes the kernel, from its table entry's GPU
     times: ``ours_ms`` the kernel reading the cached frames and padding in
     place, ``cudnn_ms`` the cuDNN route (``conv3d.cudnn_conv3d``: the
@@ -432,13 +445,14 @@ def conv3d_choice(ours_ms: float, cudnn_ms: float, ops: int, graph: bool, out_by
     route: its conv, the concatenation and the bias pass; the kernel's: a
     launch through its launcher, not a recorded replay, plus the weight's
     repack where ``repack``, one PyTorch copy)."""
-    h = HOST_US if host is None else host
-    pass_ms = LAUNCH_MS + 2 * out_bytes / (COPY_TBPS * 1e9)
+    cal = _cal(cal)
+    h = cal.host_us
+    one = cal.launch_ms + 2 * out_bytes / (cal.copy_tbps * 1e9)
     if graph:
-        ours, theirs = ours_ms, cudnn_ms + ops * pass_ms
+        ours, theirs = ours_ms, cudnn_ms + ops * one
     else:
         ours = max((h["base"] + h["unplanned"] + repack * h["op"]) / 1e3, ours_ms)
-        theirs = max((h["base"] + h["conv"] + 2 * h["op"]) / 1e3, cudnn_ms) + ops * max(h["op"] / 1e3, pass_ms)
+        theirs = max((h["base"] + h["conv"] + 2 * h["op"]) / 1e3, cudnn_ms) + ops * max(h["op"] / 1e3, one)
     if ours <= MARGIN * theirs:
         return Choice(True, f"kernel {ours:.4g} ms vs PyTorch {theirs:.4g} ms as called (measured)", ours)
     return Choice(False, f"PyTorch's conv3d measured faster as called ({theirs:.4g} ms vs kernel {ours:.4g} ms)",

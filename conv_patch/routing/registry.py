@@ -1,17 +1,21 @@
-"""The one route registry: every way a convolution can run, with its table
-name, the conv kind it serves, the rule that says when it cannot take a call,
-its launcher in ``conv_patch.kernels``, the tuner's candidate configs and the
-text ``convpatch info`` prints. Routing (conv_patch/routing.py), the config
-tables (their ``"route"`` values), the launch layer (conv_patch/conv.py), the
-tuner and ``convpatch info`` all read it.
+"""The one route registry: every way a 2-D or 3-D convolution can run, with
+the conv kind it serves, the name a config table gives it, the rule that
+says when it cannot take a call, its launcher in ``conv_patch.kernels``, the
+tuner's candidate configs, what it costs in launches and TMA descriptors,
+and the text ``convpatch info`` prints. The decision (routing/decide.py),
+the config tables (their ``"route"`` values), the ops that launch a route,
+the tuner, the benchmarks and ``convpatch info`` all read it; a route's name
+is spelled here and nowhere else.
 """
 
 from __future__ import annotations
 
 import enum
+import importlib
 from dataclasses import dataclass
 from typing import Callable, Dict, Optional, Tuple
 
+from conv_patch.kernels.launch import TMA_ALIGN
 from conv_patch.specs import CallDesc, ConvSpec
 from conv_patch.target import Target
 
@@ -86,10 +90,6 @@ def flat_problem(spec: ConvSpec) -> Optional[str]:
     return None
 
 
-# TMA needs 16-byte aligned base addresses and strides.
-TMA_ALIGN = 16
-
-
 def tma_layout_problem(shape, layout: str, elem_bytes: int, c_in: int) -> Optional[str]:
     """Why a dense input of this shape and layout cannot be described by a TMA
     descriptor (plus the [C_out, KH*KW, C_in] weight pack), or None. NCHW is
@@ -105,6 +105,19 @@ def tma_layout_problem(shape, layout: str, elem_bytes: int, c_in: int) -> Option
     return None
 
 
+def conv3d_tma_problem(spec, call: CallDesc, shape: tuple, target: Target) -> Optional[str]:
+    """Why the sm90 Conv3d kernel cannot take this call, or None: H and W at
+    stride 1, fp16/bf16 (fp32 under the interpreter, where it is tested),
+    the input and the cached frames dense NDHWC with 16-byte aligned
+    channel rows (its TMA boxes, kernels/conv3d_tma.py)."""
+    if tuple(spec.stride[1:]) != (1, 1):
+        return f"stride {tuple(spec.stride)}: the TMA kernel takes H and W at stride 1"
+    if call.dtype.itemsize != 2 and not target.interpreter:
+        return "the TMA kernel takes fp16/bf16"
+    if (call.layout != "ndhwc" or call.cache_layout not in (None, "ndhwc") or not call.aligned16
+            or (shape[1] * call.dtype.itemsize) % TMA_ALIGN):
+        return "input or cache not dense NDHWC with 16-byte aligned channel rows"
+    return None
 
 # -- tuner candidates ------------------------------------------------------------
 def tile_config(route, bm, bn, bk, warps, stages, bw=None, group=8, persistent=0, bn2=0):
@@ -188,11 +201,16 @@ INTERPRETER_CANDIDATES = [
 
 @dataclass(frozen=True)
 class RouteEntry:
-    """One route. ``table``: the name a table config's ``"route"`` gives it
-    (None: no table names it); ``problem(spec, call, shape, target)``: why it
-    cannot take a call, beyond its kind (None: never); ``launcher``: the
-    ``conv_patch.kernels`` function that runs it; ``exact_only``: a table may
-    name it for measured shapes only; ``candidates``: the tuner's configs."""
+    """One route. ``kind``: the conv kind it serves ("conv2d",
+    "conv_transpose2d", "conv3d"; None: PyTorch's routes, any kind);
+    ``table``: the name a table config's ``"route"`` gives it (None: no
+    table names it); ``launcher``: ``"module.function"`` of
+    ``conv_patch.kernels`` that runs it (``launcher_of``); ``problem(spec,
+    call, shape, target)``: why it cannot take a call, beyond its kind (None:
+    never); ``exact_only``: a table may name it for measured shapes only;
+    ``candidates``: the tuner's configs (``interpreter``: under the
+    interpreter); ``launches(call)`` and ``descriptors``: what one call
+    costs on it, for the cost model; ``hopper``: it needs sm90 or newer."""
 
     route: Route
     kind: Optional[str]
@@ -202,28 +220,46 @@ class RouteEntry:
     problem: Optional[Callable] = None
     exact_only: bool = False
     candidates: Tuple[dict, ...] = ()
+    interpreter: Tuple[dict, ...] = ()
+    launches: Callable = lambda call: 1
+    descriptors: int = 0
+    hopper: bool = False  # TMA and wgmma: sm90 and newer only (and the interpreter)
+    repacks: bool = False  # the launcher repacks a module's weight at every call (a PyTorch copy)
+
+    @property
+    def is_kernel(self) -> bool:
+        return self.launcher is not None
 
 
 REGISTRY: Tuple[RouteEntry, ...] = (
     RouteEntry(Route.CONV2D_IGEMM, "conv2d", "igemm", "portable implicit-GEMM conv2d: any kernel size, stride, padding (per axis, 'same'/'valid'), dilation; groups=1, zero padding; NCHW, NHWC or strided input read in place; fp16/bf16 (fp32 accumulate), fp32 (TF32 when PyTorch allows it); fused bias, residual*beta, activation, scale",
-               "launch_conv2d", None, candidates=tuple(IGEMM_CANDIDATES)),
+               "conv2d.launch_conv2d", candidates=tuple(IGEMM_CANDIDATES),
+               interpreter=tuple(c for c in INTERPRETER_CANDIDATES if c["route"] == "igemm")),
     RouteEntry(Route.CONV_TRANSPOSE2D_IGEMM, "conv_transpose2d", "igemm",
                'portable implicit-GEMM conv_transpose2d (gather form, split by output phase): stride, padding, output_padding, dilation; groups=1, zero padding; same layouts, dtypes and epilogue as conv2d',
-               "launch_conv_transpose2d"),
+               "conv_transpose2d.launch_conv_transpose2d"),
     RouteEntry(Route.CONV2D_TMA, "conv2d", "tma", 'Hopper (sm90+) conv2d: TMA tensor descriptors (their zero fill is the padding) feeding wgmma, multi-stage pipeline; stride 1, kernels larger than 1x1, any padding and dilation; fp16/bf16; C_in a multiple of 8; NHWC read in place, NCHW through one NHWC staging copy (output written NCHW directly), except 1x1 and Kx1 convs without column padding under one-pixel-row tiles, whose NCHW input is read in place; same fused epilogue as the portable kernels',
-               "launch_conv2d_tma", lambda spec, call, shape, target: tma_problem(spec, call, shape, target),
-               candidates=tuple(TMA_CANDIDATES)),
+               "conv2d_tma.launch_conv2d_tma", tma_problem, candidates=tuple(TMA_CANDIDATES),
+               interpreter=tuple(c for c in INTERPRETER_CANDIDATES if c["route"] == "tma"),
+               # The NHWC staging copy, except where NCHW is read in place.
+               launches=lambda call: 1 if call.layout == "nhwc" else 2, descriptors=3, hopper=True),
     RouteEntry(Route.CONV2D_TAPS, "conv2d", "taps", "few output channels (C_out*KH*KW <= 64, e.g. a VAE's conv_out): the input read once by a 1x1 GEMM against every tap's weights (fp32 partials), then each output pixel's taps summed; any stride, padding, dilation; same layouts, dtypes and fused epilogue as conv2d",
-               "launch_conv2d_taps", lambda spec, call, shape, target: taps_problem(spec),
-               candidates=tuple(TAPS_CANDIDATES)),
+               "conv2d_taps.launch_conv2d_taps", lambda spec, call, shape, target: taps_problem(spec),
+               candidates=tuple(TAPS_CANDIDATES),
+               interpreter=tuple(c for c in INTERPRETER_CANDIDATES if c["route"] == "taps"),
+               launches=lambda call: 2),
     RouteEntry(Route.CONV2D_FLAT, "conv2d", "flat", "few input channels (C_in*KH*KW <= 64, e.g. a VAE encoder's conv_in on an RGB image): the implicit GEMM with its reduction over (c_in, kh, kw) flattened into one dimension, so 3x3x3 is one K = 32 block instead of nine of K = 16; any stride, padding, dilation; same layouts, dtypes and fused epilogue as conv2d",
-               "launch_conv2d_flat", lambda spec, call, shape, target: flat_problem(spec),
-               candidates=tuple(FLAT_CANDIDATES)),
+               "conv2d_flat.launch_conv2d_flat", lambda spec, call, shape, target: flat_problem(spec),
+               candidates=tuple(FLAT_CANDIDATES),
+               interpreter=tuple(c for c in INTERPRETER_CANDIDATES if c["route"] == "flat")),
     RouteEntry(Route.CONV3D_IGEMM, "conv3d", "igemm", "portable implicit-GEMM conv3d: any kernel size, stride, padding (front and back per axis) and dilation; groups=1, zero padding; NCDHW or NDHWC read in place; a causal conv's cached frames read in place in front of the input (no concatenation written); same dtypes and fused epilogue as conv2d. Taken under the interpreter; on a GPU only for shapes an architecture's table measured faster than cuDNN as called (conv3d.exact: bench.video --layers --write-table), PyTorch's conv3d everywhere else",
-               "launch_conv3d", candidates=tuple(CONV3D_CANDIDATES)),
+               "conv3d.launch_conv3d", candidates=tuple(CONV3D_CANDIDATES),
+               interpreter=tuple(c for c in CONV3D_INTERPRETER_CANDIDATES if c["route"] == "igemm")),
     RouteEntry(Route.CONV3D_TMA, "conv3d", "tma", "Hopper (sm90+) conv3d: TMA tensor descriptors over the dense NDHWC input and its cached frames (their zero fill is the padding, in time too) feeding wgmma, one pipelined loop over the cached frames' taps and one over the input's, a tile's output channels in one block or two (BLOCK_N2: 96 = 64 + 32); any kernel size, time stride and dilation, H and W at stride 1; fp16/bf16, C_in a multiple of 8; the weight repacked to channels_last_3d per call; same fused epilogue. On a GPU only for shapes a table measured faster than cuDNN as called (diffusers' Wan-family decoders run NDHWC inside in fp16/bf16 to reach it)",
-               "launch_conv3d_tma", candidates=tuple(CONV3D_TMA_CANDIDATES)),
-    RouteEntry(Route.CUDNN, None, "cudnn", "the original module, chosen because the architecture's table records cuDNN measured faster for this exact shape (convpatch tune): cuDNN computes the convolution, then bias and the fused epilogue run as one pass (conv_patch.functional.epilogue) on NHWC outputs, as PyTorch ops otherwise. A Conv3d call the kernels do not take on a GPU with measured conv3d entries runs it too (conv3d.cudnn_conv3d): the time padding, the cached frames and the input in one concatenation, the symmetric padding passed to cuDNN instead of an F.pad copy, and on NDHWC outputs the bias and epilogue as one pass", exact_only=True),
+               "conv3d_tma.launch_conv3d_tma", conv3d_tma_problem, candidates=tuple(CONV3D_TMA_CANDIDATES),
+               interpreter=tuple(c for c in CONV3D_INTERPRETER_CANDIDATES if c["route"] == "tma"), hopper=True,
+               repacks=True),
+    RouteEntry(Route.CUDNN, None, "cudnn", "the original module, chosen because the architecture's table records cuDNN measured faster for this exact shape (convpatch tune) or the cost model predicts PyTorch faster as called: cuDNN computes the convolution, then bias and the fused epilogue run as one pass (conv_patch.ops.epilogue) on NHWC outputs, as PyTorch ops otherwise. A Conv3d call the kernels do not take on a GPU with measured conv3d entries runs it too (ops.conv3d.cudnn_conv3d): the time padding, the cached frames and the input in one concatenation, the symmetric padding passed to cuDNN instead of an F.pad copy, and on NDHWC outputs the bias and epilogue as one pass", exact_only=True),
     RouteEntry(Route.FALLBACK, None, None, 'the original PyTorch module (cuDNN/ATen): every case the kernels do not take'),
 )
 
@@ -235,14 +271,33 @@ ROUTE_INFO: Dict[Route, str] = {e.route: e.info for e in REGISTRY}
 TABLE_ROUTES: Dict[Tuple[str, str], Route] = {(e.kind, e.table): e.route for e in REGISTRY if e.kind and e.table}
 # Every "route" value a table may hold, the default first.
 TABLE_NAMES: Tuple[str, ...] = tuple(dict.fromkeys(e.table for e in REGISTRY if e.table))
-# Table routes with eligibility rules of their own ("igemm" takes every
-# conv2d; "cudnn" is a matter of device, not of the conv).
-KERNEL_ROUTE_RULES: Tuple[str, ...] = tuple(e.table for e in REGISTRY if e.kind == "conv2d" and e.problem)
+# The table name of the portable kernel, which every conv takes (the
+# default of a config without a "route"), and of PyTorch's measured route.
+DEFAULT_TABLE_ROUTE = BY_ROUTE[Route.CONV2D_IGEMM].table
+CUDNN_TABLE_ROUTE = BY_ROUTE[Route.CUDNN].table
 
 
-def route_problem(route: str, spec: ConvSpec, call: CallDesc, shape: tuple, target: Target) -> Optional[str]:
+def table_names(kind: str) -> Tuple[str, ...]:
+    """The "route" values a table entry of ``kind`` may hold: its kernel
+    routes and PyTorch's measured one."""
+    return tuple(e.table for e in REGISTRY if e.kind == kind and e.table) + (CUDNN_TABLE_ROUTE,)
+
+
+def route_of_table(kind: str, name: str) -> Route:
+    """The route a table's ``"route"`` value names for a conv of ``kind``."""
+    if name == CUDNN_TABLE_ROUTE:
+        return Route.CUDNN
+    return TABLE_ROUTES[(kind, name)]
+
+
+def kernel_routes(kind: str) -> Tuple[RouteEntry, ...]:
+    """The kernel routes of a conv kind, the default first."""
+    return tuple(e for e in REGISTRY if e.kind == kind and e.is_kernel)
+
+
+def route_problem(route: str, spec, call: CallDesc, shape: tuple, target: Target) -> Optional[str]:
     """Why the table route ``route`` cannot take this call, or None; the one
-    place the router, a given config (``ops``) and the tuner ask."""
+    place the decision, a given config and the tuner ask."""
     entry = BY_ROUTE.get(TABLE_ROUTES.get((spec.kind, route)))
     if entry is None or entry.problem is None:
         return None
@@ -254,24 +309,27 @@ def exact_only_routes() -> Tuple[str, ...]:
     return tuple(e.table for e in REGISTRY if e.exact_only)
 
 
-def launcher(kernels, route: Route):
-    """The launcher of a kernel route in ``kernels`` (conv_patch.kernels)."""
-    return getattr(kernels, BY_ROUTE[route].launcher)
+_LAUNCHERS: Dict[Route, tuple] = {}
 
 
-def tuner_candidates(target: Target) -> list:
-    """The configs ``convpatch tune`` measures on ``target``: two of each
-    route under the interpreter, every route's own on a GPU (TMA from sm90)."""
-    if target.interpreter:
-        return [dict(c) for c in INTERPRETER_CANDIDATES]
-    portable = [e for e in REGISTRY if e.candidates and e.kind == "conv2d" and e.route is not Route.CONV2D_TMA]
-    tma = [BY_ROUTE[Route.CONV2D_TMA]] if tma_arch(target.arch) else []
-    return [dict(c) for e in portable + tma for c in e.candidates]
+def launcher_of(route: Route) -> Callable:
+    """The launcher of a kernel route, its module imported on the first use
+    (importing the kernels imports Triton) and held."""
+    held = _LAUNCHERS.get(route)
+    if held is None:
+        module, name = BY_ROUTE[route].launcher.rsplit(".", 1)
+        held = _LAUNCHERS[route] = (importlib.import_module(f"conv_patch.kernels.{module}"), name)
+    return getattr(held[0], held[1])
 
 
-def conv3d_candidates(target: Target) -> list:
-    """The Conv3d kernel's configs a conv3d table entry is measured from."""
-    if target.interpreter:
-        return [dict(c) for c in CONV3D_INTERPRETER_CANDIDATES]
-    routes = [Route.CONV3D_IGEMM] + ([Route.CONV3D_TMA] if tma_arch(target.arch) else [])
-    return [dict(c) for r in routes for c in BY_ROUTE[r].candidates]
+def tuner_candidates(target: Target, kind: str = "conv2d") -> list:
+    """The configs ``convpatch tune`` (``kind`` "conv2d") and the conv3d
+    layer tuner (``kind`` "conv3d") measure on ``target``: the kind's kernel
+    routes' own, the TMA ones from sm90 only; under the interpreter, their
+    interpreter candidates (tiles sized for it)."""
+    out = []
+    for e in kernel_routes(kind):
+        if e.hopper and not (target.interpreter or tma_arch(target.arch)):
+            continue
+        out += e.interpreter if target.interpreter else e.candidates
+    return [dict(c) for c in out]

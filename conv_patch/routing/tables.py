@@ -17,8 +17,9 @@ from typing import Optional, Tuple
 
 import torch
 
-from conv_patch.routing.registry import TABLE_NAMES, exact_only_routes
-from conv_patch.specs import ConvSpec
+from conv_patch.routing.calibration import Calibration
+from conv_patch.routing.registry import DEFAULT_TABLE_ROUTE, REGISTRY, TABLE_NAMES, exact_only_routes, table_names
+from conv_patch.specs import ConvSpec, dtype_name, layout_of
 
 TILE_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K")
 KINDS = ("conv2d", "conv_transpose2d")
@@ -36,10 +37,6 @@ SHARED_EXACT_DTYPE = {"float16": "bfloat16"}
 
 class TableError(ValueError):
     pass
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
 
 
 def shape_key(spec: ConvSpec, shape: tuple, layout: str, dtype: torch.dtype) -> str:
@@ -86,30 +83,15 @@ def conv3d_keys(spec, shape: tuple, cache_frames: int, layout: str, dtype: torch
     return keys
 
 
-def conv3d_layout(x: torch.Tensor) -> str:
-    """"ndhwc" for a channels_last_3d activation, else "ncdhw"."""
-    return "ndhwc" if x.is_contiguous(memory_format=torch.channels_last_3d) and not x.is_contiguous() else "ncdhw"
-
-
 def conv3d_call_key(spec, x: torch.Tensor, cache: Optional[torch.Tensor]) -> str:
     """``conv3d_shape_key`` of a call: input ``x`` after ``cache``'s frames."""
-    return conv3d_shape_key(spec, tuple(x.shape), 0 if cache is None else cache.shape[2], conv3d_layout(x), x.dtype)
-
-
-def conv3d_call_keys(spec, x: torch.Tensor, cache: Optional[torch.Tensor]) -> list:
-    """``conv3d_keys`` of a call (its own key first)."""
-    return conv3d_keys(spec, tuple(x.shape), 0 if cache is None else cache.shape[2], conv3d_layout(x), x.dtype)
-
-
-# Routes a conv3d exact entry may name: the portable kernel, the sm90 TMA
-# kernel, or cuDNN where that was measured faster.
-CONV3D_ROUTES = ("igemm", "tma", "cudnn")
+    return conv3d_shape_key(spec, tuple(x.shape), 0 if cache is None else cache.shape[2], layout_of(x), x.dtype)
 
 
 def _check_config(cfg, where: str, exact: bool = False, conv3d: bool = False) -> dict:
     if not isinstance(cfg, dict):
         raise TableError(f"{where}: a config must be an object")
-    route = cfg.get("route", "igemm")
+    route = route_of(cfg)
     if route not in ROUTES:
         raise TableError(f"{where}: route must be one of {', '.join(ROUTES)}, got {route!r}")
     if route in exact_only_routes():
@@ -123,12 +105,15 @@ def _check_config(cfg, where: str, exact: bool = False, conv3d: bool = False) ->
     for k in ("GROUP_M", "num_warps", "num_stages"):
         if k in cfg and (not isinstance(cfg[k], int) or cfg[k] < 1):
             raise TableError(f"{where}: {k} must be a positive integer, got {cfg[k]!r}")
+    # The Hopper routes' tiles: a width in pixels (BLOCK_W), a persistent
+    # grid, and for the conv3d kernel a second block of output channels.
+    hopper = any(e.hopper for e in REGISTRY if e.table == route)
     bn2 = cfg.get("BLOCK_N2", 0)
-    if bn2 and not (conv3d and route == "tma"):
+    if bn2 and not (conv3d and hopper):
         raise TableError(f"{where}: BLOCK_N2 splits the conv3d TMA kernel's output channels only")
     if not isinstance(bn2, int) or isinstance(bn2, bool) or (bn2 and (bn2 < 16 or bn2 & (bn2 - 1))):
         raise TableError(f"{where}: BLOCK_N2 must be 0 or a power of two >= 16, got {bn2!r}")
-    if route == "tma":
+    if hopper:
         bw = cfg.get("BLOCK_W", 16)
         if not isinstance(bw, int) or bw < 1 or bw & (bw - 1) or bw > cfg["BLOCK_M"]:
             raise TableError(f"{where}: BLOCK_W must be a power of two <= BLOCK_M, got {bw!r}")
@@ -140,7 +125,7 @@ def _check_config(cfg, where: str, exact: bool = False, conv3d: bool = False) ->
             raise TableError(f"{where}: persistent must be a number of programs per SM (0: off), got {per_sm!r}")
         if cfg["BLOCK_M"] < 64 or cfg.get("num_warps", 4) % 4:
             # wgmma: a warpgroup is 4 warps and its M tile is 64.
-            raise TableError(f"{where}: the tma route needs BLOCK_M >= 64 and num_warps a multiple of 4")
+            raise TableError(f"{where}: the {route} route needs BLOCK_M >= 64 and num_warps a multiple of 4")
     return cfg
 
 
@@ -177,11 +162,21 @@ def validate_table(table, name: str) -> dict:
         for key, cfg in (sec.get("exact") or {}).items():
             where = f"{name}: conv3d.exact[{key!r}]"
             _check_config(cfg, where, exact=True, conv3d=True)
-            if route_of(cfg) not in CONV3D_ROUTES:
-                raise TableError(f"{where}: route must be one of {', '.join(CONV3D_ROUTES)}, got {route_of(cfg)!r}")
+            if route_of(cfg) not in table_names("conv3d"):
+                raise TableError(f"{where}: route must be one of {', '.join(table_names('conv3d'))}, "
+                                 f"got {route_of(cfg)!r}")
             for t in ("ours_ms", "cudnn_ms"):
                 if not (isinstance(cfg.get(t), (int, float)) and cfg[t] > 0):
                     raise TableError(f"{where}: needs the measured {t} (a positive number)")
+    if "calibration" in table:
+        try:
+            Calibration.of(table["calibration"], f"{name}: calibration")
+        except ValueError as e:
+            raise TableError(str(e)) from None
+    source = table.get("source")
+    if source is not None and (not isinstance(source, str) or "\n" in source or len(source) > SOURCE_MAX):
+        raise TableError(f"{name}: source must be one line of at most {SOURCE_MAX} characters (a table's "
+                         "history belongs in docs/tuning-log.md)")
     return table
 
 
@@ -192,6 +187,10 @@ def _read_packaged(name: str) -> Optional[dict]:
     return validate_table(json.loads(res.read_text()), f"configs/{name}.json")
 
 
+# A table's ``source``: one line saying what it was measured from.
+SOURCE_MAX = 600
+
+
 class Table:
     """A validated table and its name; remembers its lookups, so the
     per-call cost after the first call of a shape is one dict access."""
@@ -200,6 +199,17 @@ class Table:
         self.data = data
         self.name = name
         self._memo = {}
+        self._calibration = None
+
+    @property
+    def calibration(self) -> Calibration:
+        """The cost model's facts of this machine: the table's own
+        ``"calibration"``, else the curated default's."""
+        if self._calibration is None:
+            own = self.data.get("calibration")
+            self._calibration = (Calibration.of(own) if own is not None
+                                 else packaged_table("default").calibration)
+        return self._calibration
 
     def lookup(self, spec: ConvSpec, shape: tuple, layout: str, dtype: torch.dtype,
                m: int, routes: frozenset = ALL_ROUTES) -> Tuple[dict, str]:
@@ -263,7 +273,8 @@ def load_user_table(table) -> Table:
 
 
 def route_of(cfg: dict) -> str:
-    return cfg.get("route", "igemm")
+    """The table route a config names (the portable kernel where it names none)."""
+    return cfg.get("route", DEFAULT_TABLE_ROUTE)
 
 
 def lookup(table: dict, spec: ConvSpec, shape: tuple, layout: str, dtype: torch.dtype,

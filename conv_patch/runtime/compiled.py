@@ -18,6 +18,7 @@ import torch
 
 from conv_patch.ops import conv2d as conv_op
 from conv_patch.runtime import dispatch
+from conv_patch.runtime.call import Call
 from conv_patch.specs import ConvSpec
 
 
@@ -36,8 +37,9 @@ def conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], re
     # The one dispatch entry, with a call site for the plans and the pack:
     # planned, weighed against PyTorch and replayed like a wrapper's call.
     site = dispatch.call_site(spec, weight, bias)
-    y = dispatch.conv_with(site, weight, bias, x, residual, beta, activation, out_scale,
-                           tuple(output_padding) if transposed else None, (weight, bias))
+    y = dispatch.conv_with(site, weight, bias, Call(x, residual, beta, activation, out_scale,
+                                                    output_padding=tuple(output_padding) if transposed else None,
+                                                    fallback_args=(weight, bias)))
     # A custom op's output must not alias its inputs.
     return y.clone() if y is x or y is residual else y
 
@@ -54,10 +56,10 @@ def _(x, weight, bias, residual, transposed, stride, pad_begin, pad_end, dilatio
     return y.squeeze(0) if len(shape) == 3 else y
 
 
-def call(module, x, residual, beta, activation, out_scale, output_padding=None) -> torch.Tensor:
+def call(module, c: Call) -> torch.Tensor:
     """The op for a wrapper's call (what its forward runs under tracing)."""
     spec = module.spec
-    op = list(output_padding) if output_padding is not None else list(spec.output_padding)
-    return conv(x, module.weight, module.bias, residual, spec.transposed, list(spec.stride),
+    op = list(c.output_padding) if c.output_padding is not None else list(spec.output_padding)
+    return conv(c.x, module.weight, module.bias, c.residual, spec.transposed, list(spec.stride),
                 list(spec.pad_begin), list(spec.pad_end), list(spec.dilation), op,
-                float(beta), activation, float(out_scale))
+                float(c.beta), c.activation, float(c.out_scale))

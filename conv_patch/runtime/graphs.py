@@ -47,6 +47,7 @@ import torch
 from torch import nn
 
 from conv_patch.runtime import pack
+from conv_patch.runtime.state import peek, state_of
 
 MAX_RECAPTURES = 3
 DEFAULT_MAX_GRAPHS = 4
@@ -179,7 +180,7 @@ def _substitute(args, kwargs, it):
 
 
 class GraphCache:
-    """The graphs of one module (kept in its ``_cp_graphs``), keyed by call."""
+    """The graphs of one module (kept in its state's ``graphs``), keyed by call."""
 
     capture_cls = Captured
 
@@ -287,15 +288,19 @@ def outermost(modules, is_candidate: Callable[[nn.Module], bool]):
 
 
 def install(module: nn.Module, max_graphs: int) -> None:
-    if module.__dict__.get("_cp_graphs") is None:
-        module.__dict__["_cp_graphs"] = GraphCache(max_graphs)
+    st = state_of(module)
+    if st.graphs is None:
+        st.graphs = GraphCache(max_graphs)
 
 
 def uninstall(module: nn.Module) -> None:
-    module.__dict__.pop("_cp_graphs", None)
+    st = peek(module)
+    if st is not None:
+        st.graphs = None
 
 
 def cache_of(module: nn.Module) -> Optional[GraphCache]:
     """The module's graph cache (its captures, replays and eager calls in
     ``.stats``), or None."""
-    return module.__dict__.get("_cp_graphs")
+    st = peek(module)
+    return None if st is None else st.graphs

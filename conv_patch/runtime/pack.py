@@ -7,7 +7,7 @@ channels_last for a weight): each output channel's reduction over
 already stored that way (a model moved to channels_last, any 1x1 conv) is read
 directly. Any other weight is copied into a pack buffer of that layout.
 
-The pack buffer is cached per wrapper, keyed on
+The pack buffer is cached per wrapper (its state's ``pack``), keyed on
 ``(data_ptr, device, shape, stride, dtype, layout)``: a key change (``.to()``,
 ``.half()``, a new tensor assigned to ``.data``) releases the old buffer and
 allocates one of the new shape, so one weight holds at most one pack. The
@@ -55,6 +55,9 @@ from typing import Optional
 
 import torch
 
+from conv_patch.ops.loader import kernels
+from conv_patch.routing.registry import Route
+from conv_patch.runtime.state import STATE, peek, state_of
 from conv_patch.work import Work
 
 PACK_LAYOUT = "co_kh_kw_ci"
@@ -95,6 +98,21 @@ def kernel_view(weight: torch.Tensor, transposed: bool) -> torch.Tensor:
     return weight.transpose(0, 1) if transposed else weight
 
 
+def route_weight(weight: torch.Tensor, route: Route, transposed: bool = False) -> torch.Tensor:
+    """The weight of one call as route ``route``'s launcher reads it, where
+    no pack is kept for it (the functional API, a Conv3d call): the 2-D TMA
+    kernel's and the Conv3d TMA kernel's dense co,(kt,)kh,kw,ci box source,
+    a copy where the weight is not already stored so (the Conv3d one is
+    measured with its call: a copy of the weight, small beside a video
+    conv's activations); the portable kernels read any strides in place."""
+    view = kernel_view(weight, transposed)
+    if route is Route.CONV2D_TMA and not is_kernel_layout(view):
+        return view.contiguous(memory_format=torch.channels_last)
+    if route is Route.CONV3D_TMA and not view.is_contiguous(memory_format=torch.channels_last_3d):
+        return view.contiguous(memory_format=torch.channels_last_3d)
+    return view
+
+
 def is_kernel_layout(w: torch.Tensor) -> bool:
     """True when ``w`` ([C_out, C_in, KH, KW]) is stored co, kh, kw, ci densely."""
     return w.is_contiguous(memory_format=torch.channels_last)
@@ -124,10 +142,12 @@ def _allocate(view: torch.Tensor) -> torch.Tensor:
 def packed_weight(holder, weight: torch.Tensor, transposed: bool) -> torch.Tensor:
     """The weight in the kernels' layout, read from ``weight`` during this call.
 
-    ``holder`` (the wrapper) keeps at most one ``PackEntry`` in ``_cp_pack``.
+    ``holder`` (the wrapper, or a call site) keeps at most one ``PackEntry``
+    (its state's ``pack``).
     """
     Work.n += 1
-    entry: Optional[PackEntry] = holder.__dict__.get("_cp_pack")
+    st = state_of(holder)
+    entry: Optional[PackEntry] = st.pack
     if entry is not None and entry.fresh and entry.fresh == ACTIVE.epoch and entry.key[0] == weight.data_ptr():
         # Refreshed from this storage at the start of this thread's fused
         # block call (``PackGroup`` checked the rest of the key then).
@@ -141,8 +161,7 @@ def packed_weight(holder, weight: torch.Tensor, transposed: bool) -> torch.Tenso
         # Shape, dtype, device or storage changed: the old buffer is dropped
         # here, before the new one is allocated.
         release(holder)
-        entry = PackEntry(key, _allocate(view))
-        holder.__dict__["_cp_pack"] = entry
+        entry = st.pack = PackEntry(key, _allocate(view))
         _LIVE.add(entry)
         _STATS["allocations"] += 1
     return refresh(holder, entry, view, transposed)
@@ -161,8 +180,7 @@ def refresh(holder, entry: PackEntry, view: torch.Tensor, transposed: bool) -> t
         # pack kernel moves a 512x512x3x3 weight in a fraction of the 7.4 us
         # PyTorch's strided copy took on the H200 (kernels/weight_prep.py).
         # Eagerly the copy stays: there the launch's host time is the cost.
-        from conv_patch.kernels import api as kernels
-        kernels.launch_weight_pack(view, entry.buf)
+        kernels().launch_weight_pack(view, entry.buf)
     else:
         entry.buf.copy_(view)
     _STATS["refreshes"] += 1
@@ -202,7 +220,8 @@ class PackGroup:
                 gone.append(k)
                 continue
             d = m.__dict__
-            entry, w = d.get("_cp_pack"), d["_parameters"].get("weight")
+            st = d.get(STATE)
+            entry, w = None if st is None else st.pack, d["_parameters"].get("weight")
             if (entry is None or w is None or d["_forward_pre_hooks"] or d["_forward_hooks"]
                     or w.data_ptr() != entry.key[0] or w.stride() != entry.key[3]):
                 continue
@@ -222,7 +241,7 @@ class PackGroup:
         # (Each member's weight was checked against its pack's key above:
         # the addresses and strides the launch's arguments hold.)
         sig = tuple([(e.buf.data_ptr(), e.key[0], e.key[3]) for e, _, _ in current])
-        from conv_patch.kernels import api as kernels
+        k = kernels()
         try:
             if self.args is None or self.args[0] != sig:
                 if foreign_capture(current[0][1]):
@@ -231,9 +250,9 @@ class PackGroup:
                 for e, w, transposed in current:
                     view = w.detach().transpose(0, 1) if transposed else w.detach()
                     groups.setdefault((view.device, view.dtype), []).append((view, e.buf))
-                self.args = (sig, [persistent(kernels.grouped_pack_args, pairs) for pairs in groups.values()])
+                self.args = (sig, [persistent(k.grouped_pack_args, pairs) for pairs in groups.values()])
             for args in self.args[1]:
-                kernels.launch_grouped_weight_pack(args)
+                k.launch_grouped_weight_pack(args)
         except Exception as e:
             # Nothing was marked fresh: each pack refreshes itself at its
             # conv's call, from now on (a launch that failed here fails again).
@@ -253,9 +272,10 @@ def grouped(block, fn, args, kwargs):
     For the outermost fused block of a call, off the graph path
     (``FusedBlock.forward`` checks): a block called inside it runs
     plainly, and this block's group learns and refreshes its packs."""
-    group = block.__dict__.get("_cp_packs")
+    st = state_of(block)
+    group = st.packs
     if group is None:
-        group = block.__dict__["_cp_packs"] = PackGroup()
+        group = st.packs = PackGroup()
     ACTIVE.epoch = group.refresh()
     ACTIVE.group = group
     try:
@@ -303,7 +323,9 @@ def foreign_capture(t: torch.Tensor) -> bool:
 
 
 def release(holder) -> None:
-    holder.__dict__["_cp_pack"] = None
+    st = peek(holder)
+    if st is not None:
+        st.pack = None
 
 
 def stats() -> dict:

@@ -50,6 +50,7 @@ import torch
 from torch import nn
 
 from conv_patch.runtime import pack
+from conv_patch.runtime.state import peek, state_of
 from conv_patch.work import Work
 
 # Learned signatures kept per model; a model called at more shapes than this
@@ -114,8 +115,8 @@ def is_component(m: nn.Module) -> bool:
 
 
 def _busy_block(m: nn.Module) -> bool:
-    d = m.__dict__
-    return d.get("_cp_bands") is not None or d.get("_cp_graphs") is not None
+    st = peek(m)
+    return st is not None and (st.bands is not None or st.graphs is not None)
 
 
 def outermost_components(model: nn.Module) -> List[nn.Module]:
@@ -302,7 +303,8 @@ def _enter(model, args, kwargs):
     if torch.compiler.is_compiling():
         return None
     calls = _THREAD.calls
-    state = model.__dict__.get("_cp_passthrough")
+    st = peek(model)
+    state = None if st is None else st.passthrough
     if calls or state is None or pack.GRAPH_PATH or torch.jit.is_tracing():
         calls.append((model, None, None))
         return None
@@ -340,7 +342,8 @@ def _exit(model, args, kwargs, output):
         return None
     if isinstance(what, Watch):
         what.close()
-        state = model.__dict__.get("_cp_passthrough")
+        st = peek(model)
+        state = None if st is None else st.passthrough
         # A call that raised (no output) teaches nothing: watch the next one.
         if state is not None and output is not None and state.plans.get(key) is _SEEN:
             state.plans[key] = what.swaps()
@@ -357,11 +360,11 @@ def install(model: nn.Module) -> bool:
     learned (its components changed). A model that is a fused block itself
     keeps its class (fixed once its call has begun): what it calls can pass
     through. Whether it is hooked."""
-    state = model.__dict__.get("_cp_passthrough")
-    if state is not None and _hooked(model):
-        state.plans.clear()
+    st = state_of(model)
+    if st.passthrough is not None and _hooked(model):
+        st.passthrough.plans.clear()
         return True
-    model.__dict__["_cp_passthrough"] = Passthrough()
+    st.passthrough = Passthrough()
     model.register_forward_pre_hook(_enter, with_kwargs=True)
     model.register_forward_hook(_exit, with_kwargs=True, always_call=True)
     return True
@@ -373,7 +376,9 @@ def _hooked(model: nn.Module) -> bool:
 
 def uninstall(model: nn.Module) -> None:
     """Take the hooks off ``model`` and forget what it learned."""
-    model.__dict__.pop("_cp_passthrough", None)
+    st = peek(model)
+    if st is not None:
+        st.passthrough = None
     for hooks in (model._forward_pre_hooks, model._forward_hooks):
         for k in [k for k, h in hooks.items() if h is _enter or h is _exit]:
             del hooks[k]
@@ -385,5 +390,5 @@ def uninstall(model: nn.Module) -> None:
 def learned(model: nn.Module) -> List[tuple]:
     """(signature, components passed through) per signature ``model`` has
     learned; [] where it is not hooked."""
-    state = model.__dict__.get("_cp_passthrough")
-    return [] if state is None else state.summary()
+    st = peek(model)
+    return [] if st is None or st.passthrough is None else st.passthrough.summary()

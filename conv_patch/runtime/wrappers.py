@@ -19,18 +19,22 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from conv_patch.runtime import dispatch, pack
-from conv_patch.ops.conv3d import Conv3dSpec
 from conv_patch.activations import activation_code, eager_epilogue
-from conv_patch.routing.select import Route, RouteDecision, select_route
-from conv_patch.specs import ConvSpec, needs_grad
+from conv_patch.routing.decide import RouteDecision, decide, fallback
+from conv_patch.runtime import dispatch, pack, planner
+from conv_patch.runtime.call import Call
+from conv_patch.runtime.plans import eager
+from conv_patch.runtime.state import STATE, State, state_of
+from conv_patch.specs import Conv3dSpec, ConvSpec, needs_grad
+from conv_patch.target import target_for
 
-# Wrapper-private state lives under this prefix and is never copied back.
-PRIVATE = "_cp_"
+# Everything conv-patch keeps on a wrapper is its ``State`` (under this
+# prefix), never copied back to the original.
+PRIVATE = "_cp"
 
 
 class PatchedConvMixin:
-    """Behaviour shared by both wrappers; mixed in before the torch class.
+    """Behaviour shared by the wrappers; mixed in before the torch class.
 
     A wrapper may also be constructed like its torch class
     (``PatchedConv2d(in, out, k)``): PEFT builds its LoRA convs as
@@ -40,24 +44,18 @@ class PatchedConvMixin:
 
     _cp_torch_class = nn.Module
     _cp_transposed = False
-    _cp_original = None
-    _cp_table = None
-    _cp_pack = None
-    _cp_last = None
-    _cp_spec = None
 
     @classmethod
     def wrap(cls, original: nn.Module, table=None):
         self = cls.__new__(cls)
         self.__dict__.update(original.__dict__)
-        self.__dict__.update(_cp_original=original, _cp_table=table, _cp_pack=None, _cp_last=None, _cp_plans=None,
-                             _cp_bare=None)
+        self.__dict__[STATE] = State(original=original, table=table)
         return self
 
     def unwrap(self) -> nn.Module:
         """The original module, given every public attribute of the wrapper
         (training flag, edited hyper-parameters, attributes set since)."""
-        orig = self._cp_original
+        orig = state_of(self).original
         if orig is None:
             orig = self._cp_torch_class.__new__(self._cp_torch_class)
         for k, v in self.__dict__.items():
@@ -72,25 +70,24 @@ class PatchedConvMixin:
     @property
     def spec(self) -> ConvSpec:
         """The conv's description, rebuilt after any attribute assignment."""
-        spec = self.__dict__.get("_cp_spec")
-        if spec is None:
-            spec = self.__dict__["_cp_spec"] = ConvSpec.from_module(self)
-        return spec
+        st = state_of(self)
+        if st.spec is None:
+            st.spec = ConvSpec.from_module(self)
+        return st.spec
 
     def __setattr__(self, name, value):
         super().__setattr__(name, value)
         if not name.startswith(PRIVATE):
-            self.__dict__["_cp_spec"] = None
             dispatch.clear(self)
 
     def route(self, x: Optional[torch.Tensor] = None, residual=None, output_padding=None) -> RouteDecision:
-        """The route this module takes for input ``x`` (the router's choice
-        weighed against PyTorch as called, ``dispatch.decide``), or, without
-        ``x``, the kernel family it is eligible for."""
+        """The route this module takes for input ``x`` (the decision weighed
+        against PyTorch as called), or, without ``x``, the kernel family it
+        is eligible for."""
         if x is None:
-            return select_route(self.spec)
-        return dispatch.decide(self, x, self.weight, self.bias, residual, 1.0, "none", 1.0, output_padding, None,
-                               x.is_cuda and pack.on_graph_path(x))[0]
+            return decide(self.spec)
+        call = Call(x, residual, output_padding=output_padding)
+        return planner.decide_call(self, call, self.weight, self.bias, x.is_cuda and pack.on_graph_path(x))[0]
 
     # Whether the class can be a ComfyUI conv (``is_comfy_conv_class``): only
     # then can ComfyUI cast or patch its weights per call.
@@ -99,29 +96,29 @@ class PatchedConvMixin:
     def _cp_comfy_active(self) -> bool:
         return self._cp_comfy_class and comfy_active(self)
 
-    def _cp_call(self, x, residual, beta, activation, out_scale, output_padding=None, fallback_args=(),
-                 out=None, padding=None, no_bias=False):
-        """``out`` (inference only; may be ``residual``) receives the result;
-        ``padding`` and ``no_bias`` as for ``dispatch.conv``."""
-        if activation != "none":
-            activation_code(activation)
+    def _cp_call(self, call: Call):
+        """The call through the one dispatch entry; ``call.out`` (inference
+        only; may be the residual) receives the result."""
+        if call.activation != "none":
+            activation_code(call.activation)
+        x = call.x
         if torch.compiler.is_compiling():
             # Under autocast the original forward is traced too: the opaque op
             # would compute in the input's dtype, not autocast's.
-            if padding is None and not no_bias and not self._cp_comfy_active() and not needs_grad(
-                    x, self.weight, self.bias, residual) and not torch.is_autocast_enabled(x.device.type):
+            if call.padding is None and not call.no_bias and not self._cp_comfy_active() and not needs_grad(
+                    x, self.weight, self.bias, call.residual) and not torch.is_autocast_enabled(x.device.type):
                 # One opaque custom op in the graph; it routes when it runs.
                 from conv_patch.runtime import compiled
-                return _into(out, compiled.call(self, x, residual, beta, activation, out_scale, output_padding))
+                y = compiled.call(self, call)
+                return y if call.out is None else call.out.copy_(y)
             # The op has no backward: Dynamo traces the original forward.
-            return self._cp_eager(x, residual, beta, activation, out_scale, fallback_args, out, padding, no_bias)
+            return eager(self, call, call.padding)
         if self._cp_comfy_class and comfy_active(self):
             # The computation must use the per-call weight ComfyUI builds, never
             # a pack of the stored parameter: the original forward does that.
-            self.__dict__["_cp_last"] = RouteDecision(Route.FALLBACK, "ComfyUI weight casting or patching active")
-            return self._cp_eager(x, residual, beta, activation, out_scale, fallback_args, out, padding, no_bias)
-        return dispatch.conv(self, x, residual, beta, activation, out_scale, output_padding, fallback_args, out,
-                             padding, no_bias)
+            state_of(self).last = fallback("ComfyUI weight casting or patching active")
+            return eager(self, call, call.padding)
+        return dispatch.conv(self, call)
 
     def call_with_epilogue(self, x, residual=None, beta=1.0, activation="none", out_scale=1.0, out=None,
                            padding=None):
@@ -134,11 +131,7 @@ class PatchedConvMixin:
             y = dispatch.bare_call(self, x, activation, residual, beta, out_scale)
             if y is not None:
                 return y
-        return self._cp_call(x, residual, beta, activation, out_scale, out=out, padding=padding)
-
-    def _cp_eager(self, x, residual, beta, activation, out_scale, fallback_args, out, padding, no_bias):
-        """The original forward plus the epilogue as PyTorch ops."""
-        return dispatch.eager(self, x, residual, beta, activation, out_scale, fallback_args, out, padding, no_bias)
+        return self._cp_call(Call(x, residual, beta, activation, out_scale, out, padding))
 
     def forward_without_bias(self, x):
         """``(y, b)`` with ``y + b`` (``b`` [C_out], per channel) equal to
@@ -151,21 +144,27 @@ class PatchedConvMixin:
         bias."""
         if self.bias is None or self._cp_transposed or torch.compiler.is_compiling() or self._cp_comfy_active():
             return self(x), None
-        return self._cp_call(x, None, 1.0, "none", 1.0, no_bias=True)
+        return self._cp_call(Call(x, no_bias=True))
 
     def _cp_own_class(self) -> Optional[type]:
-        """The class this wrapper runs as when ``conv_patch.runtime.passthrough``
+        """The class this wrapper runs as when ``runtime.passthrough``
         passes it through: its original's. None for a parametrized weight
         (the wrapper's class holds the parametrization)."""
         if parametrize.is_parametrized(self):
             return None
-        orig = self._cp_original
+        orig = state_of(self).original
         return type(orig) if orig is not None else self._cp_torch_class
 
     @property
     def _cp_fallback_forward(self):
-        orig = self._cp_original
+        """The original module's class's forward (unbound): what a call the
+        kernels do not take runs."""
+        orig = state_of(self).original
         return type(orig).forward if orig is not None else self._cp_torch_class.forward
+
+    def _cp_forward(self, x, *args):
+        """The original module's own forward on ``x``."""
+        return self._cp_fallback_forward(self, x, *args)
 
     # -- nn.Module plumbing --------------------------------------------------
     def _apply(self, fn, *args, **kwargs):
@@ -175,15 +174,8 @@ class PatchedConvMixin:
         dispatch.clear(self)
         return super()._apply(fn, *args, **kwargs)
 
-    def __getstate__(self):
-        state = self.__dict__.copy()
-        state["_cp_pack"] = None
-        state["_cp_plans"] = None  # plans hold kernels and this process's buffers
-        state["_cp_bare"] = state["_cp_subpixel"] = state["_cp_gate"] = None
-        return state
-
     def extra_repr(self) -> str:
-        last = self.__dict__.get("_cp_last")
+        last = state_of(self).last
         label = last.label() if last is not None else self.route().label()
         return f"{super().extra_repr()}, route={label}"
 
@@ -202,7 +194,7 @@ class PatchedConv2d(PatchedConvMixin, nn.Conv2d):
             y = dispatch.bare_call(self, input, activation, residual, beta, out_scale)
             if y is not None:
                 return y
-            return self._cp_call(input, residual, beta, activation, out_scale)
+            return self._cp_call(Call(input, residual, beta, activation, out_scale))
         return self.call_with_epilogue(input, residual, beta, activation, out_scale, out)
 
 
@@ -218,10 +210,6 @@ def parametrized_class(cls: type, parametrized: type) -> type:
            if not k.startswith("__") or k in ("__getstate__", "__deepcopy__")}
     name = parametrized.__name__.replace(parametrized.__bases__[0].__name__, cls.__name__, 1)
     return type(name, (cls,), dict(own, __module__=parametrized.__module__, __qualname__=name))
-
-
-def _into(out: Optional[torch.Tensor], y: torch.Tensor) -> torch.Tensor:
-    return y if out is None else out.copy_(y)
 
 
 _COMFY_ATTRS = ("comfy_cast_weights", "weight_function", "bias_function")
@@ -299,8 +287,8 @@ class PatchedConvTranspose2d(PatchedConvMixin, nn.ConvTranspose2d):
         if output_size is not None:
             output_padding = tuple(self._output_padding(
                 input, output_size, self.stride, self.padding, self.kernel_size, 2, self.dilation))
-        return self._cp_call(input, residual, beta, activation, out_scale, output_padding,
-                             fallback_args=(output_size,))
+        return self._cp_call(Call(input, residual, beta, activation, out_scale, output_padding=output_padding,
+                                  fallback_args=(output_size,)))
 
 
 class PatchedConv3d(PatchedConvMixin, nn.Conv3d):
@@ -312,22 +300,21 @@ class PatchedConv3d(PatchedConvMixin, nn.Conv3d):
 
     @property
     def spec(self) -> Conv3dSpec:
-        spec = self.__dict__.get("_cp_spec")
-        if spec is None:
-            spec = self.__dict__["_cp_spec"] = Conv3dSpec.from_module(self, self._cp_own_pads())
-        return spec
+        st = state_of(self)
+        if st.spec is None:
+            st.spec = Conv3dSpec.from_module(self, self._cp_own_pads())
+        return st.spec
 
     def _cp_own_pads(self):
         return None
 
     def route(self, x: Optional[torch.Tensor] = None, residual=None, output_padding=None) -> RouteDecision:
-        """The route of input ``x`` (``dispatch.conv3d_decide``), or, without
+        """The route of input ``x`` (the decision as called), or, without
         ``x``, the kernel family the module is eligible for."""
         if x is None:
-            problem = self.spec.problem()
-            return RouteDecision(Route.FALLBACK, problem) if problem else RouteDecision(Route.CONV3D_IGEMM)
-        return dispatch.conv3d_decide(self.spec, x, self.weight, self.bias, None, residual, False,
-                                      self._cp_table)[0]
+            return decide(self.spec)
+        return planner.decide_conv3d(self, self.spec, Call(x, residual), self.weight, self.bias, False, False,
+                                     target_for(x.device))
 
     def forward(self, input, *, cache=None, residual=None, beta=1.0, activation="none", out_scale=1.0):
         if activation != "none":
@@ -337,8 +324,7 @@ class PatchedConv3d(PatchedConvMixin, nn.Conv3d):
             return self._cp_fallback_forward(self, input if cache is None else torch.cat([cache, input], 2))
         if torch.compiler.is_compiling() or self._cp_comfy_active():
             return eager_epilogue(own(), residual, beta, activation, out_scale)
-        return dispatch.conv3d(self, input, own, cache=cache, residual=residual, beta=beta, activation=activation,
-                               out_scale=out_scale)
+        return dispatch.conv3d(self, Call(input, residual, beta, activation, out_scale, cache=cache, own=own))
 
     def forward_without_bias(self, x):
         return self(x), None
@@ -378,8 +364,8 @@ class PatchedCausalConv3d(PatchedConv3d):
         if pt0 < 0:
             # More cached frames than padding: F.pad would crop them.
             return eager_epilogue(own(), residual, beta, activation, out_scale)
-        return dispatch.conv3d(self, x, own, cache=cache, pads=((pt0, pt1), hw_h, hw_w), residual=residual,
-                               beta=beta, activation=activation, out_scale=out_scale)
+        return dispatch.conv3d(self, Call(x, residual, beta, activation, out_scale, cache=cache,
+                                          pads=((pt0, pt1), hw_h, hw_w), own=own))
 
 
 def causal_conv3d_problem(m: nn.Module) -> Optional[str]:

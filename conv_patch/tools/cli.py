@@ -120,7 +120,7 @@ def _pick_device(name):
 def _enable_interpreter_for_cpu(device):
     """On the CPU the kernels can only run under the Triton interpreter; it
     must be chosen before the kernels are imported."""
-    if device.type == "cpu" and "conv_patch.kernels.launch" not in sys.modules:
+    if device.type == "cpu" and "conv_patch.kernels.common" not in sys.modules:
         os.environ["TRITON_INTERPRET"] = "1"
 
 
@@ -467,8 +467,9 @@ def _tune_from_reports(args, base, calls, dtype, out) -> int:
 
 def _wrote(table, out):
     from conv_patch.routing import tables
+    from conv_patch.routing.registry import CUDNN_TABLE_ROUTE
 
-    n_cudnn = sum(1 for e in table["conv2d"]["exact"].values() if e.get("route") == "cudnn")
+    n_cudnn = sum(1 for e in table["conv2d"]["exact"].values() if tables.route_of(e) == CUDNN_TABLE_ROUTE)
     print(f"wrote {out}: {len(table['conv2d']['exact'])} exact entries ({n_cudnn} routed to cuDNN), "
           f"{len(table['conv2d']['buckets'])} buckets")
     tables.load_user_table(out)  # what we wrote must load

@@ -28,14 +28,20 @@ from typing import Callable, Dict, Iterable, List, Optional
 
 import torch
 
-from conv_patch.routing import tables as config_tables
 from conv_patch import functional
+from conv_patch.ops.loader import kernel_errors
+from conv_patch.routing import tables as config_tables
+from conv_patch.routing.registry import (BY_ROUTE, CUDNN_TABLE_ROUTE, Route, flat_problem, route_problem, taps_problem,
+                                         tile_config, tma_problem, tuner_candidates)
+from conv_patch.specs import CallDesc, layout_of
+from conv_patch.target import Target, conv_tf32, target_for
 from conv_patch.tools.model_shapes import ConvCall, distinct_calls
-from conv_patch.routing import registry as routes
-from conv_patch.routing.registry import tile_config, flat_problem, route_problem, taps_problem, tma_problem
-from conv_patch.specs import CallDesc
-from conv_patch.target import Target, conv_tf32
-from conv_patch.ops.conv2d import kernel_errors, kernels
+
+# The table names of the 2-D kernel routes the tables' buckets are derived
+# for (the registry's), and PyTorch's measured route.
+PORTABLE, TMA, TAPS, FLAT = (BY_ROUTE[r].table for r in (Route.CONV2D_IGEMM, Route.CONV2D_TMA, Route.CONV2D_TAPS,
+                                                         Route.CONV2D_FLAT))
+CUDNN = CUDNN_TABLE_ROUTE
 
 # cuDNN must beat the best candidate by this much to take a shape: run-to-run
 # noise on one shape is up to ~8% on the H200, and a fused epilogue (which the
@@ -54,13 +60,13 @@ M_BUCKETS = (4096, 16384, 65536, 262144, 1048576, None)
 
 def candidates(target: Target) -> List[dict]:
     """The configs measured on ``target`` (the route registry's)."""
-    return routes.tuner_candidates(target)
+    return tuner_candidates(target)
 
 
 def config_label(c: dict) -> str:
-    if c.get("route") == "cudnn":
-        return "cudnn"
-    lab = f"{c.get('route', 'igemm')} {c['BLOCK_M']}x{c['BLOCK_N']}x{c['BLOCK_K']}"
+    if config_tables.route_of(c) == CUDNN:
+        return CUDNN
+    lab = f"{config_tables.route_of(c)} {c['BLOCK_M']}x{c['BLOCK_N']}x{c['BLOCK_K']}"
     if c.get("BLOCK_N2"):
         lab += f" n{c['BLOCK_N2']}"
     if "BLOCK_W" in c:
@@ -173,7 +179,7 @@ def measure(call: ConvCall, layout: str, dtype: torch.dtype, device: torch.devic
     for cfg in cands:
         lab = config_label(cfg)
         configs[lab] = cfg
-        if route_problem(cfg.get("route", "igemm"), spec, desc, shape, target):
+        if route_problem(config_tables.route_of(cfg), spec, desc, shape, target):
             continue
         out = torch.empty(ref.shape, dtype=dtype, device=device, memory_format=fmt)
         _try_candidate(lab, lambda: functional.conv2d(x, packed, b, spec.stride, pad, spec.dilation, out=out, config=cfg),
@@ -210,7 +216,7 @@ def exact_entry(m: Measurement) -> Optional[dict]:
     if m.cudnn_ms is not None:
         entry["cudnn_ms"] = round(m.cudnn_ms, 5)
         if m.cudnn_ms < CUDNN_MARGIN * best_ms:
-            return {"route": "cudnn", "cudnn_ms": round(m.cudnn_ms, 5), "ours_ms": round(best_ms, 5),
+            return {"route": CUDNN, "cudnn_ms": round(m.cudnn_ms, 5), "ours_ms": round(best_ms, 5),
                     "best_kernel": m.best}
     return entry
 
@@ -226,7 +232,7 @@ def _best(ms: List[Measurement], routes) -> tuple:
     valid on every shape given; (None, inf) when there is none."""
     labels = None
     for m in ms:
-        ok = {lab for lab in m.times if m.configs[lab].get("route", "igemm") in routes}
+        ok = {lab for lab in m.times if config_tables.route_of(m.configs[lab]) in routes}
         labels = ok if labels is None else labels & ok
     if not labels:
         return None, math.inf
@@ -253,7 +259,11 @@ def build_table(measurements: List[Measurement], arch: str, dtype: torch.dtype, 
     sec = table["conv2d"]
     old = (base or {}).get("conv2d") or {}
     if base:
-        table["source"] = f"{base.get('source', '')} || then {note}"
+        # One line, this run's: the base table's own runs are its history
+        # (docs/tuning-log.md), and its calibration stays.
+        table["source"] = f"{note} Extends an earlier table of this GPU."
+        if base.get("calibration"):
+            table["calibration"] = base["calibration"]
         sec["exact"].update(old.get("exact") or {})
         if base.get("conv3d"):
             table["conv3d"] = base["conv3d"]  # measured apart (measure_conv3d)
@@ -293,17 +303,17 @@ def build_table(measurements: List[Measurement], arch: str, dtype: torch.dtype, 
         # buckets, which are looked up before the general ones; so a range
         # gets one only where its best config beat the general routes' best
         # over the same convs (64 -> 3 3x3 convs take the TMA kernel).
-        general = ("tma", "igemm")
-        bucketed("taps", [m for m in measurements if m.layout == layout and taps_problem(m.call.spec) is None],
+        general = (TMA, PORTABLE)
+        bucketed(TAPS, [m for m in measurements if m.layout == layout and taps_problem(m.call.spec) is None],
                  [layout], general)
-        bucketed("flat", [m for m in measurements if m.layout == layout and flat_problem(m.call.spec) is None],
+        bucketed(FLAT, [m for m in measurements if m.layout == layout and flat_problem(m.call.spec) is None],
                  [layout], general)
-        bucketed("tma", [m for m in measurements if m.layout == layout and m.tma_ok], [layout])
-        bucketed("igemm", [m for m in measurements if m.layout == layout], [layout])
+        bucketed(TMA, [m for m in measurements if m.layout == layout and m.tma_ok], [layout])
+        bucketed(PORTABLE, [m for m in measurements if m.layout == layout], [layout])
     for b in old.get("buckets") or []:
         if not set(b.get("layouts") or ("nhwc", "nchw")) <= set(rebuilt):
             sec["buckets"].append(b)
-    any_lab = _pick([m for m in measurements if m.tma_ok], "tma") or _pick(measurements, "igemm")
+    any_lab = _pick([m for m in measurements if m.tma_ok], TMA) or _pick(measurements, PORTABLE)
     if old.get("any") and not (ranges_only and any_lab):
         sec["any"] = old["any"]
     elif any_lab:
@@ -378,7 +388,7 @@ def measurements_from_reports(rows: Iterable[dict], calls: Iterable[ConvCall], l
         oh, ow = call.spec.output_hw(call.shape[2], call.shape[3])
         # A TMA label in the report means the route took the shape: the
         # tuner skips the candidates of a route that cannot.
-        tma_ok = any(c["route"] == "tma" for c in configs.values())
+        tma_ok = any(config_tables.route_of(c) == TMA for c in configs.values())
         out.append(Measurement(key, call, layout, call.shape[0] * oh * ow, tma_ok, times,
                                dict(r.get("rejected") or {}), r.get("cudnn_ms"), configs))
     return out, unknown_keys, bad_labels
@@ -442,14 +452,14 @@ def measure_conv3d(spec, x, cache, weight, bias, module_forward: Callable, cands
         tol = min(tol, CUDNN_ERR_FACTOR * ((theirs - ref).norm() / ref.norm().clamp_min(1e-30)).item()
                   + CUDNN_ERR_SLACK)
     del theirs
-    fmt = torch.channels_last_3d if config_tables.conv3d_layout(x) == "ndhwc" else torch.contiguous_format
+    fmt = torch.channels_last_3d if layout_of(x) == "ndhwc" else torch.contiguous_format
     times, rejected, configs = {}, {}, {}
-    k = kernels()
+    desc = CallDesc.of_call(x, weight, bias, cache=cache)
     for cfg in cands:
         lab = config_label(cfg)
         configs[lab] = cfg
-        if cfg.get("route") == "tma" and k.conv3d_tma_problem(x, cache, None, spec.stride, not x.is_cuda):
-            continue  # (an NCDHW call, say: the TMA kernel's own rule)
+        if route_problem(config_tables.route_of(cfg), spec, desc, tuple(x.shape), target_for(x.device)):
+            continue  # (an NCDHW call, say: the route's own rule)
         out = torch.empty(ref.shape, dtype=x.dtype, device=x.device, memory_format=fmt)
         _try_candidate(lab, lambda: functional.conv3d(x, weight, bias, spec.stride, spec.pads, spec.dilation,
                                                cache=cache, out=out, route="kernel", config=cfg),
@@ -470,7 +480,7 @@ def conv3d_entry(m: Conv3dMeasurement) -> Optional[dict]:
         return None
     best_ms = m.times[m.best]
     if m.cudnn_ms < CUDNN_MARGIN * best_ms:
-        return {"route": "cudnn", "ours_ms": round(best_ms, 5), "cudnn_ms": round(m.cudnn_ms, 5),
+        return {"route": CUDNN, "ours_ms": round(best_ms, 5), "cudnn_ms": round(m.cudnn_ms, 5),
                 "best_kernel": m.best}
     return dict(m.configs[m.best], ours_ms=round(best_ms, 5), cudnn_ms=round(m.cudnn_ms, 5))
 
@@ -488,7 +498,7 @@ def merge_conv3d(table: dict, measurements: List[Conv3dMeasurement], note: str =
     sec["exact"] = exact
     out["conv3d"] = sec
     if note:
-        out["source"] = f"{out.get('source', '')} || then {note}".lstrip(" |")
+        out["source"] = note
     return config_tables.validate_table(out, f"table for {out.get('arch', '?')} with conv3d entries")
 
 

@@ -26,8 +26,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from conv_patch.api import patcher
-from conv_patch.specs import ConvSpec
+from conv_patch.specs import KERNEL_DTYPES, Conv3dSpec, ConvSpec
 from conv_patch.target import conv_tf32, conv_tf32_enabled, target_for
+from conv_patch.routing.registry import Route
+from conv_patch.runtime.state import state_of
 from conv_patch.runtime.wrappers import PatchedConvMixin
 
 # ||out - ref|| / ||ref|| a layer may reach against float64, whatever PyTorch
@@ -135,7 +137,7 @@ def check_layer(name: str, conv: nn.Module, size: int, seed: int) -> LayerResult
     x = torch.randn(1, spec.in_channels, *hw, generator=g).to(device=device, dtype=dtype)
     with torch.no_grad():
         ours = conv(x)
-        route = conv._cp_last.label() if isinstance(conv, PatchedConvMixin) else "not patched"
+        route = state_of(conv).last.label() if isinstance(conv, PatchedConvMixin) else "not patched"
         theirs = conv._cp_fallback_forward(conv, x) if isinstance(conv, PatchedConvMixin) else ours
         b = None if conv.bias is None else conv.bias.double().cpu()
         args = dict(stride=conv.stride, padding=conv.padding, dilation=conv.dilation, groups=conv.groups)
@@ -301,7 +303,7 @@ def check_layer3d(name: str, weight: torch.Tensor, bias: Optional[torch.Tensor],
     from conv_patch import functional
     device, dtype = weight.device, weight.dtype
     tol = _layer_tolerance(dtype, device)
-    desc = conv3d_op.Conv3dSpec(weight.shape[1], weight.shape[0], tuple(weight.shape[2:5]), tuple(stride),
+    desc = Conv3dSpec(weight.shape[1], weight.shape[0], tuple(weight.shape[2:5]), tuple(stride),
                                 (1, 1, 1), tuple(pads), 1, "zeros", bias is not None).describe()
     if not torch.isfinite(weight).all() or (bias is not None and not torch.isfinite(bias).all()):
         return LayerResult(name, desc, "-", None, None, tol, True, NAN_NOTE)
@@ -333,9 +335,9 @@ def check_layer3d(name: str, weight: torch.Tensor, bias: Optional[torch.Tensor],
         theirs = conv3d_op.torch_conv3d(x, weight, bias, None, pads, stride, (1, 1, 1))
         ref = conv3d_op.torch_conv3d(x.double().cpu(), weight.double().cpu(),
                                      None if bias is None else bias.double().cpu(), None, pads, stride, (1, 1, 1))
-    ran = target_for(device).kernels and dtype in conv3d_op.KERNEL_DTYPES
+    ran = target_for(device).kernels and dtype in KERNEL_DTYPES
     err, terr = rel_err(ours, ref), rel_err(theirs, ref)
-    return LayerResult(name, desc, "conv3d_igemm" if ran else "pytorch (no kernel here)", err, terr, tol,
+    return LayerResult(name, desc, Route.CONV3D_IGEMM.value if ran else "pytorch (no kernel here)", err, terr, tol,
                        err <= max(tol, 2 * terr))
 
 

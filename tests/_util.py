@@ -41,7 +41,9 @@ def act64(y, activation):
 def conv_kernels() -> dict:
     """The convolution kernels (@triton.jit), by name: what the signature
     and recompilation tests look at."""
-    from conv_patch.kernels import conv2d, conv2d_flat, conv2d_tma, conv3d, conv3d_tma, conv_transpose2d
+    from conv_patch.kernels import (conv2d, conv2d_flat, conv2d_tma, conv2d_tma_padded, conv3d, conv3d_tma,
+                                    conv_transpose2d)
     return {"conv2d": conv2d.conv2d_fwd_kernel, "conv_transpose2d": conv_transpose2d.conv_transpose2d_fwd_kernel,
             "conv2d_tma": conv2d_tma.conv2d_tma_kernel, "conv2d_flat": conv2d_flat.conv2d_flat_kernel,
+            "conv2d_tma_padded": conv2d_tma_padded.conv2d_tma_padded_kernel,
             "conv3d": conv3d.conv3d_fwd_kernel, "conv3d_tma": conv3d_tma.conv3d_tma_kernel}

@@ -344,10 +344,10 @@ def test_conv3d_table_entries_are_validated():
                      ({"conv3d": {"exact": {"k": dict(good, ours_ms=None)}}}, "needs the measured ours_ms"),
                      ({"conv3d": {"any": good}}, "only an exact section"),
                      ({"conv3d": {"exact": {"k": dict(good, BLOCK_M=48)}}}, "BLOCK_M must be a power of two"),
-                     ({"conv3d": {"exact": {"k": dict(good, BLOCK_N2=32)}}}, "BLOCK_N2 splits the conv3d TMA"),
+                     ({"conv3d": {"exact": {"k": dict(good, BLOCK_N2=32)}}}, "BLOCK_N2 splits the output channels of"),
                      ({"conv3d": {"exact": {"k": dict(good, route="tma", BLOCK_N2=24)}}},
                       "BLOCK_N2 must be 0 or a power of two"),
-                     ({"conv2d": {"any": dict(good, route="tma", BLOCK_N2=32)}}, "BLOCK_N2 splits the conv3d TMA")):
+                     ({"conv2d": {"any": dict(good, route="tma", BLOCK_N2=32)}}, "BLOCK_N2 splits the output channels of")):
         with pytest.raises(config_tables.TableError, match=why):
             config_tables.validate_table(bad, "t")
     config_tables.validate_table({"conv3d": {"exact": {"k": dict(good, route="tma", BLOCK_N2=32)}}}, "t")

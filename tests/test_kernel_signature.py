@@ -26,6 +26,8 @@ ALLOWED_CONSTEXPR = {
     # BLOCK_W as for conv2d_tma; HAS_CACHE as for conv3d; BLOCK_N2 a second
     # block of output channels per tile, a tile size, SPLIT_N whether it is used.
     "conv3d_tma": SWITCHES | TILES | {"BLOCK_W", "HAS_CACHE", "BLOCK_N2", "SPLIT_N"},
+    # BLOCK_N2 and SPLIT_N as for conv3d_tma, PERSISTENT as for conv2d_tma.
+    "conv2d_tma_padded": SWITCHES | TILES | {"BLOCK_N2", "SPLIT_N", "PERSISTENT"},
 }
 SHAPE_ARGS = {"N", "C_in", "H", "W", "C_out", "OH", "OW", "KH", "KW", "PH", "PW",
               "DH", "DW", "son", "soc", "soh", "sow"}
@@ -36,6 +38,9 @@ TMA_SHAPE_ARGS = {"SH", "SW"}
 # The Conv3d kernels' time axis (the TMA one reads the input through
 # descriptors too, and H and W only at stride 1).
 CONV3D_ARGS = {"T", "Tc", "OD", "KT", "PT", "DT"}
+# The padded TMA kernel reads a zero-bordered copy: its padded size (HP, WP)
+# stands for the input's size and padding.
+PADDED_SHAPE_ARGS = {"N", "C_in", "HP", "WP", "C_out", "OH", "OW", "KH", "KW", "DH", "DW", "son", "soc", "soh", "sow"}
 EXTRA_SHAPE_ARGS = {"conv2d_tma": TMA_SHAPE_ARGS, "conv3d": POINTER_SHAPE_ARGS | CONV3D_ARGS | {"STT"},
                     "conv3d_tma": CONV3D_ARGS | {"ST", "sot", "srt"}}
 
@@ -45,5 +50,6 @@ def test_only_switches_and_tiles_are_constexpr(name):
     params = inspect.signature(KERNELS[name].fn).parameters
     constexpr = {n for n, p in params.items() if p.annotation is tl.constexpr}
     assert constexpr == ALLOWED_CONSTEXPR[name]
-    shape_args = SHAPE_ARGS | EXTRA_SHAPE_ARGS.get(name, POINTER_SHAPE_ARGS)
+    shape_args = (PADDED_SHAPE_ARGS if name == "conv2d_tma_padded"
+                  else SHAPE_ARGS | EXTRA_SHAPE_ARGS.get(name, POINTER_SHAPE_ARGS))
     assert shape_args <= set(params) and not (shape_args & constexpr)

@@ -24,6 +24,7 @@ class Route(enum.Enum):
     CONV2D_IGEMM = "conv2d_igemm"
     CONV_TRANSPOSE2D_IGEMM = "conv_transpose2d_igemm"
     CONV2D_TMA = "conv2d_tma"
+    CONV2D_TMA_PADDED = "conv2d_tma_padded"
     CONV2D_TAPS = "conv2d_taps"
     CONV2D_FLAT = "conv2d_flat"
     CONV3D_IGEMM = "conv3d_igemm"
@@ -88,6 +89,20 @@ def flat_problem(spec: ConvSpec) -> Optional[str]:
     if k > MAX_FLAT_REDUCTION:
         return f"C_in*KH*KW = {k} > {MAX_FLAT_REDUCTION}"
     return None
+
+
+def tma_padded_problem(spec: ConvSpec, call: CallDesc, shape: tuple, target: Target) -> Optional[str]:
+    """Why the Hopper TMA kernel over a zero-bordered NHWC copy
+    (kernels/conv2d_tma_padded.py) cannot take this call, or None."""
+    if spec.transposed:
+        return "conv_transpose2d"
+    if not (tma_arch(target.arch) or target.interpreter):
+        return f"{target.arch} has no TMA"
+    if tuple(spec.stride) != (1, 1):
+        return f"stride {spec.stride}: the padded TMA kernel takes stride 1"
+    if not call.aligned16:
+        return "input or weight not 16-byte aligned"
+    return tma_layout_problem(shape, call.layout, call.dtype.itemsize, spec.in_channels)
 
 
 def tma_layout_problem(shape, layout: str, elem_bytes: int, c_in: int) -> Optional[str]:
@@ -155,6 +170,20 @@ TMA_CANDIDATES = [
     tile_config("tma", 128, 128, 64, 4, 3, bw=128), tile_config("tma", 128, 128, 64, 4, 4, bw=128),
     tile_config("tma", 128, 256, 64, 8, 3, bw=128, persistent=1),
 ]
+# The padded TMA kernel: any BLOCK_M whatever the image width (its boxes
+# are rows of the flat [pixels, C] copy), 64-row tiles where 128-row ones
+# leave SMs idle, and output channels in two blocks (BLOCK_N2) so that a
+# tile covers 160 (128 + 32) or 320 (256 + 64): a UNet's 320, 640 and 1280
+# channels in whole tiles.
+TMA_PADDED_CANDIDATES = [
+    tile_config("tma_padded", 128, 128, 64, 4, 4), tile_config("tma_padded", 128, 256, 64, 8, 3),
+    tile_config("tma_padded", 128, 64, 64, 4, 4), tile_config("tma_padded", 64, 128, 64, 4, 4),
+    tile_config("tma_padded", 64, 256, 64, 4, 3),
+    tile_config("tma_padded", 128, 128, 64, 4, 4, bn2=32), tile_config("tma_padded", 64, 128, 64, 4, 4, bn2=32),
+    tile_config("tma_padded", 128, 256, 64, 8, 3, bn2=64), tile_config("tma_padded", 128, 128, 64, 8, 4, bn2=32),
+    tile_config("tma_padded", 128, 256, 64, 8, 3, persistent=1),
+    tile_config("tma_padded", 128, 128, 64, 4, 4, persistent=2),
+]
 # The few-output-channel route: tiles of its first stage, a 1x1 GEMM with
 # N = C_out*KH*KW <= 64 and K = C_in (memory-bound: wide row tiles).
 TAPS_CANDIDATES = [
@@ -194,6 +223,7 @@ CONV3D_INTERPRETER_CANDIDATES = [
 INTERPRETER_CANDIDATES = [
     tile_config("igemm", 1024, 128, 128, 4, 1), tile_config("igemm", 64, 64, 32, 4, 1),
     tile_config("tma", 256, 64, 64, 4, 1, bw=16), tile_config("tma", 64, 32, 32, 4, 1, bw=64, persistent=1),
+    tile_config("tma_padded", 64, 32, 32, 4, 1, bn2=16), tile_config("tma_padded", 128, 32, 32, 4, 1, persistent=1),
     tile_config("taps", 256, 32, 64, 4, 1), tile_config("flat", 256, 32, 32, 4, 1),
 ]
 
@@ -224,6 +254,7 @@ class RouteEntry:
     launches: Callable = lambda call: 1
     descriptors: int = 0
     hopper: bool = False  # TMA and wgmma: sm90 and newer only (and the interpreter)
+    splits_n: bool = False  # its tiles may split their output channels in two blocks (BLOCK_N2)
     repacks: bool = False  # the launcher repacks a module's weight at every call (a PyTorch copy)
 
     @property
@@ -243,6 +274,11 @@ REGISTRY: Tuple[RouteEntry, ...] = (
                interpreter=tuple(c for c in INTERPRETER_CANDIDATES if c["route"] == "tma"),
                # The NHWC staging copy, except where NCHW is read in place.
                launches=lambda call: 1 if call.layout == "nhwc" else 2, descriptors=3, hopper=True),
+    RouteEntry(Route.CONV2D_TMA_PADDED, "conv2d", "tma_padded", "Hopper (sm90+) conv2d over a zero-bordered NHWC copy of the input (one staging pass from NCHW or NHWC, the border written as zeros), described as one [pixels, C] matrix: every tap's operand is one 2-D TMA box straight into wgmma, any tile height whatever the image width (the border rows computed and not stored); a tile's output channels in one block or two (BLOCK_N2: 160 = 128 + 32); stride 1, any kernel size, padding and dilation; fp16/bf16, C_in a multiple of 8; output written in the caller's layout; same fused epilogue",
+               "conv2d_tma_padded.launch_conv2d_tma_padded", tma_padded_problem,
+               candidates=tuple(TMA_PADDED_CANDIDATES),
+               interpreter=tuple(c for c in INTERPRETER_CANDIDATES if c["route"] == "tma_padded"),
+               launches=lambda call: 2, descriptors=3, hopper=True, splits_n=True),
     RouteEntry(Route.CONV2D_TAPS, "conv2d", "taps", "few output channels (C_out*KH*KW <= 64, e.g. a VAE's conv_out): the input read once by a 1x1 GEMM against every tap's weights (fp32 partials), then each output pixel's taps summed; any stride, padding, dilation; same layouts, dtypes and fused epilogue as conv2d",
                "conv2d_taps.launch_conv2d_taps", lambda spec, call, shape, target: taps_problem(spec),
                candidates=tuple(TAPS_CANDIDATES),
@@ -258,7 +294,7 @@ REGISTRY: Tuple[RouteEntry, ...] = (
     RouteEntry(Route.CONV3D_TMA, "conv3d", "tma", "Hopper (sm90+) conv3d: TMA tensor descriptors over the dense NDHWC input and its cached frames (their zero fill is the padding, in time too) feeding wgmma, one pipelined loop over the cached frames' taps and one over the input's, a tile's output channels in one block or two (BLOCK_N2: 96 = 64 + 32); any kernel size, time stride and dilation, H and W at stride 1; fp16/bf16, C_in a multiple of 8; the weight repacked to channels_last_3d per call; same fused epilogue. On a GPU only for shapes a table measured faster than cuDNN as called (diffusers' Wan-family decoders run NDHWC inside in fp16/bf16 to reach it)",
                "conv3d_tma.launch_conv3d_tma", conv3d_tma_problem, candidates=tuple(CONV3D_TMA_CANDIDATES),
                interpreter=tuple(c for c in CONV3D_INTERPRETER_CANDIDATES if c["route"] == "tma"), hopper=True,
-               repacks=True),
+               repacks=True, splits_n=True),
     RouteEntry(Route.CUDNN, None, "cudnn", "the original module, chosen because the architecture's table records cuDNN measured faster for this exact shape (convpatch tune) or the cost model predicts PyTorch faster as called: cuDNN computes the convolution, then bias and the fused epilogue run as one pass (conv_patch.ops.epilogue) on NHWC outputs, as PyTorch ops otherwise. A Conv3d call the kernels do not take on a GPU with measured conv3d entries runs it too (ops.conv3d.cudnn_conv3d): the time padding, the cached frames and the input in one concatenation, the symmetric padding passed to cuDNN instead of an F.pad copy, and on NDHWC outputs the bias and epilogue as one pass", exact_only=True),
     RouteEntry(Route.FALLBACK, None, None, 'the original PyTorch module (cuDNN/ATen): every case the kernels do not take'),
 )

@@ -109,8 +109,9 @@ def _check_config(cfg, where: str, exact: bool = False, conv3d: bool = False) ->
     # grid, and for the conv3d kernel a second block of output channels.
     hopper = any(e.hopper for e in REGISTRY if e.table == route)
     bn2 = cfg.get("BLOCK_N2", 0)
-    if bn2 and not (conv3d and hopper):
-        raise TableError(f"{where}: BLOCK_N2 splits the conv3d TMA kernel's output channels only")
+    splits = [e.route.value for e in REGISTRY if e.splits_n]
+    if bn2 and not any(e.splits_n for e in REGISTRY if e.table == route and (e.kind == "conv3d") == conv3d):
+        raise TableError(f"{where}: BLOCK_N2 splits the output channels of the {' and '.join(splits)} kernels only")
     if not isinstance(bn2, int) or isinstance(bn2, bool) or (bn2 and (bn2 < 16 or bn2 & (bn2 - 1))):
         raise TableError(f"{where}: BLOCK_N2 must be 0 or a power of two >= 16, got {bn2!r}")
     if hopper:

@@ -101,12 +101,12 @@ def kernel_view(weight: torch.Tensor, transposed: bool) -> torch.Tensor:
 def route_weight(weight: torch.Tensor, route: Route, transposed: bool = False) -> torch.Tensor:
     """The weight of one call as route ``route``'s launcher reads it, where
     no pack is kept for it (the functional API, a Conv3d call): the 2-D TMA
-    kernel's and the Conv3d TMA kernel's dense co,(kt,)kh,kw,ci box source,
+    kernels' and the Conv3d TMA kernel's dense co,(kt,)kh,kw,ci box source,
     a copy where the weight is not already stored so (the Conv3d one is
     measured with its call: a copy of the weight, small beside a video
     conv's activations); the portable kernels read any strides in place."""
     view = kernel_view(weight, transposed)
-    if route is Route.CONV2D_TMA and not is_kernel_layout(view):
+    if route in (Route.CONV2D_TMA, Route.CONV2D_TMA_PADDED) and not is_kernel_layout(view):
         return view.contiguous(memory_format=torch.channels_last)
     if route is Route.CONV3D_TMA and not view.is_contiguous(memory_format=torch.channels_last_3d):
         return view.contiguous(memory_format=torch.channels_last_3d)

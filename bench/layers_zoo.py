@@ -61,7 +61,7 @@ def _meta_model(name, tiny):
     if name == "taef2":
         from conv_patch.tools import taesd
         with torch.device("meta"):
-            return taesd.decoder(32, channels=8 if tiny else 64), zoo._image_inputs(32, 8)
+            return taesd.decoder(32, channels=8 if tiny else 64), zoo.image_inputs(32, 8)
     with torch.device("meta"):
         return zoo.MODELS[name][0](tiny)
 

@@ -164,7 +164,7 @@ class RRDBNet(nn.Module):
         return self.conv_last(self.act(self.conv_hr(f)))
 
 
-def _image_inputs(channels=3, scale=1):
+def image_inputs(channels=3, scale=1):
     def make(size, batch, g, device, dtype):
         s = size // scale
         return (torch.randn(batch, channels, s, s, generator=g, device=device, dtype=dtype),), {}
@@ -172,24 +172,24 @@ def _image_inputs(channels=3, scale=1):
 
 
 def rrdb(tiny):
-    return (RRDBNet(16, 2, 8) if tiny else RRDBNet()), _image_inputs()
+    return (RRDBNet(16, 2, 8) if tiny else RRDBNet()), image_inputs()
 
 
 def autoencoder_tiny(tiny):
     from diffusers import AutoencoderTiny
     m = AutoencoderTiny(encoder_block_out_channels=(8, 8, 8, 8), decoder_block_out_channels=(8, 8, 8, 8)) if tiny \
         else AutoencoderTiny()
-    return _Part(m.decoder), _image_inputs(4, 8)
+    return _Part(m.decoder), image_inputs(4, 8)
 
 
 def taef2(tiny):
     from conv_patch.tools import taesd
     if tiny:
-        return taesd.decoder(32, channels=8), _image_inputs(32, 8)
+        return taesd.decoder(32, channels=8), image_inputs(32, 8)
     from safetensors.torch import load_file
     dec = taesd.decoder(32)
     dec.load_state_dict(load_file(str(SHARED / "models" / "taef2_decoder.safetensors")))
-    return dec, _image_inputs(32, 8)
+    return dec, image_inputs(32, 8)
 
 
 class _Part(nn.Module):
@@ -215,19 +215,19 @@ def _kl(latent, tiny):
 
 
 def sd_vae_decode(tiny):  # SD1.5 and SDXL share the VAE's shapes
-    return _Part(_kl(4, tiny).decoder), _image_inputs(4, 8 if not tiny else 2)
+    return _Part(_kl(4, tiny).decoder), image_inputs(4, 8 if not tiny else 2)
 
 
 def sd_vae_encode(tiny):
-    return _Part(_kl(4, tiny).encoder), _image_inputs(3)
+    return _Part(_kl(4, tiny).encoder), image_inputs(3)
 
 
 def flux_vae_decode(tiny):
-    return _Part(_kl(16, tiny).decoder), _image_inputs(16, 8 if not tiny else 2)
+    return _Part(_kl(16, tiny).decoder), image_inputs(16, 8 if not tiny else 2)
 
 
 def flux_vae_encode(tiny):
-    return _Part(_kl(16, tiny).encoder), _image_inputs(3)
+    return _Part(_kl(16, tiny).encoder), image_inputs(3)
 
 
 # name -> (builder, default dtype)

@@ -65,7 +65,7 @@ import triton
 import triton.language as tl
 
 from .common import epilogue_store, epilogue_values, grouped_tile, wide
-from .launch import MIN_DOT_BLOCK, TMA_ALIGN, cdiv, launch, needs_int64, next_pow2, sm_count
+from .launch import TMA_ALIGN, block_sizes, cdiv, launch, needs_int64, next_pow2, sm_count
 
 
 @triton.jit
@@ -224,9 +224,7 @@ def tile_sizes(config, c_in, c_out, ow):
     """The table's tile narrowed to the problem; BLOCK_M stays as configured
     (wgmma wants M >= 64), BLOCK_W shrinks to the image width so rows are not
     wasted past the right edge."""
-    bm = int(config["BLOCK_M"])
-    bn = min(int(config["BLOCK_N"]), max(MIN_DOT_BLOCK, next_pow2(c_out)))
-    bk = min(int(config["BLOCK_K"]), max(MIN_DOT_BLOCK, next_pow2(c_in)))
+    bm, bn, bk = block_sizes(config, c_in, c_out)
     bw = min(int(config.get("BLOCK_W", 16)), next_pow2(ow), bm)
     return bm, bn, bk, bw
 

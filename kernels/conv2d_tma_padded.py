@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 from .common import epilogue_store, grouped_tile, wide
-from .launch import MIN_DOT_BLOCK, cdiv, launch, needs_int64, next_pow2, sm_count
+from .launch import MIN_DOT_BLOCK, cdiv, launch, needs_int64, sm_count, split_block_sizes
 from .layout import launch_pad_nhwc
 
 
@@ -126,19 +126,6 @@ def conv2d_tma_padded_kernel(
                     BLOCK_M, BLOCK_N, BLOCK_N2, SPLIT_N, BLOCK_K, GROUP_M)
 
 
-def tile_sizes(config, c_in, c_out):
-    """(BLOCK_M, BLOCK_N, BLOCK_N2, BLOCK_K): the table's tile narrowed to
-    the problem; BLOCK_N2 0 where the tile has one block of output channels
-    (or the first block alone covers them)."""
-    bm = int(config["BLOCK_M"])
-    bn = min(int(config["BLOCK_N"]), max(MIN_DOT_BLOCK, next_pow2(c_out)))
-    bn2 = int(config.get("BLOCK_N2", 0))
-    if bn2 and c_out <= bn:
-        bn2 = 0
-    bk = min(int(config["BLOCK_K"]), max(MIN_DOT_BLOCK, next_pow2(c_in)))
-    return bm, bn, bn2, bk
-
-
 def launch_conv2d_tma_padded(x, w, bias, out, residual, *, stride, padding, dilation, beta, activation,
                              out_scale, config, precision, upcast, force_int64=False):
     """Same call as the other launchers. ``x``: [N, C, H, W] in any
@@ -155,7 +142,7 @@ def launch_conv2d_tma_padded(x, w, bias, out, residual, *, stride, padding, dila
     pr = OW + dilation[1] * (KW - 1) - W - pl
     xp = launch_pad_nhwc(x, pt, pb, pl, pr)
     HP, WP = xp.shape[1], xp.shape[2]
-    bm, bn, bn2, bk = tile_sizes(config, C_in, C_out)
+    bm, bn, bn2, bk = split_block_sizes(config, C_in, C_out)
     warps = int(config.get("num_warps", 4))
     x_desc = TensorDescriptor(xp, [N * HP * WP, C_in], [C_in, 1], [bm, bk])
     w_desc = TensorDescriptor(w, [C_out, KH * KW * C_in], [w.stride(0), 1], [bn, bk])

@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from .common import epilogue_store, grouped_tile, wide
-from .launch import MIN_DOT_BLOCK, TMA_ALIGN, cdiv, launch, needs_int64, next_pow2
+from .launch import MIN_DOT_BLOCK, TMA_ALIGN, cdiv, launch, needs_int64, next_pow2, split_block_sizes
 
 
 
@@ -186,12 +186,7 @@ def tile_sizes(config, c_in, c_out, ow):
     M >= 64; BLOCK_W shrinks to the frame's width): (BLOCK_M, BLOCK_N,
     BLOCK_N2, BLOCK_K, BLOCK_W), BLOCK_N2 0 where the tile's output channels
     are not split (none asked, or BLOCK_N alone covers C_out)."""
-    bm = int(config["BLOCK_M"])
-    bn = min(int(config["BLOCK_N"]), max(MIN_DOT_BLOCK, next_pow2(c_out)))
-    bn2 = int(config.get("BLOCK_N2", 0))
-    if bn2 and c_out <= bn:
-        bn2 = 0
-    bk = min(int(config["BLOCK_K"]), max(MIN_DOT_BLOCK, next_pow2(c_in)))
+    bm, bn, bn2, bk = split_block_sizes(config, c_in, c_out)
     bw = min(int(config.get("BLOCK_W", 16)), next_pow2(ow), bm)
     return bm, bn, bn2, bk, bw
 

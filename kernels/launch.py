@@ -75,6 +75,15 @@ def block_sizes(config, c_in, c_out):
     return bm, bn, bk
 
 
+def split_block_sizes(config, c_in, c_out):
+    """``block_sizes`` plus the second block of output channels that the
+    TMA kernels' split tiles take (``BLOCK_N2``): 0 where none is asked or
+    where the first block alone covers ``c_out``."""
+    bm, bn, bk = block_sizes(config, c_in, c_out)
+    bn2 = int(config.get("BLOCK_N2", 0))
+    return bm, bn, (bn2 if bn2 and c_out > bn else 0), bk
+
+
 def conv_meta(config, c_in, c_out, *, bias, residual, activation, precision, upcast, tensors,
               force_int64=False):
     """The switches, tiles and launch options every implicit-GEMM kernel

@@ -274,6 +274,33 @@ def test_nhwc_pytorch_route_reads_the_grouped_pack():
         assert rel_err(net(x), twin(x)) <= TOL[torch.bfloat16]
 
 
+@pytest.mark.gpu
+def test_a_lone_nhwc_pytorch_route_conv_reads_its_weight_as_it_is():
+    """Outside a fused block a conv PyTorch's route takes on an NHWC input
+    hands cuDNN its own weight: a pack refreshed at each call would be the
+    same strided copy cuDNN makes, launched from Python (host time a
+    launch-bound conv pays). No pack is made or refreshed, the answer is
+    the unpatched conv's, edits between calls are seen."""
+    torch.manual_seed(0)
+    conv = nn.Conv2d(64, 64, 3, padding=1).cuda().to(torch.bfloat16)
+    twin = copy.deepcopy(conv)
+    net = nn.Sequential(conv)
+    conv_patch.apply(net, filter_fn=lambda m, name: isinstance(m, nn.Conv2d))
+    patched = net[0]
+    x = torch.randn(1, 64, 64, 64, device="cuda", dtype=torch.bfloat16).to(memory_format=torch.channels_last)
+    with torch.no_grad():
+        patched(x)
+        if state_of(patched).last.is_kernel:
+            pytest.skip(f"a kernel takes this conv here: {state_of(patched).last}")
+        for edit in EDITS:
+            assert _counts(lambda: patched(x)) == (0, 0)
+            assert state_of(patched).pack is None
+            assert rel_err(patched(x), twin(x)) <= TOL[torch.bfloat16]
+            edit(patched.weight)
+            twin.load_state_dict(patched.state_dict())
+        assert rel_err(patched(x), twin(x)) <= TOL[torch.bfloat16]
+
+
 def test_a_failed_grouped_launch_leaves_each_pack_to_its_conv(device, exact_fp32, monkeypatch):
     """A grouped launch that cannot run (here: raises) marks nothing fresh;
     the group stops, says why, and every pack is refreshed at its conv's

@@ -113,7 +113,7 @@ def bare_call(m, x, activation="none", residual=None, beta=1.0, out_scale=1.0):
     if weight is None:  # parametrized since (see conv): its own forward computes
         return None
     st.last = hit[1]
-    if hit[3] and not (weight.requires_grad and torch.is_grad_enabled()):
+    if hit[3] and pack.ACTIVE.group is not None and not (weight.requires_grad and torch.is_grad_enabled()):
         # (The slot holds for any autograd state; the pack only without it.)
         weight = cudnn_weight(m, x, weight)
     y = _conv2d(x, weight, params.get("bias"), *hit[0])

@@ -164,7 +164,7 @@ class ConvPlan:
     # (no epilogue, no ``out``): ``dispatch.conv`` calls that itself.
     bare: bool = False
     # A ``direct`` call on an NHWC CUDA input, without autograd or autocast:
-    # F.conv2d gets the weight's channels_last pack (``cudnn_weight``).
+    # F.conv2d may get the weight's channels_last pack (``cudnn_weight`` says when).
     cl_pack: bool = False
 
     def run(self, m, call, weight, bias):
@@ -314,15 +314,19 @@ def forward_with_padding(m, x, padding, forward):
 
 
 def cudnn_weight(m, x, weight):
-    """The weight handed to cuDNN: for an NHWC input its channels_last pack
-    (cuDNN would convert an NCHW weight itself at every call, a strided copy
-    and an allocation of its own, where the pack is refreshed in place or,
-    inside a fused block's call, not at all: conv_patch/runtime/pack.py); an
-    NCHW input keeps the weight as it is, since a channels_last weight would
-    make PyTorch return a channels_last output. Only for calls without
-    autograd (the pack is no function of the weight for it): the callers
-    check."""
-    if x.dim() == 4 and x.is_cuda and conv2d_op.nhwc(x):
+    """The weight handed to cuDNN: for an NHWC input inside a fused block's
+    call (``pack.grouped``: its pack already refreshed with the block's
+    others, in one launch) or on the graph path (the pack kernel's GPU time
+    beats PyTorch's strided copy), the weight's channels_last pack, where
+    cuDNN would convert an NCHW weight itself. Anywhere else the weight as
+    it is: a refresh there is the same strided copy PyTorch makes inside
+    its call, launched from Python, host time that a launch-bound conv
+    pays in full. An NCHW input keeps the weight as it is, since a
+    channels_last weight would make PyTorch return a channels_last output.
+    Only for calls without autograd (the pack is no function of the weight
+    for it): the callers check."""
+    if ((pack.ACTIVE.group is not None or pack.GRAPH_PATH) and x.dim() == 4 and x.is_cuda
+            and conv2d_op.nhwc(x)):
         return pack.packed_weight(m, weight, False)
     return weight
 

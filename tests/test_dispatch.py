@@ -485,7 +485,28 @@ CASES = [
 
 @pytest.mark.parametrize("name,p,fitted,exact,launches,graph,want", CASES, ids=[c[0] for c in CASES])
 def test_cost_model_decisions(name, p, fitted, exact, launches, graph, want):
-    assert costs.choose(p, fitted, exact, launches=launches, ops=0, graph=graph).kernel is want
+    # (A weight in the kernels' layout: the refresh is the next test's.)
+    assert costs.choose(p, fitted, exact, launches=launches, ops=0, graph=graph, packed=False).kernel is want
+
+
+def test_a_packed_weight_adds_its_refresh_to_the_kernel_time():
+    """The tables time a kernel on a ready pack; a call whose weight is
+    packed refreshes it first. A UNet's deepest 3x3 conv (2560->1280 on
+    8x8, a 59 MB weight), measured faster than cuDNN NCHW on a ready pack
+    (0.135 vs 0.189 ms on the H200), loses once the eager refresh is
+    counted, as it did launched (0.216 vs 0.195 ms); a weight already in
+    the kernels' layout has nothing to refresh, and in a graph the pack
+    kernel refreshes it at the copy bandwidth."""
+    p = costs.Problem.of(2, 2560, 8, 8, 1280, 3, 3, 8, 8, 2, "nchw")
+    cal = costs.default_calibration()
+    assert costs.refresh_ms(p, False, cal) == pytest.approx(
+        cal.launch_ms + 2 * 2560 * 1280 * 9 * 2 / (cal.refresh_tbps * 1e9))
+    assert costs.refresh_ms(p, True, cal) < costs.refresh_ms(p, False, cal)
+    exact = {"ours_ms": 0.1346, "cudnn_ms": 0.1892}
+    got = costs.choose(p, None, exact, launches=2, ops=0, graph=False, packed=True, descriptors=3)
+    assert not got.kernel and "PyTorch faster" in got.why
+    assert costs.choose(p, None, exact, launches=2, ops=0, graph=False, packed=False, descriptors=3).kernel
+    assert costs.choose(p, None, exact, launches=2, ops=0, graph=True, packed=True, descriptors=3).kernel
 
 
 def test_lean_route_only_where_the_host_hides_its_gpu_time():
@@ -543,9 +564,9 @@ def test_a_config_whose_tiles_leave_sms_idle_is_slowed_by_the_fill_factor():
     assert costs.fill_factor(p, cfg, 132) == pytest.approx(132 / 10)
     assert costs.fill_factor(_problem(size=512), cfg, 132) == 1.0
     fitted = _fit(cudnn_tflops=300, ours_tflops=600, c0=0.002)
-    assert costs.choose(p, fitted, None, launches=1, ops=0, graph=True).kernel
-    assert not costs.choose(p, fitted, None, launches=1, ops=0, graph=True, config=cfg).kernel
-    assert costs.choose(p, None, {"ours_ms": 0.1, "cudnn_ms": 0.2}, launches=1, ops=0, graph=True,
+    assert costs.choose(p, fitted, None, launches=1, ops=0, graph=True, packed=False).kernel
+    assert not costs.choose(p, fitted, None, launches=1, ops=0, graph=True, packed=False, config=cfg).kernel
+    assert costs.choose(p, None, {"ours_ms": 0.1, "cudnn_ms": 0.2}, launches=1, ops=0, graph=True, packed=False,
                         config=cfg).kernel
 
 

@@ -26,6 +26,10 @@ class Calibration:
       "unplanned" the cuDNN route's epilogue pass through its launcher;
     * ``copy_tbps``: device-to-device copy bandwidth, and ``launch_ms`` a
       launch's fixed GPU latency: the memory-bound terms;
+    * ``refresh_tbps``: the bandwidth of an eager weight pack's refresh
+      (PyTorch's strided copy of an NCHW weight into the channels_last
+      pack, reading and writing it: slower than a dense copy); a table
+      without it gets ``copy_tbps``;
     * ``sms``: the architecture's SM count, where the device's own is not
       known (a GPU's target reads it at start);
     * the lean route's GPU time model: each wave of up to
@@ -38,6 +42,7 @@ class Calibration:
     host_us: Dict[str, float]
     copy_tbps: float
     launch_ms: float
+    refresh_tbps: float
     sms: int
     lean_step_us: float
     lean_step_1x1_us: float
@@ -57,6 +62,7 @@ class Calibration:
             raise ValueError(f"{where}.host_us: needs exactly {', '.join(HOST_KEYS)}, each a number >= 0")
         lean = data.get("lean") or {}
         fields = {"copy_tbps": data.get("copy_tbps"), "launch_ms": data.get("launch_ms"), "sms": data.get("sms"),
+                  "refresh_tbps": data.get("refresh_tbps", data.get("copy_tbps")),
                   "lean_step_us": lean.get("step_us"), "lean_step_1x1_us": lean.get("step_1x1_us"),
                   "lean_ctas_per_sm": lean.get("ctas_per_sm"), "lean_fp32_factor": lean.get("fp32_factor"),
                   "lean_min_saving_us": lean.get("min_saving_us")}
@@ -64,7 +70,8 @@ class Calibration:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
                 raise ValueError(f"{where}: {name} must be a positive number, got {v!r}")
         return cls(host_us={k: float(v) for k, v in host.items()}, copy_tbps=float(fields["copy_tbps"]),
-                   launch_ms=float(fields["launch_ms"]), sms=int(fields["sms"]),
+                   launch_ms=float(fields["launch_ms"]), refresh_tbps=float(fields["refresh_tbps"]),
+                   sms=int(fields["sms"]),
                    lean_step_us=float(fields["lean_step_us"]), lean_step_1x1_us=float(fields["lean_step_1x1_us"]),
                    lean_ctas_per_sm=int(fields["lean_ctas_per_sm"]),
                    lean_fp32_factor=float(fields["lean_fp32_factor"]),

@@ -241,6 +241,14 @@ def host_ms(launches: int, packed: bool = False, descriptors: int = 0, cal: Opti
             + descriptors * h["desc"]) / 1e3
 
 
+def refresh_ms(p: Problem, graph: bool, cal: Optional[Calibration] = None) -> float:
+    """GPU time of refreshing the call's weight pack (read and written once):
+    eagerly PyTorch's strided copy (``refresh_tbps``), on the graph path the
+    pack kernel (``copy_tbps``; conv_patch/runtime/pack.py)."""
+    cal = _cal(cal)
+    return cal.launch_ms + 2 * p.n * p.k * p.elem_bytes / ((cal.copy_tbps if graph else cal.refresh_tbps) * 1e9)
+
+
 def conv_host_ms(p: Problem, cal: Optional[Calibration] = None) -> float:
     """Host time of PyTorch's conv call on the planned path: the wrapper's
     own Python ("base", paid on PyTorch's route too) and F.conv2d's, by
@@ -287,6 +295,9 @@ def choose(p: Problem, fitted: Optional[Fit], exact: Optional[dict], *, launches
     if not (exact and exact.get("ours_ms")):
         gpu_o *= fill_factor(p, config, sms or cal.sms)
     gpu_o += (launches - 1) * cal.launch_ms
+    if packed:
+        # The tables time the kernel on a ready pack; a call refreshes it.
+        gpu_o += refresh_ms(p, graph, cal)
     theirs = torch_ms(p, gpu_c, ops, graph, cal)
     ours = gpu_o if graph else max(host_ms(launches, packed, descriptors, cal), gpu_o)
     how = "graph" if graph else "launched"

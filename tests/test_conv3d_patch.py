@@ -23,7 +23,7 @@ from conv_patch.routing.decide import decide
 from conv_patch.runtime import dispatch, planner
 from conv_patch.routing.registry import Route
 from conv_patch.specs import CallDesc, Conv3dSpec
-from conv_patch.target import Target
+from conv_patch.target import Target, interpreter_enabled
 from conv_patch.runtime.wrappers import PatchedCausalConv3d, PatchedConv3d
 from conv_patch.runtime.state import state_of
 from conv_patch.runtime.plans import KernelFailureWarning
@@ -246,6 +246,71 @@ def test_causal_convs_recognised_by_structure_and_others_skipped(exact_fp32):
     assert isinstance(clone["causal"], PatchedConv3d) and state_of(clone["causal"]).plans is None
     with torch.no_grad():
         assert rel_err(clone["causal"](x, cache), twin["causal"](x, cache)) <= TOL[torch.float32]
+
+
+class ShiftedSafeConv3d(nn.Conv3d):
+    """Named like a time-chunked conv, but its forward takes another argument."""
+
+    def forward(self, input, shift=0):
+        return super().forward(torch.roll(input, shift, 2))
+
+
+def test_time_chunked_convs_are_patched_by_their_contract(monkeypatch, exact_fp32):
+    """CogVideoX's and Mochi's convs (``CogVideoXSafeConv3d``: nn.Conv3d's
+    forward in chunks of frames above 2 GiB, inside ``CogVideoXCausalConv3d``
+    with its time padding and ``conv_cache``) are patched and answer as the
+    classes' own forwards on odd frame counts, with cached frames handed
+    from call to call and with replicate padding; above the chunking size
+    the class's own chunked forward runs. A look-alike whose forward takes
+    more than the input stays skipped, with the reason."""
+    from diffusers.models.autoencoders.autoencoder_kl_cogvideox import CogVideoXCausalConv3d, CogVideoXSafeConv3d
+    from conv_patch.runtime.wrappers import PatchedSafeConv3d
+    torch.manual_seed(11)
+    net = nn.ModuleDict({"causal": CogVideoXCausalConv3d(3, 5, 3), "rep": CogVideoXCausalConv3d(5, 4, 3, pad_mode="replicate"),
+                         "safe": CogVideoXSafeConv3d(5, 6, (3, 1, 3), padding=(1, 0, 1)),
+                         "other": ShiftedSafeConv3d(3, 4, 1)})
+    twin = copy.deepcopy(net)
+    report = conv_patch.apply(net)
+    assert sorted(report.patched) == ["causal.conv", "rep.conv", "safe"], report
+    assert "ShiftedSafeConv3d" in report.skipped["other"] and "contract is unknown" in report.skipped["other"]
+    assert all(isinstance(net[k].conv, PatchedSafeConv3d) for k in ("causal", "rep"))
+    x = torch.randn(1, 3, 5, 7, 9)
+    with torch.no_grad():
+        cache = ref_cache = None
+        for frames in (5, 3, 1):  # the first chunk, then chunks after cached frames
+            x = torch.randn(1, 3, frames, 7, 9)
+            (y, cache), (r, ref_cache) = net["causal"](x, cache), twin["causal"](x, ref_cache)
+            assert rel_err(y, r) <= TOL[torch.float32] and torch.equal(cache, ref_cache)
+            assert rel_err(net["rep"](y)[0], twin["rep"](r)[0]) <= TOL[torch.float32]
+            assert rel_err(net["safe"](y), twin["safe"](r)) <= TOL[torch.float32]
+        if interpreter_enabled():
+            assert state_of(net["safe"]).last.is_kernel, state_of(net["safe"]).last
+        # Above the chunking size (made tiny here): the class's own chunked forward.
+        monkeypatch.setattr(PatchedSafeConv3d, "CHUNKED_GIB", 1e-9)
+        monkeypatch.setattr(dispatch, "conv3d", lambda *a, **k: pytest.fail("routed a chunked call"))
+        assert rel_err(net["safe"](y), twin["safe"](r)) <= TOL[torch.float32]
+
+
+@pytest.mark.parametrize("family", ["AutoencoderKLCogVideoX", "AutoencoderKLMochi"])
+def test_cogvideox_and_mochi_decoders_patch_every_conv3d(family, exact_fp32):
+    """Tiny CogVideoX and Mochi VAEs: every Conv3d patched (their
+    time-chunked convs included), nothing skipped, and the decode of a latent
+    with an odd frame count unchanged (the Conv3d kernel under the
+    interpreter on the CPU)."""
+    torch.manual_seed(2)
+    cfg = (dict(block_out_channels=(8, 8, 8, 8), latent_channels=4, norm_num_groups=4, layers_per_block=1)
+           if family.endswith("CogVideoX") else
+           dict(encoder_block_out_channels=(32,) * 4, decoder_block_out_channels=(32,) * 4, latent_channels=4,
+                layers_per_block=(1,) * 5))
+    vae = getattr(diffusers, family)(**cfg).eval()
+    twin = copy.deepcopy(vae)
+    report = conv_patch.apply(vae)
+    convs = [n for n, m in twin.named_modules() if isinstance(m, nn.Conv3d)]
+    assert convs and all(n in report.patched for n in convs) and not report.skipped, report
+    # (Mochi's decoder expands time 12x and space 8x: a smaller latent.)
+    z = torch.randn((1, 4, 3, 2, 3) if family.endswith("CogVideoX") else (1, 4, 1, 2, 3))
+    with torch.no_grad():
+        assert rel_err(vae.decode(z).sample, twin.decode(z).sample) <= TOL[torch.float32]
 
 
 def test_a_gpu_takes_the_kernel_only_for_shapes_its_table_measured_faster(monkeypatch, exact_fp32):

@@ -21,7 +21,7 @@ from conv_patch.runtime.state import peek, state_of
 from conv_patch.specs import Conv3dSpec, ConvSpec
 from conv_patch.target import Target, default_target, what_runs
 from conv_patch.runtime.wrappers import (PatchedConvMixin, causal_conv3d_problem, is_comfy_conv_class,
-                                         wrapper_class_for)
+                                         safe_conv3d_problem, wrapper_class_for)
 
 FilterFn = Callable[[nn.Module, str], bool]
 
@@ -111,11 +111,11 @@ def ineligible_reason(m: nn.Module) -> Optional[str]:
     if getattr(cls, "_conv_forward", None) is not getattr(base, "_conv_forward", None):
         return f"{cls.__qualname__} overrides _conv_forward; its contract is unknown"
     if base is nn.Conv3d and cls is not nn.Conv3d:
-        # A causal video-VAE conv has a known contract (its own forward);
-        # any other Conv3d subclass's is unknown.
-        why = causal_conv3d_problem(m)
-        if why is not None:
-            return f"{cls.__qualname__}: {why}; its contract is unknown"
+        # A causal or a time-chunked video-VAE conv has a known contract (its
+        # own forward); any other Conv3d subclass's is unknown.
+        causal, safe = causal_conv3d_problem(m), safe_conv3d_problem(m)
+        if causal is not None and safe is not None:
+            return f"{cls.__qualname__}: {causal}, {safe}; its contract is unknown"
     elif cls.forward is not base.forward and not is_comfy_conv_class(cls):
         return f"{cls.__qualname__} overrides forward; its contract is unknown"
     if "forward" in m.__dict__:

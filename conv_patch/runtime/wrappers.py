@@ -251,7 +251,9 @@ def wrapper_class_for(cls: type) -> type:
     if cls is nn.Conv3d or cls is PatchedConv3d:
         return PatchedConv3d
     if issubclass(cls, nn.Conv3d):
-        base = PatchedCausalConv3d  # the only Conv3d subclasses apply() takes (causal_conv3d_problem)
+        # The only Conv3d subclasses apply() takes: time-chunked and causal
+        # ones (safe_conv3d_problem, causal_conv3d_problem).
+        base = PatchedSafeConv3d if safe_conv3d_class_problem(cls) is None else PatchedCausalConv3d
     else:
         base = PatchedConvTranspose2d if issubclass(cls, nn.ConvTranspose2d) else PatchedConv2d
     if cls not in _DYNAMIC:
@@ -366,6 +368,49 @@ class PatchedCausalConv3d(PatchedConv3d):
             return eager_epilogue(own(), residual, beta, activation, out_scale)
         return dispatch.conv3d(self, Call(x, residual, beta, activation, out_scale, cache=cache,
                                           pads=((pt0, pt1), hw_h, hw_w), own=own))
+
+
+class PatchedSafeConv3d(PatchedConv3d):
+    """The wrapper of a time-chunked Conv3d (``safe_conv3d_problem`` says
+    which: diffusers' ``CogVideoXSafeConv3d``, CogVideoX's and Mochi's
+    convs): its forward is ``nn.Conv3d``'s, computed in chunks of frames
+    where the input passes a size (so that cuDNN never sees more than 2 GiB
+    in one call). A call under that size is the plain conv and is routed like
+    one; a larger one runs the class's own chunked forward."""
+
+    # The class's rule: chunk where 2 bytes an element exceed 2 GiB.
+    CHUNKED_GIB = 2.0
+
+    def forward(self, input, *, cache=None, residual=None, beta=1.0, activation="none", out_scale=1.0):
+        frames = input.numel() + (0 if cache is None else cache.numel())
+        if frames * 2 / 1024 ** 3 > self.CHUNKED_GIB:
+            x = input if cache is None else torch.cat([cache, input], 2)
+            return eager_epilogue(self._cp_fallback_forward(self, x), residual, beta, activation, out_scale)
+        return super().forward(input, cache=cache, residual=residual, beta=beta, activation=activation,
+                               out_scale=out_scale)
+
+
+def safe_conv3d_class_problem(cls: type) -> Optional[str]:
+    """Why ``cls`` is not a time-chunked Conv3d class, or None: an
+    ``nn.Conv3d`` subclass named ``*SafeConv3d`` whose ``forward(input)``
+    takes the input alone and that leaves ``_conv_forward`` as it is (the
+    class computes ``nn.Conv3d.forward`` chunk by chunk)."""
+    if not (isinstance(cls, type) and issubclass(cls, nn.Conv3d) and cls.__name__.endswith("SafeConv3d")):
+        return "not a time-chunked Conv3d"
+    try:
+        names = list(inspect.signature(cls.forward).parameters)
+    except (TypeError, ValueError):
+        return "forward has no readable signature"
+    if len(names) != 2 or names[0] != "self":
+        return "forward is not forward(input)"
+    if cls._conv_forward is not nn.Conv3d._conv_forward:
+        return "overrides _conv_forward"
+    return None
+
+
+def safe_conv3d_problem(m: nn.Module) -> Optional[str]:
+    """``safe_conv3d_class_problem`` of ``m``'s class."""
+    return safe_conv3d_class_problem(type(m))
 
 
 def causal_conv3d_problem(m: nn.Module) -> Optional[str]:

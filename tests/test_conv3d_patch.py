@@ -33,6 +33,12 @@ diffusers = pytest.importorskip("diffusers")
 SM90 = Target("sm90", True, sms=132)
 
 
+# These tests run the kernels on CPU tensors, which only the interpreter
+# does: on a CUDA machine (no TRITON_INTERPRET) they would time PyTorch.
+needs_interpreter = pytest.mark.skipif(not interpreter_enabled(),
+                                       reason="runs the kernels on CPU tensors: the interpreter's (a CUDA machine)")
+
+
 def _decide3d(spec, x, w, b, cache, table, target=SM90):
     """The decision of a Conv3d call on ``target`` (a GPU faked: decisions
     only, nothing runs)."""
@@ -58,6 +64,7 @@ def _net():
     ).eval()
 
 
+@needs_interpreter
 @pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last_3d])
 def test_apply_patches_conv3d_and_matches_the_module(layout, exact_fp32):
     net = _net()
@@ -81,6 +88,7 @@ def test_apply_patches_conv3d_and_matches_the_module(layout, exact_fp32):
     assert restored == ["0", "2", "3"] and type(net[0]) is nn.Conv3d
 
 
+@needs_interpreter
 def test_epilogue_and_cache_of_a_plain_conv3d(exact_fp32):
     """The wrapper's extended call: cached frames in front of the input, a
     residual, an activation and a scale, in the kernel's epilogue."""
@@ -98,6 +106,7 @@ def test_epilogue_and_cache_of_a_plain_conv3d(exact_fp32):
     assert rel_err(y, 2.0 * F.silu(full + 0.5 * res.double())) <= TOL[torch.float32]
 
 
+@needs_interpreter
 def test_wan_causal_convs_read_the_cache_and_padding_in_place(monkeypatch, exact_fp32):
     """A Wan residual block run in two chunks with its feature cache: every
     causal conv patched, the answer the unpatched block's, and no F.pad or
@@ -147,6 +156,7 @@ def test_tiny_wan_vae_decode_matches(exact_fp32):
     assert rel_err(y, ref) <= TOL[torch.float32]
 
 
+@needs_interpreter
 def test_what_the_kernel_does_not_take_runs_pytorch_and_says_why(monkeypatch):
     torch.manual_seed(4)
     net = nn.Sequential(nn.Conv3d(3, 4, 3, padding=1))
@@ -184,6 +194,7 @@ def test_what_the_kernel_does_not_take_runs_pytorch_and_says_why(monkeypatch):
         assert "not measured on sm90" in state_of(m).last.reason
 
 
+@needs_interpreter
 def test_a_kernel_that_fails_to_build_falls_back_once(monkeypatch, exact_fp32):
     from triton.runtime.errors import OutOfResources
     calls = []
@@ -313,6 +324,7 @@ def test_cogvideox_and_mochi_decoders_patch_every_conv3d(family, exact_fp32):
         assert rel_err(vae.decode(z).sample, twin.decode(z).sample) <= TOL[torch.float32]
 
 
+@needs_interpreter
 def test_a_gpu_takes_the_kernel_only_for_shapes_its_table_measured_faster(monkeypatch, exact_fp32):
     """On a GPU target the Conv3d kernel runs exactly the calls whose exact
     shape the table measured faster than the module's forward as called, with

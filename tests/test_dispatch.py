@@ -39,6 +39,32 @@ def _plans(m):
     return state_of(m).plans or {}
 
 
+def test_a_slow_first_call_says_what_is_compiling(device, exact_fp32, monkeypatch, capsys):
+    """A plan build still running after ``COMPILE_NOTICE_S`` (its kernels
+    compiling) prints one line naming the conv and its input on stderr; a
+    quick one (a float64 call PyTorch takes) prints nothing, and the answer
+    is the unpatched one either way."""
+    import time
+    from conv_patch.runtime import plans
+    net, twin = _net(device)
+    real = planner._build
+    monkeypatch.setattr(plans, "COMPILE_NOTICE_S", 0.5)
+    with torch.no_grad():
+        x = torch.randn(2, 6, 7, 9, device=device, dtype=torch.float64)
+        assert rel_err(net.double()(x), twin.double()(x)) <= TOL[torch.float32]
+        assert capsys.readouterr().err == ""
+        net.float(), twin.float()
+        monkeypatch.setattr(planner, "_build", lambda *a, **k: time.sleep(1.5) or real(*a, **k))
+        x = torch.randn(1, 6, 5, 11, device=device)
+        assert rel_err(net(x), twin(x)) <= TOL[torch.float32]
+    err = capsys.readouterr().err
+    if device.type == "cpu" and not plans.interpreter_enabled():
+        assert err == ""  # nothing compiles there
+    else:
+        assert err.count("\n") == 1 and "compiling kernels for PatchedConv2d 6->10 k3x3" in err
+        assert "(1, 6, 5, 11)" in err
+
+
 def test_one_plan_per_signature_and_replayed_launches(device, exact_fp32, monkeypatch):
     net, twin = _net(device)
     conv = net[0]

@@ -27,7 +27,7 @@ from conv_patch.ops.subpixel import PARITIES, parity_padding, parity_view, parit
 from conv_patch.routing.decide import conv3d_gate
 from conv_patch.runtime import pack, passthrough, planner
 from conv_patch.runtime.call import Call
-from conv_patch.runtime.plans import BUILD_LOCK, UNREGISTERED, conv_key, cudnn_weight, eager, tensor_sig
+from conv_patch.runtime.plans import UNREGISTERED, building, conv_key, cudnn_weight, eager, tensor_sig
 from conv_patch.runtime.state import STATE, State, state_of
 from conv_patch.specs import ConvSpec
 from conv_patch.target import target_for
@@ -289,7 +289,7 @@ def group_norm(norm, x, activation="none", out=None, input_bias=None):
         if plan.kernel and plan.program is not None:
             return plan.program(roles)
     else:
-        with BUILD_LOCK:
+        with building(x, lambda: f"GroupNorm({norm.num_groups}, {norm.num_channels}) on {tuple(x.shape)}"):
             plan = st.plans.get(key) if st.plans is not None else None
             if plan is None:
                 return planner.build_group_norm(norm, key, x, activation, out, input_bias, roles, run_kernels,
@@ -348,7 +348,7 @@ def rms_norm(norm, x, params, eager_forward, activation="none"):
     st = state_of(norm)
     plan = st.plans.get(key) if st.plans is not None else None
     if plan is None:
-        with BUILD_LOCK:
+        with building(x, lambda: f"{type(norm).__name__} on {tuple(x.shape)}"):
             plan, y = planner.build_rms_norm(norm, key, x, params, activation, grad or cast, key[-1])
         st.norm_plan = plan
         if y is not None:

@@ -25,7 +25,7 @@ from conv_patch.routing import costs, tables
 from conv_patch.routing.decide import LEAN, RouteDecision, decide, fallback
 from conv_patch.routing.registry import Route
 from conv_patch.runtime import pack
-from conv_patch.runtime.plans import (BUILD_LOCK, CUDNN, KERNEL, MODULE, AutocastPlan, Conv3dPlan, ConvPlan, NormPlan,
+from conv_patch.runtime.plans import (CUDNN, KERNEL, MODULE, AutocastPlan, Conv3dPlan, ConvPlan, NormPlan, building,
                                       autocast_in_kernels, eager, kernel_failure, recorded, store_plan)
 from conv_patch.runtime.state import state_of
 from conv_patch.specs import CallDesc, HALF_DTYPES
@@ -36,7 +36,7 @@ from conv_patch.target import target_for
 def build(m, key, call, weight, bias):
     """(plan, result of this call): the plan of ``key`` (``plans.conv_key``),
     built and stored, and the call run through it."""
-    with BUILD_LOCK:
+    with building(call.x, lambda: f"{type(m).__name__} {m.spec.describe()} on {tuple(call.x.shape)}"):
         plans = state_of(m).plans
         plan = plans.get(key) if plans is not None else None
         if plan is not None:  # built by another thread while this one waited
@@ -163,7 +163,7 @@ def remember_bare(m, call, plan):
 # -- Conv3d ------------------------------------------------------------------------
 def build_conv3d(m, key, call, weight, bias, cast: bool, graph: bool):
     """(plan, result of this call) for a Conv3d call: routed, built, stored."""
-    with BUILD_LOCK:
+    with building(call.x, lambda: f"{type(m).__name__} {m.spec.describe()} on {tuple(call.x.shape)}"):
         x = call.x
         foreign = pack.foreign_capture(x)  # (not kept: pack.graph_flag says why)
         spec = m.spec if call.pads is None else dataclasses.replace(m.spec, pads=call.pads)
@@ -222,7 +222,7 @@ def group_norm_decision(x, num_groups, weight, bias, graph) -> tuple:
 
 def build_group_norm(norm, key, x, activation, out, input_bias, roles, run_kernels, run_eager):
     """This GroupNorm call's result, its plan built and stored (under
-    BUILD_LOCK): ``run_kernels()`` / ``run_eager()`` compute it either way."""
+    ``plans.building``): ``run_kernels()`` / ``run_eager()`` compute it either way."""
     foreign = pack.foreign_capture(x)  # (not kept: pack.graph_flag says why)
     if key[-2] and x.dtype in HALF_DTYPES:
         ok, why = False, "CUDA autocast computes GroupNorm in float32"

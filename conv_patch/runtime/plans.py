@@ -10,9 +10,12 @@ then only run: ``plan.run(m, call, weight, bias)``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
+import sys
 import threading
+import time
 import warnings
 from typing import Optional
 
@@ -28,7 +31,7 @@ from conv_patch.routing.registry import Route
 from conv_patch.runtime import pack
 from conv_patch.runtime.state import state_of
 from conv_patch.specs import ConvSpec, resolve_padding
-from conv_patch.target import target_for
+from conv_patch.target import interpreter_enabled, target_for
 
 
 class KernelFailureWarning(RuntimeWarning):
@@ -56,6 +59,47 @@ MAX_PLANS = 64
 # a plain dict read (a plan is stored complete, and a replay only reads it).
 # Reentrant: a build runs the module's forward.
 BUILD_LOCK = threading.RLock()
+
+# A plan's first call compiles the Triton kernels it launches (seconds each
+# on a cold cache); a build still running after this long says so, once, on
+# stderr, so that a first call that takes a minute is not mistaken for a hang.
+COMPILE_NOTICE_S = 2.0
+
+
+class _Build(threading.local):
+    depth = 0
+
+
+_BUILD = _Build()
+
+
+def _notice(what, started):
+    try:
+        name = what()
+    except Exception:  # a description must never be the failure
+        name = "a convolution"
+    print(f"conv-patch: compiling kernels for {name} (its first call; {time.perf_counter() - started:.0f} s so "
+          "far; cached for later calls and processes)", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def building(x, what):
+    """``BUILD_LOCK`` held for one plan build; where it can compile kernels
+    (``x`` on a GPU, or under the interpreter) and is the thread's outermost
+    build, a line naming ``what()`` once it passes ``COMPILE_NOTICE_S``."""
+    with BUILD_LOCK:
+        timer = None
+        if _BUILD.depth == 0 and (x.is_cuda or interpreter_enabled()):
+            timer = threading.Timer(COMPILE_NOTICE_S, _notice, (what, time.perf_counter()))
+            timer.daemon = True
+            timer.start()
+        _BUILD.depth += 1
+        try:
+            yield
+        finally:
+            _BUILD.depth -= 1
+            if timer is not None:
+                timer.cancel()
 
 UNREGISTERED = fallback("weight or bias is not a registered Parameter (parametrized, or a buffer)")
 

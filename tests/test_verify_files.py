@@ -780,3 +780,57 @@ def test_a_wide_conv3d_is_probed_smaller_not_skipped(monkeypatch):
     monkeypatch.setattr(verify, "CONV3D_MAX_PROBE", 10)
     r = verify.check_layer3d("w", w, b, (1, 1, 1), pads, 3, 16, 0)
     assert r.rel_err is None and r.note == "too large for a per-layer check here: not compared"
+
+
+# Tiny stand-ins for the released configurations (formats.VIDEO_DEFAULTS):
+# the recogniser matches a file against the class built with them.
+VIDEO_TINY = {
+    "AutoencoderKLCogVideoX": (16, dict(block_out_channels=(8, 8, 8, 8), latent_channels=4, norm_num_groups=4,
+                                        layers_per_block=1)),
+    "AutoencoderKLMochi": (16, dict(encoder_block_out_channels=(32,) * 4, decoder_block_out_channels=(32,) * 4,
+                                    latent_channels=4, layers_per_block=(1,) * 5)),
+    "AutoencoderKLHunyuanVideo": (16, dict(block_out_channels=(8, 8, 8, 8), latent_channels=4, layers_per_block=1,
+                                           norm_num_groups=4)),
+    "AutoencoderKLLTXVideo": (64, dict(block_out_channels=(8, 8, 8, 8), decoder_block_out_channels=(8, 8, 8, 8),
+                                       latent_channels=4, layers_per_block=(1,) * 5,
+                                       decoder_layers_per_block=(1,) * 5)),
+}
+
+
+@pytest.mark.parametrize("family", sorted(VIDEO_TINY))
+def test_other_diffusers_video_vaes_are_recognised_as_released(family, tmp_path, capsys, monkeypatch):
+    """A file holding exactly the tensors of a CogVideoX, Mochi, HunyuanVideo
+    or LTX-Video VAE (here each built with a tiny configuration standing in
+    for the released one) is recognised, built, and verified end to end
+    (seeded latent frames decoded, frames encoded); its decoder half alone
+    decodes only; one tensor of another shape makes it none of them: the
+    per-layer checks alone, said so."""
+    diffusers = pytest.importorskip("diffusers")
+    from conv_patch.tools import formats
+    size, cfg = VIDEO_TINY[family]
+    monkeypatch.setattr(formats, "VIDEO_DEFAULTS", tuple(
+        (c, label, s, t, cfg if c == family else conf) for c, label, s, t, conf in formats.VIDEO_DEFAULTS))
+    torch.manual_seed(0)
+    vae = getattr(diffusers, family)(**cfg).eval()
+    state = {k: v.contiguous() for k, v in vae.state_dict().items()}
+    shapes = {k: tuple(v.shape) for k, v in state.items()}
+    fmt = formats.recognise(shapes)
+    assert fmt.kind == "diffusers-video-vae" and f"({family})" in fmt.description, fmt.description
+    assert fmt.decode and fmt.encode and not fmt.problem
+    path = tmp_path / "vae.safetensors"
+    save_file(state, str(path))
+    before = _fingerprint(path)
+    code, out, err = run_cli(["verify", str(path), "--size", str(size), "--json", str(tmp_path / "r.json")], capsys)
+    assert code == 0, out + err
+    assert _fingerprint(path) == before
+    report = json.loads((tmp_path / "r.json").read_text())["reports"][0]
+    assert [e["what"].split(" ")[0] for e in report["end_to_end"]] == ["decode", "encode"]
+    assert all(e["passed"] for e in report["end_to_end"]) and all(r["passed"] for r in report["layers"])
+    half = {k: v for k, v in shapes.items() if not k.startswith(("encoder.", "quant_conv."))}
+    fmt = formats.recognise(half)
+    assert fmt.decode and not fmt.encode and "(decoder only)" in fmt.description
+    wrong = dict(shapes)
+    k = next(k for k, v in wrong.items() if k.startswith("decoder.") and len(v) == 5)
+    wrong[k] = (wrong[k][0] + 1,) + wrong[k][1:]
+    fmt = formats.recognise(wrong)
+    assert fmt.kind == "unknown" and "none of the" in fmt.description and "CogVideoX" in fmt.description

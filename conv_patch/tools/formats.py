@@ -3,9 +3,10 @@
 Recognised: diffusers ``AutoencoderKL`` (SD1.5/SDXL/SD3/FLUX.1 layouts), the
 original single-file layout (ComfyUI, the SD repositories, FLUX ``ae``; bare
 or under ``first_stage_model.``/``vae.``), TAESD-format ``nn.Sequential``
-encoders/decoders, diffusers ``AutoencoderTiny``, and the Wan-family video
+encoders/decoders, diffusers ``AutoencoderTiny``, the Wan-family video
 VAEs (diffusers ``AutoencoderKLWan``, Wan 2.1's and 2.2's, in its own layout
-and in the original Wan repository's). Each recognised format knows how to build its
+and in the original Wan repository's), and diffusers' CogVideoX, Mochi,
+HunyuanVideo and LTX-Video VAEs as released (``VIDEO_DEFAULTS``). Each recognised format knows how to build its
 model (the diffusers class or the package's own TAESD module), how to
 decode/encode with it, and the geometry of each convolution weight (2-D and
 3-D) for the per-layer check. Anything else gets the per-layer check alone.
@@ -30,6 +31,7 @@ KNOWN = (
     "TAESD and TAEF2 encoders and decoders",
     "diffusers AutoencoderTiny",
     "the Wan 2.1 and Wan 2.2 (TI2V-5B) video VAEs, in diffusers' (AutoencoderKLWan) and the original Wan layout",
+    "the CogVideoX, Mochi 1, HunyuanVideo and LTX-Video (0.9.0) video VAEs in diffusers' layout, as released",
 )
 
 
@@ -633,6 +635,74 @@ def _wan_format(shapes: Shapes, rename: Optional[Dict[str, str]]) -> Format:
         latent_frames=2, video_frames=1 + max(4, config["scale_factor_temporal"]), problem=problem)
 
 
+# diffusers' other video VAEs: (class, label, spatial factor, temporal factor,
+# the constructor arguments a file must match: the released model's, its
+# class defaults). A file is one of them where its tensors are exactly that
+# model's (or one half's: the encoder with quant_conv, the decoder with
+# post_quant_conv); nothing is inferred, so no file is taken for a model it
+# is not.
+VIDEO_DEFAULTS = (
+    ("AutoencoderKLCogVideoX", "CogVideoX video VAE", 8, 4, {}),
+    ("AutoencoderKLMochi", "Mochi 1 video VAE", 8, 6, {}),
+    ("AutoencoderKLHunyuanVideo", "HunyuanVideo video VAE", 8, 4, {}),
+    ("AutoencoderKLLTXVideo", "LTX-Video (0.9.0) video VAE", 32, 8, {}),
+)
+# Tensors of either half (LTX-Video's latent statistics).
+_SHARED_BUFFERS = ("latents_mean", "latents_std")
+
+
+def _video_default_format(shapes: Shapes) -> Optional[Format]:
+    """The ``VIDEO_DEFAULTS`` model this file holds ("unknown" where it is
+    none of them; None without diffusers). Each candidate
+    is built on the meta device (no memory) and its state dict's shapes
+    compared with the file's."""
+    try:
+        import diffusers
+    except ImportError:
+        return None
+    parts = {p for p in ("encoder", "decoder") if any(k.startswith(p + ".") for k in shapes)}
+    absent = _wan_absent(parts)
+    for cls_name, label, spatial, temporal, config in VIDEO_DEFAULTS:
+        cls = getattr(diffusers, cls_name, None)
+        if cls is None:
+            continue
+        with torch.device("meta"):
+            model = cls(**config)
+        want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        missing = [k for k in want if k not in shapes and not k.startswith(absent) and k not in _SHARED_BUFFERS]
+        if missing or any(k not in want or tuple(v) != want[k] for k, v in shapes.items()):
+            continue
+        latent = model.config["latent_channels"]
+        # Each conv's own stride and padding, read off the model (the time
+        # padding a causal conv adds in front is its caller's concatenation).
+        geo2, geo3 = {}, {}
+        for name, mod in model.named_modules():
+            if isinstance(mod, nn.Conv3d) and isinstance(mod.padding, tuple):
+                geo3[f"{name}.weight"] = (tuple(mod.stride), tuple((p, p) for p in mod.padding))
+            elif isinstance(mod, nn.Conv2d) and isinstance(mod.padding, tuple):
+                geo2[f"{name}.weight"] = (mod.stride[0], mod.padding[0])
+
+        def build(state, cls=cls, config=config):
+            m = cls(**config)
+            missing, unexpected = m.load_state_dict(state, strict=False)
+            if unexpected or any(not k.startswith(absent) and k not in _SHARED_BUFFERS for k in missing):
+                raise ValueError(f"layout does not match {cls.__name__}: {len(missing)} missing, "
+                                 f"{len(unexpected)} unexpected keys")
+            return m
+
+        return Format(
+            kind="diffusers-video-vae", description=f"{label}, diffusers layout ({cls_name})"
+            + ("" if parts == {"encoder", "decoder"} else f" ({next(iter(parts))} only)"),
+            geometry=lambda name, shape, g=geo2: g.get(name) or (1, shape[2] // 2),
+            geometry3d=lambda name, shape, g=geo3: g.get(name) or same_geometry3d(name, shape),
+            build=build, decode=(lambda m, z: m.decode(z).sample) if "decoder" in parts else None,
+            encode=(lambda m, x: m.encode(x).latent_dist.mode()) if "encoder" in parts else None,
+            latent_channels=latent, factor=spatial, image_range=(-1.0, 1.0),
+            latent_frames=2, video_frames=1 + temporal)
+    names = ", ".join(label for _, label, *_ in VIDEO_DEFAULTS)
+    return Format("unknown", f"a video VAE (5-D convolution weights) that is none of the {names} as released")
+
+
 def _is_5d(shapes: Shapes, *names) -> bool:
     return any(len(shapes.get(n, ())) == 5 for n in names)
 
@@ -668,6 +738,10 @@ def recognise(shapes: Shapes) -> Format:
                 _WAN_ORIGINAL.match(k) for k in shapes):
             nested = any(_WAN22_NESTED.match(k) for k in shapes)
             return _wan_format(shapes, (wan22_original_names if nested else wan_original_names)(list(shapes)))
+        if not rms and any(len(v) == 5 for v in shapes.values()):
+            fmt = _video_default_format(shapes)
+            if fmt is not None:
+                return fmt
         if any(re.match(r"(encoder\.down_blocks|decoder\.up_blocks)\.\d+\.", k) for k in shapes):
             config = _kl_config(shapes, "diffusers")
             return _kl_format("diffusers-autoencoderkl", "diffusers " + _describe_kl(config), shapes, config)

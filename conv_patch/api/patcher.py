@@ -113,7 +113,7 @@ def ineligible_reason(m: nn.Module) -> Optional[str]:
     if base is nn.Conv3d and cls is not nn.Conv3d:
         # A causal or a time-chunked video-VAE conv has a known contract (its
         # own forward); any other Conv3d subclass's is unknown.
-        causal, safe = causal_conv3d_problem(m), safe_conv3d_problem(m)
+        causal, safe = causal_conv3d_problem(m), safe_conv3d_problem(cls)
         if causal is not None and safe is not None:
             return f"{cls.__qualname__}: {causal}, {safe}; its contract is unknown"
     elif cls.forward is not base.forward and not is_comfy_conv_class(cls):

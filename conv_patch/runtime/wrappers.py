@@ -253,7 +253,7 @@ def wrapper_class_for(cls: type) -> type:
     if issubclass(cls, nn.Conv3d):
         # The only Conv3d subclasses apply() takes: time-chunked and causal
         # ones (safe_conv3d_problem, causal_conv3d_problem).
-        base = PatchedSafeConv3d if safe_conv3d_class_problem(cls) is None else PatchedCausalConv3d
+        base = PatchedSafeConv3d if safe_conv3d_problem(cls) is None else PatchedCausalConv3d
     else:
         base = PatchedConvTranspose2d if issubclass(cls, nn.ConvTranspose2d) else PatchedConv2d
     if cls not in _DYNAMIC:
@@ -382,15 +382,15 @@ class PatchedSafeConv3d(PatchedConv3d):
     CHUNKED_GIB = 2.0
 
     def forward(self, input, *, cache=None, residual=None, beta=1.0, activation="none", out_scale=1.0):
-        frames = input.numel() + (0 if cache is None else cache.numel())
-        if frames * 2 / 1024 ** 3 > self.CHUNKED_GIB:
+        elements = input.numel() + (0 if cache is None else cache.numel())
+        if elements * 2 / 1024 ** 3 > self.CHUNKED_GIB:
             x = input if cache is None else torch.cat([cache, input], 2)
             return eager_epilogue(self._cp_fallback_forward(self, x), residual, beta, activation, out_scale)
         return super().forward(input, cache=cache, residual=residual, beta=beta, activation=activation,
                                out_scale=out_scale)
 
 
-def safe_conv3d_class_problem(cls: type) -> Optional[str]:
+def safe_conv3d_problem(cls: type) -> Optional[str]:
     """Why ``cls`` is not a time-chunked Conv3d class, or None: an
     ``nn.Conv3d`` subclass named ``*SafeConv3d`` whose ``forward(input)``
     takes the input alone and that leaves ``_conv_forward`` as it is (the
@@ -406,11 +406,6 @@ def safe_conv3d_class_problem(cls: type) -> Optional[str]:
     if cls._conv_forward is not nn.Conv3d._conv_forward:
         return "overrides _conv_forward"
     return None
-
-
-def safe_conv3d_problem(m: nn.Module) -> Optional[str]:
-    """``safe_conv3d_class_problem`` of ``m``'s class."""
-    return safe_conv3d_class_problem(type(m))
 
 
 def causal_conv3d_problem(m: nn.Module) -> Optional[str]:

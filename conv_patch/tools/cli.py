@@ -150,9 +150,13 @@ class _Progress:
     def __call__(self, done, total, name):
         if not self.bar:
             return
+        from rich.markup import escape
         if self.task is None:
             self.task = self.bar.add_task(self.what, total=total)
-        self.bar.update(self.task, completed=done, description=f"{self.what} {name}")
+        # A layer's name comes from the user's file: text, not markup (the
+        # bar renders its description in a thread of its own, where a
+        # MarkupError is a traceback whenever a refresh meets such a name).
+        self.bar.update(self.task, completed=done, description=escape(f"{self.what} {name}"))
 
 
 def _fmt(v, spec=".3g"):

@@ -70,7 +70,13 @@ def mode(name, model):
             yield
 
 
-def run_every_mode(model, x, call, kept, modes=MODES, tol=1e-5):
+# A user's table routing every 2-D conv to the portable kernel: on a GPU the
+# packaged table and the cost model keep these small convs on cuDNN, which
+# caches nothing (a user's table is the user's choice, not weighed).
+KERNELS = conv_patch.PatchConfig(table={"conv2d": {"any": {"BLOCK_M": 64, "BLOCK_N": 16, "BLOCK_K": 16}}})
+
+
+def run_every_mode(model, x, call, kept, modes=MODES, tol=1e-5, config=None):
     """``call(model, x)`` in every order of ``modes``, each result against
     the unpatched model's; ``kept(model)`` returns the tensors conv-patch
     keeps (checked to be normal tensors and the same objects every time),
@@ -78,7 +84,7 @@ def run_every_mode(model, x, call, kept, modes=MODES, tol=1e-5):
     plain = copy.deepcopy(model)
     with torch.no_grad():
         ref = call(plain, x)
-    conv_patch.apply(model)
+    conv_patch.apply(model, config=config)
     first = None
     for name in every_transition(modes):
         with mode(name, model):
@@ -101,26 +107,30 @@ def _pack_of(m):
 
 def test_a_conv_weight_pack(exact_fp32, device):
     net = nn.Sequential(nn.Conv2d(5, 7, 3, padding=1)).to(device).eval()  # an NCHW weight: packed
-    run_every_mode(net, torch.randn(2, 5, 9, 7, device=device), lambda m, x: m(x), lambda m: _pack_of(m[0]))
+    run_every_mode(net, torch.randn(2, 5, 9, 7, device=device), lambda m, x: m(x), lambda m: _pack_of(m[0]),
+                   config=KERNELS)
 
 
 def test_the_folded_upsample_weights(exact_fp32, device):
-    net = nn.Sequential(nn.Conv2d(4, 8, 3, padding=1), nn.ReLU(), nn.Upsample(scale_factor=2),
-                        nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 3, 3, padding=1)).to(device).eval()
+    # On a GPU the fold is taken from 4e9 multiply-adds a tap (costs.subpixel_pays).
+    c, (h, w) = (8, (6, 5)) if device.type == "cpu" else (512, (128, 128))
+    net = nn.Sequential(nn.Conv2d(4, c, 3, padding=1), nn.ReLU(), nn.Upsample(scale_factor=2),
+                        nn.Conv2d(c, c, 3, padding=1), nn.ReLU(), nn.Conv2d(c, 3, 3, padding=1)).to(device).eval()
 
     def kept(m):
         held = state_of(m[3]).subpixel
         return [] if held is None else [held[1]]
-    x = torch.randn(1, 4, 6, 5, device=device)
-    if not subpixel_pays(x, net[3].weight):
-        pytest.skip("the folded upsample does not pay at this size here")
-    run_every_mode(net, x, lambda m, t: m(t), kept)
+    x = torch.randn(1, 4, h, w, device=device)
+    assert subpixel_pays(x, net[3].weight)
+    run_every_mode(net, x, lambda m, t: m(t), kept, config=KERNELS)
 
 
 def test_group_norm_plans(exact_fp32, device):
-    net = nn.Sequential(nn.GroupNorm(3, 6)).to(device).eval()
+    # On a GPU the kernels take a GroupNorm from 4M elements (costs.group_norm_pays).
+    groups, shape = (3, (2, 6, 5, 7)) if device.type == "cpu" else (8, (1, 64, 256, 257))
+    net = nn.Sequential(nn.GroupNorm(groups, shape[1])).to(device).eval()
     norm = net[0]
-    x = torch.randn(2, 6, 5, 7, device=device) * 3 + 1
+    x = torch.randn(*shape, device=device) * 3 + 1
     plans = []
 
     def kept(m):
@@ -128,22 +138,30 @@ def test_group_norm_plans(exact_fp32, device):
         plans.append([id(v) for v in p.values() if v.kernel])
         return None  # (a plan keeps no tensor: its recorded launches allocate afresh at each replay)
     from conv_patch.recipes import common
-    if x.is_cuda and not common.group_norm_pays(x.numel()):
-        pytest.skip("PyTorch's GroupNorm runs at this size on a GPU")
+    assert not x.is_cuda or common.group_norm_pays(x.numel())
     run_every_mode(net, x, lambda m, t: m(t), kept)
     kernel_plans = [p for p in plans if p]
     assert kernel_plans and all(p == kernel_plans[0] for p in kernel_plans)  # one plan, reused in every mode
 
 
 def test_conv3d_plans(exact_fp32, device):
+    from conv_patch.routing import tables
+    from conv_patch.specs import Conv3dSpec
     net = nn.Sequential(nn.Conv3d(3, 5, 3, padding=1)).to(device).eval()
+    x = torch.randn(1, 3, 4, 6, 5, device=device)
+    # On a GPU a Conv3d takes the kernel only where its table measured it
+    # faster: a user's table that says so for this call.
+    key = tables.conv3d_keys(Conv3dSpec.from_module(net[0]), tuple(x.shape), 0, "ncdhw", torch.float32)[0]
+    tile = {"route": "igemm", "BLOCK_M": 64, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 8, "num_warps": 4,
+            "num_stages": 1, "ours_ms": 1.0, "cudnn_ms": 2.0}
+    config = conv_patch.PatchConfig(table={"schema": 1, "arch": "any", "conv3d": {"exact": {key: tile}}})
     plans = []
 
     def kept(m):
         p = state_of(m[0]).plans or {}
         plans.append(sorted(id(v) for v in p.values() if v.decision.is_kernel))
         return None
-    run_every_mode(net, torch.randn(1, 3, 4, 6, 5, device=device), lambda m, t: m(t), kept)
+    run_every_mode(net, x, lambda m, t: m(t), kept, config=config)
     kernel_plans = [p for p in plans if p]
     assert kernel_plans and all(p == kernel_plans[0] for p in kernel_plans)
 
@@ -171,7 +189,7 @@ def test_bands_and_their_staging_buffers(exact_fp32, device):
             y, report = parallel.decode_in_bands(vae, z, bands=2, staged=True, return_report=True)
         assert rel_err(y, ref) <= 1e-5, name
         assert report.bands == 2 and report.staged, report
-        pool = staging.pool_for(device)
+        pool = staging.pool_for(z.device)  # (cuda:0, as the bands' tensors say, not cuda)
         assert pool._all and not any(b.is_inference() for b in pool._all), name
         held = pool.held_bytes if held is None else held
         assert pool.held_bytes == held, name  # the buffers of the first decode, reused

@@ -17,6 +17,9 @@ import torch
 from safetensors.torch import save_file
 
 pytestmark = pytest.mark.skipif(not hasattr(pty, "openpty"), reason="no pseudo-terminals here")
+# The GPU where there is one (on a CUDA machine the kernels do not run on CPU
+# tensors: no interpreter there), else the CPU under the interpreter.
+DEVICE = [] if torch.cuda.is_available() else ["--device", "cpu"]
 
 
 def run_on_a_terminal(argv, cwd, timeout=240):
@@ -25,7 +28,9 @@ def run_on_a_terminal(argv, cwd, timeout=240):
     printed)."""
     pytest.importorskip("rich")
     main, child = pty.openpty()
-    env = dict(os.environ, COLUMNS="160", LINES="50", TERM="xterm-256color")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)  # conv_patch from this checkout
+    env = dict(os.environ, COLUMNS="160", LINES="50", TERM="xterm-256color", PYTHONPATH=path)
     env.pop("NO_COLOR", None)
     p = subprocess.Popen([sys.executable, "-m", "conv_patch.tools.cli", *argv], stdin=child, stdout=child,
                          stderr=child, cwd=cwd, env=env, close_fds=True)
@@ -59,7 +64,7 @@ def test_markup_like_names_on_a_terminal(tmp_path):
     exit 1, on a terminal only)."""
     path = tmp_path / "[bold]vae [red].safetensors"  # ("/" cannot stand in a file name)
     save_file({"[/x].weight": torch.randn(4, 3, 3, 3), "[bold]b.weight": torch.randn(4, 4, 1, 1)}, str(path))
-    code, out = run_on_a_terminal(["verify", str(path), "--size", "8", "--device", "cpu"], tmp_path)
+    code, out = run_on_a_terminal(["verify", str(path), "--size", "8", *DEVICE], tmp_path)
     out = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", out)  # colours and cursor moves out
     assert "Traceback" not in out and "MarkupError" not in out, out[-3000:]
     assert code == 0, out[-3000:]
@@ -74,7 +79,7 @@ def test_bad_input_on_a_terminal_is_one_line_and_exit_2(tmp_path):
     it, exit 2, on a terminal as in a pipe."""
     path = tmp_path / "[bold]vae[/].safetensors".replace("/", "")
     path.write_bytes(b"\x01\x02")
-    code, out = run_on_a_terminal(["verify", str(path), "--size", "8", "--device", "cpu"], tmp_path)
+    code, out = run_on_a_terminal(["verify", str(path), "--size", "8", *DEVICE], tmp_path)
     out = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", out)
     lines = [line for line in out.replace("\r", "").splitlines() if line.strip()]
     assert code == 2, out[-3000:]

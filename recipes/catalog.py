@@ -1,7 +1,7 @@
 """Model-family rewrites, installed as ``conv_patch.recipes``.
 
 ``conv_patch.apply(model)`` runs :func:`plan` over the model and gives each
-recognised block a fused forward (see ``_fuse.py`` for how, and why the block
+recognised block a fused forward (see ``fuse.py`` for how, and why the block
 object itself is kept); ``apply(model, recipes=False)`` skips this and only
 swaps convolutions. The order below is the matching order: the first recipe
 that matches a module takes it.

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from conv_patch.activations import activation_code
+from conv_patch.specs import HALF_DTYPES, KERNEL_DTYPES
 
 
 # Elements of a band converted at a time for its moments (32-64 MiB).
@@ -35,7 +36,7 @@ def channel_moments(x: torch.Tensor):
     spread, which the normalised output would carry); PyTorch's Welford
     reduction per chunk, the chunks merged with Chan's update."""
     n, c, h, w = x.shape
-    wide = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else torch.float64
+    wide = torch.float32 if x.dtype in HALF_DTYPES else torch.float64
     rows = max(1, MOMENT_CHUNK // max(1, n * c * w))
     total = None
     for r0 in range(0, h, rows):
@@ -76,7 +77,7 @@ def kernel_moments(x: torch.Tensor, groups: int) -> Optional[torch.Tensor]:
     """``band_moments`` from the GroupNorm kernels' statistics pass (its
     per-split fp32 partials Chan-merged in float64), or None where it does
     not run (not half precision, not dense NCHW/NHWC, no kernels here)."""
-    here = group_norm_kernels(x, (torch.float16, torch.bfloat16))
+    here = group_norm_kernels(x, HALF_DTYPES)
     if here is None:
         return None
     k, nhwc, (_, stats_block, programs) = here
@@ -159,7 +160,7 @@ def normalise(x: torch.Tensor, aff: Affine, activation: str, use_kernels: bool,
     per element, as in the unbanded kernels), else PyTorch ops in fp32 that
     subtract the mean first (a folded ``x * scale + shift`` cancels where the
     mean is large against the spread). Output in ``x``'s dtype and layout."""
-    here = group_norm_kernels(x, (torch.float16, torch.bfloat16, torch.float32)) if use_kernels else None
+    here = group_norm_kernels(x, KERNEL_DTYPES) if use_kernels else None
     if here is not None:
         k, nhwc, sizes = here
         fmt = torch.channels_last if nhwc else torch.contiguous_format

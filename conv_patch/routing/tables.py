@@ -23,7 +23,7 @@ from conv_patch.specs import ConvSpec, dtype_name, layout_of
 
 TILE_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K")
 KINDS = ("conv2d", "conv_transpose2d")
-# "route" of a config (conv_patch/routes.py's registry): the portable implicit
+# "route" of a config (conv_patch/routing/registry.py): the portable implicit
 # GEMM (the default), the Hopper TMA kernel, the few-output-channel taps route
 # (its tiles are those of its first stage, a portable 1x1 GEMM), the
 # few-input-channel flat route, or cuDNN (exact entries only, where the tuner

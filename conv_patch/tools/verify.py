@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from conv_patch.api import patcher
-from conv_patch.specs import KERNEL_DTYPES, Conv3dSpec, ConvSpec
+from conv_patch.specs import HALF_DTYPES, KERNEL_DTYPES, Conv3dSpec, ConvSpec
 from conv_patch.target import conv_tf32, conv_tf32_enabled, target_for
 from conv_patch.routing.registry import Route
 from conv_patch.runtime.state import state_of
@@ -344,7 +344,7 @@ def check_layer3d(name: str, weight: torch.Tensor, bias: Optional[torch.Tensor],
 def _file_dtype(state: dict, names: List[str]) -> torch.dtype:
     dtypes = [state[n].dtype for n in names]
     common = max(set(dtypes), key=dtypes.count)
-    return common if common in (torch.float16, torch.bfloat16) else torch.bfloat16
+    return common if common in HALF_DTYPES else torch.bfloat16
 
 
 def check_file_layers(state: dict, fmt, device, dtype, size: int,

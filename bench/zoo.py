@@ -509,9 +509,14 @@ def main(argv=None):
                     help="also time the model patched with recipes=False in the same rounds")
     ap.add_argument("--no-passthrough", action="store_true",
                     help="also time the model patched with PatchConfig(passthrough=False) in the same rounds")
+    ap.add_argument("--cudnn-benchmark", action="store_true",
+                    help="torch.backends.cudnn.benchmark on for every variant (as many users set it: the "
+                         "stronger baseline)")
     case_args(ap, "zoo")
     args = ap.parse_args(argv)
     device = bench_device()
+    if args.cudnn_benchmark:
+        torch.backends.cudnn.benchmark = True
     cases = selected(TINY if args.tiny else {"full": FULL, "quick": QUICK, "host": HOST}[args.set], args.only)
     min_seconds = args.min_seconds if args.min_seconds is not None else (0.0 if args.tiny else MIN_SECONDS)
     rows = []

@@ -24,7 +24,7 @@ import torch
 import conv_patch
 
 from .common import bench_device, print_table, write_results
-from .zoo import interleaved, load_case, selected, size_name
+from .zoo import interleaved, load_case, output_tensor, selected
 
 CASES = [("rrdb-x4", 256, 1, None), ("sd15-unet", 512, 2, None), ("sdxl-unet", 1024, 1, None),
          ("controlnet", 512, 2, None)]
@@ -38,24 +38,14 @@ def _nhwc_call(m):
         args = (args[0].contiguous(memory_format=CL),) + tuple(args[1:])
         if "controlnet_cond" in kw:
             kw = dict(kw, controlnet_cond=kw["controlnet_cond"].contiguous(memory_format=CL))
-        return _first(m(*args, **kw)).contiguous()
+        return output_tensor(m(*args, **kw)).contiguous()
     return call
 
 
 def _plain_call(m):
     def call(args, kw):
-        return _first(m(*args, **kw))
+        return output_tensor(m(*args, **kw))
     return call
-
-
-def _first(y):
-    if isinstance(y, tuple):
-        y = y[0]
-    if hasattr(y, "sample"):
-        y = y.sample
-    if hasattr(y, "mid_block_res_sample"):
-        y = y.mid_block_res_sample
-    return y
 
 
 def _graph_ms(call, inp, reps=20):
@@ -81,8 +71,8 @@ def _graph_ms(call, inp, reps=20):
     return statistics.median(times)
 
 
-def layout_row(name, size, batch, dtype_name, runs, warmup, device, graph):
-    fields, model, inputs = load_case(name, size, batch, dtype_name, False, device)
+def layout_row(name, size, batch, dtype_name, runs, warmup, device, graph, tiny=False):
+    fields, model, inputs = load_case(name, size, batch, dtype_name, tiny, device)
     nhwc = copy.deepcopy(model).to(memory_format=CL)
     patched = copy.deepcopy(model)
     conv_patch.apply(patched)
@@ -101,7 +91,6 @@ def layout_row(name, size, batch, dtype_name, runs, warmup, device, graph):
     with torch.inference_mode():
         for c in calls.values():  # first calls: compile and plan
             c(*inputs[0])
-        torch.cuda.synchronize()
         res = interleaved({k: timed(c) for k, c in calls.items()}, runs, warmup)
         ref = calls["nchw"](*inputs[0]).float()
         for k, c in calls.items():
@@ -110,7 +99,7 @@ def layout_row(name, size, batch, dtype_name, runs, warmup, device, graph):
             row[f"{k}_host_ms"] = res[k]["host_ms"]
             row[f"{k}_rel_err"] = ((y.float() - ref).norm() / ref.norm()).item()
             row[f"{k}_contiguous"] = y.is_contiguous()
-        if graph:
+        if graph and device.type == "cuda":
             for k in ("nchw", "nhwc"):
                 try:
                     row[f"{k}_graph_ms"] = _graph_ms(calls[k], inputs[0])
@@ -121,7 +110,8 @@ def layout_row(name, size, batch, dtype_name, runs, warmup, device, graph):
                 "ours_ms": row["patched_nhwc_ms"], "speedup": base / row["patched_nhwc_ms"],
                 "nhwc_speedup": base / row["nhwc_ms"], "patched_nchw_speedup": base / row["patched_nchw_ms"]})
     del model, nhwc, patched, patched_nhwc
-    torch.cuda.empty_cache()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     return row
 
 

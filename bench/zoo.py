@@ -457,16 +457,21 @@ def bench_row(name, size, batch, dtype_name, runs, warmup, tiny, device, min_sec
     return row
 
 
-def _out(m, inp):
-    args, kw = inp
-    y = m(*args, **kw)
+def output_tensor(y):
+    """The tensor a zoo model's call returns: the first of a tuple, a
+    diffusers output's ``sample``, a ControlNet's mid-block residual."""
     if isinstance(y, tuple):
         y = y[0]
     if hasattr(y, "sample"):
         y = y.sample
     if hasattr(y, "down_block_res_samples"):
         y = y.mid_block_res_sample
-    return y.float()
+    return y
+
+
+def _out(m, inp):
+    args, kw = inp
+    return output_tensor(m(*args, **kw)).float()
 
 
 def _rel_err(a, b):

@@ -532,3 +532,17 @@ def test_bench_big_keeps_what_a_cut_run_measured(tmp_path, monkeypatch):
     rows = _result(tmp_path, "big")["rows"]
     assert [r["variant"] for r in rows] == ["eager", "diffusers-tiling"]
     assert all(r["partial"] and r["ours_ms"] > 0 and "max_rel" not in r for r in rows)
+
+
+def test_bench_layout_row():
+    """bench.layout's row on a tiny upscaler on the CPU (its logic, not its
+    times): four variants, each the unpatched NCHW answer in NCHW."""
+    pytest.importorskip("diffusers")
+    import torch
+
+    from bench import layout
+    row = layout.layout_row("rrdb-x4", 8, 1, "fp32", 1, 0, torch.device("cpu"), graph=True, tiny=True)
+    for k in ("nchw", "nhwc", "patched_nchw", "patched_nhwc"):
+        assert row[f"{k}_ms"] > 0 and row[f"{k}_contiguous"], k
+        assert row[f"{k}_rel_err"] <= 1e-5, (k, row[f"{k}_rel_err"])
+    assert row["speedup"] == row["baseline_ms"] / row["ours_ms"] and "nchw_graph_ms" not in row

@@ -73,6 +73,13 @@ class _Build(threading.local):
 _BUILD = _Build()
 
 
+class BuildCount:
+    """Plan builds started in this process (``building``'s outermost ones),
+    read before and after a call to say how many it made (``warmup``)."""
+
+    total = 0
+
+
 def _notice(what, started):
     try:
         name = what()
@@ -93,6 +100,8 @@ def building(x, what):
             timer = threading.Timer(COMPILE_NOTICE_S, _notice, (what, time.perf_counter()))
             timer.daemon = True
             timer.start()
+        if _BUILD.depth == 0:
+            BuildCount.total += 1
         _BUILD.depth += 1
         try:
             yield

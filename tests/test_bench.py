@@ -536,13 +536,13 @@ def test_bench_big_keeps_what_a_cut_run_measured(tmp_path, monkeypatch):
 
 def test_bench_layout_row():
     """bench.layout's row on a tiny upscaler on the CPU (its logic, not its
-    times): four variants, each the unpatched NCHW answer in NCHW."""
+    times): five variants, each the unpatched NCHW answer in NCHW."""
     pytest.importorskip("diffusers")
     import torch
 
     from bench import layout
     row = layout.layout_row("rrdb-x4", 8, 1, "fp32", 1, 0, torch.device("cpu"), graph=True, tiny=True)
-    for k in ("nchw", "nhwc", "patched_nchw", "patched_nhwc"):
+    for k in ("nchw", "nhwc", "nhwc_input", "patched_nchw", "patched_nhwc"):
         assert row[f"{k}_ms"] > 0 and row[f"{k}_contiguous"], k
         assert row[f"{k}_rel_err"] <= 1e-5, (k, row[f"{k}_rel_err"])
     assert row["speedup"] == row["baseline_ms"] / row["ours_ms"] and "nchw_graph_ms" not in row

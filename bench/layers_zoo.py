@@ -1,5 +1,6 @@
 """Every distinct convolution of the zoo's models without a big-VAE recipe
-(UNets, ControlNet, tiny decoders, upscalers), traced off the models: one
+(UNets, ControlNet, tiny decoders, upscalers, the architectures nobody tuned
+for), traced off the models: one
 row per (conv, input shape, layout, dtype), conv-patch against cuDNN.
 
     python -m bench.layers_zoo [--only M ...] [--layouts nchw nhwc] [--dtype fp16]
@@ -49,7 +50,11 @@ from .common import bench_device, print_table, rotated, write_results
 # (model, image size, batch): the zoo rows whose convs run without a big-VAE recipe.
 CASES = [("sd15-unet", 512, 2), ("sdxl-unet", 1024, 1), ("controlnet", 512, 2), ("rrdb-x4", 256, 1),
          ("autoencoder-tiny", 512, 1), ("autoencoder-tiny", 256, 1), ("taef2", 512, 1), ("taef2", 256, 1),
-         ("sdxl-unet", 1024, 2)]
+         ("sdxl-unet", 1024, 2),
+         # The zoo's architectures nobody tuned for (zoo.UNTUNED; SVD's temporal decoder does not run on
+         # the meta device the convs are traced on: its 2-D convs are the SD VAE decoder's).
+         ("dc-ae-decode", 1024, 1), ("ddpm-unet", 256, 1), ("movq-decode", 512, 1), ("asym-vae-decode", 512, 1),
+         ("srvgg-x4", 256, 1)]
 TINY_CASES = [("sd15-unet", 16, 1), ("rrdb-x4", 8, 1)]
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 # The kernel routes a sweep measures (the others' problems exclude UNet shapes or they never win there).

@@ -3,7 +3,8 @@ against patched (and patched with ``PatchConfig(cuda_graphs=True)``), each
 call launched eagerly the way diffusers and ComfyUI run it.
 
     python -m bench.zoo [--only NAME ...] [--runs 7] [--min-seconds 0.5] [--max-runs 51]
-                        [--set quick|full|host] [--convs-only] [--no-passthrough] [--tiny]
+                        [--set quick|full|host|untuned] [--convs-only] [--no-passthrough]
+                        [--cudnn-benchmark] [--tiny]
 
 Per (model, size, batch, dtype) one row: ``baseline_ms`` (the unpatched
 model), ``ours_ms`` (after ``conv_patch.apply``), ``graph_ms`` (with CUDA
@@ -230,13 +231,155 @@ def flux_vae_encode(tiny):
     return _Part(_kl(16, tiny).encoder), image_inputs(3)
 
 
+# -- architectures no recipe or table entry was written for (issue 44's
+# "models nobody tuned for"): published configs, seeded weights. Their rows
+# show what conv-patch does to a model it was not tuned on; they are never
+# tuned on as models (tables are tuned on layers).
+
+def dc_ae_decode(tiny):
+    """Sana's DC-AE (``AutoencoderDC``, f32c32: ResBlocks, then
+    EfficientViT blocks with multi-scale linear attention)."""
+    from diffusers import AutoencoderDC
+    types = ("ResBlock",) * 3 + ("EfficientViTBlock",) * 3
+    if tiny:
+        m = AutoencoderDC(latent_channels=8, attention_head_dim=4, encoder_block_types=types[:1] + types[-1:],
+                          decoder_block_types=types[:1] + types[-1:], encoder_block_out_channels=(8, 16),
+                          decoder_block_out_channels=(8, 16), encoder_layers_per_block=(1, 1),
+                          decoder_layers_per_block=(1, 1), encoder_qkv_multiscales=((), (5,)),
+                          decoder_qkv_multiscales=((), (5,)), upsample_block_type="interpolate",
+                          downsample_block_type="Conv")
+        return _Part(m.decoder), image_inputs(8, 2)
+    m = AutoencoderDC(encoder_block_types=types, decoder_block_types=types, upsample_block_type="interpolate",
+                      downsample_block_type="Conv", scaling_factor=0.41407)
+    return _Part(m.decoder), image_inputs(32, 32)
+
+
+def ddpm_unet(tiny):
+    """An unconditional pixel-space ``UNet2DModel`` (DDPM's 256² church
+    config: six levels, one of them with attention)."""
+    from diffusers import UNet2DModel
+    if tiny:
+        m = UNet2DModel(block_out_channels=(8, 16), down_block_types=("DownBlock2D", "AttnDownBlock2D"),
+                        up_block_types=("AttnUpBlock2D", "UpBlock2D"), layers_per_block=1, norm_num_groups=4,
+                        attention_head_dim=4)
+    else:
+        m = UNet2DModel(block_out_channels=(128, 128, 256, 256, 512, 512), layers_per_block=2,
+                        down_block_types=("DownBlock2D",) * 4 + ("AttnDownBlock2D", "DownBlock2D"),
+                        up_block_types=("UpBlock2D", "AttnUpBlock2D") + ("UpBlock2D",) * 4, sample_size=256)
+
+    def make(size, batch, g, device, dtype):
+        x = torch.randn(batch, 3, size, size, generator=g, device=device, dtype=dtype)
+        return (x, torch.full((batch,), 500.0, device=device)), {}
+    return m, make
+
+
+class _VQDecode(nn.Module):
+    """A VQ model's decode of continuous latents (no codebook lookup), as a
+    diffusion pipeline calls it."""
+
+    def __init__(self, vq):
+        super().__init__()
+        self.vq = vq
+
+    def forward(self, z):
+        return self.vq.decode(z, force_not_quantize=True).sample
+
+
+def movq_decode(tiny):
+    """Kandinsky 2.2's MoVQ (``VQModel`` with spatially conditioned norms)."""
+    from diffusers import VQModel
+    if tiny:
+        # (SpatialNorm's GroupNorm has 32 groups whatever the config says.)
+        m = VQModel(block_out_channels=(32, 32), down_block_types=("DownEncoderBlock2D", "AttnDownEncoderBlock2D"),
+                    up_block_types=("AttnUpDecoderBlock2D", "UpDecoderBlock2D"), latent_channels=4, layers_per_block=1,
+                    norm_num_groups=8, norm_type="spatial", num_vq_embeddings=32, vq_embed_dim=4)
+        return _VQDecode(m), image_inputs(4, 2)
+    m = VQModel(block_out_channels=(128, 256, 256, 512), latent_channels=4, layers_per_block=2, norm_type="spatial",
+                down_block_types=("DownEncoderBlock2D",) * 3 + ("AttnDownEncoderBlock2D",),
+                up_block_types=("AttnUpDecoderBlock2D",) + ("UpDecoderBlock2D",) * 3,
+                num_vq_embeddings=16384, vq_embed_dim=4)
+    return _VQDecode(m), image_inputs(4, 8)
+
+
+def asym_vae_decode(tiny):
+    """The asymmetric SD VAE (``AsymmetricAutoencoderKL``, x-1-5: a wider,
+    deeper decoder with a masked-image condition, here unconditioned)."""
+    from diffusers import AsymmetricAutoencoderKL
+    if tiny:
+        m = AsymmetricAutoencoderKL(down_block_types=("DownEncoderBlock2D",) * 2, down_block_out_channels=(8, 16),
+                                    up_block_types=("UpDecoderBlock2D",) * 2, up_block_out_channels=(8, 16),
+                                    layers_per_up_block=2, norm_num_groups=4)
+        return _Part(m.decoder), image_inputs(4, 2)
+    m = AsymmetricAutoencoderKL(down_block_types=("DownEncoderBlock2D",) * 4, down_block_out_channels=(128, 256, 512, 512),
+                                up_block_types=("UpDecoderBlock2D",) * 4, up_block_out_channels=(192, 384, 768, 768),
+                                layers_per_up_block=3)
+    return _Part(m.decoder), image_inputs(4, 8)
+
+
+class _TemporalDecode(nn.Module):
+    """A clip's decode by Stable Video Diffusion's VAE: the latents of
+    ``frames`` frames as a batch, mixed in time by its Conv3d blocks."""
+
+    def __init__(self, vae, frames):
+        super().__init__()
+        self.vae, self.frames = vae, frames
+
+    def forward(self, z):
+        return self.vae.decode(z, num_frames=self.frames).sample
+
+
+def svd_vae_decode(tiny):
+    """``AutoencoderKLTemporalDecoder`` (SVD's config), 8 frames a call:
+    the zoo row's batch is the frame count."""
+    from diffusers import AutoencoderKLTemporalDecoder
+    if tiny:
+        m = AutoencoderKLTemporalDecoder(block_out_channels=(32, 32), down_block_types=("DownEncoderBlock2D",) * 2,  # (32 groups)
+                                         layers_per_block=1)
+        return _TemporalDecode(m, 2), image_inputs(4, 2)
+    m = AutoencoderKLTemporalDecoder(block_out_channels=(128, 256, 512, 512), layers_per_block=2,
+                                     down_block_types=("DownEncoderBlock2D",) * 4)
+    return _TemporalDecode(m, 8), image_inputs(4, 8)
+
+
+class SRVGGNetCompact(nn.Module):
+    """Real-ESRGAN's compact upscaler (realesr-general-x4v3: 64 features,
+    32 3x3 convs with per-channel PReLU, pixel shuffle, plus the nearest
+    upsampled input)."""
+
+    def __init__(self, feat=64, convs=32, scale=4):
+        super().__init__()
+        self.scale = scale
+        layers = [nn.Conv2d(3, feat, 3, 1, 1), nn.PReLU(feat)]
+        for _ in range(convs):
+            layers += [nn.Conv2d(feat, feat, 3, 1, 1), nn.PReLU(feat)]
+        layers.append(nn.Conv2d(feat, 3 * scale * scale, 3, 1, 1))
+        self.body = nn.ModuleList(layers)
+        self.upsampler = nn.PixelShuffle(scale)
+
+    def forward(self, x):
+        out = x
+        for m in self.body:
+            out = m(out)
+        return self.upsampler(out) + nn.functional.interpolate(x, scale_factor=self.scale, mode="nearest")
+
+
+def srvgg_x4(tiny):
+    return (SRVGGNetCompact(8, 3) if tiny else SRVGGNetCompact()), image_inputs()
+
+
 # name -> (builder, default dtype)
 MODELS = {
     "sd15-unet": (sd15_unet, "fp16"), "sdxl-unet": (sdxl_unet, "fp16"), "controlnet": (controlnet, "fp16"),
     "rrdb-x4": (rrdb, "fp16"), "autoencoder-tiny": (autoencoder_tiny, "fp16"), "taef2": (taef2, "fp16"),
     "sd-vae-decode": (sd_vae_decode, "fp16"), "sd-vae-encode": (sd_vae_encode, "fp16"),
     "flux-vae-decode": (flux_vae_decode, "bf16"), "flux-vae-encode": (flux_vae_encode, "bf16"),
+    "dc-ae-decode": (dc_ae_decode, "bf16"), "ddpm-unet": (ddpm_unet, "fp16"), "movq-decode": (movq_decode, "fp16"),
+    "asym-vae-decode": (asym_vae_decode, "fp16"), "svd-vae-decode": (svd_vae_decode, "fp16"),
+    "srvgg-x4": (srvgg_x4, "fp16"),
 }
+# The architectures above that nobody tuned for, at their usual sizes.
+UNTUNED = [("dc-ae-decode", 1024, 1, None), ("ddpm-unet", 256, 1, None), ("movq-decode", 512, 1, None),
+           ("asym-vae-decode", 512, 1, None), ("svd-vae-decode", 512, 8, None), ("srvgg-x4", 256, 1, None)]
 # (model, image size in pixels, batch, dtype or None for the model's own)
 QUICK = [
     ("sd15-unet", 512, 2, None), ("sdxl-unet", 1024, 1, None), ("controlnet", 512, 2, None),
@@ -253,7 +396,7 @@ FULL = QUICK + [
     ("sd-vae-decode", (832, 1216), 1, None), ("sd-vae-decode", 1024, 1, "bf16"),
     ("sd-vae-encode", 512, 4, None), ("flux-vae-decode", 512, 4, None), ("flux-vae-decode", 1024, 1, "fp16"),
     ("flux-vae-encode", 512, 1, None), ("flux-vae-encode", 2048, 1, None), ("flux-vae-decode", (832, 1216), 1, None),
-]
+] + UNTUNED
 # The rows that are host-bound when launched eagerly (their GPU work is
 # shorter than the Python and launches around it): where host-time changes
 # show, and where a run of the full set takes too long to repeat.
@@ -261,7 +404,9 @@ HOST = [("sd15-unet", 512, 2, None), ("sd15-unet", 512, 1, None), ("controlnet",
         ("rrdb-x4", 256, 1, None), ("autoencoder-tiny", 512, 1, None), ("taef2", 256, 1, None),
         ("taef2", 512, 1, None), ("flux-vae-decode", 512, 1, None)]
 TINY = [("sd15-unet", 16, 1, "fp32"), ("rrdb-x4", 8, 1, "fp32"), ("taef2", 16, 1, "fp32"),
-        ("flux-vae-decode", 16, 1, "fp32")]
+        ("flux-vae-decode", 16, 1, "fp32"), ("dc-ae-decode", 16, 1, "fp32"), ("ddpm-unet", 8, 1, "fp32"),
+        ("movq-decode", 16, 1, "fp32"), ("asym-vae-decode", 16, 1, "fp32"), ("svd-vae-decode", 16, 2, "fp32"),
+        ("srvgg-x4", 8, 1, "fp32")]
 
 
 def _sync():
@@ -502,8 +647,8 @@ def geomean(xs):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--set", choices=("quick", "full", "host"), default="quick",
-                    help="host: the host-bound rows alone")
+    ap.add_argument("--set", choices=("quick", "full", "host", "untuned"), default="quick",
+                    help="host: the host-bound rows alone; untuned: the architectures nobody tuned for")
     ap.add_argument("--runs", type=int, default=7)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--min-seconds", type=float, default=None,
@@ -522,7 +667,7 @@ def main(argv=None):
     device = bench_device()
     if args.cudnn_benchmark:
         torch.backends.cudnn.benchmark = True
-    cases = selected(TINY if args.tiny else {"full": FULL, "quick": QUICK, "host": HOST}[args.set], args.only)
+    cases = selected(TINY if args.tiny else {"full": FULL, "quick": QUICK, "host": HOST, "untuned": UNTUNED}[args.set], args.only)
     min_seconds = args.min_seconds if args.min_seconds is not None else (0.0 if args.tiny else MIN_SECONDS)
     rows = []
     for name, size, batch, dt in cases:

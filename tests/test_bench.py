@@ -546,3 +546,28 @@ def test_bench_layout_row():
         assert row[f"{k}_ms"] > 0 and row[f"{k}_contiguous"], k
         assert row[f"{k}_rel_err"] <= 1e-5, (k, row[f"{k}_rel_err"])
     assert row["speedup"] == row["baseline_ms"] / row["ours_ms"] and "nchw_graph_ms" not in row
+
+
+@pytest.mark.parametrize("name", ["dc-ae-decode", "ddpm-unet", "movq-decode", "asym-vae-decode", "svd-vae-decode",
+                                  "srvgg-x4"])
+def test_untuned_zoo_architectures_patched_compute_what_they_compute(name, exact_fp32):
+    """The zoo's architectures nobody tuned for (issue 44's "models nobody
+    tuned for"), tiny, patched on the CPU under the interpreter: every conv
+    wrapped or skipped with its reason (DC-AE's grouped convs: groups=N),
+    the unpatched model's output."""
+    pytest.importorskip("diffusers")
+    import torch
+
+    import conv_patch
+    from bench import zoo
+    assert name in {c[0] for c in zoo.UNTUNED} and name in {c[0] for c in zoo.FULL}
+    size, batch, dt = next((s, b, d) for n, s, b, d in zoo.TINY if n == name)
+    fields, model, inputs = zoo.load_case(name, size, batch, dt, True, torch.device("cpu"), 1)
+    convs = sum(isinstance(m, (torch.nn.Conv2d, torch.nn.Conv3d)) for m in model.modules())
+    with torch.inference_mode():
+        ref = zoo._out(model, inputs[0])
+        report = conv_patch.apply(model)
+        out = zoo._out(model, inputs[0])
+    assert len(report.patched) + len(report.skipped) == convs and all(report.skipped.values()), report
+    assert len(report.patched) > len(report.skipped)
+    assert ((out - ref).norm() / ref.norm()).item() <= 1e-5

@@ -46,6 +46,24 @@ def test_verify_detects_wrong_kernels(monkeypatch, capsys, device):
     assert "FAIL" in out
 
 
+def test_verify_reports_a_kernel_that_raises(monkeypatch, capsys, device):
+    """A kernel that raises (a broken Triton, an interpreter that fails on
+    this machine's numpy) is a failed check naming what it raised, exit 1:
+    every other check still runs, and no traceback ends the run."""
+    def broken(*args, **kwargs):
+        raise RuntimeError("boom: the kernel broke\nsecond line")
+
+    from conv_patch.ops import conv2d as conv
+    monkeypatch.setattr(conv2d_op, "run_kernel", broken)
+    monkeypatch.setattr(conv, "run_kernel", broken)
+    assert cli.main(["verify", "--device", str(device), "--size", "16"]) == 1
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err
+    assert "the patched model raised RuntimeError: boom: the kernel broke  FAIL" in out
+    assert out.count("raised RuntimeError: boom: the kernel broke") == 42  # the decode and its 41 layers
+    assert "second line" not in out
+
+
 @pytest.mark.parametrize("argv,needle", [
     (["verify", "--size", "12"], "multiple of 8"),
     (["verify", "--size", "-8"], "must be positive"),

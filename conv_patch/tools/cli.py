@@ -166,6 +166,9 @@ def _fmt(v, spec=".3g"):
 def summary_lines(report) -> list:
     lines = []
     for e in report.end_to_end:
+        if e.error is not None:
+            lines.append(f"end to end, {e.what}: the patched model {e.error}  FAIL")
+            continue
         lines.append(f"end to end, {e.what}: rel err vs fp32 patched {e.rel_err_patched:.3g}, "
                      f"unpatched {e.rel_err_unpatched:.3g}"
                      + ("" if e.bound is None else f" (pass: patched <= 1.5 x unpatched + the {report.dtype} "

@@ -81,6 +81,9 @@ class EndToEnd:
     speedup: Optional[float] = None
     image_psnr_unpatched_db: Optional[float] = None
     image_psnr_patched_db: Optional[float] = None
+    # Where the patched model raised instead of answering: what it raised
+    # (the check fails; its errors are then inf).
+    error: Optional[str] = None
 
 
 @dataclass
@@ -121,6 +124,13 @@ def _layer_tolerance(dtype, device) -> float:
     return LAYER_TOL[dtype]
 
 
+def raised(e: BaseException) -> str:
+    """A kernel's exception as one line of a report: a check that raises is
+    a failed check, said so, not a traceback that ends the whole run."""
+    first = next((line for line in str(e).splitlines() if line.strip()), "")
+    return f"raised {type(e).__name__}" + (f": {first[:200]}" if first else "")
+
+
 def check_layer(name: str, conv: nn.Module, size: int, seed: int) -> LayerResult:
     """One patched conv (already on its device and dtype) against float64."""
     spec = ConvSpec.from_module(conv)
@@ -136,7 +146,10 @@ def check_layer(name: str, conv: nn.Module, size: int, seed: int) -> LayerResult
     hw = [h if spec.transposed else max(h, spec.dilation[i] * (spec.kernel[i] - 1) + 1) for i in range(2)]
     x = torch.randn(1, spec.in_channels, *hw, generator=g).to(device=device, dtype=dtype)
     with torch.no_grad():
-        ours = conv(x)
+        try:
+            ours = conv(x)
+        except Exception as e:  # noqa: BLE001 - reported as this layer's failure
+            return LayerResult(name, spec.describe(), "-", None, None, tol, False, raised(e))
         route = state_of(conv).last.label() if isinstance(conv, PatchedConvMixin) else "not patched"
         theirs = conv._cp_fallback_forward(conv, x) if isinstance(conv, PatchedConvMixin) else ours
         b = None if conv.bias is None else conv.bias.double().cpu()
@@ -196,7 +209,13 @@ def check_end_to_end(what: str, model: nn.Module, run: Callable[[nn.Module, torc
     with torch.no_grad():
         unpatched = run(model, xd)
         patcher.apply(model, filter_fn=filter_fn)
-        patched = run(model, xd)
+        try:
+            patched = run(model, xd)
+        except Exception as e:  # noqa: BLE001 - reported as this check's failure
+            e_u = rel_err(unpatched, ref)
+            return EndToEnd(what=what, input_shape=list(x.shape), rel_err_patched=math.inf, rel_err_unpatched=e_u,
+                            max_abs_diff=math.inf, psnr_patched_vs_unpatched_db=-math.inf, passed=False,
+                            bound=E2E_RATIO * e_u + E2E_FLOOR[dtype], error=raised(e))
     ms_u = ms_p = None
     if timed:
         with torch.no_grad():
@@ -331,7 +350,10 @@ def check_layer3d(name: str, weight: torch.Tensor, bias: Optional[torch.Tensor],
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(1, weight.shape[1], *ext, generator=g).to(device=device, dtype=dtype)
     with torch.no_grad():
-        ours = functional.conv3d(x, weight, bias, stride, padding=pads, route="kernel")
+        try:
+            ours = functional.conv3d(x, weight, bias, stride, padding=pads, route="kernel")
+        except Exception as e:  # noqa: BLE001 - reported as this layer's failure
+            return LayerResult(name, desc, "-", None, None, tol, False, raised(e))
         theirs = conv3d_op.torch_conv3d(x, weight, bias, None, pads, stride, (1, 1, 1))
         ref = conv3d_op.torch_conv3d(x.double().cpu(), weight.double().cpu(),
                                      None if bias is None else bias.double().cpu(), None, pads, stride, (1, 1, 1))

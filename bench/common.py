@@ -17,6 +17,38 @@ RESULTS = Path(__file__).resolve().parent / "results"
 PEAK_TFLOPS = 764.0
 
 
+def resident_bytes(model) -> int:
+    """Bytes a model keeps on the GPU between calls: parameters, buffers and
+    conv-patch's weight packs."""
+    from conv_patch.runtime.state import peek
+    seen, total = set(), 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.is_cuda and t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    for m in model.modules():
+        st = peek(m)
+        entry = None if st is None else st.pack
+        if entry is not None:
+            total += entry.buf.numel() * entry.buf.element_size()
+    return total
+
+
+def peak_gib(call, model, input_bytes: int = 0):
+    """Peak GiB of a process holding only ``model`` and its inputs while
+    ``call()`` runs it: the call's high-water mark above what was allocated
+    before it (other models in the process included), plus the model's own
+    resident bytes and ``input_bytes``; None without a GPU."""
+    if not torch.cuda.is_available():
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    call()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - before + resident_bytes(model) + input_bytes) / 2**30
+
+
 def env_info():
     import triton
     return {

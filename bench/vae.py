@@ -46,9 +46,8 @@ from pathlib import Path
 import torch
 
 import conv_patch
-from conv_patch.runtime.state import state_of
 
-from .common import ClockSampler, bench_device, clock_stats, print_table, write_results
+from .common import ClockSampler, bench_device, clock_stats, peak_gib, print_table, write_results
 
 SHARED = Path(os.environ.get("CONV_PATCH_SHARED") or Path(__file__).resolve().parents[2] / "shared")
 
@@ -95,34 +94,9 @@ def _time(fn, inputs, n):
     return start.elapsed_time(end)
 
 
-def _resident(model) -> int:
-    """Bytes a model keeps on the GPU between calls: parameters, buffers and
-    conv-patch's weight packs."""
-    seen, total = set(), 0
-    for t in list(model.parameters()) + list(model.buffers()):
-        if t.is_cuda and t.data_ptr() not in seen:
-            seen.add(t.data_ptr())
-            total += t.numel() * t.element_size()
-    for m in model.modules():
-        entry = state_of(m).pack
-        if entry is not None:
-            total += entry.buf.numel() * entry.buf.element_size()
-    return total
-
-
 def _peak(fn, x, model):
-    """Peak GiB of a process holding only ``model`` and ``x``: the call's
-    high-water mark above what was allocated before it (the other variants'
-    models included), plus the model's own resident bytes and the input."""
-    if not torch.cuda.is_available():
-        return None
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    fn(x)
-    torch.cuda.synchronize()
-    extra = _resident(model) + x.numel() * x.element_size()
-    return (torch.cuda.max_memory_allocated() - before + extra) / 2**30
+    """``common.peak_gib`` of ``fn(x)``, the input counted."""
+    return peak_gib(lambda: fn(x), model, x.numel() * x.element_size())
 
 
 def _gib(v):

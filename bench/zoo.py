@@ -47,7 +47,7 @@ from torch import nn
 import conv_patch
 from conv_patch.runtime.state import state_of
 
-from .common import bench_device, print_table, rotated, write_results
+from .common import bench_device, peak_gib, print_table, rotated, write_results
 
 SHARED = Path(os.environ.get("CONV_PATCH_SHARED") or Path(__file__).resolve().parents[2] / "shared")
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -574,6 +574,10 @@ def bench_row(name, size, batch, dtype_name, runs, warmup, tiny, device, min_sec
         ref = _out(model, inputs[0])
         err = {k: _rel_err(_out(m, inputs[0]), ref)
                for k, m in (("patched", patched), ("graphed", graphed), *others.items())}
+        args, kw = inputs[0]
+        held = _tensor_bytes((args, kw))
+        peak = {k: peak_gib(lambda m=m: m(*args, **kw), m, held) for k, m in (("unpatched", model),
+                                                                             ("patched", patched))}
     base = res["unpatched"]
     row = {
         **fields,
@@ -588,6 +592,8 @@ def bench_row(name, size, batch, dtype_name, runs, warmup, tiny, device, min_sec
         "noise_iqr": [q / base["ms"] for q in _quartiles(base["samples"])],
         "speedup_round_iqr": _round_iqr(base, res["patched"]),
         "first_call_s": first, "rel_err_vs_unpatched": err["patched"], "graph_rel_err_vs_unpatched": err["graphed"],
+        # A process holding only that model (common.peak_gib): weights, packs, input, the call's high water.
+        "peak_gib": peak["patched"], "baseline_peak_gib": peak["unpatched"],
         "patched_convs": len(report.patched), "fused_blocks": len(report.fused),
         "kernel_convs": _kernel_convs(patched), "routes": route_counts(patched),
         "passed_through": sum(n for _, n in conv_patch.runtime.passthrough.learned(patched)),
@@ -600,6 +606,17 @@ def bench_row(name, size, batch, dtype_name, runs, warmup, tiny, device, min_sec
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return row
+
+
+def _tensor_bytes(obj) -> int:
+    """Bytes of the tensors in nested tuples, lists and dicts (a call's inputs)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (tuple, list)):
+        return sum(_tensor_bytes(v) for v in obj)
+    return 0
 
 
 def output_tensor(y):

@@ -186,6 +186,7 @@ def test_bench_zoo_rows(tmp_path):
         assert r["rel_err_vs_unpatched"] < 1e-5 and r["graph_rel_err_vs_unpatched"] < 1e-5
         # (convs a recipe runs as the folded upsample are not counted: functional.upsample_conv2d)
         assert r["kernel_convs"] > 0 and 0 < sum(r["routes"].values()) <= r["patched_convs"]
+        assert r["peak_gib"] is None and r["baseline_peak_gib"] is None  # (no GPU: no peak)
     assert doc["geomean_speedup"] > 0
 
 

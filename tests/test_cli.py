@@ -124,7 +124,7 @@ def test_verify_help_lists_every_format_the_readme_lists(capsys):
     from conv_patch.tools.formats import KNOWN
     with pytest.raises(SystemExit):
         cli.main(["verify", "--help"])
-    text = " ".join(capsys.readouterr().out.split())
+    text = " ".join(capsys.readouterr().out.split()).replace("- ", "-")  # (argparse wraps after hyphens)
     readme = " ".join((Path(__file__).resolve().parents[1] / "README.md").read_text().split())
     for known in KNOWN:
         assert known in text and known in readme, known
@@ -135,7 +135,7 @@ def test_dtype_help_names_the_real_default(capsys):
     the embedded default in bf16, everything in fp32 on the CPU."""
     with pytest.raises(SystemExit):
         cli.main(["verify", "--help"])
-    text = " ".join(capsys.readouterr().out.split())
+    text = " ".join(capsys.readouterr().out.split()).replace("- ", "-")  # (argparse wraps after hyphens)
     assert "the checkpoint's own half type, bf16 for an fp32 file and for the embedded default; fp32 on the CPU" \
         in text
 

@@ -834,3 +834,73 @@ def test_other_diffusers_video_vaes_are_recognised_as_released(family, tmp_path,
     wrong[k] = (wrong[k][0] + 1,) + wrong[k][1:]
     fmt = formats.recognise(wrong)
     assert fmt.kind == "unknown" and "none of the" in fmt.description and "CogVideoX" in fmt.description
+
+
+# LTX-Video 0.9.0's original names of diffusers' AutoencoderKLLTXVideo
+# tensors (the inverse of diffusers' single-file converter, which the test
+# checks by running the converter on them): (diffusers prefix, original).
+LTX_ORIGINAL = [
+    ("decoder.mid_block.", "decoder.up_blocks.0."), ("decoder.up_blocks.0.", "decoder.up_blocks.1."),
+    ("decoder.up_blocks.1.upsamplers.0.", "decoder.up_blocks.2."), ("decoder.up_blocks.1.", "decoder.up_blocks.3."),
+    ("decoder.up_blocks.2.conv_in.", "decoder.up_blocks.4."), ("decoder.up_blocks.2.upsamplers.0.", "decoder.up_blocks.5."),
+    ("decoder.up_blocks.2.", "decoder.up_blocks.6."), ("decoder.up_blocks.3.conv_in.", "decoder.up_blocks.7."),
+    ("decoder.up_blocks.3.upsamplers.0.", "decoder.up_blocks.8."), ("decoder.up_blocks.3.", "decoder.up_blocks.9."),
+    ("encoder.down_blocks.0.downsamplers.0.", "encoder.down_blocks.1."),
+    ("encoder.down_blocks.0.conv_out.", "encoder.down_blocks.2."), ("encoder.down_blocks.0.", "encoder.down_blocks.0."),
+    ("encoder.down_blocks.1.downsamplers.0.", "encoder.down_blocks.4."),
+    ("encoder.down_blocks.1.conv_out.", "encoder.down_blocks.5."), ("encoder.down_blocks.1.", "encoder.down_blocks.3."),
+    ("encoder.down_blocks.2.downsamplers.0.", "encoder.down_blocks.7."), ("encoder.down_blocks.2.", "encoder.down_blocks.6."),
+    ("encoder.down_blocks.3.", "encoder.down_blocks.8."), ("encoder.mid_block.", "encoder.down_blocks.9."),
+]
+LTX_ORIGINAL_PARTS = [(".conv_shortcut.conv.", ".conv_shortcut."), (".resnets.", ".res_blocks."),
+                      (".norm3.", ".norm3.norm.")]
+
+
+def ltx_original_name(name: str) -> str:
+    if name in ("latents_mean", "latents_std"):
+        return "per_channel_statistics." + {"latents_mean": "mean-of-means", "latents_std": "std-of-means"}[name]
+    for new, old in LTX_ORIGINAL:
+        if name.startswith(new):
+            name = old + name[len(new):]
+            break
+    for new, old in LTX_ORIGINAL_PARTS:
+        name = name.replace(new, old)
+    return name
+
+
+@pytest.mark.parametrize("prefix", ["", "vae."])
+def test_ltx_video_original_layout_is_recognised(prefix, tmp_path, capsys, monkeypatch):
+    """An LTX-Video VAE in its original layout (the VAE alone, as ComfyUI
+    loads it, or under ``vae.`` beside other tensors in a whole checkpoint)
+    is read through diffusers' own converter, recognised as released, and
+    verified end to end; its names are shown as the file's."""
+    diffusers = pytest.importorskip("diffusers")
+    from diffusers.loaders.single_file_utils import convert_ltx_vae_checkpoint_to_diffusers
+    from conv_patch.tools import formats
+    family = "AutoencoderKLLTXVideo"
+    size, cfg = VIDEO_TINY[family]
+    monkeypatch.setattr(formats, "VIDEO_DEFAULTS", tuple(
+        (c, label, s, t, cfg if c == family else conf) for c, label, s, t, conf in formats.VIDEO_DEFAULTS))
+    torch.manual_seed(0)
+    vae = getattr(diffusers, family)(**cfg).eval()
+    state = {prefix + ltx_original_name(k): v.contiguous() for k, v in vae.state_dict().items()}
+    # The names above are the original ones: diffusers' converter gives the class's back.
+    back = convert_ltx_vae_checkpoint_to_diffusers({("" if prefix else "vae.") + k: v for k, v in state.items()})
+    assert set(back) == set(vae.state_dict()), sorted(set(back) ^ set(vae.state_dict()))[:6]
+    if prefix:
+        state["model.diffusion_model.proj_out.weight"] = torch.randn(8, 4)  # a transformer's tensor beside it
+    shapes = {k: tuple(v.shape) for k, v in state.items()}
+    fmt = formats.recognise(shapes)
+    assert fmt.kind == "original-video-vae" and "LTX-Video" in fmt.description and "original layout" in fmt.description
+    assert fmt.decode and fmt.encode and not fmt.problem
+    path = tmp_path / "ltxv.safetensors"
+    save_file(state, str(path))
+    code, out, err = run_cli(["verify", str(path), "--size", str(size), "--json", str(tmp_path / "r.json")], capsys)
+    assert code == 0, out + err
+    report = json.loads((tmp_path / "r.json").read_text())["reports"][0]
+    assert [e["what"].split(" ")[0] for e in report["end_to_end"]] == ["decode", "encode"]
+    assert all(e["passed"] for e in report["end_to_end"]) and all(r["passed"] for r in report["layers"])
+    assert any(".res_blocks." in r["name"] for r in report["layers"])  # the file's own names
+    # A decoder alone in the original layout: diffusers' converter reads the encoder, so it is not read.
+    half = {k: v for k, v in shapes.items() if ".encoder." not in "." + k}
+    assert formats.ltx_original_names(half) is None

@@ -32,6 +32,8 @@ KNOWN = (
     "diffusers AutoencoderTiny",
     "the Wan 2.1 and Wan 2.2 (TI2V-5B) video VAEs, in diffusers' (AutoencoderKLWan) and the original Wan layout",
     "the CogVideoX, Mochi 1, HunyuanVideo and LTX-Video (0.9.0) video VAEs in diffusers' layout, as released",
+    "the LTX-Video (0.9.0) video VAE in its original layout too (alone, as ComfyUI loads it, or under vae. in a "
+    "whole checkpoint), read through diffusers' own converter",
 )
 
 
@@ -651,11 +653,41 @@ VIDEO_DEFAULTS = (
 _SHARED_BUFFERS = ("latents_mean", "latents_std")
 
 
-def _video_default_format(shapes: Shapes) -> Optional[Format]:
+# LTX-Video's original layout (its released single files, the VAE under
+# ``vae.``, and the VAE alone, as ComfyUI loads them): a resnet's blocks are
+# ``res_blocks``, where diffusers has ``resnets``.
+_LTX_ORIGINAL = re.compile(r"(vae\.)?(encoder\.down_blocks|decoder\.up_blocks)\.\d+\.res_blocks\.")
+
+
+def ltx_original_names(shapes: Shapes) -> Optional[Dict[str, str]]:
+    """The file's names -> ``AutoencoderKLLTXVideo``'s, for a file in
+    LTX-Video's original layout, as diffusers' own single-file converter
+    renames them (run on the shapes alone, as meta tensors); None for any
+    other file, a half it cannot convert (the converter reads the encoder),
+    or without diffusers."""
+    if not any(_LTX_ORIGINAL.match(k) for k in shapes):
+        return None
+    try:
+        from diffusers.loaders.single_file_utils import convert_ltx_vae_checkpoint_to_diffusers
+    except ImportError:
+        return None
+    full = any(k.startswith("vae.") for k in shapes)  # a whole checkpoint: its VAE alone
+    mine = {k: torch.empty(v, device="meta") for k, v in shapes.items() if k.startswith("vae.") or not full}
+    own = {id(t): k for k, t in mine.items()}
+    try:
+        out = convert_ltx_vae_checkpoint_to_diffusers({k if full else "vae." + k: t for k, t in mine.items()})
+    except (KeyError, IndexError, TypeError, ValueError, RuntimeError):
+        return None
+    return {own[id(t)]: k for k, t in out.items() if id(t) in own}
+
+
+def _video_default_format(shapes: Shapes, rename: Optional[Dict[str, str]] = None) -> Optional[Format]:
     """The ``VIDEO_DEFAULTS`` model this file holds ("unknown" where it is
     none of them; None without diffusers). Each candidate
     is built on the meta device (no memory) and its state dict's shapes
-    compared with the file's."""
+    compared with the file's. ``rename``: the file's names to the diffusers
+    class's, for a file in an original layout (``shapes`` then under the
+    class's names)."""
     try:
         import diffusers
     except ImportError:
@@ -684,17 +716,23 @@ def _video_default_format(shapes: Shapes) -> Optional[Format]:
 
         def build(state, cls=cls, config=config):
             m = cls(**config)
+            if rename is not None:
+                state = {rename[k]: v for k, v in state.items() if k in rename}
             missing, unexpected = m.load_state_dict(state, strict=False)
             if unexpected or any(not k.startswith(absent) and k not in _SHARED_BUFFERS for k in missing):
                 raise ValueError(f"layout does not match {cls.__name__}: {len(missing)} missing, "
                                  f"{len(unexpected)} unexpected keys")
             return m
 
+        names = rename or {}
+        layout = (f"diffusers layout ({cls_name})" if rename is None else
+                  f"original layout, as released and as ComfyUI loads it (read as diffusers' {cls_name})")
         return Format(
-            kind="diffusers-video-vae", description=f"{label}, diffusers layout ({cls_name})"
+            kind="diffusers-video-vae" if rename is None else "original-video-vae",
+            description=f"{label}, {layout}"
             + ("" if parts == {"encoder", "decoder"} else f" ({next(iter(parts))} only)"),
-            geometry=lambda name, shape, g=geo2: g.get(name) or (1, shape[2] // 2),
-            geometry3d=lambda name, shape, g=geo3: g.get(name) or same_geometry3d(name, shape),
+            geometry=lambda name, shape, g=geo2: g.get(names.get(name, name)) or (1, shape[2] // 2),
+            geometry3d=lambda name, shape, g=geo3: g.get(names.get(name, name)) or same_geometry3d(name, shape),
             build=build, decode=(lambda m, z: m.decode(z).sample) if "decoder" in parts else None,
             encode=(lambda m, x: m.encode(x).latent_dist.mode()) if "encoder" in parts else None,
             latent_channels=latent, factor=spatial, image_range=(-1.0, 1.0),
@@ -739,7 +777,8 @@ def recognise(shapes: Shapes) -> Format:
             nested = any(_WAN22_NESTED.match(k) for k in shapes)
             return _wan_format(shapes, (wan22_original_names if nested else wan_original_names)(list(shapes)))
         if not rms and any(len(v) == 5 for v in shapes.values()):
-            fmt = _video_default_format(shapes)
+            names = ltx_original_names(shapes)
+            fmt = _video_default_format(shapes if names is None else {names[k]: shapes[k] for k in names}, names)
             if fmt is not None:
                 return fmt
         if any(re.match(r"(encoder\.down_blocks|decoder\.up_blocks)\.\d+\.", k) for k in shapes):

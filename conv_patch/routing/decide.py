@@ -84,9 +84,20 @@ def decide(spec, call: Optional[CallDesc] = None, target: Optional[Target] = Non
     ``config`` is a given tile (tests, the tuner, the functional API's
     ``config=``): the route it names if that can take the call. Without
     ``as_called`` the call is not weighed against PyTorch: the kernel runs
-    wherever it can (the functional API)."""
+    wherever it can (the functional API). With ``call=None`` the module
+    alone is judged; given a ``target``, a Conv3d is also judged by its
+    device (PyTorch for every call where nothing says the kernel pays
+    there: ``conv3d_gate``)."""
     decision = static_route(spec)
-    if call is None or not decision.is_kernel:
+    if call is None:
+        if decision.is_kernel and spec.kind == "conv3d" and target is not None and as_called:
+            # A Conv3d whose device decides every call (conv3d_gate): the
+            # dispatch core asks this once per device, before any signature.
+            gate = conv3d_gate(target, table if table is not None else tables.packaged_table(target.arch))
+            if gate is not None:
+                return gate
+        return decision
+    if not decision.is_kernel:
         return decision
     problem = _call_problem(spec, call, target)
     if problem:

@@ -24,7 +24,7 @@ from conv_patch.ops import group_norm as group_norm_op
 from conv_patch.ops import rms_norm as rms_norm_op
 from conv_patch.ops.epilogue import check_residual
 from conv_patch.ops.subpixel import PARITIES, parity_padding, parity_view, parity_weight, subpixel_weights
-from conv_patch.routing.decide import conv3d_gate
+from conv_patch.routing.decide import decide
 from conv_patch.runtime import pack, passthrough, planner
 from conv_patch.runtime.call import Call
 from conv_patch.runtime.plans import UNREGISTERED, building, conv_key, cudnn_weight, eager, tensor_sig
@@ -223,9 +223,9 @@ def conv3d(m, call: Call):
     if held is None or held[0] != x.device:
         # Per device, kept with the plans (target_for costs microseconds).
         target = target_for(x.device)
-        held = st.gate = (x.device, conv3d_gate(target, planner.conv3d_table(m, target)))
+        held = st.gate = (x.device, decide(m.spec, None, target, planner.conv3d_table(m, target)))
     gate = held[1]
-    if gate is not None:
+    if not gate.is_kernel:
         # Decided by the device alone: no signature to build.
         st.last = gate
         return eager_epilogue(call.own(), call.residual, call.beta, call.activation, call.out_scale)

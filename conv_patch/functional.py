@@ -240,6 +240,18 @@ def conv3d_padding(padding, time_padding=None) -> Pads:
 
 
 
+def conv3d_decision(x, weight, bias, stride, pads, dilation, *, cache=None, residual=None, config=None):
+    """The decision ``conv3d(..., route="kernel")`` takes for these tensors
+    (``stride``/``dilation`` triples, ``pads`` per axis as
+    ``conv3d_padding`` gives them): ``decide``'s, not weighed against
+    PyTorch."""
+    spec = Conv3dSpec(weight.shape[1], weight.shape[0], tuple(weight.shape[2:]), tuple(stride), tuple(dilation),
+                      tuple(pads), 1, "zeros", bias is not None)
+    shape = conv3d_op.output_shape(x, weight, bias, cache, stride, pads, dilation)
+    desc = CallDesc.of_call(x, weight, bias, residual, cache=cache, out_numel=math.prod(shape))
+    return decide(spec, desc, target_for(x.device), config=config, as_called=False)
+
+
 def conv3d(x, weight, bias=None, stride=1, padding=0, dilation=1, *, cache=None, time_padding=None,
            residual=None, beta=1.0, activation="none", out_scale=1.0, out=None, route=None, config=None,
            force_int64=False):
@@ -277,10 +289,8 @@ def conv3d(x, weight, bias=None, stride=1, padding=0, dilation=1, *, cache=None,
     target = target_for(x.device)
     decision = None
     if route == "kernel" or (route is None and target.interpreter):
-        spec = Conv3dSpec(weight.shape[1], weight.shape[0], tuple(weight.shape[2:]), stride, dilation, pads, 1,
-                          "zeros", bias is not None)
-        desc = CallDesc.of_call(x, weight, bias, residual, cache=cache, out_numel=math.prod(shape))
-        decision = decide(spec, desc, target, config=config, as_called=False)
+        decision = conv3d_decision(x, weight, bias, stride, pads, dilation, cache=cache, residual=residual,
+                                   config=config)
         if decision.tier == "given" and not decision.is_kernel:
             raise ValueError(f"conv3d: {decision.reason}")
         if out is not None and (out.dtype != x.dtype or out.device != x.device):

@@ -26,9 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from conv_patch.api import patcher
-from conv_patch.specs import HALF_DTYPES, KERNEL_DTYPES, Conv3dSpec, ConvSpec
-from conv_patch.target import conv_tf32, conv_tf32_enabled, target_for
-from conv_patch.routing.registry import Route
+from conv_patch.specs import HALF_DTYPES, Conv3dSpec, ConvSpec
+from conv_patch.target import conv_tf32, conv_tf32_enabled
 from conv_patch.runtime.state import state_of
 from conv_patch.runtime.wrappers import PatchedConvMixin
 
@@ -357,9 +356,9 @@ def check_layer3d(name: str, weight: torch.Tensor, bias: Optional[torch.Tensor],
         theirs = conv3d_op.torch_conv3d(x, weight, bias, None, pads, stride, (1, 1, 1))
         ref = conv3d_op.torch_conv3d(x.double().cpu(), weight.double().cpu(),
                                      None if bias is None else bias.double().cpu(), None, pads, stride, (1, 1, 1))
-    ran = target_for(device).kernels and dtype in KERNEL_DTYPES
+    ran = functional.conv3d_decision(x, weight, bias, stride, pads, (1, 1, 1))
     err, terr = rel_err(ours, ref), rel_err(theirs, ref)
-    return LayerResult(name, desc, Route.CONV3D_IGEMM.value if ran else "pytorch (no kernel here)", err, terr, tol,
+    return LayerResult(name, desc, ran.route.value if ran.is_kernel else "pytorch (no kernel here)", err, terr, tol,
                        err <= max(tol, 2 * terr))
 
 

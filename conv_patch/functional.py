@@ -240,14 +240,16 @@ def conv3d_padding(padding, time_padding=None) -> Pads:
 
 
 
-def conv3d_decision(x, weight, bias, stride, pads, dilation, *, cache=None, residual=None, config=None):
+def conv3d_decision(x, weight, bias, stride, pads, dilation, *, cache=None, residual=None, config=None,
+                    shape=None):
     """The decision ``conv3d(..., route="kernel")`` takes for these tensors
     (``stride``/``dilation`` triples, ``pads`` per axis as
-    ``conv3d_padding`` gives them): ``decide``'s, not weighed against
-    PyTorch."""
+    ``conv3d_padding`` gives them; ``shape``, the output's, where the caller
+    has it): ``decide``'s, not weighed against PyTorch."""
     spec = Conv3dSpec(weight.shape[1], weight.shape[0], tuple(weight.shape[2:]), tuple(stride), tuple(dilation),
                       tuple(pads), 1, "zeros", bias is not None)
-    shape = conv3d_op.output_shape(x, weight, bias, cache, stride, pads, dilation)
+    if shape is None:
+        shape = conv3d_op.output_shape(x, weight, bias, cache, stride, pads, dilation)
     desc = CallDesc.of_call(x, weight, bias, residual, cache=cache, out_numel=math.prod(shape))
     return decide(spec, desc, target_for(x.device), config=config, as_called=False)
 
@@ -290,7 +292,7 @@ def conv3d(x, weight, bias=None, stride=1, padding=0, dilation=1, *, cache=None,
     decision = None
     if route == "kernel" or (route is None and target.interpreter):
         decision = conv3d_decision(x, weight, bias, stride, pads, dilation, cache=cache, residual=residual,
-                                   config=config)
+                                   config=config, shape=shape)
         if decision.tier == "given" and not decision.is_kernel:
             raise ValueError(f"conv3d: {decision.reason}")
         if out is not None and (out.dtype != x.dtype or out.device != x.device):

@@ -106,11 +106,19 @@ def route_weight(weight: torch.Tensor, route: Route, transposed: bool = False) -
     measured with its call: a copy of the weight, small beside a video
     conv's activations); the portable kernels read any strides in place."""
     view = kernel_view(weight, transposed)
-    if route in (Route.CONV2D_TMA, Route.CONV2D_TMA_PADDED) and not is_kernel_layout(view):
-        return view.contiguous(memory_format=torch.channels_last)
+    if route in (Route.CONV2D_TMA, Route.CONV2D_TMA_PADDED):
+        return kernel_layout(view)
     if route is Route.CONV3D_TMA and not view.is_contiguous(memory_format=torch.channels_last_3d):
         return view.contiguous(memory_format=torch.channels_last_3d)
     return view
+
+
+def kernel_layout(view: torch.Tensor) -> torch.Tensor:
+    """``view`` ([C_out, C_in, KH, KW], ``kernel_view``'s) stored as a pack
+    holds it, co, kh, kw, ci densely: itself where it is already, else a
+    copy (a pack's layout without a pack: the functional API's TMA calls,
+    the tuner's probes)."""
+    return view if is_kernel_layout(view) else view.contiguous(memory_format=torch.channels_last)
 
 
 def is_kernel_layout(w: torch.Tensor) -> bool:

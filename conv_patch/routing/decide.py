@@ -66,6 +66,11 @@ LEAN_CONFIG = {"route": DEFAULT_TABLE_ROUTE, "BLOCK_M": costs.LEAN_TILE[0], "BLO
                "BLOCK_K": costs.LEAN_TILE[2], "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
 
 
+def table_for(target: Target, table=None):
+    """``table`` (a user's), else ``target``'s packaged one."""
+    return table if table is not None else tables.packaged_table(target.arch)
+
+
 def static_route(spec) -> RouteDecision:
     """The part of the decision that depends on the module alone: its
     kind's default kernel route, or why no kernel ever takes it."""
@@ -93,7 +98,7 @@ def decide(spec, call: Optional[CallDesc] = None, target: Optional[Target] = Non
         if decision.is_kernel and spec.kind == "conv3d" and target is not None and as_called:
             # A Conv3d whose device decides every call (conv3d_gate): the
             # dispatch core asks this once per device, before any signature.
-            gate = conv3d_gate(target, table if table is not None else tables.packaged_table(target.arch))
+            gate = conv3d_gate(target, table_for(target, table))
             if gate is not None:
                 return gate
         return decision
@@ -108,7 +113,7 @@ def decide(spec, call: Optional[CallDesc] = None, target: Optional[Target] = Non
     problem, (oh, ow) = _shape_problem(spec, call, shape)
     if problem:
         return fallback(problem)
-    tbl = table if table is not None else tables.packaged_table(target.arch)
+    tbl = table_for(target, table)
     if config is not None:
         decision = _given(spec, call, shape, target, config)
     else:
@@ -260,7 +265,7 @@ def _conv3d(spec, call: CallDesc, target: Target, table, config: Optional[dict],
         # The functional API: the kernel wherever it can run, the route a
         # given config names.
         return _given(spec, call, call.shape, target, config)
-    tbl = table if table is not None else tables.packaged_table(target.arch)
+    tbl = table_for(target, table)
     gate = conv3d_gate(target, tbl)
     if gate is not None:
         return gate

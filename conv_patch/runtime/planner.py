@@ -22,7 +22,7 @@ from conv_patch.ops import rms_norm as rms_norm_op
 from conv_patch.ops.epilogue import check_residual
 from conv_patch.ops.loader import kernel_errors
 from conv_patch.routing import costs, tables
-from conv_patch.routing.decide import LEAN, RouteDecision, decide, fallback
+from conv_patch.routing.decide import LEAN, RouteDecision, decide, fallback, table_for
 from conv_patch.routing.registry import Route
 from conv_patch.runtime import pack
 from conv_patch.runtime.plans import (CUDNN, KERNEL, MODULE, AutocastPlan, Conv3dPlan, ConvPlan, NormPlan, building,
@@ -204,8 +204,7 @@ def decide_conv3d(m, spec, call, weight, bias, cast: bool, graph: bool, target) 
 def conv3d_table(m, target):
     """The table a Conv3d module's calls on ``target`` read: PatchConfig's,
     else the architecture's own."""
-    table = None if m is None else state_of(m).table
-    return table if table is not None else tables.packaged_table(target.arch)
+    return table_for(target, None if m is None else state_of(m).table)
 
 
 # -- norms -------------------------------------------------------------------------

@@ -96,12 +96,12 @@ def building(x, what):
     build, a line naming ``what()`` once it passes ``COMPILE_NOTICE_S``."""
     with BUILD_LOCK:
         timer = None
-        if _BUILD.depth == 0 and (x.is_cuda or interpreter_enabled()):
-            timer = threading.Timer(COMPILE_NOTICE_S, _notice, (what, time.perf_counter()))
-            timer.daemon = True
-            timer.start()
         if _BUILD.depth == 0:
             BuildCount.total += 1
+            if x.is_cuda or interpreter_enabled():
+                timer = threading.Timer(COMPILE_NOTICE_S, _notice, (what, time.perf_counter()))
+                timer.daemon = True
+                timer.start()
         _BUILD.depth += 1
         try:
             yield

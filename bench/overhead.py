@@ -24,7 +24,7 @@ from conv_patch import functional
 from conv_patch.routing import tables as config_tables
 from conv_patch.routing.decide import LEAN, LEAN_CONFIG
 from conv_patch.routing.registry import BY_ROUTE, CUDNN_TABLE_ROUTE, Route, launcher_of
-from conv_patch.runtime.call import Call
+from conv_patch.call import Call
 from conv_patch.runtime.plans import conv_key
 from conv_patch.runtime.state import state_of
 from conv_patch.specs import ConvSpec

@@ -226,7 +226,7 @@ def layer_measurements(vae, z, device, limit: int = 0, layout: str = "ncdhw", me
         w, b = m.weight.detach(), None if m.bias is None else m.bias.detach()
 
         def theirs(m=m, x=x, cache=cache):
-            return m._cp_fallback_forward(m, x, cache) if cache is not None else m._cp_fallback_forward(m, x)
+            return m.cp_fallback_forward(m, x, cache) if cache is not None else m.cp_fallback_forward(m, x)
 
         with torch.no_grad():
             meas = tune.measure_conv3d(spec, x, cache, w, b, theirs, cands)

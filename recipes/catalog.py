@@ -59,7 +59,7 @@ def fuse(module: nn.Module, recipe: Recipe) -> None:
 
 def unfuse(module: nn.Module) -> None:
     if is_fused(module):
-        module.__class__ = module._cp_base
+        module.__class__ = module.cp_base
         st = peek(module)
         if st is not None:
             st.drop_block()

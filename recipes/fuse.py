@@ -82,8 +82,8 @@ class Recipe:
 class FusedBlock:
     """Mixed in first: the fused forward; the block's class stays a base."""
 
-    _cp_recipe: Recipe = None
-    _cp_base: type = nn.Module
+    cp_recipe: Recipe = None
+    cp_base: type = nn.Module
 
     def forward(self, *args, **kwargs):
         if not kernels_may_run_on(args, kwargs):
@@ -91,27 +91,27 @@ class FusedBlock:
             # the block's own forward, so that a patched model computes
             # exactly what the unpatched one does (a recipe's NHWC layout
             # alone changes the CPU's rounding).
-            return self._cp_base.forward(self, *args, **kwargs)
+            return self.cp_base.forward(self, *args, **kwargs)
         watch = passthrough.Watch.now
         if watch is not None and watch.observes(self):
             # A passthrough watch is learning which fused blocks do work.
             return watch.observe(self, args, kwargs)
-        unfused = self._cp_recipe.unfused
+        unfused = self.cp_recipe.unfused
         if unfused is not None:
             swaps = unfused(self, args, kwargs)
             if swaps is not None:
-                return passthrough.run_unfused(self, swaps, functools.partial(self._cp_base.forward, self, *args,
+                return passthrough.run_unfused(self, swaps, functools.partial(self.cp_base.forward, self, *args,
                                                                               **kwargs))
         st = peek(self)
-        if (self._cp_recipe.runs_convs and pack.ACTIVE.group is None and (st is None or st.graphs is None)
+        if (self.cp_recipe.runs_convs and pack.ACTIVE.group is None and (st is None or st.graphs is None)
                 and not pack.GRAPH_PATH and not torch.compiler.is_compiling()):
             # The outermost fused block of this call (no group active in this
             # thread): its convs' weight packs are refreshed together at its
             # start (conv_patch/pack.py says why).
-            return pack.grouped(self, self._cp_run, args, kwargs)
-        return self._cp_run(*args, **kwargs)
+            return pack.grouped(self, self.cp_run, args, kwargs)
+        return self.cp_run(*args, **kwargs)
 
-    def _cp_run(self, *args, **kwargs):
+    def cp_run(self, *args, **kwargs):
         st = peek(self)
         bands = None if st is None else st.bands
         if bands is not None:
@@ -123,18 +123,18 @@ class FusedBlock:
         graphs = None if st is None else st.graphs
         if graphs is not None:
             # PatchConfig(cuda_graphs=True) on an outermost fused block.
-            return graphs(self, functools.partial(self._cp_recipe.forward, self), args, kwargs)
-        return self._cp_recipe.forward(self, *args, **kwargs)
+            return graphs(self, functools.partial(self.cp_recipe.forward, self), args, kwargs)
+        return self.cp_recipe.forward(self, *args, **kwargs)
 
-    def _cp_own_class(self) -> type:
+    def cp_own_class(self) -> type:
         """The class this block runs as when ``conv_patch.runtime.passthrough``
         passes it through: its own."""
-        return self._cp_base
+        return self.cp_base
 
     def __reduce_ex__(self, protocol):
         # The dynamic class cannot be found by name when unpickling. (The
         # state's caches do not travel: runtime/state.py.)
-        return (_rebuild, (self._cp_base, self._cp_recipe.name), self.__getstate__())
+        return (_rebuild, (self.cp_base, self.cp_recipe.name), self.__getstate__())
 
 
 def kernels_may_run_on(args: tuple, kwargs: dict) -> bool:
@@ -162,7 +162,7 @@ def fused_class(cls: type, recipe: Recipe) -> type:
     key = (cls, recipe.name)
     if key not in _CLASSES:
         _CLASSES[key] = type(f"Fused{cls.__name__}", (FusedBlock, cls), {
-            "_cp_recipe": recipe, "_cp_base": cls, "__module__": __name__,
+            "cp_recipe": recipe, "cp_base": cls, "__module__": __name__,
             "__qualname__": f"Fused{cls.__name__}",
             "__doc__": f"{cls.__module__}.{cls.__qualname__} with conv-patch's {recipe.name!r} recipe.",
         })
@@ -180,7 +180,7 @@ def is_fused(module: nn.Module) -> bool:
 
 def base(module, *args, **kwargs):
     """The block's own forward (what it computes unpatched)."""
-    return module._cp_base.forward(module, *args, **kwargs)
+    return module.cp_base.forward(module, *args, **kwargs)
 
 
 # -- call-time guards ---------------------------------------------------------
@@ -226,7 +226,7 @@ def dropout_is_identity(m: Optional[nn.Module]) -> bool:
 def named(m, name: str) -> bool:
     """``m``'s own class (a fused block's base class) is called ``name``:
     recipes match by class name and structure, never by import path."""
-    return getattr(type(m), "_cp_base", type(m)).__name__ == name
+    return getattr(type(m), "cp_base", type(m)).__name__ == name
 
 
 def matches(recipe: Recipe, m) -> bool:
@@ -264,7 +264,7 @@ def is_group_norm(m) -> bool:
     overrides it with the same contract unless it is casting weights)."""
     if not isinstance(m, nn.GroupNorm):
         return False
-    cls = getattr(type(m), "_cp_base", type(m))
+    cls = getattr(type(m), "cp_base", type(m))
     return cls.forward is nn.GroupNorm.forward or is_comfy_conv_class(cls)
 
 
@@ -274,7 +274,7 @@ def rms_norm_params(m) -> Optional[tuple]:
     ComfyUI's ``RMS_norm``: ``F.normalize(x, dim=1) * scale * gamma +
     bias``), or None. ``bias`` is None where the module adds nothing (its
     ``0.0`` or ``None``)."""
-    cls = getattr(type(m), "_cp_base", type(m))
+    cls = getattr(type(m), "cp_base", type(m))
     if not (isinstance(m, nn.Module) and cls.__name__.endswith("RMS_norm")):
         return None
     d, params = m.__dict__, m.__dict__["_parameters"]
@@ -310,7 +310,7 @@ def kernel_step(m: nn.Module, fn):
 
 
 def _kernels_may_run(m: nn.Module) -> bool:
-    return (isinstance(m, PatchedConvMixin) and not (m._cp_comfy_class and comfy_active(m))
+    return (isinstance(m, PatchedConvMixin) and not (m.cp_comfy_class and comfy_active(m))
             and not (m._forward_hooks or m._forward_pre_hooks))
 
 
@@ -344,7 +344,7 @@ def rms_norm(norm: nn.Module, x: torch.Tensor, activation: str = "none") -> torc
     written for; the caller checks): one pass of conv-patch's kernel where it
     takes the call (``dispatch.rms_norm``), else the norm's own forward and
     PyTorch's activation. Hooks are the caller's business."""
-    own = getattr(type(norm), "_cp_base", type(norm)).forward
+    own = getattr(type(norm), "cp_base", type(norm)).forward
     return dispatch.rms_norm(norm, x, rms_norm_params(norm), lambda: own(norm, x), activation)
 
 

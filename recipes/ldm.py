@@ -37,7 +37,7 @@ def _silu_of(m) -> bool:
     # ComfyUI's copy holds ``self.swish = nn.SiLU(inplace=True)``.
     if hasattr(m, "swish"):
         return is_silu(m.swish)
-    return _module_swish(getattr(type(m), "_cp_base", type(m)).__module__)
+    return _module_swish(getattr(type(m), "cp_base", type(m)).__module__)
 
 
 def _shortcut(m):

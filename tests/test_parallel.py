@@ -19,7 +19,7 @@ from _util import rel_err
 from conv_patch import parallel
 from conv_patch.parallel import geometry, stats
 from conv_patch.runtime.state import state_of
-from conv_patch.runtime.call import Call
+from conv_patch.call import Call
 
 diffusers = pytest.importorskip("diffusers")
 

@@ -201,7 +201,7 @@ def program_of(m: nn.Module) -> Program:
     """The band program of a decoder or encoder whose recipe declares its
     layers (``Recipe.bands``: diffusers' and the ldm/ComfyUI ones);
     ``UnsupportedModel`` for anything else."""
-    recipe = getattr(type(m), "_cp_recipe", None) or catalog.recipe_for(m)
+    recipe = getattr(type(m), "cp_recipe", None) or catalog.recipe_for(m)
     if recipe is None or recipe.bands is None:
         raise UnsupportedModel(f"bands: {type(m).__name__} is not a VAE Decoder or Encoder the recipes recognise")
     layers = recipe.bands(m)

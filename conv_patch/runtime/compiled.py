@@ -7,7 +7,7 @@ a kernel only where it beats PyTorch as called, like a wrapper's call. Its
 fake implementation only computes the output's shape, dtype and memory
 format, so Dynamo traces a patched model without graph breaks and Inductor
 treats the call as one opaque kernel. Under tracing the wrappers call this op
-instead of falling back (``wrappers.PatchedConvMixin._cp_call``).
+instead of falling back (``wrappers.PatchedConvMixin.cp_call``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 
 from conv_patch.ops import conv2d as conv_op
 from conv_patch.runtime import dispatch
-from conv_patch.runtime.call import Call
+from conv_patch.call import Call
 from conv_patch.specs import ConvSpec
 
 

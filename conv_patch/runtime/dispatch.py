@@ -26,7 +26,7 @@ from conv_patch.ops.epilogue import check_residual
 from conv_patch.ops.subpixel import PARITIES, parity_padding, parity_view, parity_weight, subpixel_weights
 from conv_patch.routing.decide import decide
 from conv_patch.runtime import pack, passthrough, planner
-from conv_patch.runtime.call import Call
+from conv_patch.call import Call
 from conv_patch.runtime.plans import UNREGISTERED, building, conv_key, cudnn_weight, eager, tensor_sig
 from conv_patch.runtime.state import STATE, State, state_of
 from conv_patch.specs import ConvSpec
@@ -135,10 +135,10 @@ class CallSite:
 
     def __init__(self, spec: ConvSpec):
         self.spec = spec
-        self._cp_torch_class = torch.nn.ConvTranspose2d if spec.transposed else torch.nn.Conv2d
+        self.cp_torch_class = torch.nn.ConvTranspose2d if spec.transposed else torch.nn.Conv2d
         self.__dict__[STATE] = State()
 
-    def _cp_forward(self, x, weight, bias):
+    def cp_forward(self, x, weight, bias):
         return self.spec.torch_forward(x, weight, bias)
 
 
@@ -315,7 +315,7 @@ def own_group_norm(norm, x):
     one line, ``F.group_norm``, with the parameters read from the module's
     dictionaries: the small GroupNorms of a UNet run here at every call,
     and each ``norm.weight`` goes through ``nn.Module.__getattr__``."""
-    cls = getattr(type(norm), "_cp_base", type(norm))
+    cls = getattr(type(norm), "cp_base", type(norm))
     d = norm.__dict__
     params = d["_parameters"]
     if cls.forward is not _TORCH_GROUP_NORM or "weight" not in params or "bias" not in params:

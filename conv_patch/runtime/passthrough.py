@@ -105,13 +105,13 @@ def changed() -> None:
 def component_class(m: nn.Module) -> Optional[type]:
     """The class a conv-patch component runs as when passed through (its
     own, unpatched class), None for a module that is no component or cannot
-    be passed through (``_cp_own_class``)."""
-    own = getattr(type(m), "_cp_own_class", None)
+    be passed through (``cp_own_class``)."""
+    own = getattr(type(m), "cp_own_class", None)
     return None if own is None else own(m)
 
 
 def is_component(m: nn.Module) -> bool:
-    return getattr(type(m), "_cp_own_class", None) is not None
+    return getattr(type(m), "cp_own_class", None) is not None
 
 
 def _busy_block(m: nn.Module) -> bool:

@@ -130,7 +130,7 @@ def direct_args(m, spec, padding, fallback_args):
     """F.conv2d's arguments where the module's forward is nn.Conv2d's own
     on zero padding (so calling F.conv2d is that forward, minus its Python)."""
     orig = state_of(m).original
-    cls = type(orig) if orig is not None else m._cp_torch_class
+    cls = type(orig) if orig is not None else m.cp_torch_class
     if (spec.transposed or fallback_args or cls.forward is not torch.nn.Conv2d.forward
             or cls._conv_forward is not torch.nn.Conv2d._conv_forward or m.padding_mode != "zeros"):
         return None

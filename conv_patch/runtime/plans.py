@@ -328,9 +328,9 @@ def eager(m, call, padding=None, y=None):
     x = call.x
     if y is None:
         if padding is not None:
-            y = forward_with_padding(m, x, padding, lambda t: m._cp_forward(t, *call.fallback_args))
+            y = forward_with_padding(m, x, padding, lambda t: m.cp_forward(t, *call.fallback_args))
         else:
-            y = m._cp_forward(x, *call.fallback_args)
+            y = m.cp_forward(x, *call.fallback_args)
     if call.no_bias:
         return y, None
     out = call.out

@@ -22,7 +22,7 @@ from torch.nn.utils import parametrize
 from conv_patch.activations import activation_code, eager_epilogue
 from conv_patch.routing.decide import RouteDecision, decide, fallback
 from conv_patch.runtime import dispatch, pack, planner
-from conv_patch.runtime.call import Call
+from conv_patch.call import Call
 from conv_patch.runtime.plans import eager
 from conv_patch.runtime.state import STATE, State, state_of
 from conv_patch.specs import Conv3dSpec, ConvSpec, needs_grad
@@ -42,8 +42,14 @@ class PatchedConvMixin:
     the torch class's forward and ``unwrap`` makes a plain torch module.
     """
 
-    _cp_torch_class = nn.Module
-    _cp_transposed = False
+    # The ``cp_`` names are conv-patch's protocol on a patched module, read by
+    # the runtime, the recipes and the tools (``cp_torch_class``,
+    # ``cp_comfy_class``, ``cp_call``, ``cp_forward``, ``cp_fallback_forward``,
+    # ``cp_own_class``; a fused block has ``cp_base``, ``cp_recipe``,
+    # ``cp_run``): prefixed so they never meet a name of the class they are
+    # mixed into.
+    cp_torch_class = nn.Module
+    cp_transposed = False
 
     @classmethod
     def wrap(cls, original: nn.Module, table=None):
@@ -57,7 +63,7 @@ class PatchedConvMixin:
         (training flag, edited hyper-parameters, attributes set since)."""
         orig = state_of(self).original
         if orig is None:
-            orig = self._cp_torch_class.__new__(self._cp_torch_class)
+            orig = self.cp_torch_class.__new__(self.cp_torch_class)
         for k, v in self.__dict__.items():
             if not k.startswith(PRIVATE):
                 orig.__dict__[k] = v
@@ -91,12 +97,12 @@ class PatchedConvMixin:
 
     # Whether the class can be a ComfyUI conv (``is_comfy_conv_class``): only
     # then can ComfyUI cast or patch its weights per call.
-    _cp_comfy_class = False
+    cp_comfy_class = False
 
-    def _cp_comfy_active(self) -> bool:
-        return self._cp_comfy_class and comfy_active(self)
+    def cp_comfy_active(self) -> bool:
+        return self.cp_comfy_class and comfy_active(self)
 
-    def _cp_call(self, call: Call):
+    def cp_call(self, call: Call):
         """The call through the one dispatch entry; ``call.out`` (inference
         only; may be the residual) receives the result."""
         if call.activation != "none":
@@ -105,7 +111,7 @@ class PatchedConvMixin:
         if torch.compiler.is_compiling():
             # Under autocast the original forward is traced too: the opaque op
             # would compute in the input's dtype, not autocast's.
-            if call.padding is None and not call.no_bias and not self._cp_comfy_active() and not needs_grad(
+            if call.padding is None and not call.no_bias and not self.cp_comfy_active() and not needs_grad(
                     x, self.weight, self.bias, call.residual) and not torch.is_autocast_enabled(x.device.type):
                 # One opaque custom op in the graph; it routes when it runs.
                 from conv_patch.runtime import compiled
@@ -113,7 +119,7 @@ class PatchedConvMixin:
                 return y if call.out is None else call.out.copy_(y)
             # The op has no backward: Dynamo traces the original forward.
             return eager(self, call, call.padding)
-        if self._cp_comfy_class and comfy_active(self):
+        if self.cp_comfy_class and comfy_active(self):
             # The computation must use the per-call weight ComfyUI builds, never
             # a pack of the stored parameter: the original forward does that.
             state_of(self).last = fallback("ComfyUI weight casting or patching active")
@@ -127,11 +133,11 @@ class PatchedConvMixin:
         business): the bare fast path where PyTorch's route was planned for
         such a call (no ``out``, no padding of its own), else the planned
         call. The one body of ``forward`` and of the recipes' conv steps."""
-        if out is None and padding is None and not (self._cp_comfy_class and comfy_active(self)):
+        if out is None and padding is None and not (self.cp_comfy_class and comfy_active(self)):
             y = dispatch.bare_call(self, x, activation, residual, beta, out_scale)
             if y is not None:
                 return y
-        return self._cp_call(Call(x, residual, beta, activation, out_scale, out, padding))
+        return self.cp_call(Call(x, residual, beta, activation, out_scale, out, padding))
 
     def forward_without_bias(self, x):
         """``(y, b)`` with ``y + b`` (``b`` [C_out], per channel) equal to
@@ -142,29 +148,29 @@ class PatchedConvMixin:
         costs a pass over the output of its own. Elsewhere ``(self(x), None)``.
         Hooks are the caller's business: a hook would see ``y`` without its
         bias."""
-        if self.bias is None or self._cp_transposed or torch.compiler.is_compiling() or self._cp_comfy_active():
+        if self.bias is None or self.cp_transposed or torch.compiler.is_compiling() or self.cp_comfy_active():
             return self(x), None
-        return self._cp_call(Call(x, no_bias=True))
+        return self.cp_call(Call(x, no_bias=True))
 
-    def _cp_own_class(self) -> Optional[type]:
+    def cp_own_class(self) -> Optional[type]:
         """The class this wrapper runs as when ``runtime.passthrough``
         passes it through: its original's. None for a parametrized weight
         (the wrapper's class holds the parametrization)."""
         if parametrize.is_parametrized(self):
             return None
         orig = state_of(self).original
-        return type(orig) if orig is not None else self._cp_torch_class
+        return type(orig) if orig is not None else self.cp_torch_class
 
     @property
-    def _cp_fallback_forward(self):
+    def cp_fallback_forward(self):
         """The original module's class's forward (unbound): what a call the
         kernels do not take runs."""
         orig = state_of(self).original
-        return type(orig).forward if orig is not None else self._cp_torch_class.forward
+        return type(orig).forward if orig is not None else self.cp_torch_class.forward
 
-    def _cp_forward(self, x, *args):
+    def cp_forward(self, x, *args):
         """The original module's own forward on ``x``."""
-        return self._cp_fallback_forward(self, x, *args)
+        return self.cp_fallback_forward(self, x, *args)
 
     # -- nn.Module plumbing --------------------------------------------------
     def _apply(self, fn, *args, **kwargs):
@@ -186,15 +192,15 @@ class PatchedConv2d(PatchedConvMixin, nn.Conv2d):
     ``out`` when given, which may be ``residual``); with the defaults it is
     the plain convolution."""
 
-    _cp_torch_class = nn.Conv2d
+    cp_torch_class = nn.Conv2d
 
     def forward(self, input, *, residual=None, beta=1.0, activation="none", out_scale=1.0, out=None):
         # call_with_epilogue's body, one frame less on the commonest call.
-        if out is None and not self._cp_comfy_class:
+        if out is None and not self.cp_comfy_class:
             y = dispatch.bare_call(self, input, activation, residual, beta, out_scale)
             if y is not None:
                 return y
-            return self._cp_call(Call(input, residual, beta, activation, out_scale))
+            return self.cp_call(Call(input, residual, beta, activation, out_scale))
         return self.call_with_epilogue(input, residual, beta, activation, out_scale, out)
 
 
@@ -258,7 +264,7 @@ def wrapper_class_for(cls: type) -> type:
         base = PatchedConvTranspose2d if issubclass(cls, nn.ConvTranspose2d) else PatchedConv2d
     if cls not in _DYNAMIC:
         _DYNAMIC[cls] = type(f"Patched{cls.__name__}", (base, cls), {
-            "_cp_torch_class": cls, "_cp_comfy_class": is_comfy_conv_class(cls), "__module__": __name__,
+            "cp_torch_class": cls, "cp_comfy_class": is_comfy_conv_class(cls), "__module__": __name__,
             "__qualname__": f"Patched{cls.__name__}",
             "__doc__": f"conv-patch wrapper of {cls.__module__}.{cls.__qualname__}.",
             "__reduce_ex__": _reduce_dynamic,
@@ -269,7 +275,7 @@ def wrapper_class_for(cls: type) -> type:
 def _reduce_dynamic(self, protocol):
     # Dynamic classes cannot be found by name when unpickling: rebuild them
     # from the original class, which can.
-    return (_rebuild_dynamic, (self._cp_torch_class,), self.__getstate__())
+    return (_rebuild_dynamic, (self.cp_torch_class,), self.__getstate__())
 
 
 def _rebuild_dynamic(cls):
@@ -280,8 +286,8 @@ class PatchedConvTranspose2d(PatchedConvMixin, nn.ConvTranspose2d):
     """Same extended call as PatchedConv2d, after ConvTranspose2d's own
     ``output_size`` argument."""
 
-    _cp_torch_class = nn.ConvTranspose2d
-    _cp_transposed = True
+    cp_torch_class = nn.ConvTranspose2d
+    cp_transposed = True
 
     def forward(self, input, output_size=None, *, residual=None, beta=1.0, activation="none",
                 out_scale=1.0):
@@ -289,7 +295,7 @@ class PatchedConvTranspose2d(PatchedConvMixin, nn.ConvTranspose2d):
         if output_size is not None:
             output_padding = tuple(self._output_padding(
                 input, output_size, self.stride, self.padding, self.kernel_size, 2, self.dilation))
-        return self._cp_call(Call(input, residual, beta, activation, out_scale, output_padding=output_padding,
+        return self.cp_call(Call(input, residual, beta, activation, out_scale, output_padding=output_padding,
                                   fallback_args=(output_size,)))
 
 
@@ -298,16 +304,16 @@ class PatchedConv3d(PatchedConvMixin, nn.Conv3d):
     ``out_scale * act(conv(cat([cache, x], 2)) + bias + beta * residual)``;
     with the defaults the plain convolution. Routed by ``dispatch.conv3d``."""
 
-    _cp_torch_class = nn.Conv3d
+    cp_torch_class = nn.Conv3d
 
     @property
     def spec(self) -> Conv3dSpec:
         st = state_of(self)
         if st.spec is None:
-            st.spec = Conv3dSpec.from_module(self, self._cp_own_pads())
+            st.spec = Conv3dSpec.from_module(self, self.cp_own_pads())
         return st.spec
 
-    def _cp_own_pads(self):
+    def cp_own_pads(self):
         return None
 
     def route(self, x: Optional[torch.Tensor] = None, residual=None, output_padding=None) -> RouteDecision:
@@ -323,8 +329,8 @@ class PatchedConv3d(PatchedConvMixin, nn.Conv3d):
             activation_code(activation)
 
         def own():
-            return self._cp_fallback_forward(self, input if cache is None else torch.cat([cache, input], 2))
-        if torch.compiler.is_compiling() or self._cp_comfy_active():
+            return self.cp_fallback_forward(self, input if cache is None else torch.cat([cache, input], 2))
+        if torch.compiler.is_compiling() or self.cp_comfy_active():
             return eager_epilogue(own(), residual, beta, activation, out_scale)
         return dispatch.conv3d(self, Call(input, residual, beta, activation, out_scale, cache=cache, own=own))
 
@@ -340,7 +346,7 @@ class PatchedCausalConv3d(PatchedConv3d):
     read in place by the kernel instead of ``torch.cat`` and ``F.pad``
     copies. ``causal`` is the same call with the fused epilogue."""
 
-    def _cp_own_pads(self):
+    def cp_own_pads(self):
         pw0, pw1, ph0, ph1, pt0, pt1 = self._padding
         return (pt0, pt1), (ph0, ph1), (pw0, pw1)
 
@@ -353,10 +359,10 @@ class PatchedCausalConv3d(PatchedConv3d):
     def causal(self, x, cache_x=None, *, residual=None, beta=1.0, activation="none", out_scale=1.0):
         """``out_scale * act(self(x, cache_x) + beta * residual)``."""
         def own():
-            return self._cp_fallback_forward(self, x, cache_x)
-        if torch.compiler.is_compiling() or self._cp_comfy_active() or x.dim() != 5:
+            return self.cp_fallback_forward(self, x, cache_x)
+        if torch.compiler.is_compiling() or self.cp_comfy_active() or x.dim() != 5:
             return eager_epilogue(own(), residual, beta, activation, out_scale)
-        (pt0, pt1), hw_h, hw_w = self._cp_own_pads()
+        (pt0, pt1), hw_h, hw_w = self.cp_own_pads()
         cache = None
         if cache_x is not None and pt0 > 0:
             # The module pads time by what the cached frames do not cover.
@@ -385,7 +391,7 @@ class PatchedSafeConv3d(PatchedConv3d):
         elements = input.numel() + (0 if cache is None else cache.numel())
         if elements * 2 / 1024 ** 3 > self.CHUNKED_GIB:
             x = input if cache is None else torch.cat([cache, input], 2)
-            return eager_epilogue(self._cp_fallback_forward(self, x), residual, beta, activation, out_scale)
+            return eager_epilogue(self.cp_fallback_forward(self, x), residual, beta, activation, out_scale)
         return super().forward(input, cache=cache, residual=residual, beta=beta, activation=activation,
                                out_scale=out_scale)
 

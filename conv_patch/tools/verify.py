@@ -150,7 +150,7 @@ def check_layer(name: str, conv: nn.Module, size: int, seed: int) -> LayerResult
         except Exception as e:  # noqa: BLE001 - reported as this layer's failure
             return LayerResult(name, spec.describe(), "-", None, None, tol, False, raised(e))
         route = state_of(conv).last.label() if isinstance(conv, PatchedConvMixin) else "not patched"
-        theirs = conv._cp_fallback_forward(conv, x) if isinstance(conv, PatchedConvMixin) else ours
+        theirs = conv.cp_fallback_forward(conv, x) if isinstance(conv, PatchedConvMixin) else ours
         b = None if conv.bias is None else conv.bias.double().cpu()
         args = dict(stride=conv.stride, padding=conv.padding, dilation=conv.dilation, groups=conv.groups)
         if spec.transposed:

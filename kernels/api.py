@@ -12,7 +12,6 @@ Triton itself decides it at decoration time.
 from .attention import launch_attention_block, partial_columns as attention_partial_columns
 from .common import INTERPRET
 from .conv2d_tma import reads_nchw_in_place
-from .conv3d_tma import conv3d_tma_problem
 from .epilogue import launch_epilogue
 from .group_norm import (launch_group_norm, launch_group_norm_apply, launch_group_norm_partials,
                                            launch_group_norm_stats)
@@ -23,7 +22,7 @@ from .softmax import launch_softmax_rows
 from .weight_prep import (grouped_pack_args, launch_grouped_weight_pack, launch_subpixel_fold,
                                             launch_weight_pack)
 
-__all__ = ["INTERPRET", "Program", "Unrecordable", "attention_partial_columns", "conv3d_tma_problem", "empty",
+__all__ = ["INTERPRET", "Program", "Unrecordable", "attention_partial_columns", "empty",
            "grouped_pack_args", "launch_attention_block", "launch_epilogue", "launch_group_norm",
            "launch_group_norm_apply", "launch_group_norm_partials", "launch_group_norm_stats",
            "launch_grouped_weight_pack", "launch_nchw_to_nhwc", "launch_rms_norm", "launch_softmax_rows",

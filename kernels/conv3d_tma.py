@@ -2,7 +2,10 @@
 
 Layer 1 (``conv3d_tma_kernel``): the @triton.jit kernel.
 Layer 2 (``launch_conv3d_tma``): the descriptors, the grid and the launch;
-``conv3d_tma_problem`` says which calls it takes. The torch-facing function
+``conv_patch.routing.registry.conv3d_tma_problem`` says which calls it
+takes (dense NDHWC input and cached frames, 16-byte aligned channel rows,
+H and W at stride 1): the descriptors' strides are derived from the
+shapes. The torch-facing function
 is ``conv_patch.functional.conv3d``, shared with the portable kernel.
 
 Design (the 2-D TMA kernel's, kernels/conv2d_tma.py, one axis up):
@@ -35,7 +38,7 @@ import triton
 import triton.language as tl
 
 from .common import epilogue_store, grouped_tile, wide
-from .launch import MIN_DOT_BLOCK, TMA_ALIGN, cdiv, launch, needs_int64, next_pow2, split_block_sizes
+from .launch import MIN_DOT_BLOCK, cdiv, launch, needs_int64, next_pow2, split_block_sizes
 
 
 
@@ -143,44 +146,6 @@ def conv3d_tma_kernel(
                        srw, beta, out_scale, HAS_BIAS, HAS_RES, ACT, IDX64)
 
 
-def _dense_channels_last(t) -> bool:
-    """5-D ``t`` is dense with its dimension 1 innermost, then 4, 3, 2, 0
-    (NDHWC for an activation, [C_out, KT, KH, KW, C_in] for a weight), with
-    a 16-byte aligned base and rows. Size-1 dimensions may carry any stride
-    (PyTorch reports several): the descriptors write the dense ones out."""
-    want = 1
-    for d in (1, 4, 3, 2, 0):
-        if t.shape[d] != 1 and t.stride(d) != want:
-            return False
-        want *= t.shape[d]
-    return (t.shape[1] * t.element_size()) % TMA_ALIGN == 0 and t.data_ptr() % TMA_ALIGN == 0
-
-
-def dense_ndhwc(t) -> bool:
-    """[N, C, T, H, W] ``t`` is dense NDHWC, 16-byte aligned: a TMA box source."""
-    return _dense_channels_last(t)
-
-
-def dense_weight(w) -> bool:
-    """[C_out, C_in, KT, KH, KW] ``w`` is dense [C_out, KT, KH, KW, C_in]
-    (channels_last_3d), 16-byte aligned."""
-    return _dense_channels_last(w)
-
-
-def conv3d_tma_problem(x, cache, w, stride, interpreter: bool) -> str:
-    """Why the TMA kernel cannot take this call, or "" (``w`` None: the
-    weight is not checked, its repack is the caller's)."""
-    if tuple(stride[1:]) != (1, 1):
-        return f"stride {tuple(stride)}: the TMA kernel takes H and W at stride 1"
-    if x.element_size() != 2 and not interpreter:
-        return "the TMA kernel takes fp16/bf16"
-    if not (dense_ndhwc(x) and (cache is None or dense_ndhwc(cache))):
-        return "input or cache not dense NDHWC with 16-byte aligned channel rows"
-    if w is not None and not dense_weight(w):
-        return "weight not dense channels_last_3d with 16-byte aligned rows"
-    return ""
-
-
 def tile_sizes(config, c_in, c_out, ow):
     """The table's tile narrowed to the problem (BLOCK_M stays: wgmma wants
     M >= 64; BLOCK_W shrinks to the frame's width): (BLOCK_M, BLOCK_N,
@@ -194,7 +159,8 @@ def tile_sizes(config, c_in, c_out, ow):
 def launch_conv3d_tma(x, cache, w, bias, out, residual, *, stride, padding, dilation, beta, activation,
                       out_scale, config, precision, upcast, force_int64=False):
     """The portable launcher's call (kernels/conv3d.py) for the calls
-    ``conv3d_tma_problem`` lets through; ``precision`` is unused (wgmma
+    the registry's rule lets through (``w`` dense [C_out, KT, KH, KW, C_in]:
+    ``runtime.pack.route_weight``); ``precision`` is unused (wgmma
     takes fp16/bf16 only)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 

@@ -82,10 +82,6 @@ def run_kernel(route: Route, config: Optional[dict], target: Target, x, weight, 
         out = k.empty(output_shape(x, weight, bias, cache, stride, pads, dilation), dtype=x.dtype,
                       device=x.device, memory_format=torch.channels_last_3d if cl else torch.contiguous_format)
     tiles = config if config is not None else CONV3D_TILES["interpreter" if target.interpreter else "gpu"]
-    if route is Route.CONV3D_TMA:
-        problem = k.conv3d_tma_problem(x, cache, weight, stride, target.interpreter)
-        if problem:
-            raise ValueError(f"conv3d: the tma route cannot take this call: {problem}")
     return launcher_of(route)(x, cache, weight, bias, out, residual, stride=stride,
                               padding=tuple(p[0] for p in pads), dilation=dilation, beta=beta,
                               activation=activation_code(activation), out_scale=out_scale, config=tiles,

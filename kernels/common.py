@@ -16,7 +16,7 @@ import os
 import triton
 import triton.language as tl
 
-from conv_patch.activations import CODES
+from conv_patch.activations import CODES, LEAKY_BASE, LEAKY_STEPS
 from conv_patch.checkout import refuse_top_level
 
 refuse_top_level(__name__)
@@ -32,6 +32,9 @@ ACT_RELU = tl.constexpr(CODES["relu"])
 ACT_SILU = tl.constexpr(CODES["silu"])
 ACT_GELU = tl.constexpr(CODES["gelu"])
 ACT_GELU_TANH = tl.constexpr(CODES["gelu_tanh"])
+# LeakyReLU: the code is ACT_LEAKY + the negative slope in thousandths.
+ACT_LEAKY = tl.constexpr(LEAKY_BASE)
+LEAKY_STEPS_F = tl.constexpr(float(LEAKY_STEPS))
 
 
 @triton.jit
@@ -144,6 +147,8 @@ def activate(x, ACT: tl.constexpr):
         z = 0.7978845608028654 * (x + 0.044715 * x * x * x)
         t = 2.0 / (1.0 + tl.exp(-2.0 * z)) - 1.0
         x = 0.5 * x * (1.0 + t)
+    elif ACT >= ACT_LEAKY:
+        x = tl.where(x >= 0.0, x, x * ((ACT - ACT_LEAKY) / LEAKY_STEPS_F))
     return x
 
 

@@ -35,6 +35,10 @@ def act64(y, activation):
         return F.gelu(y)
     if activation == "gelu_tanh":
         return F.gelu(y, approximate="tanh")
+    if activation.startswith("leaky_relu"):
+        slope = 0.01 if activation == "leaky_relu" else float(activation.rsplit("_", 1)[1])
+        return F.leaky_relu(y, slope)
+    assert activation == "none", activation
     return y
 
 

@@ -68,6 +68,7 @@ CASES = [
     Case(2, 3, 13, (5, 5, 5), (3, 1, 1), stride=(2, 1, 1), tc=2, nhwc=True, bias=False, residual="ncdhw"),
     Case(1, 5, 3, (1, 6, 5), (3, 3, 3), stride=(1, 2, 2), padding=(0, 1, 1), time_padding=(1, 1), tc=1,
          act="silu"),
+    Case(1, 6, 9, (3, 5, 6), (3, 3, 3), padding=1, nhwc=True, residual="ndhwc", act="leaky_relu_0.2"),
 ]
 
 

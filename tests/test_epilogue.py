@@ -55,7 +55,7 @@ SHAPES = [(2, 5, 3, 7), (1, 20, 9, 11), (1, 300, 4, 5), (3, 33, 1, 1)]
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-@pytest.mark.parametrize("act", ["none", "silu", "gelu_tanh"])
+@pytest.mark.parametrize("act", ["none", "silu", "gelu_tanh", "leaky_relu_0.2"])
 @pytest.mark.parametrize("res", [None, "nhwc", "nchw"])
 def test_epilogue_matches_float64(shape, act, res, device, launches):
     dtype = _dtype(device)

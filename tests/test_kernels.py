@@ -38,6 +38,9 @@ CONV_CURATED = [
     (1, 10, 9, 12, 11, 4, 1, "same", 1, True, True, "none", None),  # asymmetric 1/2 padding
     (1, 12, 10, 11, 7, 3, 1, "valid", 1, False, True, "none", None),
     (1, 5, 9, 9, 7, 3, 1, (2, 0), 1, True, True, "gelu", "nchw"),
+    # LeakyReLU: ESRGAN's slope with a residual, PyTorch's default slope.
+    (1, 12, 9, 10, 18, 3, 1, 1, 1, True, True, "leaky_relu_0.2", "nhwc"),
+    (2, 5, 8, 7, 6, 3, 2, 1, 1, False, True, "leaky_relu", None),
 ]
 
 # (N, C_in, H, W, C_out, k, stride, padding, output_padding, dilation, nhwc, bias, act, residual)
@@ -51,6 +54,7 @@ CONVT_CURATED = [
     (1, 8, 7, 6, 8, 3, 1, 1, 0, 2, True, False, "gelu_tanh", None),
     (1, 1, 5, 5, 1, 7, 2, 3, 1, 1, False, True, "none", None),
     (2, 16, 6, 7, 16, 2, 2, 0, 0, 1, True, True, "none", None),
+    (1, 6, 5, 6, 7, 4, 2, 1, 0, 1, True, True, "leaky_relu_0.1", "nchw"),
 ]
 
 

@@ -45,6 +45,7 @@ TMA_CASES = [
     (1, 32, 6, 12, 8, 4, 2, 1, 1, True, True, "none", "nchw"),
     (1, 16, 8, 10, 16, 3, (2, 1), 1, 1, True, True, "none", None),
     (1, 48, 16, 16, 16, 3, 4, 1, 1, False, True, "gelu", None),
+    (1, 16, 9, 16, 24, 3, 1, 1, 1, True, True, "leaky_relu_0.2", "nhwc"),
 ]
 
 TMA_TILES = {"route": "tma", "BLOCK_M": 64, "BLOCK_N": 16, "BLOCK_K": 16, "BLOCK_W": 8,

@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from conv_patch.activations import ACTIVATIONS
+from conv_patch.activations import activation_fn
 from conv_patch.ops import conv2d as conv2d_op
 from conv_patch.ops import conv3d as conv3d_op
 from conv_patch.ops import group_norm as group_norm_op
@@ -157,7 +157,7 @@ def remember_bare(m, call, plan):
     if st.bare is None:
         st.bare = {}
     st.bare[bare_slot(call.x, call.residual, call.activation, call.beta, call.out_scale)] = (
-        plan.direct, plan.decision, ACTIVATIONS[call.activation][1], plan.cl_pack)
+        plan.direct, plan.decision, activation_fn(call.activation), plan.cl_pack)
 
 
 # -- Conv3d ------------------------------------------------------------------------

@@ -21,6 +21,7 @@ CASES = [
     (2, 16, 6, 6, 16, True, True, "gelu", 0.0),
     (1, 8, 7, 9, 1, False, True, "none", 50.0),  # mean >> std
     (2, 12, 5, 7, 3, True, True, "silu", 50.0),  # mean >> std, NHWC (shifted sums)
+    (1, 10, 6, 5, 5, True, True, "leaky_relu_0.2", 0.0),
 ]
 
 

@@ -37,7 +37,7 @@ CASES = [
 
 @pytest.mark.parametrize("shape,fmt", CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("activation,bias", [("silu", False), ("none", True)])
+@pytest.mark.parametrize("activation,bias", [("silu", False), ("none", True), ("leaky_relu_0.1", True)])
 def test_rms_norm_matches_float64(device, shape, fmt, dtype, activation, bias):
     g = torch.Generator().manual_seed(sum(shape) + len(activation))
     x = randn(g, *shape)

@@ -435,14 +435,17 @@ def resnet(x: torch.Tensor, norm1, conv1, norm2, conv2, shortcut=None, out_scale
     over the shortcut's), which keeps a 2048^2 block at its input plus two
     outputs; not where a hook on the conv that made them may hold on to
     them. Where norm2 is PyTorch's, that would cost two more ops (the bias
-    added, the copy back) than the block's own forward, so it is not."""
+    added, the copy back) than the block's own forward, so it is not. Nor
+    under torch.compile, where Inductor plans the memory and an ``out``
+    would be one more copy."""
+    in_place = not torch.compiler.is_compiling()
     if shift is not None:
         h = conv(conv1, group_norm(norm1, x, "silu"),
                  residual=shift.expand(x.shape[0], conv1.out_channels, x.shape[2], x.shape[3]))
-        h = group_norm(norm2, h, "silu", out=None if norm_is_eager(h) or not plain(conv1) else h)
+        h = group_norm(norm2, h, "silu", out=h if in_place and plain(conv1) and not norm_is_eager(h) else None)
     elif plain(conv1) and not norm_is_eager(x, x.numel() // max(x.shape[1], 1) * conv1.out_channels):
         h, b = norm_conv(norm1, conv1, x, keep_bias=True)
-        h = group_norm(norm2, h, "silu", out=h, input_bias=b)
+        h = group_norm(norm2, h, "silu", out=h if in_place else None, input_bias=b)
     else:
         h = norm_conv(norm1, conv1, x)
         h = group_norm(norm2, h, "silu")
@@ -452,33 +455,22 @@ def resnet(x: torch.Tensor, norm1, conv1, norm2, conv2, shortcut=None, out_scale
     # Into the shortcut's output where the block runs on the kernels (the
     # memory the large blocks need); where its norms are PyTorch's, its
     # convs are too, and there ``out`` would cost a copy of its own.
-    into_sc = plain(shortcut) and not norm_is_eager(h)
+    into_sc = in_place and plain(shortcut) and not norm_is_eager(h)
     return like_input(conv(conv2, h, residual=sc, out_scale=out_scale, out=sc if into_sc else None), x)
-
-
-def subpixel_pays(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``functional.upsample_conv2d``'s folded form is worth its four
-    launches here (``costs.subpixel_pays``; always under the interpreter,
-    where the tests exercise it, under torch.compile, where
-    ``upsample_conv2d`` traces the plain form, and while a CUDA graph is
-    captured or its warm-up runs, ``pack.on_graph_path``: a replay costs no
-    host time per launch)."""
-    if torch.compiler.is_compiling() or target_for(x.device).interpreter:
-        return True
-    n, _, h, w = x.shape
-    # (The size first: the graph question asks CUDA.)
-    return costs.subpixel_pays(n * h * w * weight.shape[0] * weight.shape[1]) or pack.on_graph_path(x)
 
 
 def upsample_conv(m: nn.Conv2d, x: torch.Tensor, *, residual=None, activation: str = "none") -> torch.Tensor:
     """``act(m(F.interpolate(x, scale_factor=2, mode="nearest")) + residual)``
     for a 3x3, padding-1 conv: folded into four planned 2x2 convs of ``x``
     (``dispatch.upsample_conv``) where ``m`` is patched and the problem is
-    large enough for that to pay (``subpixel_pays``)."""
-    if _kernels_may_run(m) and subpixel_pays(x, m.weight):
-        if torch.compiler.is_compiling():
-            # Traced as its plain expression (functional.upsample_conv2d), which Inductor fuses.
-            return functional.upsample_conv2d(x, m.weight, m.bias, residual=residual, activation=activation)
+    large enough for that to pay (``dispatch.subpixel_pays``)."""
+    if _kernels_may_run(m) and torch.compiler.is_compiling():
+        from conv_patch.runtime import compiled
+        if compiled.takes(m, x, residual):
+            # One opaque op in the graph, which folds or not as it runs.
+            return compiled.upsample_call(m, x, residual, activation)
+        return functional.upsample_conv2d(x, m.weight, m.bias, residual=residual, activation=activation)
+    if _kernels_may_run(m) and dispatch.subpixel_pays(x, m.weight):
         y = kernel_step(m, lambda: dispatch.upsample_conv(m, x, residual, activation))
         if y is not None:
             return y

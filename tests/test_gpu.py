@@ -199,7 +199,7 @@ def test_cuda_graph_capture_and_replay_of_a_patched_decode(monkeypatch):
     dec = taesd.seeded_(taesd.decoder(16, 32)).to("cuda", torch.float16).eval()
     plain = copy.deepcopy(dec)
     conv_patch.apply(dec)
-    # A capture always takes the folded upsample (recipes.fuse.subpixel_pays) and
+    # A capture always takes the folded upsample (dispatch.subpixel_pays) and
     # routes by GPU time alone (dispatch.weigh); eager calls do too here, so
     # that replay and eager are bitwise comparable.
     from conv_patch.runtime import pack

@@ -175,7 +175,7 @@ def test_unhashable_arguments_and_cpu_tensors_are_not_graphed(device, exact_fp32
 @pytest.fixture
 def same_upsample_form(monkeypatch):
     """A capture always folds the upsample into four 2x2 convs
-    (recipes.fuse.subpixel_pays) and routes by GPU time alone (dispatch.weigh); the
+    (dispatch.subpixel_pays) and routes by GPU time alone (dispatch.weigh); the
     eager twin runs as on the graph path here, so that both take the same
     routes and round the same way."""
     from conv_patch.runtime import pack

@@ -17,7 +17,7 @@ from torch import nn
 
 import conv_patch
 from conv_patch.runtime.state import state_of
-from conv_patch.recipes.fuse import subpixel_pays
+from conv_patch.runtime.dispatch import subpixel_pays
 from _util import rel_err
 
 # "frozen": grad enabled, no parameter requiring grad (the kernels run);

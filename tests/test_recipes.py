@@ -449,15 +449,15 @@ def test_ldm_blocks_are_fused(device, exact_fp32, no_fallback):
 
 def test_subpixel_only_where_it_pays(monkeypatch):
     from conv_patch import target as tgt
-    monkeypatch.setattr(fuse, "target_for", lambda d: tgt.Target("sm90", True))
+    monkeypatch.setattr(dispatch, "target_for", lambda d: tgt.Target("sm90", True))
     w = torch.empty(64, 64, 3, 3)
-    assert not fuse.subpixel_pays(torch.empty(1, 64, 512, 512), w)  # TAEF2: host-bound, unfolded
-    assert fuse.subpixel_pays(torch.empty(1, 512, 128, 128), torch.empty(512, 512, 3, 3))  # FLUX
+    assert not dispatch.subpixel_pays(torch.empty(1, 64, 512, 512), w)  # TAEF2: host-bound, unfolded
+    assert dispatch.subpixel_pays(torch.empty(1, 512, 128, 128), torch.empty(512, 512, 3, 3))  # FLUX
     # Captured into a CUDA graph, launches cost nothing at replay: folded.
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     x = torch.empty(1, 64, 512, 512)
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
-    assert fuse.subpixel_pays(x, w)
+    assert dispatch.subpixel_pays(x, w)
 
 
 def test_a_recipe_step_whose_kernel_cannot_run_falls_back_once(device, exact_fp32, monkeypatch):
@@ -477,7 +477,7 @@ def test_a_recipe_step_whose_kernel_cannot_run_falls_back_once(device, exact_fp3
         ref = up(x)
         conv_patch.apply(up)
         monkeypatch.setattr(conv_patch.runtime.dispatch, "subpixel_weights", fails)
-        monkeypatch.setattr(fuse, "subpixel_pays", lambda x, w: True)  # (a GPU would not fold this small one)
+        monkeypatch.setattr(dispatch, "subpixel_pays", lambda x, w: True)  # (a GPU would not fold this small one)
         with pytest.warns(conv_patch.runtime.plans.KernelFailureWarning, match="OutOfResources"):
             assert rel_err(up(x), ref) <= 1e-5
         assert rel_err(up(x), ref) <= 1e-5

@@ -19,7 +19,7 @@ import torch
 from conv_patch.ops import conv2d as conv_op
 from conv_patch.runtime import dispatch
 from conv_patch.call import Call
-from conv_patch.specs import ConvSpec
+from conv_patch.specs import ConvSpec, needs_grad
 
 
 def _spec(x, weight, bias, transposed, stride, pad_begin, pad_end, dilation, output_padding) -> ConvSpec:
@@ -56,6 +56,16 @@ def _(x, weight, bias, residual, transposed, stride, pad_begin, pad_end, dilatio
     return y.squeeze(0) if len(shape) == 3 else y
 
 
+def takes(module, x, residual=None) -> bool:
+    """Whether a traced call of patched conv ``module`` on ``x`` is the
+    ops' (else Dynamo traces the module's own computation): no autograd
+    (the ops have no backward), no autocast (the op would compute in the
+    input's dtype, not autocast's), no ComfyUI weight casting or patching
+    (the original forward builds the weight per call)."""
+    return (not needs_grad(x, module.weight, module.bias, residual) and not torch.is_autocast_enabled(x.device.type)
+            and not module.cp_comfy_active())
+
+
 def call(module, c: Call) -> torch.Tensor:
     """The op for a wrapper's call (what its forward runs under tracing)."""
     spec = module.spec
@@ -63,3 +73,46 @@ def call(module, c: Call) -> torch.Tensor:
     return conv(c.x, module.weight, module.bias, c.residual, spec.transposed, list(spec.stride),
                 list(spec.pad_begin), list(spec.pad_end), list(spec.dilation), op,
                 float(c.beta), c.activation, float(c.out_scale))
+
+
+def _upsample_spec(weight, bias) -> ConvSpec:
+    return ConvSpec(False, int(weight.shape[1]), int(weight.shape[0]), (3, 3), (1, 1), (1, 1), (1, 1), (1, 1),
+                    (0, 0), 1, "zeros", bias is not None)
+
+
+def _upsample_format(x) -> torch.memory_format:
+    return torch.channels_last if conv_op.nhwc(x) else torch.contiguous_format
+
+
+@torch.library.custom_op("conv_patch::upsample_conv", mutates_args=())
+def upsample_conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                  residual: Optional[torch.Tensor], activation: str) -> torch.Tensor:
+    """``act(conv3x3(F.interpolate(x, scale_factor=2)) + residual)`` as a
+    recipe's folded upsample runs it eagerly: the four 2x2 convs of ``x``
+    (``dispatch.upsample_conv_with``) where that pays
+    (``dispatch.subpixel_pays``), else the conv of the upsampled input, both
+    through the one dispatch entry on call sites of this weight."""
+    site = dispatch.call_site(_upsample_spec(weight, bias), weight, bias)
+    y = None
+    if dispatch.subpixel_pays(x, weight):
+        y = dispatch.upsample_conv_with(site, weight, bias, x, residual, activation)
+    if y is None:
+        up = torch.nn.functional.interpolate(x, scale_factor=2.0, mode="nearest")
+        y = dispatch.conv_with(site, weight, bias, Call(up, residual, activation=activation,
+                                                        fallback_args=(weight, bias)))
+    # One layout whichever way it ran (the fake's).
+    y = y.contiguous(memory_format=_upsample_format(x))
+    return y.clone() if y is residual else y
+
+
+@upsample_conv.register_fake
+def _(x, weight, bias, residual, activation):
+    n, _, h, w = x.shape
+    return torch.empty((n, weight.shape[0], 2 * h, 2 * w), dtype=x.dtype, device=x.device,
+                       memory_format=_upsample_format(x))
+
+
+def upsample_call(module, x, residual=None, activation="none") -> torch.Tensor:
+    """The folded-upsample op for patched 3x3 conv ``module`` (what a
+    recipe's upsample step runs under tracing)."""
+    return upsample_conv(x, module.weight, module.bias, residual, activation)

@@ -19,14 +19,15 @@ from __future__ import annotations
 import torch
 
 from conv_patch.activations import eager_epilogue
+from conv_patch.call import Call
 from conv_patch.ops import conv2d as conv2d_op
 from conv_patch.ops import group_norm as group_norm_op
 from conv_patch.ops import rms_norm as rms_norm_op
 from conv_patch.ops.epilogue import check_residual
 from conv_patch.ops.subpixel import PARITIES, parity_padding, parity_view, parity_weight, subpixel_weights
+from conv_patch.routing import costs
 from conv_patch.routing.decide import decide
 from conv_patch.runtime import pack, passthrough, planner
-from conv_patch.call import Call
 from conv_patch.runtime.plans import UNREGISTERED, building, conv_key, cudnn_weight, eager, tensor_sig
 from conv_patch.runtime.state import STATE, State, state_of
 from conv_patch.specs import ConvSpec
@@ -168,6 +169,19 @@ def clear(m) -> None:
 
 
 # -- the folded upsample -------------------------------------------------------------
+def subpixel_pays(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the folded upsample (``upsample_conv``) is worth its four
+    launches for input ``x`` and 3x3 ``weight`` (``costs.subpixel_pays``;
+    always under the interpreter, where the tests exercise it, and while a
+    CUDA graph is captured or its warm-up runs, ``pack.on_graph_path``: a
+    replay costs no host time per launch)."""
+    if target_for(x.device).interpreter:
+        return True
+    n, _, h, w = x.shape
+    # (The size first: the graph question asks CUDA.)
+    return costs.subpixel_pays(n * h * w * weight.shape[0] * weight.shape[1]) or pack.on_graph_path(x)
+
+
 def upsample_conv(m, x, residual=None, activation="none"):
     """``act(m(F.interpolate(x, scale_factor=2, mode="nearest")) + residual)``
     for patched 3x3, padding-1 conv ``m``, as the four 2x2 convs of ``x``
@@ -180,10 +194,17 @@ def upsample_conv(m, x, residual=None, activation="none"):
     Parameter any more, or no 3x3 over the input's channels): the caller
     runs the upsample and the conv."""
     params = m.__dict__["_parameters"]
-    weight, bias = params.get("weight"), params.get("bias")
-    n, c_in, h, w = x.shape
-    if weight is None or "bias" not in params or tuple(weight.shape) != (weight.shape[0], c_in, 3, 3):
+    weight = params.get("weight")
+    if weight is None or "bias" not in params or tuple(weight.shape) != (weight.shape[0], x.shape[1], 3, 3):
         return None
+    return upsample_conv_with(m, weight, params["bias"], x, residual, activation)
+
+
+def upsample_conv_with(m, weight, bias, x, residual=None, activation="none"):
+    """``upsample_conv`` with the 3x3 weight and bias given: ``m`` (a
+    patched conv, or a ``CallSite``) holds the folded weights and the four
+    parities' call sites."""
+    n, c_in, h, w = x.shape
     c_out = weight.shape[0]
     shape = (n, c_out, 2 * h, 2 * w)
     check_residual(residual, shape)

@@ -25,7 +25,7 @@ from conv_patch.runtime import dispatch, pack, planner
 from conv_patch.call import Call
 from conv_patch.runtime.plans import eager
 from conv_patch.runtime.state import STATE, State, state_of
-from conv_patch.specs import Conv3dSpec, ConvSpec, needs_grad
+from conv_patch.specs import Conv3dSpec, ConvSpec
 from conv_patch.target import target_for
 
 # Everything conv-patch keeps on a wrapper is its ``State`` (under this
@@ -109,12 +109,9 @@ class PatchedConvMixin:
             activation_code(call.activation)
         x = call.x
         if torch.compiler.is_compiling():
-            # Under autocast the original forward is traced too: the opaque op
-            # would compute in the input's dtype, not autocast's.
-            if call.padding is None and not call.no_bias and not self.cp_comfy_active() and not needs_grad(
-                    x, self.weight, self.bias, call.residual) and not torch.is_autocast_enabled(x.device.type):
+            from conv_patch.runtime import compiled
+            if call.padding is None and not call.no_bias and compiled.takes(self, x, call.residual):
                 # One opaque custom op in the graph; it routes when it runs.
-                from conv_patch.runtime import compiled
                 y = compiled.call(self, call)
                 return y if call.out is None else call.out.copy_(y)
             # The op has no backward: Dynamo traces the original forward.

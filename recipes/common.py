@@ -16,9 +16,11 @@ from .fuse import (Recipe, base, channels_last, conv, group_norm, inference, is_
 
 
 class GroupNormRecipe(Recipe):
-    """Any ``nn.GroupNorm`` on 4-D inputs: PyTorch's kernel spends 45 of an
-    86 ms FLUX decode on GroupNorm's moments; this one reads the input twice
-    (split fp32 statistics, then normalise) in its own layout."""
+    """Any ``nn.GroupNorm`` on 4-D inputs, and on dense 5-D ones (a video
+    VAE's, as their 4-D view: ``ops.group_norm.as_4d``): PyTorch's kernel
+    spends 45 of an 86 ms FLUX decode on GroupNorm's moments; this one reads
+    the input twice (split fp32 statistics, then normalise) in its own
+    layout."""
 
     name = "group_norm"
     what = "GroupNorm kernel"
@@ -28,7 +30,7 @@ class GroupNormRecipe(Recipe):
         return is_group_norm(m)
 
     def forward(self, m, x):
-        if (x.is_cuda and not group_norm_pays(x.numel())) or x.dim() != 4 or not inference(x, m):
+        if (x.is_cuda and not group_norm_pays(x.numel())) or x.dim() not in (4, 5) or not inference(x, m):
             # Small on a GPU: PyTorch's own GroupNorm is faster.
             return dispatch.own_group_norm(m, x)
         return group_norm(m, x)

@@ -333,7 +333,7 @@ def group_norm(norm: nn.GroupNorm, x: torch.Tensor, activation: str = "none",
         # PyTorch's GroupNorm is faster at this size:
         # decided here, before any signature is built.
         return dispatch.group_norm_eager(norm, x, activation, out, input_bias)
-    if x.dim() == 4 and not comfy_active(norm):
+    if x.dim() in (4, 5) and not comfy_active(norm):
         return dispatch.group_norm(norm, x, activation, out, input_bias)
     return dispatch.group_norm_eager(norm, x, activation, out, input_bias)
 

@@ -524,3 +524,32 @@ def test_a_steady_state_chunk_is_routed_by_the_measured_chunk_of_the_same_gemm(m
     spec = Conv3dSpec(16, 384, (3, 3, 3), (1, 1, 1), (1, 1, 1), steady, 1, "zeros", True)
     decision = _decide3d(spec, x, wt, b, cache, table)
     assert decision.route is Route.CUDNN and "not measured on sm90" in decision.reason
+
+
+@needs_interpreter
+@pytest.mark.parametrize("family", ["AutoencoderKLHunyuanVideo", "AutoencoderKLCogVideoX"])
+def test_video_vaes_group_norms_run_the_kernels(family, exact_fp32, monkeypatch):
+    """HunyuanVideo's resnets and CogVideoX's (its decoder's spatial norm
+    included) apply nn.GroupNorm to [N, C, T, H, W]: each runs the GroupNorm
+    kernels on the 4-D view of its input, and the decode is unchanged."""
+    from conv_patch.ops import group_norm as group_norm_op
+    torch.manual_seed(3)
+    cfg = dict(block_out_channels=(8, 8, 8, 8), latent_channels=4, norm_num_groups=4, layers_per_block=1)
+    if family.endswith("HunyuanVideo"):
+        cfg.update(down_block_types=("HunyuanVideoDownBlock3D",) * 4, up_block_types=("HunyuanVideoUpBlock3D",) * 4)
+    vae = getattr(diffusers, family)(**cfg).eval()
+    twin = copy.deepcopy(vae)
+    conv_patch.apply(vae)
+    norms = {id(m) for m in vae.decoder.modules() if isinstance(m, nn.GroupNorm)}
+    seen, launched = set(), []
+    for m in vae.decoder.modules():
+        if isinstance(m, nn.GroupNorm):
+            m.register_forward_pre_hook(lambda mod, args: seen.add((id(mod), args[0].dim())))
+    real = group_norm_op.kernels().launch_group_norm
+    monkeypatch.setattr(group_norm_op.kernels(), "launch_group_norm",
+                        lambda x, *a, **k: (launched.append(x.dim()), real(x, *a, **k))[1])
+    z = torch.randn(1, 4, 3, 2, 3)
+    with torch.no_grad():
+        assert rel_err(vae.decode(z).sample, twin.decode(z).sample) <= TOL[torch.float32]
+    five_d = [i for i, d in seen if d == 5]
+    assert norms and five_d and len(launched) >= len(five_d) and set(launched) == {4}

@@ -163,3 +163,56 @@ def test_own_group_norm_is_the_modules_forward():
     norm = nn.GroupNorm(3, 12)
     torch.nn.utils.parametrize.register_parametrization(norm, "weight", Half())
     assert torch.equal(dispatch.own_group_norm(norm, x), norm(x))
+
+
+# (N, C, T, H, W, groups, ndhwc, activation, with a folded conv bias, in place)
+CASES_5D = [
+    (1, 12, 3, 5, 7, 4, False, "silu", False, False),
+    (2, 10, 2, 3, 5, 5, True, "none", True, False),
+    (1, 8, 5, 1, 6, 2, True, "silu", False, True),  # H = 1: the view's layout is still NHWC
+    (1, 6, 1, 4, 4, 3, False, "leaky_relu_0.2", True, True),
+]
+
+
+@pytest.mark.parametrize("case", CASES_5D, ids=str)
+def test_5d_group_norm_runs_the_kernels_on_its_4d_view(case, device, monkeypatch):
+    """A video VAE's GroupNorm ([N, C, T, H, W]): the groups span T, H and
+    W, so the kernels normalise the [N, C, T*H, W] view of the same memory,
+    NCDHW as NCHW and NDHWC as NHWC; the result keeps the 5-D layout."""
+    N, C, T, H, W, G, ndhwc, act, folded, in_place = case
+    if not target_for(device).kernels:
+        pytest.skip("no kernels here")
+    launched = []
+    real = group_norm_op.kernels().launch_group_norm
+    monkeypatch.setattr(group_norm_op.kernels(), "launch_group_norm",
+                        lambda x, *a, **k: (launched.append((tuple(x.shape), x.stride())), real(x, *a, **k))[1])
+    g = torch.Generator().manual_seed(13)
+    fmt = torch.channels_last_3d if ndhwc else torch.contiguous_format
+    x = (randn(g, N, C, T, H, W) + 20).to(device).contiguous(memory_format=fmt)
+    w, b = randn(g, C, scale=0.5).add(1).to(device), randn(g, C, scale=0.5).to(device)
+    ib = randn(g, C).to(device) if folded else None
+    x64 = x.double().cpu() + (0 if ib is None else ib.double().cpu().view(-1, 1, 1, 1))
+    ref = act64(F.group_norm(x64, G, w.double().cpu(), b.double().cpu(), 1e-6), act)
+    out = x if in_place else None
+    with torch.no_grad():
+        y = functional.group_norm(x, G, w, b, 1e-6, act, out=out, input_bias=ib)
+    assert launched and launched[0][0] == (N, C, T * H, W)
+    assert y.shape == x.shape and y.is_contiguous(memory_format=fmt) and (not in_place or y is x)
+    assert rel_err(y, ref) <= 1e-5
+
+
+@pytest.mark.parametrize("into", [None, "ncdhw", "ndhwc", "itself"])
+def test_a_strided_5d_group_norm(device, into):
+    """A [N, T, C, H, W] tensor permuted back (CogVideoX's upsampler hands
+    one on): normalised from a contiguous copy, as PyTorch's GroupNorm does,
+    into a contiguous output or the ``out`` given (in place: PyTorch's)."""
+    x = torch.randn(1, 3, 8, 4, 5, device=device).permute(0, 2, 1, 3, 4)
+    ib = torch.randn(8, device=device)
+    ref = F.silu(F.group_norm(x.double() + ib.double().view(-1, 1, 1, 1), 4))
+    out = {None: None, "itself": x, "ncdhw": torch.empty(x.shape, device=device),
+           "ndhwc": torch.empty(x.shape, device=device).contiguous(memory_format=torch.channels_last_3d)}[into]
+    y = functional.group_norm(x, 4, activation="silu", out=out, input_bias=ib)
+    assert rel_err(y, ref) <= 1e-5 and (out is None or y is out)
+    assert into is not None or y.is_contiguous()
+    with pytest.raises(ValueError, match="divisible"):
+        functional.group_norm(torch.randn(1, 6, 2, 2, 2, device=device), 4)

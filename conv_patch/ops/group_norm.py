@@ -28,17 +28,44 @@ from conv_patch.target import Target, target_for
 GN_LAUNCH = {"gpu": (2048, 4096, 1024), "interpreter": (1 << 16, 1 << 16, 1)}
 
 
+def as_4d(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """A dense 5-D [N, C, T, H, W] tensor as the [N, C, T*H, W] view of the
+    same memory, in the matching 4-D layout (NCDHW as NCHW, NDHWC as NHWC),
+    else None. A GroupNorm's groups span every axis after C, so the norm of
+    the view is the norm of the tensor: video VAEs' GroupNorms run the 4-D
+    kernels."""
+    if x is None or x.dim() != 5:
+        return None
+    n, c, t, h, w = x.shape
+    if x.is_contiguous():
+        return x.view(n, c, t * h, w)
+    if x.is_contiguous(memory_format=torch.channels_last_3d):
+        return x.permute(0, 2, 3, 4, 1).view(n, t * h, w, c).permute(0, 3, 1, 2)
+    return None
+
+
+def from_4d(y: torch.Tensor, shape) -> torch.Tensor:
+    """``as_4d``'s inverse: [N, C, T*H, W] ``y`` (NCHW or NHWC) as the 5-D
+    view ``shape`` of it (NCDHW or NDHWC)."""
+    n, c, t, h, w = shape
+    if y.is_contiguous():
+        return y.view(shape)
+    return y.permute(0, 2, 3, 1).view(n, t, h, w, c).permute(0, 4, 1, 2, 3)
+
+
 def group_norm_target(x, num_groups, weight, bias) -> Optional[Target]:
     """The target whose GroupNorm kernels take this call, or None."""
-    if x.dim() != 4 or x.shape[1] % num_groups:
-        raise ValueError(f"group_norm: expected [N, C, H, W] with C divisible by {num_groups} groups, "
-                         f"got {tuple(x.shape)}")
+    if x.dim() not in (4, 5) or x.shape[1] % num_groups:
+        raise ValueError(f"group_norm: expected [N, C, H, W] or [N, C, T, H, W] with C divisible by "
+                         f"{num_groups} groups, got {tuple(x.shape)}")
     # Under torch.compile the eager expression is traced (Inductor fuses it).
     if torch.compiler.is_compiling():
         return None
     target = target_for(x.device)
+    # A 5-D input of any layout is taken (``group_norm`` makes a strided one
+    # contiguous, the copy PyTorch's GroupNorm makes too); a 4-D one dense.
     ok = (target.kernels and x.dtype in KERNEL_DTYPES
-          and (x.is_contiguous() or nhwc(x)) and x.numel() > 0 and not needs_grad(x, weight, bias)
+          and (x.dim() == 5 or x.is_contiguous() or nhwc(x)) and x.numel() > 0 and not needs_grad(x, weight, bias)
           and all(t is None or (t.device == x.device and t.dim() == 1 and t.is_contiguous())
                   for t in (weight, bias)))
     return target if ok else None
@@ -60,8 +87,25 @@ def group_norm(x: torch.Tensor, num_groups: int, weight: Optional[torch.Tensor] 
     ``x`` left out: the norm folds it into its statistics and its affine, so
     a conv without a fused epilogue (the cuDNN route) needs no bias pass.
     Dense NCHW or NHWC 4-D inputs run the Triton kernels (on a GPU, or the
-    CPU under the interpreter); anything else runs PyTorch."""
+    CPU under the interpreter), and 5-D ones as the 4-D view (``as_4d``) of
+    themselves (NCDHW, NDHWC) or of their contiguous copy; anything else
+    runs PyTorch."""
     code = activation_code(activation)
+    if x.dim() == 5:
+        if group_norm_target(x, num_groups, weight, bias) is None or (out is not None and as_4d(out) is None):
+            if input_bias is not None:
+                x = x + input_bias.to(x.dtype).view(-1, 1, 1, 1)
+            y = eager_epilogue(F.group_norm(x, num_groups, weight, bias, eps), None, 1.0, activation, 1.0)
+            return y if out is None else out.copy_(y)
+        # (A strided input, such as a [N, T, C, H, W] tensor permuted back,
+        # normalised from a contiguous copy into a contiguous output, as
+        # PyTorch's GroupNorm does.)
+        x4 = as_4d(x)
+        if x4 is None:
+            x4 = as_4d(x.contiguous(memory_format=torch.contiguous_format if out is None or out.is_contiguous()
+                                    else torch.channels_last_3d))
+        y = group_norm(x4, num_groups, weight, bias, eps, activation, as_4d(out), input_bias)
+        return out if out is not None else from_4d(y, x.shape)
     is_nhwc = nhwc(x)
     fmt = torch.channels_last if is_nhwc else torch.contiguous_format
     if out is not None and (out.shape != x.shape or out.dtype != x.dtype or not out.is_contiguous(memory_format=fmt)):

@@ -32,10 +32,13 @@ class Target:
     sms: int = 0
 
 
+@torch.compiler.assume_constant_result
 def interpreter_enabled() -> bool:
     """Whether the kernels were (or will be) decorated for the interpreter.
     Triton fixes this when a kernel is decorated, so once the kernels are
-    imported its value wins over a later change of the environment."""
+    imported its value wins over a later change of the environment. (A
+    constant to torch.compile: traced, its look into ``sys.modules`` left a
+    guard that the first compiled call, importing the kernels, broke.)"""
     mod = sys.modules.get("conv_patch.kernels.common")
     if mod is not None:
         return bool(mod.INTERPRET)

@@ -32,14 +32,14 @@ class Target:
     sms: int = 0
 
 
-@torch.compiler.assume_constant_result
 def interpreter_enabled() -> bool:
     """Whether the kernels were (or will be) decorated for the interpreter.
     Triton fixes this when a kernel is decorated, so once the kernels are
-    imported its value wins over a later change of the environment. (A
-    constant to torch.compile: traced, its look into ``sys.modules`` left a
-    guard that the first compiled call, importing the kernels, broke.)"""
-    mod = sys.modules.get("conv_patch.kernels.common")
+    imported its value wins over a later change of the environment. (Not
+    looked up while torch.compile traces: a look into ``sys.modules`` there
+    leaves a guard that the first compiled call, importing the kernels,
+    breaks, and the model compiles again.)"""
+    mod = None if torch.compiler.is_compiling() else sys.modules.get("conv_patch.kernels.common")
     if mod is not None:
         return bool(mod.INTERPRET)
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

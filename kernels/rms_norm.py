@@ -1,6 +1,7 @@
 """RMS norm over channels (+ activation) in one pass, the norm of the Wan-family
 video VAEs: ``act(x / max(||x||_C, eps) * scale * gamma + bias)`` at every
-position, ``||x||_C`` the L2 norm over the channel axis.
+position, ``||x||_C`` the L2 norm over the channel axis; and diffusers'
+``RMSNorm`` over channels (LTX-Video's VAE): ``x * rsqrt(mean_C(x^2) + eps)``.
 
 Why: PyTorch computes it (``F.normalize`` on an fp32 copy, back to the
 input's dtype, times ``scale``, times ``gamma``, plus ``bias``, then the SiLU)
@@ -41,9 +42,24 @@ def store_normalised(x, inv, ok, c_ok, offs_c, y_row, syc, w_ptr, b_ptr, HAS_BIA
 
 
 @triton.jit
+def inverse_norm(ss, scale, eps, EPS_ADDED: tl.constexpr):
+    """What a position's channels are multiplied by, from their sum of
+    squares ``ss``: F.normalize's ``scale / max(||x||, eps)``, or, where
+    ``EPS_ADDED``, ``scale / sqrt(ss + eps)`` (the launcher passes
+    ``C * eps`` and ``sqrt(C) * scale`` for ``x * rsqrt(mean(x^2) + eps)``,
+    diffusers' RMSNorm)."""
+    if EPS_ADDED:
+        inv = scale / tl.sqrt(ss + eps)
+    else:
+        inv = scale / tl.maximum(tl.sqrt(ss), eps)
+    return inv
+
+
+@triton.jit
 def rms_norm_kernel(x_ptr, y_ptr, w_ptr, b_ptr, C, S, TILES, sxn, sxc, sxs, syn, syc, sys_, eps, scale,
                     HAS_BIAS: tl.constexpr, ACT: tl.constexpr, IDX64: tl.constexpr,
-                    BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr, ONE_PASS: tl.constexpr):
+                    BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr, ONE_PASS: tl.constexpr,
+                    EPS_ADDED: tl.constexpr):
     pid = tl.program_id(0)
     n = pid // TILES
     offs_s = (pid - n * TILES) * BLOCK_S + tl.arange(0, BLOCK_S)
@@ -58,7 +74,7 @@ def rms_norm_kernel(x_ptr, y_ptr, w_ptr, b_ptr, C, S, TILES, sxn, sxc, sxs, syn,
         c_ok = offs_c < C
         ok = c_ok[:, None] & s_ok[None, :]
         x = tl.load(x_row + offs_c[:, None] * sxc, mask=ok, other=0.0).to(tl.float32)
-        inv = scale / tl.maximum(tl.sqrt(tl.sum(x * x, axis=0)), eps)
+        inv = inverse_norm(tl.sum(x * x, axis=0), scale, eps, EPS_ADDED)
         store_normalised(x, inv, ok, c_ok, offs_c, y_row, syc, w_ptr, b_ptr, HAS_BIAS, ACT)
         return
     ss = tl.zeros([BLOCK_S], dtype=tl.float32)
@@ -67,8 +83,7 @@ def rms_norm_kernel(x_ptr, y_ptr, w_ptr, b_ptr, C, S, TILES, sxn, sxc, sxs, syn,
         ok = (offs_c < C)[:, None] & s_ok[None, :]
         x = tl.load(x_row + offs_c[:, None] * sxc, mask=ok, other=0.0).to(tl.float32)
         ss += tl.sum(x * x, axis=0)
-    # F.normalize's x / max(||x||, eps), with the constant scale folded in.
-    inv = scale / tl.maximum(tl.sqrt(ss), eps)
+    inv = inverse_norm(ss, scale, eps, EPS_ADDED)
     for c0 in range(0, C, BLOCK_C):
         offs_c = c0 + tl.arange(0, BLOCK_C)
         c_ok = offs_c < C
@@ -77,16 +92,21 @@ def rms_norm_kernel(x_ptr, y_ptr, w_ptr, b_ptr, C, S, TILES, sxn, sxc, sxs, syn,
         store_normalised(x, inv, ok, c_ok, offs_c, y_row, syc, w_ptr, b_ptr, HAS_BIAS, ACT)
 
 
-def launch_rms_norm(x, out, weight, bias, scale, eps, activation, block_c, block_s, num_warps=4):
-    """``out = act(x / max(||x||_C, eps) * scale * weight + bias)`` for
-    [N, C, S] views ``x`` and ``out`` (any strides; ``out`` may be ``x``:
-    a program writes only the positions it has read in full), ``weight``
-    and ``bias`` (or None) dense [C]; one pass where ``block_c`` covers C.
-    Returns ``out``."""
+def launch_rms_norm(x, out, weight, bias, scale, eps, activation, block_c, block_s, num_warps=4,
+                    eps_added=False):
+    """``out = act(x / max(||x||_C, eps) * scale * weight + bias)`` (with
+    ``eps_added``: ``act(x * rsqrt(mean_C(x^2) + eps) * scale * weight +
+    bias)``) for [N, C, S] views ``x`` and ``out`` (any strides; ``out`` may
+    be ``x``: a program writes only the positions it has read in full),
+    ``weight`` and ``bias`` (or None) dense [C]; one pass where ``block_c``
+    covers C. Returns ``out``."""
     N, C, S = x.shape
     tiles = cdiv(S, block_s)
+    if eps_added:
+        scale, eps = scale * C ** 0.5, eps * C
     launch(rms_norm_kernel, (N * tiles,), x, out, weight, weight if bias is None else bias, C, S, tiles,
            *x.stride(), *out.stride(), float(eps), float(scale),
            HAS_BIAS=bias is not None, ACT=int(activation), IDX64=needs_int64(x, out),
-           BLOCK_C=block_c, BLOCK_S=block_s, ONE_PASS=block_c >= C, num_warps=num_warps)
+           BLOCK_C=block_c, BLOCK_S=block_s, ONE_PASS=block_c >= C, EPS_ADDED=bool(eps_added),
+           num_warps=num_warps)
     return out

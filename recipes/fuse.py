@@ -269,7 +269,7 @@ def is_group_norm(m) -> bool:
 
 
 def rms_norm_params(m) -> Optional[tuple]:
-    """``(weight, bias, scale, eps)`` of an RMS norm over channels of the
+    """``(weight, bias, scale, eps, False)`` of an RMS norm over channels of the
     Wan family (diffusers' ``WanRMS_norm`` and ``QwenImageRMS_norm``,
     ComfyUI's ``RMS_norm``: ``F.normalize(x, dim=1) * scale * gamma +
     bias``), or None. ``bias`` is None where the module adds nothing (its
@@ -289,7 +289,7 @@ def rms_norm_params(m) -> Optional[tuple]:
         bias = None
     elif not (isinstance(bias, torch.Tensor) and bias.shape == gamma.shape):
         return None
-    return gamma, bias, scale, 1e-12
+    return gamma, bias, scale, 1e-12, False
 
 
 # -- fused steps ---------------------------------------------------------------
@@ -346,6 +346,33 @@ def rms_norm(norm: nn.Module, x: torch.Tensor, activation: str = "none") -> torc
     PyTorch's activation. Hooks are the caller's business."""
     own = getattr(type(norm), "cp_base", type(norm)).forward
     return dispatch.rms_norm(norm, x, rms_norm_params(norm), lambda: own(norm, x), activation)
+
+
+def last_axis_rms_norm_params(m) -> Optional[tuple]:
+    """``(weight, bias, 1.0, eps, True)`` of diffusers' ``RMSNorm`` (``x *
+    rsqrt(mean(x^2) + eps)`` over the last axis, then ``weight`` and
+    ``bias`` where it has them), or None."""
+    cls = getattr(type(m), "cp_base", type(m))
+    if not (isinstance(m, nn.Module) and cls.__name__ == "RMSNorm" and cls.__module__.startswith("diffusers.")):
+        return None
+    d, params = m.__dict__, m.__dict__["_parameters"]
+    eps, weight, bias = d.get("eps"), params.get("weight"), params.get("bias")
+    if not isinstance(eps, float) or (weight is not None and weight.dim() != 1) or (
+            bias is not None and (weight is None or bias.shape != weight.shape)):
+        return None
+    return weight, bias, 1.0, eps, True
+
+
+def channel_rms_norm(norm: nn.Module, x: torch.Tensor, activation: str = "none") -> torch.Tensor:
+    """``act(norm(x.movedim(1, -1)).movedim(-1, 1))`` for a diffusers
+    ``RMSNorm`` (``last_axis_rms_norm_params``) over the channels of
+    [N, C, ...] ``x``, as LTX-Video's VAE calls it: one pass of the RMS-norm
+    kernel over the channel axis where it takes the call (no permuted copy),
+    else the module's own call and PyTorch's activation. Hooks are the
+    caller's business."""
+    own = getattr(type(norm), "cp_base", type(norm)).forward
+    return dispatch.rms_norm(norm, x, last_axis_rms_norm_params(norm),
+                             lambda: own(norm, x.movedim(1, -1)).movedim(-1, 1), activation)
 
 
 def causal_conv3d(m: nn.Conv3d, x: torch.Tensor, cache_x: Optional[torch.Tensor] = None, *,

@@ -15,6 +15,7 @@ from conv_patch import functional
 from conv_patch.ops import rms_norm as rms_op
 from conv_patch.runtime.state import state_of
 from conv_patch.runtime.plans import KernelFailureWarning
+from conv_patch.target import target_for
 from _util import TOL, act64, poisoned, randn, rel_err
 
 
@@ -143,3 +144,31 @@ def test_launch_tiles_read_a_position_once_up_to_512_channels():
     assert launch_tiles(96, True, False) == (128, 32, 4) and launch_tiles(96, False, False) == (128, 64, 8)
     assert launch_tiles(513, True, False)[0] < 513
     assert launch_tiles(96, True, True)[0] == 64
+
+
+@pytest.mark.parametrize("shape,fmt", CASES[:3])
+@pytest.mark.parametrize("weight", [True, False])
+def test_diffusers_rms_norm_over_channels_matches_float64(device, shape, fmt, weight):
+    """``eps_added``: diffusers' ``RMSNorm`` over the channels,
+    ``x * rsqrt(mean_C(x^2) + eps)`` (LTX-Video's VAE), which differs from
+    F.normalize's ``x / max(||x||, eps)`` where ``||x||`` is small: tiny
+    positions are in the data on purpose."""
+    if not target_for(device).kernels:
+        pytest.skip("no kernels here")
+    g = torch.Generator().manual_seed(sum(shape))
+    x = randn(g, *shape)
+    tiny = torch.rand(shape[0], 1, *shape[2:], generator=g) < 0.2
+    x = torch.where(tiny, x * 1e-5, x).to(device=device).contiguous(memory_format=fmt)
+    w = randn(g, shape[1], device=device) if weight else None
+    eps = 1e-8
+    x64 = x.double().cpu()
+    ref = x64 * torch.rsqrt(x64.pow(2).mean(1, keepdim=True) + eps)
+    if w is not None:
+        ref = ref * w.double().cpu().view(-1, *([1] * (len(shape) - 2)))
+    ref = F.silu(ref)
+    out = poisoned(shape, torch.float32, device).contiguous(memory_format=fmt)
+    y = functional.rms_norm(x, w, None, 1.0, eps, "silu", out=out, eps_added=True)
+    assert y is out and rel_err(y, ref) <= 1e-5
+    # The eager expression the op falls back to computes the same.
+    from conv_patch.ops.rms_norm import torch_rms_norm
+    assert rel_err(torch_rms_norm(x, w, None, 1.0, eps, "silu", eps_added=True), ref) <= 1e-5

@@ -79,11 +79,14 @@ def rms_norm_target(x: torch.Tensor, weight, bias) -> Optional[Target]:
     return target if ok else None
 
 
-def torch_rms_norm(x, weight=None, bias=None, scale: float = 1.0, eps: float = 1e-12, activation: str = "none"):
+def torch_rms_norm(x, weight=None, bias=None, scale: float = 1.0, eps: float = 1e-12, activation: str = "none",
+                   eps_added: bool = False):
     """The op's eager expression: the normalised value in fp32, then the
     affine and the activation in ``x``'s dtype."""
     shape = (-1,) + (1,) * (x.dim() - 2)
-    y = F.normalize(x.float(), dim=1, eps=eps).to(x.dtype) * scale
+    xf = x.float()
+    y = (xf * torch.rsqrt(xf.pow(2).mean(1, keepdim=True) + eps) if eps_added
+         else F.normalize(xf, dim=1, eps=eps)).to(x.dtype) * scale
     if weight is not None:
         y = y * weight.reshape(shape).to(x.dtype)
     if bias is not None:
@@ -93,10 +96,12 @@ def torch_rms_norm(x, weight=None, bias=None, scale: float = 1.0, eps: float = 1
 
 def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None,
              scale: float = 1.0, eps: float = 1e-12, activation: str = "none",
-             out: Optional[torch.Tensor] = None) -> torch.Tensor:
+             out: Optional[torch.Tensor] = None, eps_added: bool = False) -> torch.Tensor:
     """``act(F.normalize(x, dim=1, eps=eps) * scale * weight + bias)`` over
     [N, C, *spatial] ``x`` (``weight``/``bias`` C values each, any shape,
-    e.g. Wan's [C, 1, 1, 1]), fp32 arithmetic, the output in ``x``'s dtype
+    e.g. Wan's [C, 1, 1, 1]); with ``eps_added`` the norm is diffusers'
+    ``RMSNorm``'s over the channels, ``x * rsqrt(mean_C(x^2) + eps)``
+    (LTX-Video's VAE). fp32 arithmetic, the output in ``x``'s dtype
     and memory format (into ``out`` when given, which may be ``x``). Dense
     contiguous or channels-last inputs run the kernel (on a GPU, or the CPU
     under the interpreter); anything else runs ``torch_rms_norm``."""
@@ -105,7 +110,7 @@ def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None, bias: Optio
         raise ValueError(f"rms_norm: out must match the input's shape {tuple(x.shape)}, dtype and strides")
     target = rms_norm_target(x, weight, bias)
     if target is None:
-        y = torch_rms_norm(x, weight, bias, scale, eps, activation)
+        y = torch_rms_norm(x, weight, bias, scale, eps, activation, eps_added)
         return y if out is None else out.copy_(y)
     k = kernels()
     if out is None:
@@ -118,5 +123,5 @@ def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None, bias: Optio
     flat = [None if t is None else t.reshape(-1) for t in (weight, bias)]
     k.launch_rms_norm(xv, positions_view(out), flat[0] if flat[0] is not None
                               else torch.ones(x.shape[1], device=x.device, dtype=torch.float32),
-                              flat[1], scale, eps, code, block_c, block_s, warps)
+                              flat[1], scale, eps, code, block_c, block_s, warps, eps_added=eps_added)
     return out

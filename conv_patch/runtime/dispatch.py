@@ -347,13 +347,13 @@ def own_group_norm(norm, x):
 # -- RMS norm ------------------------------------------------------------------------
 def rms_norm(norm, x, params, eager_forward, activation="none"):
     """``act(norm(x))`` for an RMS-norm module over channels (the Wan-family
-    VAEs'): ``params`` its (weight, bias, scale, eps) as the recipe read
-    them, ``eager_forward()`` the module's own computation of this call.
+    VAEs', LTX-Video's): ``params`` its (weight, bias, scale, eps,
+    eps_added) as the recipe read them (``ops.rms_norm.rms_norm``), ``eager_forward()`` the module's own computation of this call.
     One pass of the kernel where it takes the call and pays
     (``costs.rms_norm_pays``), else ``eager_forward()`` and the activation
     as PyTorch ops; planned per signature in the norm's state; a kernel that
     fails to build falls back here and the plan remembers it."""
-    weight, bias, scale, eps = params
+    weight, bias, scale, eps, eps_added = params
     if torch.compiler.is_compiling():
         return eager_epilogue(eager_forward(), None, 1.0, activation, 1.0)
     cuda = x.is_cuda
@@ -364,7 +364,7 @@ def rms_norm(norm, x, params, eager_forward, activation="none"):
     # for the first call's, which Triton specialises on 16-byte alignment.)
     key = ("rms", x.shape, x.stride(), x.dtype, x.device, x.data_ptr() & 15, activation,
            None if weight is None else (weight.data_ptr(), weight.dtype),
-           None if bias is None else (bias.data_ptr(), bias.dtype), scale, eps, grad, cast,
+           None if bias is None else (bias.data_ptr(), bias.dtype), scale, eps, eps_added, grad, cast,
            pack.graph_flag(x))
     st = state_of(norm)
     plan = st.plans.get(key) if st.plans is not None else None
@@ -379,4 +379,4 @@ def rms_norm(norm, x, params, eager_forward, activation="none"):
         return eager_epilogue(eager_forward(), None, 1.0, activation, 1.0)
     if plan.program is not None:
         return plan.program((x, weight, bias))
-    return rms_norm_op.rms_norm(x, weight, bias, scale, eps, activation)
+    return rms_norm_op.rms_norm(x, weight, bias, scale, eps, activation, eps_added=eps_added)

@@ -258,14 +258,15 @@ def build_rms_norm(norm, key, x, params, activation, grad_or_cast, graph):
     """(plan, result or None) of an RMS-norm call: its plan built and
     stored; the result where the kernel ran (None: the caller runs the
     module's own computation)."""
-    weight, bias, scale, eps = params
+    weight, bias, scale, eps, eps_added = params
     foreign = pack.foreign_capture(x)  # (not kept: pack.graph_flag says why)
     ok, why = rms_norm_decision(x, weight, bias, activation, grad_or_cast, graph or foreign)
     plan = NormPlan(ok, why)
     y = None
     if ok:
         try:
-            y, plan.program = recorded(lambda: rms_norm_op.rms_norm(x, weight, bias, scale, eps, activation),
+            y, plan.program = recorded(lambda: rms_norm_op.rms_norm(x, weight, bias, scale, eps, activation,
+                                                                    eps_added=eps_added),
                                        (x, weight, bias))
         except kernel_errors() as e:
             plan.kernel, plan.why = False, kernel_failure(e)

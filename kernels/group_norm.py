@@ -201,8 +201,19 @@ def group_norm_finalize_kernel(part_ptr, w_ptr, b_ptr, ib_ptr, ss_ptr, G, Cg, S,
 
 
 @triton.jit
-def group_norm_apply_nhwc_kernel(x_ptr, y_ptr, ss_ptr, C, HW, TILES, ACT: tl.constexpr,
-                                 BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+def modulate(v, m_ptr, a_ptr, offs, ok, HAS_MOD: tl.constexpr):
+    """``v * m + a`` where ``HAS_MOD`` (a spatially modulated norm, such as
+    CogVideoX's spatial norm: tensors of ``x``'s shape and layout at
+    ``offs``), else ``v``."""
+    if HAS_MOD:
+        v = v * tl.load(m_ptr + offs, mask=ok, other=0.0).to(tl.float32) \
+            + tl.load(a_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    return v
+
+
+@triton.jit
+def group_norm_apply_nhwc_kernel(x_ptr, y_ptr, ss_ptr, m_ptr, a_ptr, C, HW, TILES, ACT: tl.constexpr,
+                                 HAS_MOD: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
     # A [BLOCK_P pixels, C] slab of one sample: the per-channel scale and
     # shift are loaded once per program, then one FMA and the activation per
     # element (a flat walk with per-element index divisions and four gathers
@@ -219,12 +230,14 @@ def group_norm_apply_nhwc_kernel(x_ptr, y_ptr, ss_ptr, C, HW, TILES, ACT: tl.con
     x = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
     # Masked lanes are zeroed first: x * scale + shift of a padding lane can
     # be far negative, and the activation's exp would overflow there.
-    y = activate(tl.where(ok, x * scale[None, :] + shift[None, :], 0.0), ACT)
+    v = modulate(x * scale[None, :] + shift[None, :], m_ptr, a_ptr, offs, ok, HAS_MOD)
+    y = activate(tl.where(ok, v, 0.0), ACT)
     tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
-def group_norm_apply_nchw_kernel(x_ptr, y_ptr, ss_ptr, HW, ACT: tl.constexpr, BLOCK: tl.constexpr):
+def group_norm_apply_nchw_kernel(x_ptr, y_ptr, ss_ptr, m_ptr, a_ptr, HW, ACT: tl.constexpr,
+                                 HAS_MOD: tl.constexpr, BLOCK: tl.constexpr):
     # Row (n, c) of HW contiguous elements, one scale/shift pair per program.
     row = tl.program_id(0)
     idx = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -233,19 +246,19 @@ def group_norm_apply_nchw_kernel(x_ptr, y_ptr, ss_ptr, HW, ACT: tl.constexpr, BL
     shift = tl.load(ss_ptr + row * 2 + 1)
     offs = row.to(tl.int64) * HW + idx
     x = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-    y = activate(tl.where(ok, x * scale + shift, 0.0), ACT)
+    y = activate(tl.where(ok, modulate(x * scale + shift, m_ptr, a_ptr, offs, ok, HAS_MOD), 0.0), ACT)
     tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=ok)
 
 
 def launch_group_norm(x, out, groups, weight, bias, eps, activation, channels_last, block, stats_block,
-                      target_programs, input_bias=None):
+                      target_programs, input_bias=None, modulation=None):
     """``x``/``out`` dense [N, C, H, W] in the same layout (``channels_last``
     says which; ``out`` may be ``x``: the apply pass reads each element
     before writing it, after the statistics are complete). Returns ``out``.
     ``input_bias`` ([C], NHWC only): normalise ``x + input_bias``."""
     scale_shift = launch_group_norm_stats(x, groups, weight, bias, eps, channels_last, stats_block,
                                           target_programs, input_bias)
-    return launch_group_norm_apply(x, out, scale_shift, activation, channels_last, block)
+    return launch_group_norm_apply(x, out, scale_shift, activation, channels_last, block, modulation)
 
 
 def nhwc_stats_split(N, C, HW, stats_block, target_programs):
@@ -316,18 +329,21 @@ def launch_group_norm_stats(x, groups, weight, bias, eps, channels_last, stats_b
     return scale_shift
 
 
-def launch_group_norm_apply(x, out, scale_shift, activation, channels_last, block):
+def launch_group_norm_apply(x, out, scale_shift, activation, channels_last, block, modulation=None):
     """``out = act(x * scale + shift)`` per (sample, channel) for dense
-    [N, C, H, W] ``x`` and ``out`` in one layout; ``scale_shift`` [N, C, 2]."""
+    [N, C, H, W] ``x`` and ``out`` in one layout; ``scale_shift`` [N, C, 2].
+    ``modulation`` (m, a), dense tensors of ``x``'s shape and layout:
+    ``out = act((x * scale + shift) * m + a)``."""
     N, C, H, W = x.shape
     HW = H * W
+    m, a = modulation if modulation is not None else (x, x)
     if channels_last:
         block_c = next_pow2(C)
         block_p = max(1, block // block_c)
         tiles = cdiv(HW, block_p)
-        launch(group_norm_apply_nhwc_kernel, (N * tiles,), x, out, scale_shift, C, HW, tiles,
-               ACT=int(activation), BLOCK_P=block_p, BLOCK_C=block_c)
+        launch(group_norm_apply_nhwc_kernel, (N * tiles,), x, out, scale_shift, m, a, C, HW, tiles,
+               ACT=int(activation), HAS_MOD=modulation is not None, BLOCK_P=block_p, BLOCK_C=block_c)
     else:
-        launch(group_norm_apply_nchw_kernel, (N * C, cdiv(HW, block)), x, out, scale_shift, HW,
-               ACT=int(activation), BLOCK=block)
+        launch(group_norm_apply_nchw_kernel, (N * C, cdiv(HW, block)), x, out, scale_shift, m, a, HW,
+               ACT=int(activation), HAS_MOD=modulation is not None, BLOCK=block)
     return out

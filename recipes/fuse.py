@@ -321,9 +321,11 @@ def norm_is_eager(x: torch.Tensor, numel: Optional[int] = None) -> bool:
 
 
 def group_norm(norm: nn.GroupNorm, x: torch.Tensor, activation: str = "none",
-               out: Optional[torch.Tensor] = None, input_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+               out: Optional[torch.Tensor] = None, input_bias: Optional[torch.Tensor] = None,
+               modulation: Optional[tuple] = None) -> torch.Tensor:
     """``act(norm(x + input_bias))`` (``input_bias`` per channel, the bias
-    of the conv that made ``x``, see ``conv_without_bias``); one pass of
+    of the conv that made ``x``, see ``conv_without_bias``; ``modulation``
+    (m, a), tensors of ``x``'s shape: ``act(norm(x) * m + a)``); one pass of
     conv-patch's GroupNorm kernels where they can run, else the norm class's
     own forward and PyTorch's activation. ``out`` (may be ``x``) receives
     the result. Hooks are the caller's business (fused blocks check
@@ -332,10 +334,10 @@ def group_norm(norm: nn.GroupNorm, x: torch.Tensor, activation: str = "none",
     if norm_is_eager(x):
         # PyTorch's GroupNorm is faster at this size:
         # decided here, before any signature is built.
-        return dispatch.group_norm_eager(norm, x, activation, out, input_bias)
+        return dispatch.group_norm_eager(norm, x, activation, out, input_bias, modulation)
     if x.dim() in (4, 5) and not comfy_active(norm):
-        return dispatch.group_norm(norm, x, activation, out, input_bias)
-    return dispatch.group_norm_eager(norm, x, activation, out, input_bias)
+        return dispatch.group_norm(norm, x, activation, out, input_bias, modulation)
+    return dispatch.group_norm_eager(norm, x, activation, out, input_bias, modulation)
 
 
 def rms_norm(norm: nn.Module, x: torch.Tensor, activation: str = "none") -> torch.Tensor:

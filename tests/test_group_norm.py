@@ -216,3 +216,29 @@ def test_a_strided_5d_group_norm(device, into):
     assert into is not None or y.is_contiguous()
     with pytest.raises(ValueError, match="divisible"):
         functional.group_norm(torch.randn(1, 6, 2, 2, 2, device=device), 4)
+
+
+@pytest.mark.parametrize("shape,fmt", [((2, 12, 5, 7), torch.contiguous_format), ((1, 10, 4, 6), torch.channels_last),
+                                       ((1, 8, 3, 4, 5), torch.contiguous_format),
+                                       ((1, 8, 3, 4, 5), torch.channels_last_3d)], ids=str)
+def test_a_modulated_group_norm_against_float64(shape, fmt, device, monkeypatch):
+    """``silu(GroupNorm(x) * m + a)`` in the apply pass (CogVideoX's spatial
+    norm); a modulation in another layout than ``x`` runs PyTorch."""
+    if not target_for(device).kernels:
+        pytest.skip("no kernels here")
+    launched = []
+    real = group_norm_op.kernels().launch_group_norm
+    monkeypatch.setattr(group_norm_op.kernels(), "launch_group_norm",
+                        lambda *a, **k: (launched.append(k.get("modulation") is not None), real(*a, **k))[1])
+    g = torch.Generator().manual_seed(len(shape) + shape[1])
+    x, m, a = (randn(g, *shape).to(device).contiguous(memory_format=fmt) for _ in range(3))
+    w, b = randn(g, shape[1]).to(device), randn(g, shape[1]).to(device)
+    ref = F.silu(F.group_norm(x.double().cpu(), 2, w.double().cpu(), b.double().cpu(), 1e-6) * m.double().cpu()
+                 + a.double().cpu())
+    y = functional.group_norm(x, 2, w, b, 1e-6, "silu", modulation=(m, a))
+    assert launched == [True] and rel_err(y, ref) <= 1e-5 and y.is_contiguous(memory_format=fmt)
+    other = torch.channels_last if len(shape) == 4 else torch.channels_last_3d
+    if fmt is other:
+        other = torch.contiguous_format
+    y = functional.group_norm(x, 2, w, b, 1e-6, "silu", modulation=(m.contiguous(memory_format=other), a))
+    assert launched == [True] and rel_err(y, ref) <= 1e-5

@@ -79,7 +79,7 @@ def launch_sizes(target: Target) -> tuple:
 def group_norm(x: torch.Tensor, num_groups: int, weight: Optional[torch.Tensor] = None,
                bias: Optional[torch.Tensor] = None, eps: float = 1e-5,
                activation: str = "none", out: Optional[torch.Tensor] = None,
-               input_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+               input_bias: Optional[torch.Tensor] = None, modulation: Optional[tuple] = None) -> torch.Tensor:
     """``act(F.group_norm(x + input_bias, num_groups, weight, bias, eps))``
     with fp32 statistics, output in ``x``'s dtype and memory format (into
     ``out`` when given, which may be ``x`` itself: normalised in place).
@@ -89,13 +89,19 @@ def group_norm(x: torch.Tensor, num_groups: int, weight: Optional[torch.Tensor] 
     Dense NCHW or NHWC 4-D inputs run the Triton kernels (on a GPU, or the
     CPU under the interpreter), and 5-D ones as the 4-D view (``as_4d``) of
     themselves (NCDHW, NDHWC) or of their contiguous copy; anything else
-    runs PyTorch."""
+    runs PyTorch. ``modulation`` (m, a), tensors of ``x``'s shape: the
+    normalised value times ``m`` plus ``a`` before the activation, in the
+    same pass where they are dense in ``x``'s layout (CogVideoX's spatial
+    norm)."""
     code = activation_code(activation)
     if x.dim() == 5:
-        if group_norm_target(x, num_groups, weight, bias) is None or (out is not None and as_4d(out) is None):
+        mod = None if modulation is None else tuple(as_4d(t) for t in modulation)
+        if (group_norm_target(x, num_groups, weight, bias) is None or (out is not None and as_4d(out) is None)
+                or (mod is not None and (None in mod or as_4d(x) is None))):
             if input_bias is not None:
                 x = x + input_bias.to(x.dtype).view(-1, 1, 1, 1)
-            y = eager_epilogue(F.group_norm(x, num_groups, weight, bias, eps), None, 1.0, activation, 1.0)
+            y = eager_epilogue(_modulated(F.group_norm(x, num_groups, weight, bias, eps), modulation), None, 1.0,
+                               activation, 1.0)
             return y if out is None else out.copy_(y)
         # (A strided input, such as a [N, T, C, H, W] tensor permuted back,
         # normalised from a contiguous copy into a contiguous output, as
@@ -104,7 +110,7 @@ def group_norm(x: torch.Tensor, num_groups: int, weight: Optional[torch.Tensor] 
         if x4 is None:
             x4 = as_4d(x.contiguous(memory_format=torch.contiguous_format if out is None or out.is_contiguous()
                                     else torch.channels_last_3d))
-        y = group_norm(x4, num_groups, weight, bias, eps, activation, as_4d(out), input_bias)
+        y = group_norm(x4, num_groups, weight, bias, eps, activation, as_4d(out), input_bias, mod)
         return out if out is not None else from_4d(y, x.shape)
     is_nhwc = nhwc(x)
     fmt = torch.channels_last if is_nhwc else torch.contiguous_format
@@ -113,17 +119,25 @@ def group_norm(x: torch.Tensor, num_groups: int, weight: Optional[torch.Tensor] 
     if input_bias is not None and tuple(input_bias.shape) != (x.shape[1],):
         raise ValueError(f"group_norm: input_bias must be [{x.shape[1]}], got {tuple(input_bias.shape)}")
     target = group_norm_target(x, num_groups, weight, bias)
+    if modulation is not None and not all(t.shape == x.shape and t.device == x.device
+                                          and t.is_contiguous(memory_format=fmt) for t in modulation):
+        target = None
     if input_bias is not None and not (target is not None and is_nhwc and input_bias.is_contiguous()
                                        and input_bias.device == x.device):
         # Only the NHWC statistics kernel takes the bias; elsewhere it is added first.
         x, input_bias = x + input_bias.to(x.dtype).view(-1, 1, 1), None
     if target is None:
-        y = eager_epilogue(F.group_norm(x, num_groups, weight, bias, eps), None, 1.0, activation, 1.0)
+        y = eager_epilogue(_modulated(F.group_norm(x, num_groups, weight, bias, eps), modulation), None, 1.0,
+                           activation, 1.0)
         return y if out is None else out.copy_(y)
     k = kernels()
     if out is None:
         out = k.empty(x.shape, dtype=x.dtype, device=x.device, memory_format=fmt)
     block, stats_block, programs = launch_sizes(target)
     k.launch_group_norm(x, out, num_groups, weight, bias, float(eps), code, is_nhwc, block,
-                              stats_block, programs, input_bias=input_bias)
+                              stats_block, programs, input_bias=input_bias, modulation=modulation)
     return out
+
+
+def _modulated(y: torch.Tensor, modulation: Optional[tuple]) -> torch.Tensor:
+    return y if modulation is None else y * modulation[0] + modulation[1]

@@ -279,7 +279,7 @@ def conv3d(m, call: Call):
 
 
 # -- GroupNorm ---------------------------------------------------------------------
-def _gn_key(norm, x, activation, out, input_bias):
+def _gn_key(norm, x, activation, out, input_bias, modulation):
     w, b = norm.weight, norm.bias
     grad = torch.is_grad_enabled() and (x.requires_grad or (w is not None and w.requires_grad))
     cuda = x.is_cuda  # (device.type costs more than the whole flag)
@@ -289,23 +289,26 @@ def _gn_key(norm, x, activation, out, input_bias):
     return (x.shape, x.stride(), x.dtype, x.device, x.data_ptr() & 15, activation, tensor_sig(out),
             out is not None and out is x, tensor_sig(input_bias),
             None if w is None else (w.data_ptr(), w.dtype, w.device), None if b is None else (b.data_ptr(), b.dtype),
-            norm.num_groups, norm.eps, grad, cast, pack.graph_flag(x))
+            norm.num_groups, norm.eps,
+            None if modulation is None else (tensor_sig(modulation[0]), tensor_sig(modulation[1])),
+            grad, cast, pack.graph_flag(x))
 
 
-def group_norm(norm, x, activation="none", out=None, input_bias=None):
-    """``act(norm(x + input_bias))`` into ``out`` when given (may be ``x``),
+def group_norm(norm, x, activation="none", out=None, input_bias=None, modulation=None):
+    """``act(norm(x + input_bias) * m + a)`` (``modulation`` (m, a), else
+    ``act(norm(x + input_bias))``) into ``out`` when given (may be ``x``),
     for a GroupNorm module whose forward is the torch one's: planned per
     signature like the convs (kept in the norm's state). Under torch.compile
     tracing, the op's own expression (Inductor fuses it)."""
     def run_kernels():
         return group_norm_op.group_norm(x, norm.num_groups, norm.weight, norm.bias, norm.eps, activation,
-                                        out=out, input_bias=input_bias)
+                                        out=out, input_bias=input_bias, modulation=modulation)
     if torch.compiler.is_compiling():
         return run_kernels()
-    key = _gn_key(norm, x, activation, out, input_bias)
+    key = _gn_key(norm, x, activation, out, input_bias, modulation)
     st = state_of(norm)
     plan = st.plans.get(key) if st.plans is not None else None
-    roles = (x, out, norm.weight, norm.bias, input_bias)
+    roles = (x, out, norm.weight, norm.bias, input_bias) + (() if modulation is None else tuple(modulation))
     if plan is not None:
         if plan.kernel and plan.program is not None:
             return plan.program(roles)
@@ -313,18 +316,22 @@ def group_norm(norm, x, activation="none", out=None, input_bias=None):
         with building(x, lambda: f"GroupNorm({norm.num_groups}, {norm.num_channels}) on {tuple(x.shape)}"):
             plan = st.plans.get(key) if st.plans is not None else None
             if plan is None:
-                return planner.build_group_norm(norm, key, x, activation, out, input_bias, roles, run_kernels,
-                                                lambda: group_norm_eager(norm, x, activation, out, input_bias))
+                return planner.build_group_norm(
+                    norm, key, x, activation, out, input_bias, roles, run_kernels,
+                    lambda: group_norm_eager(norm, x, activation, out, input_bias, modulation))
     if plan.kernel:
         return run_kernels()
-    return group_norm_eager(norm, x, activation, out, input_bias)
+    return group_norm_eager(norm, x, activation, out, input_bias, modulation)
 
 
-def group_norm_eager(norm, x, activation="none", out=None, input_bias=None):
-    """The norm's own forward and the activation as PyTorch ops."""
+def group_norm_eager(norm, x, activation="none", out=None, input_bias=None, modulation=None):
+    """The norm's own forward, the modulation and the activation as PyTorch ops."""
     if input_bias is not None:
         x = x + input_bias.view(-1, *([1] * (x.dim() - 2)))
-    y = eager_epilogue(own_group_norm(norm, x), None, 1.0, activation, 1.0)
+    y = own_group_norm(norm, x)
+    if modulation is not None:
+        y = y * modulation[0] + modulation[1]
+    y = eager_epilogue(y, None, 1.0, activation, 1.0)
     return y if out is None else out.copy_(y)
 
 

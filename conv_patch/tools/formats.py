@@ -6,17 +6,20 @@ or under ``first_stage_model.``/``vae.``), TAESD-format ``nn.Sequential``
 encoders/decoders, diffusers ``AutoencoderTiny``, the Wan-family video
 VAEs (diffusers ``AutoencoderKLWan``, Wan 2.1's and 2.2's, in its own layout
 and in the original Wan repository's), and diffusers' CogVideoX, Mochi,
-HunyuanVideo and LTX-Video VAEs as released (``VIDEO_DEFAULTS``). Each recognised format knows how to build its
-model (the diffusers class or the package's own TAESD module), how to
-decode/encode with it, and the geometry of each convolution weight (2-D and
-3-D) for the per-layer check. Anything else gets the per-layer check alone.
+HunyuanVideo and LTX-Video VAEs as released (``VIDEO_DEFAULTS``), in
+diffusers' layout (HunyuanVideo's own) and in the original ones: LTX-Video's,
+Mochi's (genmo, ComfyUI), CogVideoX's (SAT) and HunyuanVideo's as ComfyUI
+holds it; alone or under ``first_stage_model.``/``vae.``. Each recognised
+format knows how to build its model (the diffusers class or the package's
+own TAESD module), how to decode/encode with it, and the geometry of each
+convolution weight (2-D and 3-D) for the per-layer check. Anything else gets the per-layer check alone.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple, Union
 
 import torch
 from torch import nn
@@ -34,6 +37,8 @@ KNOWN = (
     "the CogVideoX, Mochi 1, HunyuanVideo and LTX-Video (0.9.0) video VAEs in diffusers' layout, as released",
     "the LTX-Video (0.9.0) video VAE in its original layout too (alone, as ComfyUI loads it, or under vae. in a "
     "whole checkpoint), read through diffusers' own converter",
+    "the Mochi 1 (genmo's files, ComfyUI's mochi_vae.safetensors), CogVideoX (SAT) and HunyuanVideo (as ComfyUI "
+    "holds it) video VAEs in their original layouts, alone or under vae. or first_stage_model.",
 )
 
 
@@ -681,28 +686,273 @@ def ltx_original_names(shapes: Shapes) -> Optional[Dict[str, str]]:
     return {own[id(t)]: k for k, t in out.items() if id(t) in own}
 
 
-def _video_default_format(shapes: Shapes, rename: Optional[Dict[str, str]] = None) -> Optional[Format]:
+# The other video VAEs' original layouts, renamed to the diffusers class's
+# names, written from the original modules' attribute names. A rename maps
+# each of the file's names to the class's name, or, for a fused projection
+# the class holds as several (Mochi's q/k/v), to a tuple of names: the
+# tensor is split into that many equal parts along its first axis.
+Names = Union[str, Tuple[str, ...]]
+
+
+def _renamed_shapes(shapes: Shapes, rename: Dict[str, Names]) -> Shapes:
+    """The shapes of the tensors ``rename`` names, under the names it gives them."""
+    out = {}
+    for k, new in rename.items():
+        if k not in shapes:
+            continue
+        shape = tuple(shapes[k])
+        if isinstance(new, tuple):
+            n = len(new)
+            part = (shape[0] // n,) + shape[1:] if shape and shape[0] % n == 0 else shape
+            out.update((name, part) for name in new)
+        else:
+            out[new] = shape
+    return out
+
+
+def _renamed_state(state: Dict[str, torch.Tensor], rename: Dict[str, Names]) -> Dict[str, torch.Tensor]:
+    """``state`` under the names ``rename`` gives its tensors (the others left out)."""
+    out = {}
+    for k, v in state.items():
+        new = rename.get(k)
+        if isinstance(new, tuple):
+            out.update(zip(new, v.chunk(len(new), 0)))
+        elif new is not None:
+            out[new] = v
+    return out
+
+
+def _fits(have: tuple, want: tuple, original: bool) -> bool:
+    """A file's tensor of shape ``have`` loads where the class has ``want``:
+    the same, or (in an original layout) a 1x1(x1) convolution's weight
+    where the class has a linear layer's (the LDM-style attention)."""
+    return have == want or (original and len(want) == 2 and len(have) > 2 and have[:2] == want
+                            and all(d == 1 for d in have[2:]))
+
+
+# Mochi 1 in the original genmo layout (genmo's encoder/decoder files, bare;
+# ComfyUI's mochi_vae.safetensors, under encoder./decoder.; comfy/ldm/genmo/
+# vae/model.py). A residual block is ``stack`` = (norm, SiLU, conv, norm,
+# SiLU, conv), its attention ``attn_block`` (norm, attn.qkv fused, attn.out).
+# The encoder is one Sequential ``layers``: the input projection, the first
+# residual blocks, the downsample blocks (``layers.N.layers``: the strided
+# conv, then residual blocks), the last residual blocks; the decoder a list
+# ``blocks``: (input conv, residual blocks), the upsample blocks (``blocks``
+# and ``proj``), the last residual blocks.
+_MOCHI_RES = (("stack.0.", "norm1.norm_layer."), ("stack.2.", "conv1.conv."), ("stack.3.", "norm2.norm_layer."),
+              ("stack.5.", "conv2.conv."))
+_MOCHI_MARK = re.compile(r"((encoder\.)?layers\.\d+\.(layers\.\d+\.)?|"
+                         r"(decoder\.)?blocks\.\d+\.(blocks\.)?\d+\.)stack\.")
+
+
+def _mochi_block(rest: str, dest: str, i: int) -> Optional[Names]:
+    """A genmo residual block's tensor (``rest``: its name within the block)
+    under diffusers' ``dest`` (a block of ``resnets``/``norms``/``attentions``)."""
+    for old, new in _MOCHI_RES:
+        if rest.startswith(old):
+            return f"{dest}.resnets.{i}.{new}{rest[len(old):]}"
+    if rest.startswith("attn_block.norm."):
+        return f"{dest}.norms.{i}.norm_layer.{rest[len('attn_block.norm.'):]}"
+    if rest.startswith("attn_block.attn.qkv."):
+        end = rest[len("attn_block.attn.qkv."):]
+        return tuple(f"{dest}.attentions.{i}.{p}.{end}" for p in ("to_q", "to_k", "to_v"))
+    if rest.startswith("attn_block.attn.out."):
+        return f"{dest}.attentions.{i}.to_out.0.{rest[len('attn_block.attn.out.'):]}"
+    return None
+
+
+def _mochi_encoder(keys) -> Dict[str, Names]:
+    rx = re.compile(r"layers\.(\d+)\.(.*)")
+    tops = _idx(keys, r"layers\.(\d+)\.")
+    downs = [t for t in tops if any(k.startswith(f"layers.{t}.layers.") for k in keys)]
+    out = {}
+    for k in keys:
+        m = rx.match(k)
+        new = None
+        if k.startswith("output_norm."):
+            new = "norm_out.norm_layer." + k[len("output_norm."):]
+        elif k.startswith("output_proj."):
+            new = "proj_out." + k[len("output_proj."):]
+        elif m and int(m.group(1)) == 0:
+            new = "proj_in." + m.group(2)
+        elif m:
+            t, rest = int(m.group(1)), m.group(2)
+            if t in downs:
+                b = downs.index(t)
+                sub = re.match(r"layers\.(\d+)\.(.*)", rest)
+                if sub and sub.group(1) == "0":
+                    new = f"down_blocks.{b}.conv_in.conv.{sub.group(2)}"
+                elif sub:
+                    new = _mochi_block(sub.group(2), f"down_blocks.{b}", int(sub.group(1)) - 1)
+            elif not downs or t < downs[0]:
+                new = _mochi_block(rest, "block_in", tops.index(t) - 1)
+            else:
+                new = _mochi_block(rest, "block_out", tops.index(t) - tops.index(downs[-1]) - 1)
+        out[k] = new if new is not None else k
+    return out
+
+
+def _mochi_decoder(keys) -> Dict[str, Names]:
+    rx = re.compile(r"blocks\.(\d+)\.(.*)")
+    tops = _idx(keys, r"blocks\.(\d+)\.")
+    ups = [t for t in tops if t and any(k.startswith((f"blocks.{t}.blocks.", f"blocks.{t}.proj.")) for k in keys)]
+    out = {}
+    for k in keys:
+        m = rx.match(k)
+        new = None
+        if k.startswith("output_proj."):
+            new = "proj_out." + k[len("output_proj."):]
+        elif m:
+            t, rest = int(m.group(1)), m.group(2)
+            sub = re.match(r"(?:blocks\.)?(\d+)\.(.*)", rest)
+            if t in ups:
+                u = ups.index(t)
+                if rest.startswith("proj."):
+                    new = f"up_blocks.{u}.{rest}"
+                elif sub and rest.startswith("blocks."):
+                    new = _mochi_block(sub.group(2), f"up_blocks.{u}", int(sub.group(1)))
+            elif sub and t == 0:
+                i = int(sub.group(1))
+                new = f"conv_in.{sub.group(2)}" if i == 0 else _mochi_block(sub.group(2), "block_in", i - 1)
+            elif sub:
+                new = _mochi_block(sub.group(2), "block_out", int(sub.group(1)))
+        out[k] = new if new is not None else k
+    return out
+
+
+def mochi_original_names(keys) -> Optional[Dict[str, Names]]:
+    """Original genmo layout name -> ``AutoencoderKLMochi`` name(s), for
+    every key (a name it cannot place is left as it is); None where the
+    file is not in that layout. A file of the encoder or the decoder alone
+    may be bare (as genmo ships them: ``layers.``/``blocks.``)."""
+    keys = list(keys)
+    if not any(_MOCHI_MARK.match(k) for k in keys):
+        return None
+    prefixed = any(k.startswith(("encoder.", "decoder.")) for k in keys)
+    if prefixed:
+        halves = {h: [k[len(h) + 1:] for k in keys if k.startswith(h + ".")] for h in ("encoder", "decoder")}
+    elif any(re.match(r"layers\.\d+\.", k) for k in keys):
+        halves = {"encoder": keys, "decoder": []}
+    else:
+        halves = {"encoder": [], "decoder": keys}
+    out = {k: k for k in keys}
+    for half, names_of in (("encoder", _mochi_encoder), ("decoder", _mochi_decoder)):
+        for k, new in names_of(halves[half]).items():
+            new = tuple(f"{half}.{n}" for n in new) if isinstance(new, tuple) else f"{half}.{new}"
+            out[f"{half}.{k}" if prefixed else k] = new
+    return out
+
+
+# The LDM-style layout with 3-D convolutions (``encoder.down.L.block.J``,
+# ``decoder.up.L`` numbered from the output end, ``mid.block_1``/``_2``,
+# ``nin_shortcut``): CogVideoX's original SAT VAE (sat/vae_modules/
+# cp_enc_dec.py; diffusers' scripts/convert_cogvideox_to_diffusers.py renames
+# it, dropping its ``loss.`` tensors), and HunyuanVideo's VAE as ComfyUI holds
+# it (comfy/diffusers_convert.py turns the released file, which has
+# diffusers' names, into these; ComfyUI saves it so): its ``norm_out`` is
+# diffusers' ``conv_norm_out``, its middle attention ``mid.attn_1`` (norm,
+# q, k, v, proj_out as 1x1x1 convolutions).
+_LDM3D_MARK = re.compile(r"(encoder\.down|decoder\.up)\.\d+\.block\.\d+\.")
+_LDM3D_RENAMES = [(re.compile(a), b) for a, b in (
+    (r"^encoder\.down\.(\d+)\.block\.", r"encoder.down_blocks.\1.resnets."),
+    (r"^encoder\.down\.(\d+)\.downsample\.", r"encoder.down_blocks.\1.downsamplers.0."),
+    (r"^(encoder|decoder)\.mid\.block_1\.", r"\1.mid_block.resnets.0."),
+    (r"^(encoder|decoder)\.mid\.block_2\.", r"\1.mid_block.resnets.1."),
+    (r"\.nin_shortcut\.", ".conv_shortcut."),
+)]
+_LDM3D_ATTN = {"norm": "group_norm", "q": "to_q", "k": "to_k", "v": "to_v", "proj_out": "to_out.0"}
+
+
+def _ldm3d_names(keys, hunyuan: bool) -> Dict[str, str]:
+    ups = _idx(keys, r"decoder\.up\.(\d+)\.")
+    top = max(ups, default=0)
+    out = {}
+    for k in keys:
+        new = k
+        m = re.match(r"decoder\.up\.(\d+)\.(block\.|upsample\.)?(.*)", k)
+        if m:
+            part = {"block.": "resnets.", "upsample.": "upsamplers.0.", None: ""}[m.group(2)]
+            new = f"decoder.up_blocks.{top - int(m.group(1))}.{part}{m.group(3)}"
+        for pattern, repl in _LDM3D_RENAMES:
+            new = pattern.sub(repl, new)
+        m = re.match(r"(encoder|decoder)\.mid\.attn_1\.(norm|q|k|v|proj_out)\.(.*)", k)
+        if hunyuan and m:
+            new = f"{m.group(1)}.mid_block.attentions.0.{_LDM3D_ATTN[m.group(2)]}.{m.group(3)}"
+        if hunyuan:
+            new = re.sub(r"^(encoder|decoder)\.norm_out\.", r"\1.conv_norm_out.", new)
+        out[k] = new
+    return out
+
+
+def cogvideox_sat_names(keys) -> Optional[Dict[str, str]]:
+    """CogVideoX's original SAT layout name -> ``AutoencoderKLCogVideoX``
+    name, for every key but the training loss's (``loss.``); None where the
+    file is not in that layout (no middle attention there)."""
+    keys = [k for k in keys if not k.startswith("loss.")]
+    if not any(_LDM3D_MARK.match(k) for k in keys) or any(".mid.attn_1." in k for k in keys):
+        return None
+    return _ldm3d_names(keys, hunyuan=False)
+
+
+def hunyuan_comfy_names(keys) -> Optional[Dict[str, str]]:
+    """HunyuanVideo's VAE as ComfyUI holds and saves it ->
+    ``AutoencoderKLHunyuanVideo`` name, for every key; None where the file
+    is not in that layout (it has the middle attention)."""
+    keys = list(keys)
+    if not any(_LDM3D_MARK.match(k) for k in keys) or not any(".mid.attn_1." in k for k in keys):
+        return None
+    return _ldm3d_names(keys, hunyuan=True)
+
+
+# (the diffusers class, the layout's name, the rest of the words describing
+# a file in it, its rename). HunyuanVideo's own original layout (Tencent's
+# AutoencoderKLCausal3D, as Comfy-Org ships hunyuan_video_vae_bf16.safetensors)
+# has diffusers' names: diffusers' converter renames nothing (its
+# VAE_KEYS_RENAME_DICT is empty), so that file is read as diffusers' layout.
+_ORIGINAL_VIDEO_LAYOUTS = (
+    ("AutoencoderKLMochi", "original genmo layout", ", as released and as ComfyUI loads it", mochi_original_names),
+    ("AutoencoderKLCogVideoX", "original SAT layout", ", as released", cogvideox_sat_names),
+    ("AutoencoderKLHunyuanVideo", "ComfyUI's original-style (LDM) layout", ", as ComfyUI holds and saves it",
+     hunyuan_comfy_names),
+)
+_LTX_LAYOUT = ("original layout", ", as released and as ComfyUI loads it")
+
+
+def _video_default_format(shapes: Shapes, rename: Optional[Dict[str, Names]] = None,
+                          family: Optional[str] = None, layout: Tuple[str, str] = _LTX_LAYOUT,
+                          kind: Optional[str] = None) -> Optional[Format]:
     """The ``VIDEO_DEFAULTS`` model this file holds ("unknown" where it is
     none of them; None without diffusers). Each candidate
     is built on the meta device (no memory) and its state dict's shapes
     compared with the file's. ``rename``: the file's names to the diffusers
     class's, for a file in an original layout (``shapes`` then under the
-    class's names)."""
+    class's names); ``family``: the one class that layout can be; ``layout``:
+    its name and the rest of its words in the description; ``kind``: the
+    kind of a recognised file (by default diffusers' or an original layout).
+    With a ``family``, a file that is not that model says why."""
     try:
         import diffusers
     except ImportError:
         return None
     parts = {p for p in ("encoder", "decoder") if any(k.startswith(p + ".") for k in shapes)}
     absent = _wan_absent(parts)
+    why = ""
     for cls_name, label, spatial, temporal, config in VIDEO_DEFAULTS:
+        if family is not None and cls_name != family:
+            continue
         cls = getattr(diffusers, cls_name, None)
-        if cls is None:
+        if cls is None or not parts:
             continue
         with torch.device("meta"):
             model = cls(**config)
         want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
         missing = [k for k in want if k not in shapes and not k.startswith(absent) and k not in _SHARED_BUFFERS]
-        if missing or any(k not in want or tuple(v) != want[k] for k, v in shapes.items()):
+        unexpected = [k for k in shapes if k not in want]
+        wrong = [k for k in shapes if k in want and not _fits(tuple(shapes[k]), want[k], rename is not None)]
+        if missing or unexpected or wrong:
+            if family is not None:
+                why = _not_as_released(f"{label} in the {layout[0]}", rename, shapes, want, missing, unexpected,
+                                       wrong)
             continue
         latent = model.config["latent_channels"]
         # Each conv's own stride and padding, read off the model (the time
@@ -717,7 +967,11 @@ def _video_default_format(shapes: Shapes, rename: Optional[Dict[str, str]] = Non
         def build(state, cls=cls, config=config):
             m = cls(**config)
             if rename is not None:
-                state = {rename[k]: v for k, v in state.items() if k in rename}
+                state = _renamed_state(state, rename)
+                # 1x1(x1) convolution weights of an LDM-style attention, for its linear layers.
+                own = {k: v.shape for k, v in m.state_dict().items()}
+                state = {k: (v.reshape(own[k]) if k in own and v.shape != own[k] and v.numel() == own[k].numel()
+                             else v) for k, v in state.items()}
             missing, unexpected = m.load_state_dict(state, strict=False)
             if unexpected or any(not k.startswith(absent) and k not in _SHARED_BUFFERS for k in missing):
                 raise ValueError(f"layout does not match {cls.__name__}: {len(missing)} missing, "
@@ -725,11 +979,15 @@ def _video_default_format(shapes: Shapes, rename: Optional[Dict[str, str]] = Non
             return m
 
         names = rename or {}
-        layout = (f"diffusers layout ({cls_name})" if rename is None else
-                  f"original layout, as released and as ComfyUI loads it (read as diffusers' {cls_name})")
+        if rename is None or kind == "diffusers-video-vae":
+            words = f"diffusers layout ({cls_name})"
+        else:
+            words = f"{layout[0]}{layout[1]} (read as diffusers' {cls_name})"
+        if cls_name == "AutoencoderKLHunyuanVideo" and (rename is None or kind == "diffusers-video-vae"):
+            words += ", which is HunyuanVideo's original layout too"
         return Format(
-            kind="diffusers-video-vae" if rename is None else "original-video-vae",
-            description=f"{label}, {layout}"
+            kind=kind or ("diffusers-video-vae" if rename is None else "original-video-vae"),
+            description=f"{label}, {words}"
             + ("" if parts == {"encoder", "decoder"} else f" ({next(iter(parts))} only)"),
             geometry=lambda name, shape, g=geo2: g.get(names.get(name, name)) or (1, shape[2] // 2),
             geometry3d=lambda name, shape, g=geo3: g.get(names.get(name, name)) or same_geometry3d(name, shape),
@@ -737,8 +995,77 @@ def _video_default_format(shapes: Shapes, rename: Optional[Dict[str, str]] = Non
             encode=(lambda m, x: m.encode(x).latent_dist.mode()) if "encoder" in parts else None,
             latent_channels=latent, factor=spatial, image_range=(-1.0, 1.0),
             latent_frames=2, video_frames=1 + temporal)
+    if why:
+        return Format("unknown", why)
     names = ", ".join(label for _, label, *_ in VIDEO_DEFAULTS)
     return Format("unknown", f"a video VAE (5-D convolution weights) that is none of the {names} as released")
+
+
+def _not_as_released(what: str, rename, shapes: Shapes, want: Shapes, missing, unexpected, wrong) -> str:
+    """Why a file in an original layout is not the released model: its
+    first tensor too many, missing or of another shape, by the file's own
+    name where it has one."""
+    back = {}
+    for k, new in (rename or {}).items():
+        for n in (new if isinstance(new, tuple) else (new,)):
+            back[n] = k
+
+    def shown(name):
+        return repr(back[name]) if name in back else f"{name!r} (diffusers' name)"
+
+    if unexpected:
+        reason = f"tensor {shown(unexpected[0])} is not part of it ({len(unexpected)} such tensor(s))"
+    elif missing:
+        reason = f"tensor {shown(missing[0])} is missing ({len(missing)} missing)"
+    else:
+        k = wrong[0]
+        reason = f"tensor {shown(k)} has shape {list(shapes[k])}, the released model's is {list(want[k])}"
+    return f"looks like a {what} but not as released: {reason}"
+
+
+def _vae_part(shapes: Shapes) -> Tuple[Shapes, str]:
+    """The video VAE inside a whole checkpoint (under ``first_stage_model.``
+    or ``vae.``), without its prefix; the file itself where it has none."""
+    for prefix in LDM_PREFIXES:
+        sub = {k[len(prefix):]: v for k, v in shapes.items() if k.startswith(prefix)}
+        if any(len(v) == 5 for v in sub.values()):
+            return sub, prefix
+    return shapes, ""
+
+
+def _video_format(shapes: Shapes) -> Optional[Format]:
+    """A video VAE without Wan's RMS norms (``VIDEO_DEFAULTS``): in diffusers'
+    layout, or in LTX-Video's, Mochi's, CogVideoX's or (as ComfyUI holds it)
+    HunyuanVideo's original one; alone, or under ``first_stage_model.``/
+    ``vae.`` in a whole checkpoint. Where the file is in an original layout
+    but not the released model, the reason names that layout and the
+    tensor. None without diffusers."""
+    fmt = _video_default_format(shapes)
+    if fmt is None or fmt.recognised:
+        return fmt
+    sub, prefix = _vae_part(shapes)
+    tries = []
+    if prefix:
+        tries.append((None, _LTX_LAYOUT, {prefix + k: k for k in sub}, "diffusers-video-vae"))
+    ltx = ltx_original_names(shapes)
+    if ltx is not None:
+        tries.append(("AutoencoderKLLTXVideo", _LTX_LAYOUT, ltx, None))
+    for family, name, rest, names_of in _ORIGINAL_VIDEO_LAYOUTS:
+        names = names_of(list(sub))
+        if names is not None:
+            tries.append((family, (name, rest), {prefix + k: v for k, v in names.items()}, None))
+    why = None
+    for family, layout, rename, kind in tries:
+        got = _video_default_format(_renamed_shapes(shapes, rename), rename, family, layout, kind)
+        if got is None:
+            continue
+        if got.recognised:
+            if prefix and all(k.startswith(prefix) for k in rename):
+                got.description += f", under '{prefix}' in a full checkpoint"
+            return got
+        if why is None and family is not None:
+            why = got
+    return why or fmt
 
 
 def _is_5d(shapes: Shapes, *names) -> bool:
@@ -777,8 +1104,7 @@ def recognise(shapes: Shapes) -> Format:
             nested = any(_WAN22_NESTED.match(k) for k in shapes)
             return _wan_format(shapes, (wan22_original_names if nested else wan_original_names)(list(shapes)))
         if not rms and any(len(v) == 5 for v in shapes.values()):
-            names = ltx_original_names(shapes)
-            fmt = _video_default_format(shapes if names is None else {names[k]: shapes[k] for k in names}, names)
+            fmt = _video_format(shapes)
             if fmt is not None:
                 return fmt
         if any(re.match(r"(encoder\.down_blocks|decoder\.up_blocks)\.\d+\.", k) for k in shapes):

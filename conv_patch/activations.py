@@ -62,28 +62,26 @@ def _expected() -> str:
     return f"expected one of {', '.join(ACTIVATIONS)}, {LEAKY} or {LEAKY}_<slope> (0 <= slope < 1, in thousandths)"
 
 
-def activation_code(activation: str) -> int:
-    """The kernels' code of ``activation``; ValueError naming the table for
-    a name it does not hold."""
+def _entry(activation) -> Tuple[int, Optional[Callable]]:
     entry = ACTIVATIONS.get(activation) if isinstance(activation, str) else None
     if entry is not None:
-        return entry[0]
+        return entry
     slope = _leaky_slope(activation)
     if slope is None:
         raise ValueError(f"activation {activation!r}: {_expected()}")
-    return LEAKY_BASE + round(slope * LEAKY_STEPS)
+    return LEAKY_BASE + round(slope * LEAKY_STEPS), functools.partial(F.leaky_relu, negative_slope=slope)
+
+
+def activation_code(activation: str) -> int:
+    """The kernels' code of ``activation``; ValueError naming the table for
+    a name it does not hold."""
+    return _entry(activation)[0]
 
 
 def activation_fn(activation: str) -> Optional[Callable]:
     """The eager function of ``activation`` (None for ``"none"``): what the
     fallback computes where the kernel's code computes it."""
-    entry = ACTIVATIONS.get(activation) if isinstance(activation, str) else None
-    if entry is not None:
-        return entry[1]
-    slope = _leaky_slope(activation)
-    if slope is None:
-        raise ValueError(f"activation {activation!r}: {_expected()}")
-    return functools.partial(F.leaky_relu, negative_slope=slope)
+    return _entry(activation)[1]
 
 
 def eager_epilogue(y: torch.Tensor, residual: Optional[torch.Tensor], beta: float,

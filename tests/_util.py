@@ -51,3 +51,21 @@ def conv_kernels() -> dict:
             "conv2d_tma": conv2d_tma.conv2d_tma_kernel, "conv2d_flat": conv2d_flat.conv2d_flat_kernel,
             "conv2d_tma_padded": conv2d_tma_padded.conv2d_tma_padded_kernel,
             "conv3d": conv3d.conv3d_fwd_kernel, "conv3d_tma": conv3d_tma.conv3d_tma_kernel}
+
+
+def refuse_fallback(monkeypatch, recipe_module):
+    """Make a recipe module's ``base`` (the block's own forward) fail: a
+    test of the fused forward must not pass on a silent fallback."""
+    def refuse(m, *a, **k):
+        raise AssertionError(f"{type(m).__name__} fell back to its own forward")
+    monkeypatch.setattr(recipe_module, "base", refuse)
+
+
+def perturbed(block, seed: int, scale: float = 0.2):
+    """``block`` in eval mode with seeded noise added to every parameter
+    (no parameter left at its initial zero or one)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale)
+    return block.eval()

@@ -13,26 +13,19 @@ import conv_patch
 from conv_patch.recipes import cogvideox
 from conv_patch.runtime.state import state_of
 from conv_patch.target import interpreter_enabled
-from _util import TOL, rel_err
+from _util import TOL, perturbed, refuse_fallback, rel_err
 
 cv = pytest.importorskip("diffusers.models.autoencoders.autoencoder_kl_cogvideox")
 
 
 @pytest.fixture
 def no_fallback(monkeypatch):
-    def refuse(m, *a, **k):
-        raise AssertionError(f"{type(m).__name__} fell back to its own forward")
-    monkeypatch.setattr(cogvideox, "base", refuse)
+    refuse_fallback(monkeypatch, cogvideox)
 
 
 def _block(cin, cout, seed, **kw):
     torch.manual_seed(seed)
-    block = cv.CogVideoXResnetBlock3D(cin, cout, groups=2, **kw).eval()
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in block.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.2)
-    return block
+    return perturbed(cv.CogVideoXResnetBlock3D(cin, cout, groups=2, **kw), seed)
 
 
 def _same(a, b):

@@ -12,26 +12,19 @@ from torch import nn
 import conv_patch
 from conv_patch.recipes import hunyuan
 from conv_patch.runtime.state import state_of
-from _util import TOL, rel_err
+from _util import TOL, perturbed, refuse_fallback, rel_err
 
 hv = pytest.importorskip("diffusers.models.autoencoders.autoencoder_kl_hunyuan_video")
 
 
 @pytest.fixture
 def no_fallback(monkeypatch):
-    def refuse(m, *a, **k):
-        raise AssertionError(f"{type(m).__name__} fell back to its own forward")
-    monkeypatch.setattr(hunyuan, "base", refuse)
+    refuse_fallback(monkeypatch, hunyuan)
 
 
 def _block(cin, cout, seed):
     torch.manual_seed(seed)
-    block = hv.HunyuanVideoResnetBlockCausal3D(cin, cout, groups=2).eval()
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in block.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.2)
-    return block
+    return perturbed(hv.HunyuanVideoResnetBlockCausal3D(cin, cout, groups=2), seed)
 
 
 @pytest.mark.parametrize("cin,cout,frames", [(6, 6, 3), (4, 10, 1), (6, 8, 4)])

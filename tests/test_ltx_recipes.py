@@ -12,26 +12,19 @@ import conv_patch
 from conv_patch.recipes import ltx
 from conv_patch.runtime.state import state_of
 from conv_patch.target import interpreter_enabled
-from _util import TOL, rel_err
+from _util import TOL, perturbed, refuse_fallback, rel_err
 
 lv = pytest.importorskip("diffusers.models.autoencoders.autoencoder_kl_ltx")
 
 
 @pytest.fixture
 def no_fallback(monkeypatch):
-    def refuse(m, *a, **k):
-        raise AssertionError(f"{type(m).__name__} fell back to its own forward")
-    monkeypatch.setattr(ltx, "base", refuse)
+    refuse_fallback(monkeypatch, ltx)
 
 
 def _block(cin, cout, seed, **kw):
     torch.manual_seed(seed)
-    block = lv.LTXVideoResnetBlock3d(cin, cout, **kw).eval()
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in block.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.2)
-    return block
+    return perturbed(lv.LTXVideoResnetBlock3d(cin, cout, **kw), seed)
 
 
 @pytest.mark.parametrize("cin,cout,frames,affine", [(6, 6, 3, False), (4, 10, 1, True), (6, 8, 4, False)])

@@ -4,8 +4,10 @@ import datetime
 import json
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -141,6 +143,26 @@ def write_results(name, rows, extra=None, out_dir=None):
     path = out_dir / f"{name}-{doc['date'][:10]}.json"
     path.write_text(json.dumps(doc, indent=1) + "\n")
     return path
+
+
+def child_rows(module: str, argv: list, env: Optional[dict] = None, timeout: Optional[float] = None):
+    """``python -m module *argv --row-out FILE`` in a fresh process (the
+    benchmark's own rows for one case, written by its child mode), with
+    ``env`` added to this process's environment: (rows, None), or (None,
+    why) where the child died, wrote nothing or passed ``timeout``."""
+    import subprocess
+    import tempfile
+    with tempfile.TemporaryDirectory(prefix="bench-child-") as tmp:
+        out = Path(tmp) / "rows.json"
+        try:
+            proc = subprocess.run([sys.executable, "-m", module, *argv, "--row-out", str(out)],
+                                  env={**os.environ, **(env or {})}, cwd=Path(__file__).resolve().parents[1],
+                                  timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None, f"child process timed out after {timeout} s"
+        if out.is_file():
+            return json.loads(out.read_text()), None
+        return None, f"child process exited with {proc.returncode} and no row"
 
 
 def profile_top(fn, device, top: int = 25) -> list:

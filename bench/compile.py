@@ -66,10 +66,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
-import shutil
-import subprocess
-import sys
 import tempfile
 import time
 import traceback
@@ -79,8 +75,8 @@ import torch
 
 import conv_patch
 
-from .common import bench_device, env_info, peak_gib, print_table, write_results
-from .zoo import DTYPES, _inputs, _rel_err, _seeded, _tensor_bytes, interleaved, load_case, output_tensor, \
+from .common import bench_device, child_rows, env_info, peak_gib, print_table, write_results
+from .zoo import DTYPES, inputs_for, interleaved, load_case, output_tensor, rel_err, seeded, tensor_bytes, \
     size_name
 
 MODES = ("default", "max-autotune-no-cudagraphs", "reduce-overhead")
@@ -116,14 +112,14 @@ def load(name, size, batch, dtype_name, tiny, device):
     dtype = DTYPES[dtype_label]
     if tiny:
         with torch.device(device):
-            vae = _seeded(zoo._kl(16, True))
+            vae = seeded(zoo.kl_vae(16, True))
         vae = vae.to(device, dtype).eval()
     else:
         from .vae import flux_vae
         vae = flux_vae(dtype)[2]
     fields = {"name": f"{name} {size_name(size)} b{batch} {dtype_label}", "model": name, "size": size_name(size),
               "batch": batch, "dtype": dtype_label}
-    return fields, vae, _inputs(zoo.image_inputs(16, 2 if tiny else 8), size, batch, device, dtype)
+    return fields, vae, inputs_for(zoo.image_inputs(16, 2 if tiny else 8), size, batch, device, dtype)
 
 
 def entry(m, name):
@@ -294,14 +290,14 @@ def bench_case(name, size, batch, dtype_name, mode, runs, warmup, tiny, device, 
             if graphed:
                 torch.compiler.cudagraph_mark_step_begin()
             y_base = _output(base, inputs[0])
-            row["rel_err_vs_baseline"] = _rel_err(y_ours, y_base)
-            row["rel_err_vs_fp32"] = _rel_err(y_ours, ref32)
-            row["baseline_rel_err_vs_fp32"] = _rel_err(y_base, ref32)
-            row["patched_eager_rel_err_vs_fp32"] = _rel_err(_output(eager_patched, inputs[0]), ref32)
+            row["rel_err_vs_baseline"] = rel_err(y_ours, y_base)
+            row["rel_err_vs_fp32"] = rel_err(y_ours, ref32)
+            row["baseline_rel_err_vs_fp32"] = rel_err(y_base, ref32)
+            row["patched_eager_rel_err_vs_fp32"] = rel_err(_output(eager_patched, inputs[0]), ref32)
 
             stage = "peak memory"
             args, kw = inputs[0]
-            held = _tensor_bytes((args, kw))
+            held = tensor_bytes((args, kw))
 
             def once(fn):
                 def f():
@@ -356,28 +352,19 @@ def _child(case, mode, args) -> dict:
     """``bench_case`` in a fresh process (``--in-process``, one case and
     mode), with empty Inductor and Triton caches unless ``--warm-cache``."""
     name, size, batch, dt = case
-    tmp = Path(tempfile.mkdtemp(prefix="bench-compile-"))
-    out = tmp / "row.json"
-    cmd = [sys.executable, "-m", "bench.compile", "--in-process", "--only", name, "--modes", mode,
-           "--runs", str(args.runs), "--warmup", str(args.warmup), "--backend", args.backend, "--row-out", str(out)]
-    cmd += [f for f, on in (("--tiny", args.tiny), ("--cudnn-benchmark", args.cudnn_benchmark)) if on]
-    env = dict(os.environ)
-    if not args.warm_cache:
-        env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp / "inductor")
-        env["TRITON_CACHE_DIR"] = str(tmp / "triton")
-    fields = {"name": f"{name} {size_name(size)} b{batch} {dt or ''} {mode}".replace("  ", " "), "case": name,
-              "mode": mode, "backend": args.backend, "baseline": BASELINE}
-    try:
-        proc = subprocess.run(cmd, env=env, cwd=Path(__file__).resolve().parents[1], timeout=args.child_timeout)
-        if out.is_file():
-            (row,) = json.loads(out.read_text())
-            row["cache"] = "warm" if args.warm_cache else "cold"
-            return row
-        row = {**fields, "error": f"child process exited with {proc.returncode} and no row"}
-    except subprocess.TimeoutExpired:
-        row = {**fields, "error": f"child process timed out after {args.child_timeout} s"}
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    argv = ["--in-process", "--only", name, "--modes", mode, "--runs", str(args.runs), "--warmup", str(args.warmup),
+            "--backend", args.backend]
+    argv += [f for f, on in (("--tiny", args.tiny), ("--cudnn-benchmark", args.cudnn_benchmark)) if on]
+    with tempfile.TemporaryDirectory(prefix="bench-compile-") as tmp:
+        env = {} if args.warm_cache else {"TORCHINDUCTOR_CACHE_DIR": str(Path(tmp) / "inductor"),
+                                          "TRITON_CACHE_DIR": str(Path(tmp) / "triton")}
+        rows, error = child_rows("bench.compile", argv, env, args.child_timeout)
+    if rows:
+        (row,) = rows
+        row["cache"] = "warm" if args.warm_cache else "cold"
+        return row
+    row = {"name": f"{name} {size_name(size)} b{batch} {dt or ''} {mode}".replace("  ", " "), "case": name,
+           "mode": mode, "backend": args.backend, "baseline": BASELINE, "error": error}
     _derive(row)
     return row
 

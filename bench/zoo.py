@@ -53,7 +53,7 @@ SHARED = Path(os.environ.get("CONV_PATCH_SHARED") or Path(__file__).resolve().pa
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 
-def _seeded(model: nn.Module) -> nn.Module:
+def seeded(model: nn.Module) -> nn.Module:
     from conv_patch.tools.taesd import seeded_
     seeded_(model)
     return model
@@ -204,7 +204,7 @@ class _Part(nn.Module):
         return self.part(x)
 
 
-def _kl(latent, tiny):
+def kl_vae(latent, tiny):
     from diffusers import AutoencoderKL
     if tiny:
         return AutoencoderKL(in_channels=3, out_channels=3, latent_channels=latent, block_out_channels=(8, 16),
@@ -216,19 +216,19 @@ def _kl(latent, tiny):
 
 
 def sd_vae_decode(tiny):  # SD1.5 and SDXL share the VAE's shapes
-    return _Part(_kl(4, tiny).decoder), image_inputs(4, 8 if not tiny else 2)
+    return _Part(kl_vae(4, tiny).decoder), image_inputs(4, 8 if not tiny else 2)
 
 
 def sd_vae_encode(tiny):
-    return _Part(_kl(4, tiny).encoder), image_inputs(3)
+    return _Part(kl_vae(4, tiny).encoder), image_inputs(3)
 
 
 def flux_vae_decode(tiny):
-    return _Part(_kl(16, tiny).decoder), image_inputs(16, 8 if not tiny else 2)
+    return _Part(kl_vae(16, tiny).decoder), image_inputs(16, 8 if not tiny else 2)
 
 
 def flux_vae_encode(tiny):
-    return _Part(_kl(16, tiny).encoder), image_inputs(3)
+    return _Part(kl_vae(16, tiny).encoder), image_inputs(3)
 
 
 # -- architectures no recipe or table entry was written for (issue 44's
@@ -447,7 +447,7 @@ def size_name(size):
     return f"{size[0]}x{size[1]}" if isinstance(size, tuple) else f"{size}x{size}"
 
 
-def _inputs(make, size, batch, device, dtype, n=3):
+def inputs_for(make, size, batch, device, dtype, n=3):
     """``n`` different inputs (rotated through, so no call reuses the last
     one's cache lines); non-square sizes as (height, width)."""
     out = []
@@ -475,11 +475,11 @@ def load_case(name, size, batch, dtype_name, tiny, device, n_inputs=3):
     with torch.device(device):
         # Built on the device: a random init of SDXL's 2.6B parameters on the CPU takes minutes.
         model, make = build(tiny)
-    model = _seeded(model) if name != "taef2" or tiny else model
+    model = seeded(model) if name != "taef2" or tiny else model
     model = model.to(device, dtype).eval()
     fields = {"name": f"{name} {size_name(size)} b{batch} {dtype_label}", "model": name, "size": size_name(size),
               "batch": batch, "dtype": dtype_label}
-    return fields, model, _inputs(make, size, batch, device, dtype, n_inputs)
+    return fields, model, inputs_for(make, size, batch, device, dtype, n_inputs)
 
 
 def case_args(ap, name: str) -> None:
@@ -571,11 +571,11 @@ def bench_row(name, size, batch, dtype_name, runs, warmup, tiny, device, min_sec
             variants[k]()
         runs = runs_for(min(_timed(variants["unpatched"])[0] for _ in range(2)), runs, min_seconds, max_runs)
         res = interleaved({k: rotating(v) for k, v in variants.items()}, runs, warmup)
-        ref = _out(model, inputs[0])
-        err = {k: _rel_err(_out(m, inputs[0]), ref)
+        ref = model_output(model, inputs[0])
+        err = {k: rel_err(model_output(m, inputs[0]), ref)
                for k, m in (("patched", patched), ("graphed", graphed), *others.items())}
         args, kw = inputs[0]
-        held = _tensor_bytes((args, kw))
+        held = tensor_bytes((args, kw))
         peak = {k: peak_gib(lambda m=m: m(*args, **kw), m, held) for k, m in (("unpatched", model),
                                                                              ("patched", patched))}
     base = res["unpatched"]
@@ -608,14 +608,14 @@ def bench_row(name, size, batch, dtype_name, runs, warmup, tiny, device, min_sec
     return row
 
 
-def _tensor_bytes(obj) -> int:
+def tensor_bytes(obj) -> int:
     """Bytes of the tensors in nested tuples, lists and dicts (a call's inputs)."""
     if isinstance(obj, torch.Tensor):
         return obj.numel() * obj.element_size()
     if isinstance(obj, dict):
-        return sum(_tensor_bytes(v) for v in obj.values())
+        return sum(tensor_bytes(v) for v in obj.values())
     if isinstance(obj, (tuple, list)):
-        return sum(_tensor_bytes(v) for v in obj)
+        return sum(tensor_bytes(v) for v in obj)
     return 0
 
 
@@ -631,12 +631,12 @@ def output_tensor(y):
     return y
 
 
-def _out(m, inp):
+def model_output(m, inp):
     args, kw = inp
     return output_tensor(m(*args, **kw)).float()
 
 
-def _rel_err(a, b):
+def rel_err(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 

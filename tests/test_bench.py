@@ -566,9 +566,9 @@ def test_untuned_zoo_architectures_patched_compute_what_they_compute(name, exact
     fields, model, inputs = zoo.load_case(name, size, batch, dt, True, torch.device("cpu"), 1)
     convs = sum(isinstance(m, (torch.nn.Conv2d, torch.nn.Conv3d)) for m in model.modules())
     with torch.inference_mode():
-        ref = zoo._out(model, inputs[0])
+        ref = zoo.model_output(model, inputs[0])
         report = conv_patch.apply(model)
-        out = zoo._out(model, inputs[0])
+        out = zoo.model_output(model, inputs[0])
     assert len(report.patched) + len(report.skipped) == convs and all(report.skipped.values()), report
     assert len(report.patched) > len(report.skipped)
     assert ((out - ref).norm() / ref.norm()).item() <= 1e-5

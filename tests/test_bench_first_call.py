@@ -1,0 +1,27 @@
+"""bench.first_call's logic on the CPU (tiny configs): three fresh processes
+per case, the row's fields and the issue's checks."""
+
+import json
+
+import pytest
+
+pytest.importorskip("diffusers")
+
+
+def test_tiny_first_call_rows(tmp_path):
+    from bench import first_call
+    rows = first_call.main(["--tiny", "--only", "taef2", "--out", str(tmp_path)])
+    (row,) = rows
+    assert "error" not in row, row.get("error")
+    for k in ("baseline_s", "cold_s", "warm_s", "first_call_s", "cold_over_s", "warm_over_s", "baseline_second_s"):
+        assert isinstance(row[k], float) and row[k] >= 0 or k.endswith("over_s"), k
+    assert row["baseline"] == first_call.BASELINE and set(row["checks"]) == {"cold_within_5s", "warm_within_1s"}
+    (doc,) = [json.loads(p.read_text()) for p in tmp_path.glob("first-call-*.json")]
+    assert doc["rows"] == rows and "torch" in doc
+
+
+def test_a_child_that_fails_leaves_an_error(tmp_path, monkeypatch):
+    from bench import first_call
+    monkeypatch.setattr(first_call, "child_rows", lambda *a, **k: (None, "child process exited with 1 and no row"))
+    (row,) = first_call.main(["--tiny", "--only", "taef2", "--out", str(tmp_path)])
+    assert row["error"].startswith("unpatched: child process exited") and "checks" not in row

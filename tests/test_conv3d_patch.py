@@ -318,6 +318,9 @@ def test_cogvideox_and_mochi_decoders_patch_every_conv3d(family, exact_fp32):
     report = conv_patch.apply(vae)
     convs = [n for n, m in twin.named_modules() if isinstance(m, nn.Conv3d)]
     assert convs and all(n in report.patched for n in convs) and not report.skipped, report
+    # Their resnets fused (recipes/cogvideox.py, recipes/mochi.py).
+    resnets = [n for n, m in twin.named_modules() if type(m).__name__.endswith("ResnetBlock3D")]
+    assert resnets and all(report.fused[n].startswith(("cogvideox.", "mochi.")) for n in resnets)
     # (Mochi's decoder expands time 12x and space 8x: a smaller latent.)
     z = torch.randn((1, 4, 3, 2, 3) if family.endswith("CogVideoX") else (1, 4, 1, 2, 3))
     with torch.no_grad():

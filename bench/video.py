@@ -1,8 +1,9 @@
 """Video VAE decode: a Wan-family VAE (``--model``: ``wan2.1``, diffusers'
 default ``AutoencoderKLWan``; ``wan2.2``, the TI2V-5B VAE's config;
 ``qwen-image``, the default ``AutoencoderKLQwenImage`` on single frames;
-``hunyuan-video`` and ``ltx-video``, diffusers' default HunyuanVideo and
-LTX-Video VAEs, which conv-patch only wraps; random seeded weights, bf16) unpatched vs patched, and the decoder's Conv3d
+``hunyuan-video``, ``ltx-video``, ``cogvideox`` and ``mochi``, diffusers'
+default HunyuanVideo, LTX-Video, CogVideoX and Mochi 1 VAEs (the last two at
+their pipelines' default clips); random seeded weights, bf16) unpatched vs patched, and the decoder's Conv3d
 calls one by one: the Conv3d kernel against what the module runs (the cached
 frames concatenated, ``F.pad``, cuDNN's conv3d).
 
@@ -56,17 +57,24 @@ MODELS = {
                                         is_residual=True, in_channels=12, out_channels=12, patch_size=2,
                                         scale_factor_temporal=4, scale_factor_spatial=16), (121, 704, 1280)),
     "qwen-image": ("AutoencoderKLQwenImage", {}, (1, 1024, 1024)),
-    # Not accelerated beyond their Conv3d wrappers (no recipe, no conv3d
-    # entries): the rows that show them never slower.
+    # No conv3d table entries of their own: their resnets' recipes and the
+    # GroupNorm / RMS-norm kernels, their Conv3d calls on cuDNN.
     "hunyuan-video": ("AutoencoderKLHunyuanVideo", {}, (17, 320, 512)),
     "ltx-video": ("AutoencoderKLLTXVideo", {}, (25, 512, 768)),
+    # The pipelines' default clips (CogVideoXPipeline, MochiPipeline).
+    "cogvideox": ("AutoencoderKLCogVideoX", {}, (49, 480, 720)),
+    "mochi": ("AutoencoderKLMochi", {}, (19, 480, 848)),
 }
-TINY_CLIPS = {"hunyuan-video": (5, 32, 32, 5), "ltx-video": (9, 32, 32, 9)}
+TINY_CLIPS = {"hunyuan-video": (5, 32, 32, 5), "ltx-video": (9, 32, 32, 9), "cogvideox": (5, 16, 24, 5),
+              "mochi": (1, 16, 16, 1)}
 # --tiny configs of the classes whose Wan-family TINY does not fit.
 TINY_OTHER = {
     "hunyuan-video": dict(block_out_channels=(8, 8, 8, 8), latent_channels=4, layers_per_block=1, norm_num_groups=4),
     "ltx-video": dict(block_out_channels=(8, 8, 8, 8), decoder_block_out_channels=(8, 8, 8, 8), latent_channels=4,
                       layers_per_block=(1,) * 5, decoder_layers_per_block=(1,) * 5),
+    "cogvideox": dict(block_out_channels=(8, 8, 8, 8), latent_channels=4, norm_num_groups=4, layers_per_block=1),
+    "mochi": dict(encoder_block_out_channels=(32,) * 4, decoder_block_out_channels=(32,) * 4, latent_channels=4,
+                  layers_per_block=(1,) * 5),
 }
 
 
@@ -114,8 +122,11 @@ def latents(vae, frames: int, height: int, width: int, device, dtype):
         t_down = 2 ** sum(vae.config.temperal_downsample)
         s = vae.config.get("scale_factor_spatial") or 2 ** (len(vae.config.dim_mult) - 1)
         ch = vae.config.z_dim
-    else:  # HunyuanVideo, LTX-Video
-        t_down, s, ch = vae.temporal_compression_ratio, vae.spatial_compression_ratio, vae.config.latent_channels
+    else:  # HunyuanVideo, LTX-Video, Mochi; CogVideoX keeps its ratios in its config
+        cfg = vae.config
+        t_down = cfg.get("temporal_compression_ratio") or vae.temporal_compression_ratio
+        s = getattr(vae, "spatial_compression_ratio", None) or 2 ** (len(cfg.block_out_channels) - 1)
+        ch = cfg.latent_channels
     g = torch.Generator(device="cpu").manual_seed(frames)
     shape = (1, ch, 1 + (frames - 1) // t_down, height // s, width // s)
     return torch.randn(shape, generator=g).to(device=device, dtype=dtype)

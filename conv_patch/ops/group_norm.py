@@ -76,6 +76,21 @@ def launch_sizes(target: Target) -> tuple:
     return GN_LAUNCH["interpreter" if target.interpreter else "gpu"]
 
 
+def modulated(y: torch.Tensor, modulation: Optional[tuple]) -> torch.Tensor:
+    """``y * m + a`` for ``modulation`` (m, a), else ``y``: a normalised
+    value's spatial modulation as PyTorch ops."""
+    return y if modulation is None else y * modulation[0] + modulation[1]
+
+
+def torch_group_norm(x, num_groups, weight=None, bias=None, eps=1e-5, activation="none", input_bias=None,
+                     modulation=None) -> torch.Tensor:
+    """The op's eager expression: ``act(F.group_norm(x + input_bias) * m + a)``."""
+    if input_bias is not None:
+        x = x + input_bias.to(x.dtype).view(-1, *([1] * (x.dim() - 2)))
+    return eager_epilogue(modulated(F.group_norm(x, num_groups, weight, bias, eps), modulation), None, 1.0,
+                          activation, 1.0)
+
+
 def group_norm(x: torch.Tensor, num_groups: int, weight: Optional[torch.Tensor] = None,
                bias: Optional[torch.Tensor] = None, eps: float = 1e-5,
                activation: str = "none", out: Optional[torch.Tensor] = None,
@@ -95,22 +110,19 @@ def group_norm(x: torch.Tensor, num_groups: int, weight: Optional[torch.Tensor] 
     norm)."""
     code = activation_code(activation)
     if x.dim() == 5:
+        x4, out4 = as_4d(x), as_4d(out)
         mod = None if modulation is None else tuple(as_4d(t) for t in modulation)
-        if (group_norm_target(x, num_groups, weight, bias) is None or (out is not None and as_4d(out) is None)
-                or (mod is not None and (None in mod or as_4d(x) is None))):
-            if input_bias is not None:
-                x = x + input_bias.to(x.dtype).view(-1, 1, 1, 1)
-            y = eager_epilogue(_modulated(F.group_norm(x, num_groups, weight, bias, eps), modulation), None, 1.0,
-                               activation, 1.0)
+        if (group_norm_target(x, num_groups, weight, bias) is None or (out is not None and out4 is None)
+                or (mod is not None and (None in mod or x4 is None))):
+            y = torch_group_norm(x, num_groups, weight, bias, eps, activation, input_bias, modulation)
             return y if out is None else out.copy_(y)
-        # (A strided input, such as a [N, T, C, H, W] tensor permuted back,
-        # normalised from a contiguous copy into a contiguous output, as
-        # PyTorch's GroupNorm does.)
-        x4 = as_4d(x)
         if x4 is None:
+            # (A strided input, such as a [N, T, C, H, W] tensor permuted
+            # back, normalised from a contiguous copy into a contiguous
+            # output, as PyTorch's GroupNorm does.)
             x4 = as_4d(x.contiguous(memory_format=torch.contiguous_format if out is None or out.is_contiguous()
                                     else torch.channels_last_3d))
-        y = group_norm(x4, num_groups, weight, bias, eps, activation, as_4d(out), input_bias, mod)
+        y = group_norm(x4, num_groups, weight, bias, eps, activation, out4, input_bias, mod)
         return out if out is not None else from_4d(y, x.shape)
     is_nhwc = nhwc(x)
     fmt = torch.channels_last if is_nhwc else torch.contiguous_format
@@ -127,8 +139,7 @@ def group_norm(x: torch.Tensor, num_groups: int, weight: Optional[torch.Tensor] 
         # Only the NHWC statistics kernel takes the bias; elsewhere it is added first.
         x, input_bias = x + input_bias.to(x.dtype).view(-1, 1, 1), None
     if target is None:
-        y = eager_epilogue(_modulated(F.group_norm(x, num_groups, weight, bias, eps), modulation), None, 1.0,
-                           activation, 1.0)
+        y = torch_group_norm(x, num_groups, weight, bias, eps, activation, input_bias, modulation)
         return y if out is None else out.copy_(y)
     k = kernels()
     if out is None:
@@ -138,6 +149,3 @@ def group_norm(x: torch.Tensor, num_groups: int, weight: Optional[torch.Tensor] 
                               stats_block, programs, input_bias=input_bias, modulation=modulation)
     return out
 
-
-def _modulated(y: torch.Tensor, modulation: Optional[tuple]) -> torch.Tensor:
-    return y if modulation is None else y * modulation[0] + modulation[1]

@@ -328,10 +328,7 @@ def group_norm_eager(norm, x, activation="none", out=None, input_bias=None, modu
     """The norm's own forward, the modulation and the activation as PyTorch ops."""
     if input_bias is not None:
         x = x + input_bias.view(-1, *([1] * (x.dim() - 2)))
-    y = own_group_norm(norm, x)
-    if modulation is not None:
-        y = y * modulation[0] + modulation[1]
-    y = eager_epilogue(y, None, 1.0, activation, 1.0)
+    y = eager_epilogue(group_norm_op.modulated(own_group_norm(norm, x), modulation), None, 1.0, activation, 1.0)
     return y if out is None else out.copy_(y)
 
 
@@ -355,7 +352,8 @@ def own_group_norm(norm, x):
 def rms_norm(norm, x, params, eager_forward, activation="none"):
     """``act(norm(x))`` for an RMS-norm module over channels (the Wan-family
     VAEs', LTX-Video's): ``params`` its (weight, bias, scale, eps,
-    eps_added) as the recipe read them (``ops.rms_norm.rms_norm``), ``eager_forward()`` the module's own computation of this call.
+    eps_added) as the recipe read them (``ops.rms_norm.rms_norm``),
+    ``eager_forward()`` the module's own computation of this call.
     One pass of the kernel where it takes the call and pays
     (``costs.rms_norm_pays``), else ``eager_forward()`` and the activation
     as PyTorch ops; planned per signature in the norm's state; a kernel that

@@ -34,7 +34,8 @@ from conv_patch.runtime.plans import forward_with_padding, kernel_failure
 from conv_patch.runtime.state import peek, state_of
 from conv_patch.specs import KERNEL_DTYPES, needs_grad
 from conv_patch.target import target_for
-from conv_patch.runtime.wrappers import PatchedCausalConv3d, PatchedConvMixin, comfy_active, is_comfy_conv_class
+from conv_patch.runtime.wrappers import (PatchedCausalConv3d, PatchedConv3d, PatchedConvMixin, comfy_active,
+                                         is_comfy_conv_class)
 from conv_patch.checkout import refuse_top_level
 
 refuse_top_level(__name__)
@@ -310,7 +311,7 @@ def kernel_step(m: nn.Module, fn):
 
 
 def _kernels_may_run(m: nn.Module) -> bool:
-    return (isinstance(m, PatchedConvMixin) and not (m.cp_comfy_class and comfy_active(m))
+    return (isinstance(m, PatchedConvMixin) and not m.cp_comfy_active()
             and not (m._forward_hooks or m._forward_pre_hooks))
 
 
@@ -386,6 +387,18 @@ def causal_conv3d(m: nn.Conv3d, x: torch.Tensor, cache_x: Optional[torch.Tensor]
     if isinstance(m, PatchedCausalConv3d) and not (m._forward_hooks or m._forward_pre_hooks):
         return m.causal(x, cache_x, residual=residual)
     y = m(x, cache_x)
+    return y if residual is None else y + residual
+
+
+def conv3d(m: nn.Conv3d, x: torch.Tensor, *, cache: Optional[torch.Tensor] = None,
+           residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``m(cat([cache, x], 2)) + residual`` for a Conv3d (``cache``: frames
+    before ``x`` in time): the cached frames read in place and the residual
+    added in the epilogue where ``m`` is patched and unhooked, the module's
+    own call on the concatenation and a PyTorch add otherwise."""
+    if isinstance(m, PatchedConv3d) and not isinstance(m, PatchedCausalConv3d) and _kernels_may_run(m):
+        return m(x, cache=cache, residual=residual)
+    y = m(x if cache is None else torch.cat([cache, x], 2))
     return y if residual is None else y + residual
 
 

@@ -12,10 +12,8 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import nn
 
-from conv_patch.runtime.wrappers import PatchedConv3d
-
-from .fuse import (Recipe, base, dropout_is_identity, group_norm, inference, is_group_norm, is_silu, named,
-                   parts, plain, register)
+from .fuse import (Recipe, base, conv3d, dropout_is_identity, group_norm, inference, is_group_norm, is_silu,
+                   named, parts, plain, register)
 
 
 def _causal(m, k: int) -> bool:
@@ -33,11 +31,7 @@ def _conv(m, x, residual=None):
     """``m(x) + residual``: its pad, then its Conv3d with the residual added
     in the conv's epilogue where it is patched (a pass of its own saved)."""
     conv, pad, mode = parts(m, "conv", "time_causal_padding", "pad_mode")
-    x = F.pad(x, pad, mode=mode)
-    if isinstance(conv, PatchedConv3d) and plain(conv):
-        return conv(x, residual=residual)
-    y = conv(x)
-    return y if residual is None else y + residual
+    return conv3d(conv, F.pad(x, pad, mode=mode), residual=residual)
 
 
 class ResnetBlockCausal3D(Recipe):

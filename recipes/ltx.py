@@ -12,9 +12,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from conv_patch.runtime.wrappers import PatchedConv3d
-
-from .fuse import (Recipe, base, channel_rms_norm, dropout_is_identity, inference, is_silu,
+from .fuse import (Recipe, base, channel_rms_norm, conv3d, dropout_is_identity, inference, is_silu,
                    last_axis_rms_norm_params, named, parts, plain, register)
 
 
@@ -29,15 +27,14 @@ def _causal(m, k: int) -> bool:
 
 
 def _conv(m, x, residual=None):
-    """``m(x) + residual``. Causal, through the patched Conv3d's cached
-    frames: the first frame's ``k - 1`` copies are the frames before ``x``
-    (read in place of the module's concatenated copy of the clip), the
-    residual added in the conv's epilogue."""
+    """``m(x) + residual``. Causal, through the Conv3d's cached frames
+    (``fuse.conv3d``): the first frame's ``k - 1`` copies are the frames
+    before ``x``, read in place of the module's concatenated copy of the
+    clip where the conv is patched, the residual added in its epilogue."""
     conv = parts(m, "conv")[0]
     kt = conv.kernel_size[0]
-    if m.__dict__["is_causal"] and isinstance(conv, PatchedConv3d) and plain(conv):
-        cache = x[:, :, :1].repeat(1, 1, kt - 1, 1, 1) if kt > 1 else None
-        return conv(x, cache=cache, residual=residual)
+    if m.__dict__["is_causal"]:
+        return conv3d(conv, x, cache=x[:, :, :1].repeat(1, 1, kt - 1, 1, 1) if kt > 1 else None, residual=residual)
     y = m(x)
     return y if residual is None else y + residual
 

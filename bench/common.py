@@ -61,6 +61,13 @@ def env_info():
     }
 
 
+def sync():
+    """Wait for the GPU's queued work (nothing on the CPU): a timed call ends
+    when its output is finished."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def bench_device():
     """The GPU when there is one; else the CPU, where the kernels only run
     under the Triton interpreter and times mean nothing (how the tests drive

@@ -75,7 +75,7 @@ import torch
 
 import conv_patch
 
-from .common import bench_device, child_rows, env_info, peak_gib, print_table, write_results
+from .common import bench_device, child_rows, env_info, peak_gib, print_table, sync, write_results
 from .zoo import DTYPES, inputs_for, interleaved, load_case, output_tensor, rel_err, seeded, tensor_bytes, \
     size_name
 
@@ -92,11 +92,6 @@ TARGETS = {"flux-vae-decode": 1 / 0.6, "sd15-unet": 1.10, "sdxl-unet": 1.10}
 BASELINE = "torch.compile, unpatched"
 TABLE = ["name", "baseline_ms", "ours_ms", "patched_eager_ms", "speedup", "vs_patched_eager", "compile_s",
          "baseline_compile_s", "rel_err_vs_baseline", "error"]
-
-
-def _sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 # -- the models ------------------------------------------------------------------------
@@ -199,10 +194,10 @@ def _first_calls(fn, inp, graphed):
     for _ in range(2):
         if graphed:
             torch.compiler.cudagraph_mark_step_begin()
-        _sync()
+        sync()
         t = time.perf_counter()
         fn(*args, **kw)
-        _sync()
+        sync()
         times.append(time.perf_counter() - t)
     return times[0], times[1], _unique_graphs() - g0
 
@@ -214,7 +209,7 @@ def _warmup_compile(opts, device, dtype) -> float:
     x = torch.randn(64, device=device, dtype=dtype)
     t = time.perf_counter()
     torch.compile(lambda a: torch.nn.functional.silu(a * 2 + 1), **opts)(x)
-    _sync()
+    sync()
     return time.perf_counter() - t
 
 
@@ -258,7 +253,7 @@ def bench_case(name, size, batch, dtype_name, mode, runs, warmup, tiny, device, 
             stage = "patched eager first call"
             t = time.perf_counter()
             _output(eager_patched, inputs[0])
-            _sync()
+            sync()
             row["first_call_s"] = time.perf_counter() - t
 
             stage = "timing"

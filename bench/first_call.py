@@ -29,18 +29,13 @@ import torch
 import conv_patch
 
 from . import zoo
-from .common import bench_device, child_rows, print_table, write_results
+from .common import bench_device, child_rows, print_table, sync, write_results
 
 BASELINE = "unpatched first call, fresh process"
 # The bars: seconds over the unpatched first call.
 COLD_OVER_S, WARM_OVER_S = 5.0, 1.0
 VARIANTS = ("unpatched", "cold", "warm")
 TABLE = ["name", "baseline_s", "cold_s", "warm_s", "cold_over_s", "warm_over_s", "error"]
-
-
-def _sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def first_calls(name, size, batch, dtype_name, patched: bool, tiny: bool, device) -> dict:
@@ -52,10 +47,10 @@ def first_calls(name, size, batch, dtype_name, patched: bool, tiny: bool, device
     times = []
     with torch.inference_mode():
         for _ in range(2):
-            _sync()
+            sync()
             t0 = time.perf_counter()
             model(*args, **kw)
-            _sync()
+            sync()
             times.append(time.perf_counter() - t0)
     return {**fields, "first_s": times[0], "second_s": times[1]}
 

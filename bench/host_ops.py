@@ -27,7 +27,7 @@ import torch
 import conv_patch
 
 from . import zoo
-from .common import bench_device, write_results
+from .common import bench_device, sync, write_results
 
 HOST_BOUND = [("sd15-unet", 512, 2, None), ("controlnet", 512, 2, None), ("rrdb-x4", 256, 1, None),
               ("autoencoder-tiny", 512, 1, None), ("taef2", 256, 1, None), ("taef2", 512, 1, None),
@@ -35,21 +35,16 @@ HOST_BOUND = [("sd15-unet", 512, 2, None), ("controlnet", 512, 2, None), ("rrdb-
 TINY = [("taef2", 16, 1, "fp32"), ("sd15-unet", 16, 1, "fp32")]
 
 
-def _sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 def op_table(fn, calls: int) -> dict:
     """name -> [count, self CPU us] per call of ``fn`` under torch.profiler."""
     acts = [torch.profiler.ProfilerActivity.CPU]
     if torch.cuda.is_available():
         acts.append(torch.profiler.ProfilerActivity.CUDA)
-    _sync()
+    sync()
     with torch.profiler.profile(activities=acts) as prof:
         for _ in range(calls):
             fn()
-        _sync()
+        sync()
     out = {}
     for e in prof.key_averages():
         out[e.key] = [e.count / calls, e.self_cpu_time_total / calls]
@@ -59,12 +54,12 @@ def op_table(fn, calls: int) -> dict:
 def function_table(fn, calls: int) -> dict:
     """'file:line(name)' -> [calls, own seconds * 1e6] per call of ``fn``."""
     prof = cProfile.Profile()
-    _sync()
+    sync()
     prof.enable()
     for _ in range(calls):
         fn()
     prof.disable()
-    _sync()
+    sync()
     out = {}
     for (path, line, name), (cc, nc, tt, ct, _) in pstats.Stats(prof).stats.items():
         short = "/".join(path.split("/")[-2:])
@@ -95,7 +90,7 @@ def case_row(name, size, batch, dtype_name, calls, tiny, device, top=25) -> dict
         for _ in range(3):
             for f in fns.values():
                 f()
-        _sync()
+        sync()
         # Interleaved (A B, B A, ...): a slow stretch of the host hits both.
         host = {k: v["host_ms"] for k, v in zoo.interleaved(fns, max(calls, 9), 0).items()}
         ops = {k: op_table(f, calls) for k, f in fns.items()}

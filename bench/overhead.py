@@ -29,28 +29,23 @@ from conv_patch.runtime.plans import conv_key
 from conv_patch.runtime.state import state_of
 from conv_patch.specs import ConvSpec
 
-from .common import kernel_device, print_table, write_results
+from .common import kernel_device, print_table, sync, write_results
 
 TMA = BY_ROUTE[Route.CONV2D_TMA].table  # the TMA route's name in a table
 KERNEL_TABLE = {"conv2d": {"any": {"BLOCK_M": 64, "BLOCK_N": 16, "BLOCK_K": 16}}}
 TMA_TABLE = {"conv2d": {"any": {"route": TMA, "BLOCK_M": 64, "BLOCK_N": 16, "BLOCK_K": 16, "BLOCK_W": 8}}}
 
 
-def _sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 def per_call_us(fn, n=400, rounds=5, warmup=50):
     for _ in range(warmup):
         fn()
-    _sync()
+    sync()
     out = []
     for _ in range(rounds):
         t = time.perf_counter()
         for _ in range(n):
             fn()
-        _sync()
+        sync()
         out.append((time.perf_counter() - t) / n * 1e6)
     return statistics.median(out)
 

@@ -47,7 +47,7 @@ import torch
 
 import conv_patch
 
-from .common import ClockSampler, bench_device, clock_stats, peak_gib, print_table, write_results
+from .common import ClockSampler, bench_device, clock_stats, peak_gib, print_table, sync, write_results
 
 SHARED = Path(os.environ.get("CONV_PATCH_SHARED") or Path(__file__).resolve().parents[2] / "shared")
 
@@ -103,11 +103,6 @@ def _gib(v):
     return "n/a" if v is None else f"{v:.2f} GiB"
 
 
-def _sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 def _graph_pool_bytes() -> int:
     """GPU memory held by the private pools of the CUDA graphs captured so far
     (the graphed model's, every resolution and part up to this row)."""
@@ -157,7 +152,7 @@ def profile_top(fn, top=15):
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with torch.inference_mode(), profile(activities=acts) as prof:
         fn()
-        _sync()
+        sync()
     cuda = torch.cuda.is_available()
     evs = [e for e in prof.key_averages()
            if (e.device_type.name == "CUDA") == cuda and (cuda or e.cpu_parent is None)]
@@ -217,7 +212,7 @@ def main(argv=None):
                                  device=device, dtype=dtype)
                 t0 = time.perf_counter()
                 (decode if part == "decode" else encode)(patched, x0)
-                _sync()
+                sync()
                 first[part] = time.perf_counter() - t0
         print(name, "first patched call (compiles):", {k: round(v, 2) for k, v in first.items()}, "s", flush=True)
         for part in args.parts:

@@ -47,7 +47,7 @@ from torch import nn
 import conv_patch
 from conv_patch.runtime.state import state_of
 
-from .common import bench_device, peak_gib, print_table, rotated, write_results
+from .common import bench_device, peak_gib, print_table, rotated, sync, write_results
 
 SHARED = Path(os.environ.get("CONV_PATCH_SHARED") or Path(__file__).resolve().parents[2] / "shared")
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -409,18 +409,13 @@ TINY = [("sd15-unet", 16, 1, "fp32"), ("rrdb-x4", 8, 1, "fp32"), ("taef2", 16, 1
         ("srvgg-x4", 8, 1, "fp32")]
 
 
-def _sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 def _timed(fn):
     """(wall ms to the finished output, ms until the call returned)."""
-    _sync()
+    sync()
     t0 = time.perf_counter()
     fn()
     t1 = time.perf_counter()
-    _sync()
+    sync()
     return (time.perf_counter() - t0) * 1e3, (t1 - t0) * 1e3
 
 
@@ -559,7 +554,7 @@ def bench_row(name, size, batch, dtype_name, runs, warmup, tiny, device, min_sec
         # The first patched call compiles the kernels the model needs.
         t0 = time.perf_counter()
         variants["patched"]()
-        _sync()
+        sync()
         first = time.perf_counter() - t0
 
         def rotating(fn):

@@ -8,7 +8,8 @@ calls one by one: the Conv3d kernel against what the module runs (the cached
 frames concatenated, ``F.pad``, cuDNN's conv3d).
 
     python -m bench.video [--model wan2.1] [--frames F --height H --width W] [--runs 3]
-                          [--layers] [--write-table configs/sm90.json] [--profile N] [--flops] [--tiny]
+                          [--layers] [--write-table configs/sm90.json] [--profile N] [--block-peaks]
+                          [--flops] [--tiny]
 
 Model rows: ``baseline_ms`` (unpatched, launched eagerly), ``ours_ms``
 (patched), ``speedup``, ``peak_gib`` / ``baseline_peak_gib``
@@ -26,7 +27,9 @@ route's, ``module_ms`` the module's own forward (cat, F.pad, cuDNN),
 ``ours_ms`` the best tile's. ``--write-table`` merges them into a
 config table as its ``conv3d`` entries, the measurements the dispatch core
 needs before it takes the kernel for a shape on a GPU (docs/design.md,
-"Conv3d"). ``--tiny`` runs a tiny config on the CPU (the test of this
+"Conv3d"). ``--block-peaks`` records each decoder block's peak memory (above what was
+allocated at its call), unpatched and patched: where a patched decode's
+peak grows. ``--tiny`` runs a tiny config on the CPU (the test of this
 script's logic; times mean nothing).
 """
 
@@ -173,6 +176,78 @@ def profile_decode(vae, z, device, top: int) -> list:
     return rows
 
 
+def _allocated(device) -> int:
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+
+
+def _block_peaks_of(model, z, device, depth: int) -> dict:
+    """{decoder block name: (peak GiB above what was allocated at its call,
+    GiB it left allocated)} of one decode, for the decoder's modules up to
+    ``depth`` dots deep (the first call of each, in call order; on the CPU
+    the peaks are zeros). The allocator's peak is reset at every block's
+    start and end, so every enclosing block still open takes the peak read
+    just before the reset into its own."""
+    cuda = device.type == "cuda"
+    seen, start, open_peaks, hooks = {}, {}, {}, []
+
+    def fold():
+        if cuda:
+            torch.cuda.synchronize(device)
+            peak = torch.cuda.max_memory_allocated(device)
+            for name in open_peaks:
+                open_peaks[name] = max(open_peaks[name], peak)
+            torch.cuda.reset_peak_memory_stats(device)
+
+    def pre(name):
+        def hook(mod, args):
+            fold()
+            start[name] = open_peaks[name] = _allocated(device)
+            seen.setdefault(name, None)  # (call order)
+        return hook
+
+    def post(name):
+        def hook(mod, args, out):
+            fold()
+            peak = open_peaks.pop(name, start[name])
+            if seen.get(name) is None:
+                seen[name] = ((peak - start[name]) / 2 ** 30, (_allocated(device) - start[name]) / 2 ** 30)
+        return hook
+
+    for name, mod in model.decoder.named_modules():
+        if name and name.count(".") < depth:
+            hooks += [mod.register_forward_pre_hook(pre(name)), mod.register_forward_hook(post(name))]
+    try:
+        with torch.no_grad():
+            model.decode(z)
+    finally:
+        for h in hooks:
+            h.remove()
+    return {name: v for name, v in seen.items() if v is not None}
+
+
+def block_peaks(vae, z, device, depth: int = 3) -> list:
+    """Where a patched decode's peak memory differs from the unpatched
+    one's: per decoder block (``depth`` levels), the peak above what was
+    allocated when the block was called, unpatched and patched (each model
+    warmed up by one decode first), blocks in call order. A block whose
+    ``extra_gib`` is positive holds more at its peak patched."""
+    import conv_patch
+    patched = copy.deepcopy(vae)
+    conv_patch.apply(patched)
+    peaks = {}
+    for label, model in (("unpatched", vae), ("patched", patched)):
+        with torch.no_grad():
+            model.decode(z)
+        peaks[label] = _block_peaks_of(model, z, device, depth)
+    rows = []
+    for name, (base_peak, base_held) in peaks["unpatched"].items():
+        ours = peaks["patched"].get(name)
+        if ours is not None:
+            rows.append({"block": name, "baseline_peak_gib": base_peak, "peak_gib": ours[0],
+                         "extra_gib": ours[0] - base_peak, "baseline_held_gib": base_held, "held_gib": ours[1]})
+    return rows
+
+
 def _routes(model) -> dict:
     out = {}
     for m in model.modules():
@@ -277,6 +352,8 @@ def main(argv=None):
     ap.add_argument("--no-decode", action="store_true", help="--layers alone, without the end-to-end row")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="also profile one patched decode: its N largest GPU kernels by total time")
+    ap.add_argument("--block-peaks", action="store_true",
+                    help="also each decoder block's peak memory, unpatched and patched (where a patched peak grows)")
     ap.add_argument("--flops", action="store_true",
                     help="also count the decode's arithmetic (meta device) and its time at the bf16 peak")
     ap.add_argument("--tiny", action="store_true", help="a tiny config on the CPU (the tests)")
@@ -294,7 +371,7 @@ def main(argv=None):
         args.frames, args.height, args.width, args.layer_frames = TINY_CLIPS.get(args.model, (3, 8, 8, 3))
         args.max_layers = args.max_layers or 6
     # (--flops --no-decode alone needs no model of its own: it counts on the meta device.)
-    timed = not args.no_decode or args.profile or args.layers or args.write_table
+    timed = not args.no_decode or args.profile or args.layers or args.write_table or args.block_peaks
     vae = build_vae(args.model, args.tiny, device, dtype) if timed else None
     rows = []
     extra = {"model": args.model, "frames": args.frames, "height": args.height, "width": args.width,
@@ -324,6 +401,12 @@ def main(argv=None):
     if args.profile:
         extra["profile"] = profile_decode(vae, latents(vae, args.frames, args.height, args.width, device, dtype),
                                           device, args.profile)
+        save()
+    if args.block_peaks:
+        extra["block_peaks"] = block_peaks(vae, latents(vae, args.frames, args.height, args.width, device, dtype),
+                                           device)
+        worst = sorted(extra["block_peaks"], key=lambda r: -r["extra_gib"])[:12]
+        print_table(worst, ["block", "baseline_peak_gib", "peak_gib", "extra_gib"])
         save()
     if args.layers or args.write_table:
         z = latents(vae, args.layer_frames, args.height, args.width, device, dtype)

@@ -15,3 +15,18 @@ def test_tiny_model_row(model, tmp_path):
     (path,) = tmp_path.glob(f"video-{model}-*.json")
     (row,) = json.loads(path.read_text())["rows"]
     assert row["rel_err_vs_unpatched"] < 1e-5 and row["patched_convs"] > 0 and row["fused_blocks"] > 0
+
+
+def test_block_peaks_pairs_each_decoder_block(tmp_path, monkeypatch):
+    """--block-peaks: one row per decoder block, unpatched beside patched, in
+    call order; what a block leaves allocated is read from the allocator
+    (faked here: the CPU has no peak statistics)."""
+    from bench import video
+    counter = iter(range(0, 10 ** 9, 2 ** 20))  # 1 MiB more at each read
+    monkeypatch.setattr(video, "_allocated", lambda device: next(counter))
+    video.main(["--model", "ltx-video", "--tiny", "--no-decode", "--block-peaks", "--out", str(tmp_path)])
+    (path,) = tmp_path.glob("video-ltx-video-*.json")
+    rows = json.loads(path.read_text())["block_peaks"]
+    names = [r["block"] for r in rows]
+    assert names[0] == "conv_in" and "up_blocks.0" in names and len(names) == len(set(names))
+    assert all(r["held_gib"] > 0 and r["baseline_held_gib"] > 0 and r["extra_gib"] == 0 for r in rows)

@@ -55,8 +55,13 @@ class ResnetBlock3D(Recipe):
             return base(m, inputs, conv_cache, *args, **kwargs)
         new_cache = {}
         conv_cache = conv_cache or {}
-        h, new_cache["conv1"] = conv1(_frame_norm_silu(norm1, inputs), conv_cache=conv_cache.get("conv1"))
-        h, new_cache["conv2"] = conv2(_frame_norm_silu(norm2, h), conv_cache=conv_cache.get("conv2"))
+        # Each intermediate rebound before the next conv, as the block's own
+        # forward does: conv1's output kept alive through conv2 would be one
+        # more full-size clip at the decode's peak.
+        h = _frame_norm_silu(norm1, inputs)
+        h, new_cache["conv1"] = conv1(h, conv_cache=conv_cache.get("conv1"))
+        h = _frame_norm_silu(norm2, h)
+        h, new_cache["conv2"] = conv2(h, conv_cache=conv_cache.get("conv2"))
         return h + inputs, new_cache
 
 

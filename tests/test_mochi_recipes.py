@@ -41,3 +41,20 @@ def test_the_resnet_block_against_its_own_forward(channels, frames, exact_fp32, 
             assert all(rel_err(cache[k], ref_cache[k]) <= TOL[torch.float32] for k in cache if cache[k] is not None)
     if interpreter_enabled():
         assert launched and launched[0] == (frames, channels, 4, 5)
+
+
+def test_the_resnet_block_frees_conv1s_output_before_conv2_runs():
+    """The block's own forward rebinds its intermediate before each conv,
+    so conv1's output is gone while conv2 runs; the fused block must hold no
+    more than that (at Mochi's 480x848 decode one more clip is 2.3 GiB)."""
+    import weakref
+    torch.manual_seed(0)
+    block = mv.MochiResnetBlock3D(32)
+    assert conv_patch.apply(block).fused[""].startswith("mochi.ResnetBlock3D")
+    seen = {}
+    block.conv1.register_forward_hook(lambda m, a, o: seen.__setitem__("conv1_out", weakref.ref(o[0])))
+    block.conv2.register_forward_pre_hook(
+        lambda m, a: seen.__setitem__("alive_at_conv2", seen["conv1_out"]() is not None))
+    with torch.no_grad():
+        block(torch.randn(1, 32, 3, 4, 5))
+    assert seen["alive_at_conv2"] is False

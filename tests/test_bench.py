@@ -572,3 +572,21 @@ def test_untuned_zoo_architectures_patched_compute_what_they_compute(name, exact
     assert len(report.patched) + len(report.skipped) == convs and all(report.skipped.values()), report
     assert len(report.patched) > len(report.skipped)
     assert ((out - ref).norm() / ref.norm()).item() <= 1e-5
+
+
+def test_seeded_prelu_nets_stay_in_fp16_range():
+    """``seeded_`` gives a PReLU a slope, not a scale: with slopes near 1
+    the zoo's 34-conv SRVGG grew ~1.4x a layer and its fp16 row compared
+    infinities (rel_err NaN). Every activation of the full-size net, seeded
+    as the zoo seeds it, stays well inside fp16."""
+    import torch
+
+    from bench import zoo
+    model, _ = zoo.srvgg_x4(False)
+    zoo.seeded(model)
+    biggest = []
+    for m in model.body:
+        m.register_forward_hook(lambda mod, a, o: biggest.append(o.abs().max().item()))
+    with torch.no_grad():
+        model(torch.randn(1, 3, 24, 24, generator=torch.Generator().manual_seed(0)))
+    assert len(biggest) == len(model.body) and max(biggest) < 1e3, max(biggest)

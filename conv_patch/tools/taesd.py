@@ -105,4 +105,10 @@ def seeded_(model: nn.Module, seed: int = 0) -> nn.Module:
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
             else:
                 p.copy_(0.05 * torch.randn(p.shape, generator=g))
+        for m in model.modules():
+            if isinstance(m, nn.PReLU):
+                # A PReLU's weight is its negative slope, not a scale: near
+                # 1 the net is almost linear and He-scaled convs grow its
+                # activations ~1.4x a layer (fp16 overflows within 30).
+                m.weight.copy_(0.25 + 0.05 * torch.randn(m.weight.shape, generator=g))
     return model

@@ -56,6 +56,13 @@ def test_a_fused_decoder_compiles_to_conv_patch_ops_without_copies(device, exact
     # the shortcut's) would be copies here.
     assert not [op for op in seen if op.startswith("aten.copy")]
     assert seen.count("conv_patch.conv.default") >= 8
+    # Every GroupNorm the kernels take eagerly is the GroupNorm op, not
+    # Inductor's native_group_norm (on a GPU, norms this small are
+    # PyTorch's eagerly too, so theirs stay in the graph).
+    norms = sum(isinstance(m, torch.nn.GroupNorm) for m in dec.modules())
+    if not z.is_cuda:
+        assert seen.count("conv_patch.group_norm.default") == norms == 14
+        assert "aten.native_group_norm.default" not in seen
 
 
 def test_a_hooked_upsample_conv_is_traced_as_its_module(device, exact_fp32):
@@ -110,3 +117,49 @@ def test_the_upsample_op_writes_nothing_it_was_given(device, exact_fp32):
     with torch.no_grad():
         y = compiled.upsample_conv(x, w, b, r, "none")
     assert torch.equal(r, before) and y.data_ptr() != r.data_ptr()
+
+
+@pytest.mark.parametrize("layout", ["nchw", "nhwc", "ncdhw", "ndhwc", "strided5d"])
+@pytest.mark.parametrize("extras", ["plain", "input_bias", "modulation"])
+def test_the_group_norm_op_against_float64(device, layout, extras):
+    """``torch.ops.conv_patch.group_norm`` (what a compiled graph runs for
+    a GroupNorm the kernels take): the norm of ``x + input_bias``, modulated,
+    SiLU'd, against float64, in the layout its fake claims, on awkward
+    shapes (12 channels in 3 groups, odd spatial sizes) with a large mean
+    and an outlier; and opcheck's schema/fake/AOT checks."""
+    from conv_patch.ops import group_norm as gno
+    if extras == "input_bias" and layout != "nhwc" and layout != "nchw":
+        pytest.skip("input_bias is a 4-D call's (a conv's bias folded into the norm)")
+    g = torch.Generator().manual_seed(hash((layout, extras)) % 1000)
+    shape = (2, 12, 5, 7) if layout in ("nchw", "nhwc") else (1, 12, 3, 4, 5)
+    x = (torch.randn(shape, generator=g) + 40.0)
+    x.view(-1)[7] *= 25
+    if layout == "nhwc":
+        x = x.contiguous(memory_format=torch.channels_last)
+    elif layout == "ndhwc":
+        x = x.contiguous(memory_format=torch.channels_last_3d)
+    elif layout == "strided5d":
+        x = x.permute(0, 2, 1, 3, 4).contiguous().permute(0, 2, 1, 3, 4)  # a [B, T, C, H, W] clip permuted back
+    w, b = 1 + 0.1 * torch.randn(12, generator=g), 0.1 * torch.randn(12, generator=g)
+    ib = 0.5 * torch.randn(12, generator=g) if extras == "input_bias" else None
+    # (Modulation in x's layout, as CogVideoX's spatial norm passes it.)
+    mod = (tuple(torch.empty_like(x).copy_(torch.randn(shape, generator=g)) for _ in range(2))
+           if extras == "modulation" else None)
+    xd = x + (0 if ib is None else ib.view(-1, *([1] * (x.dim() - 2))))
+    ref = F.silu(F.group_norm(xd.double(), 3, w.double(), b.double(), 1e-5))
+    if mod is not None:
+        ref = F.silu(F.group_norm(xd.double(), 3, w.double(), b.double(), 1e-5) * mod[0].double() + mod[1].double())
+    args = [t if not isinstance(t, torch.Tensor) else t.to(device)
+            for t in (x, 3, w, b, 1e-5, "silu", ib, *(mod or (None, None)))]
+    with torch.no_grad():
+        y = torch.ops.conv_patch.group_norm(*args)
+        eager = gno.group_norm(args[0], 3, args[2], args[3], 1e-5, "silu", input_bias=args[6],
+                               modulation=mod and (args[7], args[8]))
+    assert rel_err(y, ref) <= 1e-5 and torch.equal(y, eager)
+    assert y.is_contiguous(memory_format=gno.output_format(args[0]))
+    with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
+        fake = torch.ops.conv_patch.group_norm(*[mode.from_tensor(t) if isinstance(t, torch.Tensor) else t
+                                                 for t in args])
+    assert fake.shape == y.shape and fake.stride() == y.stride()
+    torch.library.opcheck(torch.ops.conv_patch.group_norm.default, tuple(args),
+                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))

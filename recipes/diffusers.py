@@ -167,7 +167,7 @@ class NHWCInside(Recipe):
             # Where no kernel can run (a CPU model), NHWC would only add copies.
             return base(m, sample, *args, **kwargs)
         # The block's own forward, fed NHWC: not a fallback.
-        return like_input(m.cp_base.forward(m, channels_last(sample), *args, **kwargs), sample)
+        return like_input(m.cp_own_forward(channels_last(sample), *args, **kwargs), sample)
 
 
 def _resnet_layer(r) -> Resnet:

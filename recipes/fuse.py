@@ -92,7 +92,7 @@ class FusedBlock:
             # the block's own forward, so that a patched model computes
             # exactly what the unpatched one does (a recipe's NHWC layout
             # alone changes the CPU's rounding).
-            return self.cp_base.forward(self, *args, **kwargs)
+            return self.cp_own_forward(*args, **kwargs)
         watch = passthrough.Watch.now
         if watch is not None and watch.observes(self):
             # A passthrough watch is learning which fused blocks do work.
@@ -101,7 +101,7 @@ class FusedBlock:
         if unfused is not None:
             swaps = unfused(self, args, kwargs)
             if swaps is not None:
-                return passthrough.run_unfused(self, swaps, functools.partial(self.cp_base.forward, self, *args,
+                return passthrough.run_unfused(self, swaps, functools.partial(self.cp_own_forward, *args,
                                                                               **kwargs))
         st = peek(self)
         if (self.cp_recipe.runs_convs and pack.ACTIVE.group is None and (st is None or st.graphs is None)
@@ -111,6 +111,14 @@ class FusedBlock:
             # start (conv_patch/pack.py says why).
             return pack.grouped(self, self.cp_run, args, kwargs)
         return self.cp_run(*args, **kwargs)
+
+    def cp_own_forward(self, *args, **kwargs):
+        """The block's own class's forward (``cp_base.forward``) on this
+        block, reached through ``super()``: torch.compile traces that where
+        it cannot trace the class's function called on the block (diffusers'
+        ``Attention`` class is one of Dynamo's in-graph callables, and
+        ``Attention.forward(block, ...)`` breaks the graph)."""
+        return super().forward(*args, **kwargs)
 
     def cp_run(self, *args, **kwargs):
         st = peek(self)
@@ -181,7 +189,7 @@ def is_fused(module: nn.Module) -> bool:
 
 def base(module, *args, **kwargs):
     """The block's own forward (what it computes unpatched)."""
-    return module.cp_base.forward(module, *args, **kwargs)
+    return module.cp_own_forward(*args, **kwargs)
 
 
 # -- call-time guards ---------------------------------------------------------

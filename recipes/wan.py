@@ -281,7 +281,7 @@ class Decoder3d(Recipe):
         if not _ndhwc_pays(x):
             return base(m, x, *args, **kwargs)
         # The block's own forward, fed NDHWC: not a fallback.
-        return like_input_3d(m.cp_base.forward(m, ndhwc(x), *args, **kwargs), x)
+        return like_input_3d(m.cp_own_forward(ndhwc(x), *args, **kwargs), x)
 
 
 def interleave_frames(y: torch.Tensor) -> torch.Tensor:

@@ -163,3 +163,26 @@ def test_the_group_norm_op_against_float64(device, layout, extras):
     assert fake.shape == y.shape and fake.stride() == y.stride()
     torch.library.opcheck(torch.ops.conv_patch.group_norm.default, tuple(args),
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
+
+
+@pytest.mark.parametrize("family", ["wan2.1", "ltx-video", "hunyuan-video", "mochi", "cogvideox"])
+def test_a_patched_video_vae_decode_compiles_fullgraph(family, exact_fp32):
+    """Each diffusers video VAE family's decode, tiny, patched, compiled as
+    a user compiles it (``torch.compile(vae.decode, fullgraph=True)``):
+    no graph break from the recipes (HunyuanVideo's masked attention fell
+    back to ``Attention.forward(block, ...)``, which Dynamo cannot trace),
+    and the unpatched decode's output."""
+    import copy
+
+    from bench.video import TINY_CLIPS, build_vae, latents
+    cpu = torch.device("cpu")
+    vae = build_vae(family, True, cpu, torch.float32)
+    frames, h, w = TINY_CLIPS.get(family, (3, 8, 8))[:3]
+    z = latents(vae, frames, h, w, cpu, torch.float32)
+    patched = copy.deepcopy(vae)
+    assert conv_patch.apply(patched).patched
+    torch._dynamo.reset()
+    with torch.no_grad():
+        ref = vae.decode(z).sample
+        out = torch.compile(patched.decode, backend="aot_eager", fullgraph=True)(z).sample
+    assert rel_err(out, ref) <= 1e-5

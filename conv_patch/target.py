@@ -66,6 +66,10 @@ def gpu_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+# Under torch.compile tracing, called as it is eagerly and its answer taken
+# as a constant: traced, its lru_cache'd helpers made Dynamo warn at every
+# compile of a patched model.
+@torch.compiler.assume_constant_result
 def target_for(device: torch.device) -> Target:
     # Asked on hot paths (a call's route, attention, GroupNorm): the answer
     # per device and environment is kept, the environment read each time.

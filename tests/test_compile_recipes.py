@@ -43,12 +43,19 @@ def _decoder(device):
 def test_a_fused_decoder_compiles_to_conv_patch_ops_without_copies(device, exact_fp32):
     dec = _decoder(device)
     z = torch.randn(1, 4, 6, 5, device=device)
+    import warnings
     with torch.no_grad():
         ref = dec(z)
         report = conv_patch.apply(dec)
         assert report.fused
-        seen, out = _ops(dec, z)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            seen, out = _ops(dec, z)
     assert rel_err(out, ref) <= 1e-5
+    # Nothing of ours makes Dynamo warn (traced, target_for's lru_cache did,
+    # at every compile of a patched model).
+    assert not [str(w.message)[:200] for w in caught if "conv_patch" in str(w.message) or "target.py" in str(w.message)
+                or "conv_patch" in (w.filename or "")]
     # One upsampler (the last up block has none): the folded op, no cuDNN conv.
     assert seen.count("conv_patch.upsample_conv.default") == 1
     assert "aten.convolution.default" not in seen and "aten.upsample_nearest2d.default" not in seen
@@ -186,3 +193,25 @@ def test_a_patched_video_vae_decode_compiles_fullgraph(family, exact_fp32):
         ref = vae.decode(z).sample
         out = torch.compile(patched.decode, backend="aot_eager", fullgraph=True)(z).sample
     assert rel_err(out, ref) <= 1e-5
+
+
+@pytest.mark.parametrize("pays", [False, True])
+def test_a_traced_group_norm_is_the_op_only_where_the_kernels_pay(device, exact_fp32, monkeypatch, pays):
+    """Under tracing a GroupNorm is the op where the plans would run the
+    kernels eagerly (``costs.group_norm_pays`` on a GPU), else PyTorch's
+    GroupNorm for Inductor, as the eager plans decide: a GPU's decision,
+    made on the CPU by a stand-in target and crossover."""
+    from conv_patch.routing import costs
+    from conv_patch.target import Target
+    if torch.device(device).type != "cpu":
+        pytest.skip("the stand-in GPU target is the CPU test's")
+    monkeypatch.setattr(dispatch, "target_for", lambda d: Target("sm90", True, sms=132))
+    monkeypatch.setattr(costs, "GROUP_NORM_MIN_ELEMENTS", 0 if pays else 1 << 30)
+    norm = torch.nn.GroupNorm(4, 12).eval()
+    x = torch.randn(2, 12, 5, 7) + 3
+    with torch.no_grad():
+        seen, out = _ops(lambda t: dispatch.group_norm(norm, t, "silu"), x)
+        ref = F.silu(norm(x))
+    assert rel_err(out, ref) <= 1e-5
+    assert ("conv_patch.group_norm.default" in seen) is pays
+    assert ("aten.native_group_norm.default" in seen) is not pays

@@ -300,14 +300,17 @@ def group_norm(norm, x, activation="none", out=None, input_bias=None, modulation
     for a GroupNorm module whose forward is the torch one's: planned per
     signature like the convs (kept in the norm's state). Under torch.compile
     tracing, the ``conv_patch::group_norm`` op where the kernels would take
-    the call, else the op's own expression (Inductor fuses it); an ``out``
-    write is always the expression (in a compiled graph it would be a copy)."""
+    the call eagerly (``costs.group_norm_pays``, as the plans decide), else
+    the op's own expression (Inductor fuses it); an ``out`` write is always
+    the expression (in a compiled graph it would be a copy)."""
     def run_kernels():
         return group_norm_op.group_norm(x, norm.num_groups, norm.weight, norm.bias, norm.eps, activation,
                                         out=out, input_bias=input_bias, modulation=modulation)
     if torch.compiler.is_compiling():
-        y = None if out is not None else group_norm_op.traced_group_norm(
-            x, norm.num_groups, norm.weight, norm.bias, norm.eps, activation, input_bias, modulation)
+        y = None
+        if out is None and (target_for(x.device).interpreter or costs.group_norm_pays(x.numel())):
+            y = group_norm_op.traced_group_norm(x, norm.num_groups, norm.weight, norm.bias, norm.eps, activation,
+                                                input_bias, modulation)
         return run_kernels() if y is None else y
     key = _gn_key(norm, x, activation, out, input_bias, modulation)
     st = state_of(norm)

@@ -119,50 +119,67 @@ def controlnet(tiny):
     return ControlNetModel(**cfg), make
 
 
-class RRDB(nn.Module):
-    """ESRGAN's residual-in-residual dense block (5 convs per dense block,
-    3 dense blocks), LeakyReLU(0.2), residual scale 0.2."""
+class ResidualDenseBlock_5C(nn.Module):
+    """ESRGAN's residual dense block (its new-arch form, as basicsr builds
+    it): 5 convs, each reading the input and every earlier output,
+    LeakyReLU(0.2), residual scale 0.2."""
 
-    def __init__(self, nf, gc):
+    def __init__(self, nf=64, gc=32):
         super().__init__()
-        self.blocks = nn.ModuleList(
-            nn.ModuleList(nn.Conv2d(nf + i * gc, gc if i < 4 else nf, 3, padding=1) for i in range(5))
-            for _ in range(3))
-        self.act = nn.LeakyReLU(0.2)
+        self.conv1 = nn.Conv2d(nf, gc, 3, 1, 1)
+        self.conv2 = nn.Conv2d(nf + gc, gc, 3, 1, 1)
+        self.conv3 = nn.Conv2d(nf + 2 * gc, gc, 3, 1, 1)
+        self.conv4 = nn.Conv2d(nf + 3 * gc, gc, 3, 1, 1)
+        self.conv5 = nn.Conv2d(nf + 4 * gc, nf, 3, 1, 1)
+        self.lrelu = nn.LeakyReLU(negative_slope=0.2, inplace=True)
 
     def forward(self, x):
-        out = x
-        for convs in self.blocks:
-            feats = [out]
-            for i, c in enumerate(convs):
-                y = c(torch.cat(feats, 1))
-                if i < 4:
-                    feats.append(self.act(y))
-            out = out + 0.2 * y
-        return x + 0.2 * out
+        x1 = self.lrelu(self.conv1(x))
+        x2 = self.lrelu(self.conv2(torch.cat((x, x1), 1)))
+        x3 = self.lrelu(self.conv3(torch.cat((x, x1, x2), 1)))
+        x4 = self.lrelu(self.conv4(torch.cat((x, x1, x2, x3), 1)))
+        x5 = self.conv5(torch.cat((x, x1, x2, x3, x4), 1))
+        return x5 * 0.2 + x
+
+
+class RRDB(nn.Module):
+    """ESRGAN's residual-in-residual dense block: 3 dense blocks, residual
+    scale 0.2."""
+
+    def __init__(self, nf, gc=32):
+        super().__init__()
+        self.RDB1 = ResidualDenseBlock_5C(nf, gc)
+        self.RDB2 = ResidualDenseBlock_5C(nf, gc)
+        self.RDB3 = ResidualDenseBlock_5C(nf, gc)
+
+    def forward(self, x):
+        out = self.RDB1(x)
+        out = self.RDB2(out)
+        out = self.RDB3(out)
+        return out * 0.2 + x
 
 
 class RRDBNet(nn.Module):
-    """An ESRGAN-style x4 upscaler (RRDBNet: 23 blocks, 64 features, 32
-    growth: 351 convolutions)."""
+    """An ESRGAN x4 upscaler (RRDBNet: 23 blocks, 64 features, 32 growth:
+    351 convolutions), laid out as ESRGAN's new-arch RRDBNet."""
 
     def __init__(self, nf=64, nb=23, gc=32):
         super().__init__()
-        self.conv_first = nn.Conv2d(3, nf, 3, padding=1)
-        self.body = nn.Sequential(*[RRDB(nf, gc) for _ in range(nb)])
-        self.conv_body = nn.Conv2d(nf, nf, 3, padding=1)
-        self.conv_up1 = nn.Conv2d(nf, nf, 3, padding=1)
-        self.conv_up2 = nn.Conv2d(nf, nf, 3, padding=1)
-        self.conv_hr = nn.Conv2d(nf, nf, 3, padding=1)
-        self.conv_last = nn.Conv2d(nf, 3, 3, padding=1)
-        self.act = nn.LeakyReLU(0.2)
+        self.conv_first = nn.Conv2d(3, nf, 3, 1, 1)
+        self.RRDB_trunk = nn.Sequential(*[RRDB(nf, gc) for _ in range(nb)])
+        self.trunk_conv = nn.Conv2d(nf, nf, 3, 1, 1)
+        self.upconv1 = nn.Conv2d(nf, nf, 3, 1, 1)
+        self.upconv2 = nn.Conv2d(nf, nf, 3, 1, 1)
+        self.HRconv = nn.Conv2d(nf, nf, 3, 1, 1)
+        self.conv_last = nn.Conv2d(nf, 3, 3, 1, 1)
+        self.lrelu = nn.LeakyReLU(negative_slope=0.2, inplace=True)
 
     def forward(self, x):
-        f = self.conv_first(x)
-        f = f + self.conv_body(self.body(f))
-        f = self.act(self.conv_up1(nn.functional.interpolate(f, scale_factor=2.0, mode="nearest")))
-        f = self.act(self.conv_up2(nn.functional.interpolate(f, scale_factor=2.0, mode="nearest")))
-        return self.conv_last(self.act(self.conv_hr(f)))
+        fea = self.conv_first(x)
+        fea = fea + self.trunk_conv(self.RRDB_trunk(fea))
+        fea = self.lrelu(self.upconv1(nn.functional.interpolate(fea, scale_factor=2.0, mode="nearest")))
+        fea = self.lrelu(self.upconv2(nn.functional.interpolate(fea, scale_factor=2.0, mode="nearest")))
+        return self.conv_last(self.lrelu(self.HRconv(fea)))
 
 
 def image_inputs(channels=3, scale=1):

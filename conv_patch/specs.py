@@ -272,11 +272,14 @@ class CallDesc:
 
     @classmethod
     def of_call(cls, x, weight, bias=None, residual=None, output_padding=None, *, cache=None, epilogue: int = 0,
-                graph: bool = False, packed: bool = False, out_numel: int = 0, cast: bool = False) -> "CallDesc":
+                graph: bool = False, packed: bool = False, out_numel: int = 0, cast: bool = False,
+                out=None) -> "CallDesc":
         grad = needs_grad(x, weight, bias, residual, cache)
         same = all(t is None or t.device == x.device for t in (weight, bias, residual, cache))
-        aligned = x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0 and (
-            cache is None or cache.data_ptr() % 16 == 0)
+        # (Every tensor a kernel may read or write through a TMA descriptor,
+        # whose base address must be 16-byte aligned: a caller's ``out`` or
+        # residual may be a view into a larger buffer.)
+        aligned = all(t is None or t.data_ptr() % 16 == 0 for t in (x, weight, cache, residual, out))
         return cls(
             shape=tuple(x.shape), dtype=x.dtype, device_type=x.device.type,
             layout=layout_of(x), needs_grad=bool(grad), weight_dtype=weight.dtype,

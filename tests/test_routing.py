@@ -203,3 +203,15 @@ def test_route_names_are_spelled_only_in_the_registry():
             if isinstance(node, ast.Constant) and node.value in names:
                 found.append(f"{path.relative_to(root)}:{node.lineno}: {node.value!r}")
     assert not found, found
+
+
+def test_a_misaligned_output_or_residual_is_not_aligned16():
+    """A caller's ``out`` or residual may be a view into a larger buffer
+    (the ESRGAN dense block writes each conv into a channel slice): the TMA
+    routes, whose descriptors need 16-byte aligned bases, must see it."""
+    from conv_patch.specs import CallDesc
+    x, w = torch.randn(1, 8, 4, 4), torch.randn(8, 8, 3, 3)
+    buf = torch.empty(1, 17, 3, 3)  # channel 1 starts 36 bytes in
+    assert CallDesc.of_call(x, w, out=buf[:, :8]).aligned16
+    assert not CallDesc.of_call(x, w, out=buf[:, 1:9]).aligned16
+    assert not CallDesc.of_call(x, w, residual=buf[:, 1:9]).aligned16

@@ -55,7 +55,7 @@ def tma_problem(spec: ConvSpec, call: CallDesc, shape: tuple, target: Target) ->
         if spec.in_channels % 16:
             return f"stride {spec.stride} with C_in={spec.in_channels}, not a multiple of 16"
     if not call.aligned16:
-        return "input or weight not 16-byte aligned"
+        return "input, weight, residual or output not 16-byte aligned"
     return tma_layout_problem(shape, call.layout, call.dtype.itemsize, spec.in_channels)
 
 
@@ -101,7 +101,7 @@ def tma_padded_problem(spec: ConvSpec, call: CallDesc, shape: tuple, target: Tar
     if tuple(spec.stride) != (1, 1):
         return f"stride {spec.stride}: the padded TMA kernel takes stride 1"
     if not call.aligned16:
-        return "input or weight not 16-byte aligned"
+        return "input, weight, residual or output not 16-byte aligned"
     return tma_layout_problem(shape, call.layout, call.dtype.itemsize, spec.in_channels)
 
 

@@ -67,7 +67,8 @@ def decide_call(m, call, weight, bias, graph: bool) -> tuple:
     desc = CallDesc.of_call(x, weight, bias, call.residual, call.output_padding,
                             epilogue=costs.epilogue_ops(call.residual is not None, call.beta, call.activation,
                                                         call.out_scale),
-                            graph=graph, packed=not pack.is_kernel_layout(pack.kernel_view(weight, spec.transposed)))
+                            graph=graph, packed=not pack.is_kernel_layout(pack.kernel_view(weight, spec.transposed)),
+                            out=call.out)
     return decide(spec, desc, target_for(x.device), state_of(m).table), spec
 
 

@@ -193,6 +193,60 @@ def rrdb(tiny):
     return (RRDBNet(16, 2, 8) if tiny else RRDBNet()), image_inputs()
 
 
+def spandrel_rrdbnet(nf=64, nb=23, gc=32) -> nn.Module:
+    """The same x4 ESRGAN laid out as spandrel (and so ComfyUI's upscale
+    model loader) builds it from a checkpoint: one flattened
+    ``nn.Sequential`` (stem conv, a shortcut around the RRDB trunk and its
+    conv, ``nn.Upsample`` + conv + LeakyReLU twice, the HR convs), each
+    dense-block conv an ``nn.Sequential`` of the conv and its LeakyReLU
+    (conv5's the conv alone)."""
+
+    def cna(cin, cout, act=True):
+        return nn.Sequential(nn.Conv2d(cin, cout, 3, 1, 1), *([nn.LeakyReLU(0.2, inplace=True)] if act else []))
+
+    class ResidualDenseBlock_5C(nn.Module):  # noqa: N801 - spandrel's class name
+        def __init__(self):
+            super().__init__()
+            self.conv1x1 = None
+            self.conv1, self.conv2, self.conv3, self.conv4 = (cna(nf + k * gc, gc) for k in range(4))
+            self.conv5 = cna(nf + 4 * gc, nf, act=False)
+
+        def forward(self, x):
+            x1 = self.conv1(x)
+            x2 = self.conv2(torch.cat((x, x1), 1))
+            x3 = self.conv3(torch.cat((x, x1, x2), 1))
+            x4 = self.conv4(torch.cat((x, x1, x2, x3), 1))
+            x5 = self.conv5(torch.cat((x, x1, x2, x3, x4), 1))
+            return x5 * 0.2 + x
+
+    class RRDB(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.RDB1, self.RDB2, self.RDB3 = ResidualDenseBlock_5C(), ResidualDenseBlock_5C(), ResidualDenseBlock_5C()
+
+        def forward(self, x):
+            return self.RDB3(self.RDB2(self.RDB1(x))) * 0.2 + x
+
+    class ShortcutBlock(nn.Module):
+        def __init__(self, sub):
+            super().__init__()
+            self.sub = sub
+
+        def forward(self, x):
+            return x + self.sub(x)
+
+    def up():
+        return [nn.Upsample(scale_factor=2, mode="nearest"), nn.Conv2d(nf, nf, 3, 1, 1), nn.LeakyReLU(0.2, True)]
+
+    return nn.Sequential(nn.Conv2d(3, nf, 3, 1, 1),
+                         ShortcutBlock(nn.Sequential(*[RRDB() for _ in range(nb)], nn.Conv2d(nf, nf, 3, 1, 1))),
+                         *up(), *up(), nn.Conv2d(nf, nf, 3, 1, 1), nn.LeakyReLU(0.2, True), nn.Conv2d(nf, 3, 3, 1, 1))
+
+
+def rrdb_spandrel(tiny):
+    return (spandrel_rrdbnet(16, 2, 8) if tiny else spandrel_rrdbnet()), image_inputs()
+
+
 def autoencoder_tiny(tiny):
     from diffusers import AutoencoderTiny
     m = AutoencoderTiny(encoder_block_out_channels=(8, 8, 8, 8), decoder_block_out_channels=(8, 8, 8, 8)) if tiny \
@@ -387,7 +441,7 @@ def srvgg_x4(tiny):
 # name -> (builder, default dtype)
 MODELS = {
     "sd15-unet": (sd15_unet, "fp16"), "sdxl-unet": (sdxl_unet, "fp16"), "controlnet": (controlnet, "fp16"),
-    "rrdb-x4": (rrdb, "fp16"), "autoencoder-tiny": (autoencoder_tiny, "fp16"), "taef2": (taef2, "fp16"),
+    "rrdb-x4": (rrdb, "fp16"), "rrdb-spandrel-x4": (rrdb_spandrel, "fp16"), "autoencoder-tiny": (autoencoder_tiny, "fp16"), "taef2": (taef2, "fp16"),
     "sd-vae-decode": (sd_vae_decode, "fp16"), "sd-vae-encode": (sd_vae_encode, "fp16"),
     "flux-vae-decode": (flux_vae_decode, "bf16"), "flux-vae-encode": (flux_vae_encode, "bf16"),
     "dc-ae-decode": (dc_ae_decode, "bf16"), "ddpm-unet": (ddpm_unet, "fp16"), "movq-decode": (movq_decode, "fp16"),
@@ -396,7 +450,8 @@ MODELS = {
 }
 # The architectures above that nobody tuned for, at their usual sizes.
 UNTUNED = [("dc-ae-decode", 1024, 1, None), ("ddpm-unet", 256, 1, None), ("movq-decode", 512, 1, None),
-           ("asym-vae-decode", 512, 1, None), ("svd-vae-decode", 512, 8, None), ("srvgg-x4", 256, 1, None)]
+           ("asym-vae-decode", 512, 1, None), ("svd-vae-decode", 512, 8, None), ("srvgg-x4", 256, 1, None),
+           ("rrdb-spandrel-x4", 256, 1, None)]
 # (model, image size in pixels, batch, dtype or None for the model's own)
 QUICK = [
     ("sd15-unet", 512, 2, None), ("sdxl-unet", 1024, 1, None), ("controlnet", 512, 2, None),
@@ -423,7 +478,7 @@ HOST = [("sd15-unet", 512, 2, None), ("sd15-unet", 512, 1, None), ("controlnet",
 TINY = [("sd15-unet", 16, 1, "fp32"), ("rrdb-x4", 8, 1, "fp32"), ("taef2", 16, 1, "fp32"),
         ("flux-vae-decode", 16, 1, "fp32"), ("dc-ae-decode", 16, 1, "fp32"), ("ddpm-unet", 8, 1, "fp32"),
         ("movq-decode", 16, 1, "fp32"), ("asym-vae-decode", 16, 1, "fp32"), ("svd-vae-decode", 16, 2, "fp32"),
-        ("srvgg-x4", 8, 1, "fp32")]
+        ("srvgg-x4", 8, 1, "fp32"), ("rrdb-spandrel-x4", 8, 1, "fp32")]
 
 
 def _timed(fn):

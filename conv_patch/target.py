@@ -66,10 +66,6 @@ def gpu_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-# Under torch.compile tracing, called as it is eagerly and its answer taken
-# as a constant: traced, its lru_cache'd helpers made Dynamo warn at every
-# compile of a patched model.
-@torch.compiler.assume_constant_result
 def target_for(device: torch.device) -> Target:
     # Asked on hot paths (a call's route, attention, GroupNorm): the answer
     # per device and environment is kept, the environment read each time.
@@ -77,11 +73,22 @@ def target_for(device: torch.device) -> Target:
     index = device.index
     if device.type == "cuda" and index is None and not interp:
         index = torch.cuda.current_device()
+    if torch.compiler.is_compiling():
+        # Traced, the same answer built without the caches: Dynamo traces
+        # through an lru_cache anyway, and warns at the first one it meets.
+        return build_target(device.type, index, interp, triton_available.__wrapped__(), _gpu_arch.__wrapped__,
+                            gpu_sms.__wrapped__)
     return _target(device.type, index, interp, triton_available())
 
 
 @functools.lru_cache(maxsize=None)
 def _target(kind: str, index: Optional[int], interp: bool, triton: bool) -> Target:
+    return build_target(kind, index, interp, triton, _gpu_arch, gpu_sms)
+
+
+def build_target(kind: str, index: Optional[int], interp: bool, triton: bool, arch_of, sms_of) -> Target:
+    """The target of device ``kind:index`` (``arch_of(index)``: its (arch,
+    new enough?), ``sms_of(index)``: its SMs)."""
     device = torch.device(kind) if index is None else torch.device(kind, index)
     if not triton:
         return Target("none", False, "triton is not installed")
@@ -92,10 +99,10 @@ def _target(kind: str, index: Optional[int], interp: bool, triton: bool) -> Targ
     if device.type == "cuda":
         if interp:
             return Target("interpreter", False, "TRITON_INTERPRET=1: GPU tensors use PyTorch", interpreter=True)
-        arch, ok = _gpu_arch(index)
+        arch, ok = arch_of(index)
         if not ok:
             return Target(arch, False, f"GPU {arch} is older than sm80")
-        return Target(arch, True, sms=gpu_sms(index))
+        return Target(arch, True, sms=sms_of(index))
     return Target(device.type, False, f"device type {device.type!r} has no kernels")
 
 

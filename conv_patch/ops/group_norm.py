@@ -150,7 +150,6 @@ def group_norm(x: torch.Tensor, num_groups: int, weight: Optional[torch.Tensor] 
     return out
 
 
-
 def output_format(x: torch.Tensor) -> torch.memory_format:
     """The memory format of ``group_norm``'s output on ``x`` (no ``out``):
     NHWC for an NHWC 4-D input, NDHWC for an NDHWC 5-D one (the kernels

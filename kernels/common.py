@@ -16,7 +16,7 @@ import os
 import triton
 import triton.language as tl
 
-from conv_patch.activations import CODES, LEAKY_BASE, LEAKY_STEPS
+from conv_patch.activations import CODES, LEAKY_BASE, LEAKY_STEPS, PRELU_CODE
 from conv_patch.checkout import refuse_top_level
 
 refuse_top_level(__name__)
@@ -32,6 +32,8 @@ ACT_RELU = tl.constexpr(CODES["relu"])
 ACT_SILU = tl.constexpr(CODES["silu"])
 ACT_GELU = tl.constexpr(CODES["gelu"])
 ACT_GELU_TANH = tl.constexpr(CODES["gelu_tanh"])
+# PReLU: the slopes are read with the bias (epilogue_values), never by activate.
+ACT_PRELU = tl.constexpr(PRELU_CODE)
 # LeakyReLU: the code is ACT_LEAKY + the negative slope in thousandths.
 ACT_LEAKY = tl.constexpr(LEAKY_BASE)
 LEAKY_STEPS_F = tl.constexpr(float(LEAKY_STEPS))
@@ -133,6 +135,7 @@ def accumulate_tap(acc, x_ptr, w_ptr, x_row, row_ok, ih, iw, H, W, C_in,
 
 @triton.jit
 def activate(x, ACT: tl.constexpr):
+    tl.static_assert(ACT != ACT_PRELU, "PReLU's slopes are read in epilogue_values")
     if ACT == ACT_RELU:
         x = tl.maximum(x, 0.0)
     elif ACT == ACT_SILU:
@@ -157,13 +160,22 @@ def epilogue_values(acc, r, offs_n, n_ok, bias_ptr, beta, out_scale, HAS_BIAS: t
                     HAS_RES: tl.constexpr, ACT: tl.constexpr):
     """``out_scale * act(acc + bias + beta * r)`` in fp32, ``r`` the
     residual tile (read under HAS_RES only). The fusion semantics of every
-    kernel, whichever way its tile is then stored."""
-    if HAS_BIAS:
-        b = tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+    kernel, whichever way its tile is then stored. Under PReLU ``bias_ptr``
+    is the [C, 2] fp32 (bias, slope) buffer (``ChannelSlopes.params``)."""
+    if ACT == ACT_PRELU:
+        b = tl.load(bias_ptr + 2 * offs_n, mask=n_ok, other=0.0)
+        slope = tl.load(bias_ptr + 2 * offs_n + 1, mask=n_ok, other=0.0)
         acc += b[None, :]
-    if HAS_RES:
-        acc += beta * r
-    acc = activate(acc, ACT)
+        if HAS_RES:
+            acc += beta * r
+        acc = tl.where(acc >= 0.0, acc, acc * slope[None, :])
+    else:
+        if HAS_BIAS:
+            b = tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+            acc += b[None, :]
+        if HAS_RES:
+            acc += beta * r
+        acc = activate(acc, ACT)
     return acc * out_scale
 
 

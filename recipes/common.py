@@ -11,8 +11,8 @@ from conv_patch.runtime import dispatch, pack, passthrough
 from conv_patch.runtime.state import peek, state_of
 from conv_patch.routing.costs import group_norm_pays
 
-from .fuse import (Recipe, base, channels_last, conv, group_norm, inference, is_conv, is_fused, is_group_norm,
-                   is_relu, is_silu, like_input, norm_is_eager, plain, register, upsample_conv)
+from .fuse import (Recipe, base, channels_last, conv, epilogue_activation, group_norm, inference, is_conv, is_fused,
+                   is_group_norm, like_input, norm_is_eager, plain, register, upsample_conv)
 
 
 class GroupNormRecipe(Recipe):
@@ -37,11 +37,12 @@ class GroupNormRecipe(Recipe):
 
 
 def _act(m):
-    if is_relu(m):
-        return "relu"
-    if is_silu(m):
-        return "silu"
-    return None
+    """The activations a Sequential chain takes into its convs' epilogues:
+    ReLU and SiLU (the TAESD stacks'); a LeakyReLU or PReLU chain (spandrel's
+    whole ESRGAN nets are such Sequentials) is left to the model's own
+    layers, its NHWC run unmeasured."""
+    act = epilogue_activation(m)
+    return act if act in ("relu", "silu") else None
 
 
 # nn.Upsample subclasses that upsample an fp32 copy and cast back (the

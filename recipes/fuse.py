@@ -17,6 +17,7 @@ falling back for any reason keeps its exact PyTorch semantics.
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Dict, Optional
 
 import torch
@@ -25,7 +26,7 @@ from torch import nn
 from torch.nn.modules import module as torch_module
 
 from conv_patch import functional
-from conv_patch.activations import eager_epilogue
+from conv_patch.activations import ChannelSlopes, eager_epilogue, leaky_relu
 from conv_patch.ops.conv2d import to_nhwc
 from conv_patch.ops.loader import kernel_errors
 from conv_patch.routing import costs
@@ -252,6 +253,31 @@ def is_silu(m) -> bool:
 
 def is_relu(m) -> bool:
     return type(m) is nn.ReLU
+
+
+# One ChannelSlopes per nn.PReLU, so its kernels' (bias, slope) buffer is
+# kept between calls (and freed with the module).
+_SLOPES: "weakref.WeakKeyDictionary[nn.PReLU, ChannelSlopes]" = weakref.WeakKeyDictionary()
+
+
+def epilogue_activation(m):
+    """The epilogue activation module ``m`` computes, or None: ``"relu"``,
+    ``"silu"``, a LeakyReLU's table name (``activations.leaky_relu``: None
+    for a slope the kernels cannot carry), an ``nn.PReLU``'s
+    ``ChannelSlopes`` (one per module)."""
+    t = type(m)
+    if t is nn.ReLU:
+        return "relu"
+    if t is nn.SiLU:
+        return "silu"
+    if t is nn.LeakyReLU:
+        return leaky_relu(m.negative_slope)
+    if t is nn.PReLU:
+        act = _SLOPES.get(m)
+        if act is None:
+            act = _SLOPES[m] = ChannelSlopes(m)
+        return act
+    return None
 
 
 def is_conv(m, k: Optional[int] = None, stride: int = 1, padding: Optional[int] = None) -> bool:

@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from conv_patch.activations import activation_code
+from conv_patch.activations import activation_code, per_channel
 from conv_patch.ops.epilogue import check_residual, epilogue
 from conv_patch.ops.loader import kernels
 from conv_patch.routing.registry import Route, launcher_of
@@ -40,6 +40,12 @@ def output_memory_format(x: torch.Tensor, weight: torch.Tensor) -> torch.memory_
     return torch.contiguous_format
 
 
+def kernel_bias(bias: Optional[torch.Tensor], activation, channels: int, device) -> Optional[torch.Tensor]:
+    """What a kernel route reads as its bias: the bias, or under PReLU the
+    (bias, slope) buffer it reads both from (``ChannelSlopes.params``)."""
+    return activation.params(bias, channels, device) if per_channel(activation) else bias
+
+
 def run_kernel(route: Route, config: dict, target: Target, spec: ConvSpec, x: torch.Tensor,
                w: torch.Tensor, bias: Optional[torch.Tensor], *, residual=None, beta=1.0,
                activation: str = "none", out_scale=1.0, output_padding=None,
@@ -48,7 +54,7 @@ def run_kernel(route: Route, config: dict, target: Target, spec: ConvSpec, x: to
     """Launch kernel route ``route`` with tile ``config``. ``w`` is the
     [C_out, C_in, KH, KW] view the route's launcher reads, in the layout it
     reads (``runtime.pack.route_weight``: the TMA kernel's dense co,kh,kw,ci
-    pack). ``memory_format``: the output's where ``out`` is not given
+    pack); ``bias`` what ``kernel_bias`` gives. ``memory_format``: the output's where ``out`` is not given
     (PyTorch's, ``output_memory_format`` of the input and the caller's own
     weight; by default of ``w``)."""
     k = kernels()
@@ -69,7 +75,7 @@ def run_kernel(route: Route, config: dict, target: Target, spec: ConvSpec, x: to
         # allocated above in the caller's layout and stays in it.
         x = to_nhwc(x)
     launcher_of(route)(x, w, bias, out, residual, stride=spec.stride, padding=spec.pad_begin,
-                       dilation=spec.dilation, beta=beta, activation=activation_code(activation),
+                       dilation=spec.dilation, beta=beta, activation=activation_code(activation, per_channel=True),
                        out_scale=out_scale, config=config, precision=dot_precision(x.dtype, target),
                        upcast=target.interpreter, force_int64=force_int64)
     return out.squeeze(0) if unbatched else out

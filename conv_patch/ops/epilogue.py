@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from conv_patch.activations import activation_code, eager_epilogue
+from conv_patch.activations import activation_code, eager_epilogue, per_channel
 from conv_patch.ops.loader import kernels
 from conv_patch.specs import KERNEL_DTYPES, needs_grad
 from conv_patch.target import Target, target_for
@@ -48,8 +48,9 @@ def epilogue(y: torch.Tensor, bias: Optional[torch.Tensor] = None, residual: Opt
     """``out_scale * act(y + bias + beta * residual)`` with ``bias`` per
     channel of [N, C, H, W] ``y``: one pass of the conv kernels' epilogue
     on dense NHWC outputs on a device with kernels, PyTorch ops otherwise.
-    Into ``out`` when given (which may be ``y`` or ``residual``)."""
-    code = activation_code(activation)
+    Into ``out`` when given (which may be ``y`` or ``residual``). PReLU
+    (``activations.ChannelSlopes``) included."""
+    code = activation_code(activation, per_channel=True)
     check_residual(residual, y.shape)
     if out is not None and tuple(out.shape) != tuple(y.shape):
         raise ValueError(f"epilogue: out has shape {tuple(out.shape)}, expected {tuple(y.shape)}")
@@ -67,5 +68,7 @@ def epilogue(y: torch.Tensor, bias: Optional[torch.Tensor] = None, residual: Opt
         fmt = torch.channels_last if y.is_contiguous(memory_format=torch.channels_last) else torch.contiguous_format
         out = k.empty(y.shape, dtype=y.dtype, device=y.device, memory_format=fmt)
     block = EPILOGUE_BLOCK["interpreter" if target.interpreter else "gpu"]
+    if per_channel(activation):
+        bias = activation.params(bias, y.shape[1], y.device)
     return k.launch_epilogue(y, bias, residual, out, beta=beta, activation=code, out_scale=out_scale,
                              block=block)

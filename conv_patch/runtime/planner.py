@@ -111,7 +111,7 @@ def _build(m, graph, call, weight, bias, packable=False):
             w = pack.packed_weight(m, weight, spec.transposed)
             if not pack.is_kernel_layout(pack.kernel_view(weight.detach(), spec.transposed)):
                 plan.pack_entry = state_of(m).pack
-        b = None if call.no_bias else bias
+        b = None if call.no_bias else conv2d_op.kernel_bias(bias, call.activation, spec.out_channels, x.device)
         try:
             y, plan.program = recorded(lambda: plan.launch(call, w, b), (x, w, b, call.residual, call.out))
         except kernel_errors() as e:

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from conv_patch.activations import activation_code, eager_epilogue
+from conv_patch.activations import activation_code, eager_epilogue, per_channel
 from conv_patch.routing.decide import RouteDecision, decide, fallback
 from conv_patch.runtime import dispatch, pack, planner
 from conv_patch.call import Call
@@ -31,6 +31,9 @@ from conv_patch.target import target_for
 # Everything conv-patch keeps on a wrapper is its ``State`` (under this
 # prefix), never copied back to the original.
 PRIVATE = "_cp"
+
+
+TRAINING_SLOPES = fallback("PReLU slopes that need autograd (the kernels record none)")
 
 
 class PatchedConvMixin:
@@ -102,16 +105,31 @@ class PatchedConvMixin:
     def cp_comfy_active(self) -> bool:
         return self.cp_comfy_class and comfy_active(self)
 
+    def per_channel_eager(self, act) -> bool:
+        """Whether a PReLU epilogue must run as PyTorch's ops: its slopes
+        train (the kernel plans record no autograd; the weight's and the
+        bias's own are in the call's signature). ValueError where the slopes
+        do not fit the output's channels."""
+        if not act.fits(self.out_channels):
+            raise ValueError(f"{act!r}: {act.module.weight.numel()} slopes for a conv of "
+                             f"{self.out_channels} output channels")
+        return act.module.weight.requires_grad and torch.is_grad_enabled()
+
     def cp_call(self, call: Call):
         """The call through the one dispatch entry; ``call.out`` (inference
         only; may be the residual) receives the result."""
         if call.activation != "none":
-            activation_code(call.activation)
+            activation_code(call.activation, per_channel=True)
+            if per_channel(call.activation) and self.per_channel_eager(call.activation):
+                state_of(self).last = TRAINING_SLOPES
+                return eager(self, call, call.padding)
         x = call.x
         if torch.compiler.is_compiling():
             from conv_patch.runtime import compiled
-            if call.padding is None and not call.no_bias and compiled.takes(self, x, call.residual):
-                # One opaque custom op in the graph; it routes when it runs.
+            if (call.padding is None and not call.no_bias and isinstance(call.activation, str)
+                    and compiled.takes(self, x, call.residual)):
+                # One opaque custom op in the graph; it routes when it runs
+                # (its schema carries an activation's name: not PReLU's slopes).
                 y = compiled.call(self, call)
                 return y if call.out is None else call.out.copy_(y)
             # The op has no backward: Dynamo traces the original forward.

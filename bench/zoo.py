@@ -414,24 +414,25 @@ def svd_vae_decode(tiny):
 
 class SRVGGNetCompact(nn.Module):
     """Real-ESRGAN's compact upscaler (realesr-general-x4v3: 64 features,
-    32 3x3 convs with per-channel PReLU, pixel shuffle, plus the nearest
-    upsampled input)."""
+    32 hidden 3x3 convs, each with per-channel PReLU, pixel shuffle, plus
+    the nearest upsampled input), laid out as Real-ESRGAN and spandrel
+    build it (``body``, ``upsampler``, ``upscale``)."""
 
-    def __init__(self, feat=64, convs=32, scale=4):
+    def __init__(self, num_feat=64, num_conv=32, upscale=4):
         super().__init__()
-        self.scale = scale
-        layers = [nn.Conv2d(3, feat, 3, 1, 1), nn.PReLU(feat)]
-        for _ in range(convs):
-            layers += [nn.Conv2d(feat, feat, 3, 1, 1), nn.PReLU(feat)]
-        layers.append(nn.Conv2d(feat, 3 * scale * scale, 3, 1, 1))
+        self.upscale = upscale
+        layers = [nn.Conv2d(3, num_feat, 3, 1, 1), nn.PReLU(num_feat)]
+        for _ in range(num_conv):
+            layers += [nn.Conv2d(num_feat, num_feat, 3, 1, 1), nn.PReLU(num_feat)]
+        layers.append(nn.Conv2d(num_feat, 3 * upscale * upscale, 3, 1, 1))
         self.body = nn.ModuleList(layers)
-        self.upsampler = nn.PixelShuffle(scale)
+        self.upsampler = nn.PixelShuffle(upscale)
 
     def forward(self, x):
         out = x
-        for m in self.body:
-            out = m(out)
-        return self.upsampler(out) + nn.functional.interpolate(x, scale_factor=self.scale, mode="nearest")
+        for layer in self.body:
+            out = layer(out)
+        return self.upsampler(out) + nn.functional.interpolate(x, scale_factor=self.upscale, mode="nearest")
 
 
 def srvgg_x4(tiny):

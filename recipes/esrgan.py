@@ -1,6 +1,9 @@
-"""ESRGAN's residual dense block (``ResidualDenseBlock_5C``, basicsr's
-``ResidualDenseBlock``): matched by class name, structure and the residual
-scale its forward holds.
+"""ESRGAN-family upscalers: the residual dense block of ESRGAN's RRDB nets,
+and Real-ESRGAN's compact net (``SRVGGNetCompact``).
+
+The residual dense block (``ResidualDenseBlock_5C``, basicsr's
+``ResidualDenseBlock``) is matched by class name, structure and the
+residual scale its forward holds.
 
 The block's own forward concatenates its input with each conv's output
 before the next conv (four ``torch.cat`` copies, 96 to 192 channels), runs
@@ -14,6 +17,15 @@ new-arch, basicsr), or each conv an ``nn.Sequential`` of the conv and its
 activation, conv5's of the conv alone (the old-arch "CNA" blocks spandrel,
 and so ComfyUI, load; not ESRGAN+'s ``plus`` variant, whose extra 1x1 paths
 add after the activation).
+
+``SRVGGNetCompact`` (Real-ESRGAN's realesr-general/animevideo nets, as
+basicsr, Real-ESRGAN and spandrel, and so ComfyUI, build it): a
+``body`` ModuleList of 3x3 convs each followed by its activation (PReLU
+per channel by default, ReLU or LeakyReLU 0.1 otherwise), a last conv, a
+pixel shuffle and the nearest-upsampled input added. Each conv runs with
+its activation in the epilogue (no activation pass of its own), the body in
+NHWC inside (the kernels' layout; the epilogue pass after a conv cuDNN
+computes is NHWC-only).
 """
 
 from __future__ import annotations
@@ -21,31 +33,26 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from conv_patch.activations import leaky_relu
+from conv_patch.activations import per_channel
+from conv_patch.runtime.state import state_of
 
-from .fuse import Recipe, base, conv, inference, is_conv, is_relu, named, parts, plain, register
+from .fuse import (Recipe, base, channels_last, conv, epilogue_activation, inference, is_conv, like_input, named,
+                   parts, plain, register)
 
 CLASSES = ("ResidualDenseBlock_5C", "ResidualDenseBlock")
 # The residual scale both forms' forward writes (``x5 * 0.2 + x``).
 RESIDUAL_SCALE = 0.2
 
 
-def _act_name(m) -> Optional[str]:
-    if is_relu(m):
-        return "relu"
-    if type(m) is nn.LeakyReLU:
-        return leaky_relu(m.negative_slope)
-    return None
-
-
 def dense_parts(m) -> Optional[tuple]:
     """(convs, activation names, activation modules) of a residual dense
     block, the modules its forward calls around, or None: five 3x3, stride
     1, padding 1 convs, conv k reading nf + (k-1) gc channels, conv1-4
-    writing gc and conv5 nf, conv1-4 followed by a ReLU or LeakyReLU the
-    kernels carry."""
+    writing gc and conv5 nf, conv1-4 followed by an activation the
+    kernels carry (ReLU, SiLU, LeakyReLU, PReLU: spandrel's ``act_type``)."""
     convs = parts(m, "conv1", "conv2", "conv3", "conv4", "conv5")
     if all(type(c) is nn.Sequential for c in convs):
         if parts(m, "conv1x1")[0] is not None:
@@ -58,11 +65,13 @@ def dense_parts(m) -> Optional[tuple]:
     else:
         act = parts(m, "lrelu")[0]
         acts, around = [act] * 4, [act]
-    names = [_act_name(a) for a in acts]
-    if None in names or not all(is_conv(c, 3, 1, 1) for c in convs):
+    names = [epilogue_activation(a) for a in acts]
+    if any(a is None for a in names) or not all(is_conv(c, 3, 1, 1) for c in convs):
         return None
     nf, gc = convs[0].in_channels, convs[0].out_channels
     if any(c.in_channels != nf + k * gc or c.out_channels != (gc if k < 4 else nf) for k, c in enumerate(convs)):
+        return None
+    if any(per_channel(a) and not a.fits(gc) for a in names):
         return None
     return convs, names, around
 
@@ -98,7 +107,7 @@ class ResidualDenseBlock(Recipe):
             # would be copies of their own.)
             return base(m, x, *args, **kwargs)
         convs, acts, around = found
-        if not inference(x, *convs) or not plain(*convs, *around):
+        if not inference(x, *convs, *around) or not plain(*convs, *around):
             return base(m, x, *args, **kwargs)
         nf, gc = convs[0].in_channels, convs[0].out_channels
         buf = torch.empty((1, nf + 4 * gc) + tuple(x.shape[2:]), dtype=x.dtype, device=x.device)
@@ -111,3 +120,83 @@ class ResidualDenseBlock(Recipe):
 
 
 RESIDUAL_DENSE = register(ResidualDenseBlock())
+
+
+def compact_steps(m) -> Optional[tuple]:
+    """((conv, activation) per hidden layer, the last conv) of an
+    ``SRVGGNetCompact``, or None: the body alternates 3x3 stride-1 convs of
+    padding 1 with activations the kernels carry (a PReLU with one slope or
+    one per channel), its last conv writes ``upscale**2`` channels per output
+    channel and the upsampler is a pixel shuffle by ``upscale``."""
+    body, upsampler, upscale = parts(m, "body", "upsampler", "upscale")
+    if type(body) is not nn.ModuleList or type(upsampler) is not nn.PixelShuffle:
+        return None
+    mods = list(body)
+    if len(mods) < 3 or len(mods) % 2 == 0 or upscale != upsampler.upscale_factor:
+        return None
+    steps = []
+    for c, a in zip(mods[:-1:2], mods[1::2]):
+        act = epilogue_activation(a)
+        if not is_conv(c, 3, 1, 1) or act is None or (per_channel(act) and not act.fits(c.out_channels)):
+            return None
+        steps.append((c, act, a))
+    last = mods[-1]
+    if not is_conv(last, 3, 1, 1) or last.out_channels % (upscale * upscale):
+        return None
+    if any(c.in_channels != p.out_channels for (c, _, _), (p, _, _) in zip(steps[1:], steps)):
+        return None
+    return tuple(steps), last
+
+
+# The names the compact net's forward may read (Real-ESRGAN's, basicsr's and
+# spandrel's forward: the body in order, the pixel shuffle, the nearest
+# upsampled input added): a forward reading anything else (a variant with a
+# switch of its own) is not the one this recipe computes.
+COMPACT_FORWARD = frozenset({"range", "len", "enumerate", "body", "upsampler", "upscale", "F", "torch", "nn",
+                             "functional", "interpolate"})
+
+
+def _compact_forward(cls) -> bool:
+    code = getattr(getattr(cls, "forward", None), "__code__", None)
+    names = set(code.co_names) if code is not None else set()
+    return {"body", "upsampler", "upscale", "interpolate"} <= names <= COMPACT_FORWARD
+
+
+class CompactNet(Recipe):
+    """``SRVGGNetCompact``: every conv with its activation in the epilogue,
+    the body in NHWC inside; the pixel shuffle and the upsampled input's add
+    as the net's own. Batches of any size; a traced call, hooks or autograd
+    run the net's own forward."""
+
+    name = "esrgan.SRVGGNetCompact"
+    what = "conv+PReLU/ReLU/LeakyReLU epilogues, body in NHWC"
+
+    def match(self, m):
+        return (named(m, "SRVGGNetCompact") and compact_steps(m) is not None
+                and _compact_forward(getattr(type(m), "cp_base", type(m))))
+
+    def forward(self, m, x, *args, **kwargs):
+        body, upsampler = parts(m, "body", "upsampler")
+        if (args or kwargs or not isinstance(x, torch.Tensor) or x.dim() != 4 or type(body) is not nn.ModuleList
+                or torch.compiler.is_compiling()):
+            return base(m, x, *args, **kwargs)
+        # The plan is the body's: kept until a layer is replaced, added or
+        # removed (or the upsampler or the scale).
+        layers = tuple(body.__dict__["_modules"].values()) + (upsampler, m.__dict__.get("upscale"))
+        st = state_of(m)
+        held = st.chain
+        if held is None or held[0] != layers:
+            held = st.chain = (layers, compact_steps(m))
+        found = held[1]
+        mods = layers[:-1]
+        if found is None or not inference(x, *mods) or not plain(body, *mods):
+            return base(m, x)
+        steps, last = found
+        y = channels_last(x)
+        for c, act, _ in steps:
+            y = conv(c, y, activation=act)
+        y = like_input(conv(last, y), x)
+        return upsampler(y) + F.interpolate(x, scale_factor=layers[-1], mode="nearest")
+
+
+COMPACT = register(CompactNet())

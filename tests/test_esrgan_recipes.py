@@ -83,6 +83,25 @@ def test_the_dense_block_against_its_own_forward(form, exact_fp32, monkeypatch):
     assert rel_err(y, ref(x.double())) <= TOL[torch.float32]
 
 
+@pytest.mark.parametrize("act", [lambda gc: nn.SiLU(), lambda gc: nn.PReLU(gc), lambda gc: nn.PReLU()],
+                         ids=["silu", "prelu", "prelu-one-slope"])
+def test_the_dense_block_with_other_activations(act, exact_fp32, monkeypatch):
+    """spandrel's ``act_type``s: a PReLU's slopes (one per channel or one)
+    read with the bias in the epilogue, its module never called."""
+    nf, gc = 12, 5
+    block = perturbed(_swap(NewArchBlock(nf, gc), "lrelu", act(gc)), 6, 0.3)
+    ref = copy.deepcopy(block).double()
+    report = conv_patch.apply(block)
+    assert report.fused[""].startswith("esrgan.ResidualDenseBlock"), report.fused
+    x = _input(nf)
+    expected = ref(x.double())
+    refuse_fallback(monkeypatch, esrgan)
+    monkeypatch.setattr(nn.PReLU, "forward", lambda *a: pytest.fail("the PReLU ran as a module"))
+    with torch.no_grad():
+        y = block(x)
+    assert rel_err(y, expected) <= TOL[torch.float32]
+
+
 @pytest.mark.parametrize("case", ["batch", "nhwc", "hook"])
 def test_what_the_dense_block_leaves_to_its_own_forward(case, exact_fp32):
     nf, gc = 12, 5
@@ -106,16 +125,102 @@ def test_what_the_dense_block_leaves_to_its_own_forward(case, exact_fp32):
 
 
 @pytest.mark.parametrize("block", [lambda: ResidualDenseBlock_5C(12, 5, plus=True), lambda: ResidualDenseBlock(12, 5),
-                                   lambda: _swap(NewArchBlock(12, 5), "lrelu", nn.SiLU()),
+                                   lambda: _swap(NewArchBlock(12, 5), "lrelu", nn.Tanh()),
+                                   lambda: _swap(NewArchBlock(12, 5), "lrelu", nn.PReLU(7)),
                                    lambda: _swap(NewArchBlock(12, 5), "conv3", nn.Conv2d(22, 5, 3, 1, 2, dilation=2))],
-                         ids=["plus", "scale-0.1", "silu", "dilated"])
+                         ids=["plus", "scale-0.1", "tanh", "prelu-7-slopes", "dilated"])
 def test_blocks_the_recipe_does_not_take(block):
     """ESRGAN+'s 1x1 paths add after the activation, another residual scale
-    is not the recipe's, nor an activation the kernels do not carry, nor a
-    conv of another geometry."""
+    is not the recipe's, nor an activation the kernels do not carry (or
+    slopes that do not fit), nor a conv of another geometry."""
     assert not esrgan.RESIDUAL_DENSE.match(block())
 
 
 def _swap(m, name, new):
     setattr(m, name, new)
     return m
+
+
+def _compact(act="prelu", num_conv=3, feat=8, upscale=4):
+    from bench.zoo import SRVGGNetCompact
+    net = SRVGGNetCompact(feat, num_conv, upscale)
+    if act != "prelu":
+        for i in range(1, len(net.body) - 1, 2):
+            net.body[i] = nn.ReLU(inplace=True) if act == "relu" else nn.LeakyReLU(0.1, inplace=True)
+    return perturbed(net, 9, 0.1)
+
+
+@pytest.mark.parametrize("act", ["prelu", "relu", "leakyrelu"])
+@pytest.mark.parametrize("upscale", [4, 2])
+def test_the_compact_net_against_its_own_forward(act, upscale, exact_fp32, monkeypatch):
+    """Real-ESRGAN's SRVGGNetCompact (spandrel's ``act_type``s, x4 and x2),
+    a batch of two: every conv with its activation in the epilogue, the
+    activation modules never called."""
+    net = _compact(act, upscale=upscale)
+    ref = copy.deepcopy(net).double()
+    report = conv_patch.apply(net)
+    assert report.fused[""].startswith("esrgan.SRVGGNetCompact"), report.fused
+    x = _input(3, n=2)
+    expected = ref(x.double())
+    refuse_fallback(monkeypatch, esrgan)
+    for cls in (nn.PReLU, nn.ReLU, nn.LeakyReLU):
+        monkeypatch.setattr(cls, "forward", lambda *a: pytest.fail("an activation ran as a module"))
+    with torch.no_grad():
+        y = net(x)
+        again = net(x)  # the replayed plans
+    assert y.shape == (2, 3, 7 * upscale, 9 * upscale) and y.is_contiguous()
+    assert rel_err(y, expected) <= TOL[torch.float32]
+    assert torch.equal(again, y)
+    assert all(conv_patch.last_route(c).is_kernel for c in net.body if isinstance(c, nn.Conv2d))
+
+
+class _ResidualSwitch(nn.Module):
+    """A compact net whose forward has a switch of its own."""
+
+    def forward(self, x):
+        out = x
+        for layer in self.body:
+            out = layer(out)
+        out = self.upsampler(out)
+        if self.learn_residual:
+            out = out + torch.nn.functional.interpolate(x, scale_factor=self.upscale, mode="nearest")
+        return out
+
+
+def _variant(net, name):
+    cls = type("SRVGGNetCompact", (_ResidualSwitch,), {})
+    new = cls.__new__(cls)
+    new.__dict__.update(net.__dict__)
+    new.learn_residual = False
+    return new
+
+
+@pytest.mark.parametrize("case", ["switch", "slopes", "tanh", "stride"])
+def test_compact_nets_the_recipe_does_not_take(case):
+    net = _compact()
+    if case == "switch":
+        net = _variant(net, "SRVGGNetCompact")
+    elif case == "slopes":
+        net.body[3] = nn.PReLU(5)
+    elif case == "tanh":
+        net.body[3] = nn.Tanh()
+    else:
+        net.body[2] = nn.Conv2d(8, 8, 3, 2, 1)
+    assert not esrgan.COMPACT.match(net)
+
+
+def test_what_the_compact_net_leaves_to_its_own_forward(exact_fp32):
+    """A hook on a layer, autograd through the slopes: the net's own forward."""
+    net = _compact()
+    ref = copy.deepcopy(net).double()
+    conv_patch.apply(net)
+    seen = []
+    handle = net.body[3].register_forward_hook(lambda m, a, o: seen.append(o.shape))
+    x = _input(3)
+    with torch.no_grad():
+        assert rel_err(net(x), ref(x.double())) <= TOL[torch.float32]
+    assert seen == [(1, 8, 7, 9)]
+    handle.remove()
+    y = net(x)
+    y.sum().backward()
+    assert net.body[1].weight.grad is not None

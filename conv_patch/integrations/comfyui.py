@@ -1,4 +1,4 @@
-"""The ComfyUI node "Conv Patch VAE".
+"""The ComfyUI nodes "Conv Patch VAE" and "Conv Patch Upscale Model".
 
 ``convpatch comfyui-install ComfyUI/custom_nodes`` writes the shim package
 that loads this node into ComfyUI (``conv_patch.integrations.comfyui_install``). Nothing
@@ -273,5 +273,88 @@ class ConvPatchVAE:
         return (out,)
 
 
-NODE_CLASS_MAPPINGS = {"ConvPatchVAE": ConvPatchVAE}
-NODE_DISPLAY_NAME_MAPPINGS = {"ConvPatchVAE": "Conv Patch VAE"}
+# -- upscale models -------------------------------------------------------------
+# ComfyUI's UPSCALE_MODEL is a spandrel ``ImageModelDescriptor``: its public
+# ``model`` property is the network, and every method of the descriptor
+# (``__call__``'s padding and clamp, ``to``, ``scale``...) reads the network
+# through it. The node's output is a copy of the descriptor whose class is a
+# subclass of the input's (``isinstance`` holds) overriding ``model`` with a
+# patched ``shared_copy`` of the network: no weight memory added, the input
+# descriptor and its network untouched, nothing of spandrel's private state
+# written. ComfyUI moves an upscale model to the GPU for each upscale and
+# back after it (``to``): the copy's Parameters are the input's own objects,
+# moved for both, as one model.
+_DESCRIPTORS: Dict[type, type] = {}
+
+
+def _patched_descriptor_class(cls: type) -> type:
+    sub = _DESCRIPTORS.get(cls)
+    if sub is None:
+        sub = _DESCRIPTORS[cls] = type(cls.__name__, (cls,), {
+            "__module__": cls.__module__,
+            "__doc__": cls.__doc__,
+            "model": property(lambda self: self.__dict__["cp_model"],
+                              doc="The network, patched by conv-patch (a copy sharing the input's weights)."),
+            "cp_descriptor_base": cls,
+        })
+    return sub
+
+
+def patched_upscale_model(model, recipes: bool = True) -> Tuple[object, PatchReport]:
+    """A patched copy of ComfyUI upscale model ``model`` (a spandrel
+    descriptor, or any object whose ``model`` property is the network),
+    which is left as it was; see the comment above for how. A model the node
+    patched before is patched again from its original network, never a
+    second layer."""
+    net = getattr(model, "model", None)
+    if not isinstance(net, nn.Module):
+        raise ValueError(f"Conv Patch Upscale Model: expected an upscale model with a `model` network, "
+                         f"got {type(model).__name__}")
+    cls = type(model)
+    base = getattr(cls, "cp_descriptor_base", cls)
+    if not isinstance(getattr(base, "model", None), property):
+        raise ValueError(f"Conv Patch Upscale Model: {base.__name__}.model is not a property; "
+                         "not a spandrel model descriptor")
+    source = model.__dict__.get("cp_source", net)
+    tree = shared_copy(source)
+    report = _patch_tree(tree, recipes)
+    out = object.__new__(_patched_descriptor_class(base))
+    out.__dict__.update(model.__dict__)
+    out.__dict__.update(cp_model=tree, cp_source=source)
+    return out, report
+
+
+class ConvPatchUpscaleModel:
+    """Return a copy of the upscale model (ESRGAN/RRDB, Real-ESRGAN compact,
+    any spandrel net) whose convolutions run on conv-patch's kernels; the
+    input model is left as it was."""
+
+    CATEGORY = "conv-patch"
+    FUNCTION = "patch"
+    RETURN_TYPES = ("UPSCALE_MODEL",)
+    RETURN_NAMES = ("upscale_model",)
+    DESCRIPTION = ("Runs the upscale model's convolutions on conv-patch's Triton kernels, with the ESRGAN "
+                   "dense blocks' and Real-ESRGAN compact nets' activations and residuals fused into them. "
+                   "Anything the kernels cannot take runs the original code. The input model is not "
+                   "changed: the output shares its weights. Without Triton everything runs the original code.")
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {
+            "upscale_model": ("UPSCALE_MODEL",),
+            "recipes": ("BOOLEAN", {"default": True,
+                                    "tooltip": "fuse activations, residuals and concatenations around the "
+                                               "convolutions of the net's blocks (off: convolutions only)"}),
+        }}
+
+    def patch(self, upscale_model, recipes=True):
+        out, report = patched_upscale_model(upscale_model, bool(recipes))
+        log.info("Conv Patch Upscale Model: %d convolutions patched, %d skipped, %d blocks fused",
+                 len(report.patched), len(report.skipped), len(report.fused))
+        for fqn, why in report.skipped.items():
+            log.info("  skipped %s: %s", fqn, why)
+        return (out,)
+
+
+NODE_CLASS_MAPPINGS = {"ConvPatchVAE": ConvPatchVAE, "ConvPatchUpscaleModel": ConvPatchUpscaleModel}
+NODE_DISPLAY_NAME_MAPPINGS = {"ConvPatchVAE": "Conv Patch VAE", "ConvPatchUpscaleModel": "Conv Patch Upscale Model"}

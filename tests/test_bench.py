@@ -550,7 +550,7 @@ def test_bench_layout_row():
 
 
 @pytest.mark.parametrize("name", ["dc-ae-decode", "ddpm-unet", "movq-decode", "asym-vae-decode", "svd-vae-decode",
-                                  "srvgg-x4", "rrdb-spandrel-x4"])
+                                  "srvgg-x4", "rrdb-spandrel-x4", "hunyuan-image-vae-decode", "edsr-x4"])
 def test_untuned_zoo_architectures_patched_compute_what_they_compute(name, exact_fp32):
     """The zoo's architectures nobody tuned for (issue 44's "models nobody
     tuned for"), tiny, patched on the CPU under the interpreter: every conv

@@ -232,7 +232,9 @@ class ConvPlan:
                                        activation=call.activation, out_scale=call.out_scale, out=call.out)
             return (y, bias) if call.no_bias else y
         w = self.weight(m, weight)
-        b = None if call.no_bias else conv2d_op.kernel_bias(bias, call.activation, self.spec.out_channels, call.x.device)
+        b = None if call.no_bias else bias
+        if type(call.activation) is not str:  # (PReLU's slopes: one type check on the hot path)
+            b = conv2d_op.kernel_bias(b, call.activation, self.spec.out_channels, call.x.device)
         if self.program is not None:
             y = self.program((call.x, w, b, call.residual, call.out))
         else:

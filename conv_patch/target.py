@@ -45,9 +45,14 @@ def interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-@functools.lru_cache(maxsize=None)
+# Looked up once, at import: a traced call (torch.compile) cannot call
+# importlib (Dynamo refuses to trace ``find_spec``), and an installed
+# package does not appear or vanish within a process.
+_TRITON = importlib.util.find_spec("triton") is not None
+
+
 def triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
+    return _TRITON
 
 
 @functools.lru_cache(maxsize=None)
@@ -76,7 +81,7 @@ def target_for(device: torch.device) -> Target:
     if torch.compiler.is_compiling():
         # Traced, the same answer built without the caches: Dynamo traces
         # through an lru_cache anyway, and warns at the first one it meets.
-        return build_target(device.type, index, interp, triton_available.__wrapped__(), _gpu_arch.__wrapped__,
+        return build_target(device.type, index, interp, triton_available(), _gpu_arch.__wrapped__,
                             gpu_sms.__wrapped__)
     return _target(device.type, index, interp, triton_available())
 

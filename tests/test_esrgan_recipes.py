@@ -58,6 +58,15 @@ class ResidualDenseBlock(NewArchBlock):
         return self.conv5(torch.cat((x, x1, x2, x3, x4), 1)) * 0.1 + x
 
 
+def _on(device, module, x):
+    """The module and its input where the kernels run: float32 under the
+    interpreter (CI), fp16 on a GPU (the upscalers' dtype), with the
+    tolerance against float64 that dtype allows through a few layers."""
+    if device.type == "cpu":
+        return module, x, TOL[torch.float32]
+    return module.to(device, torch.float16), x.to(device, torch.float16), TOL[torch.float16] * 5
+
+
 def _input(nf, n=1, seed=0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, nf, 7, 9, generator=g) + 3.0  # a large mean
@@ -66,26 +75,28 @@ def _input(nf, n=1, seed=0):
 
 
 @pytest.mark.parametrize("form", ["new-arch", "old-arch"])
-def test_the_dense_block_against_its_own_forward(form, exact_fp32, monkeypatch):
+def test_the_dense_block_against_its_own_forward(form, device, exact_fp32, monkeypatch):
     nf, gc = 12, 5  # channels no multiple of 8
     block = perturbed(NewArchBlock(nf, gc) if form == "new-arch" else ResidualDenseBlock_5C(nf, gc), 3, 0.05)
     ref = copy.deepcopy(block).double()
     report = conv_patch.apply(block)
     assert report.fused[""].startswith("esrgan.ResidualDenseBlock"), report.fused
+    x = _input(nf)
+    expected = ref(x.double())
+    block, x, tol = _on(device, block, x)
     refuse_fallback(monkeypatch, esrgan)
     cats = []
     real_cat = torch.cat
     monkeypatch.setattr(torch, "cat", lambda *a, **k: (cats.append(1), real_cat(*a, **k))[1])
-    x = _input(nf)
     with torch.no_grad():
         y = block(x)
     assert not cats  # the channel prefixes were read in place
-    assert rel_err(y, ref(x.double())) <= TOL[torch.float32]
+    assert rel_err(y, expected) <= tol
 
 
 @pytest.mark.parametrize("act", [lambda gc: nn.SiLU(), lambda gc: nn.PReLU(gc), lambda gc: nn.PReLU()],
                          ids=["silu", "prelu", "prelu-one-slope"])
-def test_the_dense_block_with_other_activations(act, exact_fp32, monkeypatch):
+def test_the_dense_block_with_other_activations(act, device, exact_fp32, monkeypatch):
     """spandrel's ``act_type``s: a PReLU's slopes (one per channel or one)
     read with the bias in the epilogue, its module never called."""
     nf, gc = 12, 5
@@ -95,11 +106,12 @@ def test_the_dense_block_with_other_activations(act, exact_fp32, monkeypatch):
     assert report.fused[""].startswith("esrgan.ResidualDenseBlock"), report.fused
     x = _input(nf)
     expected = ref(x.double())
+    block, x, tol = _on(device, block, x)
     refuse_fallback(monkeypatch, esrgan)
     monkeypatch.setattr(nn.PReLU, "forward", lambda *a: pytest.fail("the PReLU ran as a module"))
     with torch.no_grad():
         y = block(x)
-    assert rel_err(y, expected) <= TOL[torch.float32]
+    assert rel_err(y, expected) <= tol
 
 
 @pytest.mark.parametrize("case", ["batch", "nhwc", "hook"])
@@ -152,7 +164,7 @@ def _compact(act="prelu", num_conv=3, feat=8, upscale=4):
 
 @pytest.mark.parametrize("act", ["prelu", "relu", "leakyrelu"])
 @pytest.mark.parametrize("upscale", [4, 2])
-def test_the_compact_net_against_its_own_forward(act, upscale, exact_fp32, monkeypatch):
+def test_the_compact_net_against_its_own_forward(act, upscale, device, exact_fp32, monkeypatch):
     """Real-ESRGAN's SRVGGNetCompact (spandrel's ``act_type``s, x4 and x2),
     a batch of two: every conv with its activation in the epilogue, the
     activation modules never called."""
@@ -162,6 +174,7 @@ def test_the_compact_net_against_its_own_forward(act, upscale, exact_fp32, monke
     assert report.fused[""].startswith("esrgan.SRVGGNetCompact"), report.fused
     x = _input(3, n=2)
     expected = ref(x.double())
+    net, x, tol = _on(device, net, x)
     refuse_fallback(monkeypatch, esrgan)
     for cls in (nn.PReLU, nn.ReLU, nn.LeakyReLU):
         monkeypatch.setattr(cls, "forward", lambda *a: pytest.fail("an activation ran as a module"))
@@ -169,7 +182,7 @@ def test_the_compact_net_against_its_own_forward(act, upscale, exact_fp32, monke
         y = net(x)
         again = net(x)  # the replayed plans
     assert y.shape == (2, 3, 7 * upscale, 9 * upscale) and y.is_contiguous()
-    assert rel_err(y, expected) <= TOL[torch.float32]
+    assert rel_err(y, expected) <= tol
     assert torch.equal(again, y)
     assert all(conv_patch.last_route(c).is_kernel for c in net.body if isinstance(c, nn.Conv2d))
 

@@ -37,7 +37,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from conv_patch.activations import per_channel
-from conv_patch.runtime.state import state_of
+from conv_patch.runtime import pack
+from conv_patch.runtime.state import peek, state_of
 
 from .fuse import (Recipe, base, channels_last, conv, epilogue_activation, inference, is_conv, like_input, named,
                    parts, plain, register)
@@ -83,6 +84,20 @@ def _forward_scale(cls) -> Optional[float]:
     return floats.pop() if len(floats) == 1 else None
 
 
+def graphs_only(m) -> Optional[tuple]:
+    """The ``unfused`` rule of both recipes here: launched eagerly, an
+    upscaler's call is host-bound and the fused forward measured slower
+    than the block's own (H100, 256², fp16: RRDB x4 0.72x, the compact net
+    0.80x, against 1.37x and 1.70x replayed from CUDA graphs:
+    docs/performance.md), so eagerly the block runs its own forward (no
+    swaps: nothing fused below it); on the graph path (its own graphs, or a
+    capture of a block above it) the recipe runs."""
+    if pack.GRAPH_PATH or torch.compiler.is_compiling():
+        return None
+    st = peek(m)
+    return None if st is not None and st.graphs is not None else ()
+
+
 class ResidualDenseBlock(Recipe):
     """conv1-4 reading channel prefixes of one buffer in place and writing
     their activated outputs into its next slices, conv5 with the 0.2-scaled
@@ -91,7 +106,11 @@ class ResidualDenseBlock(Recipe):
     own forward, as does a traced call)."""
 
     name = "esrgan.ResidualDenseBlock"
-    what = "dense-block convs on one buffer's channel prefixes, LeakyReLU and 0.2 residual in the epilogues"
+    what = ("dense-block convs on one buffer's channel prefixes, activation and 0.2 residual in the epilogues "
+            "(with cuda_graphs; launched eagerly its own forward)")
+
+    def unfused(self, m, args, kwargs):
+        return graphs_only(m)
 
     def match(self, m):
         return (any(named(m, n) for n in CLASSES) and dense_parts(m) is not None
@@ -169,7 +188,10 @@ class CompactNet(Recipe):
     run the net's own forward."""
 
     name = "esrgan.SRVGGNetCompact"
-    what = "conv+PReLU/ReLU/LeakyReLU epilogues, body in NHWC"
+    what = "conv+PReLU/ReLU/LeakyReLU epilogues, body in NHWC (with cuda_graphs; launched eagerly its own forward)"
+
+    def unfused(self, m, args, kwargs):
+        return graphs_only(m)
 
     def match(self, m):
         return (named(m, "SRVGGNetCompact") and compact_steps(m) is not None

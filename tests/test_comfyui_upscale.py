@@ -81,3 +81,14 @@ def test_moving_the_output_moves_one_model():
 def test_what_is_not_an_upscale_model(bad):
     with pytest.raises(ValueError, match="Conv Patch Upscale Model"):
         comfyui.patched_upscale_model(bad)
+
+
+def test_the_cuda_graphs_option():
+    net = _seeded(_nets()["srvgg"])
+    plain, _ = comfyui.patched_upscale_model(Descriptor(net, 4))
+    graphed, _ = comfyui.patched_upscale_model(Descriptor(net, 4), cuda_graphs=True)
+    from conv_patch.runtime.state import peek
+    assert peek(plain.model) is None or peek(plain.model).graphs is None
+    assert peek(graphed.model).graphs is not None
+    convs_only, report = comfyui.patched_upscale_model(Descriptor(net, 4), recipes=False, cuda_graphs=True)
+    assert not report.fused  # (graphs replay fused blocks: none without recipes)

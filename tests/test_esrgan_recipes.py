@@ -1,5 +1,6 @@
 """ESRGAN's residual dense block (recipes/esrgan.py) against the block's own
-forward in float64: its new-arch form (the zoo's, basicsr's) and the
+forward in float64 (on the graph path, where the recipes run: launched
+eagerly the blocks run their own forward, measured faster there): its new-arch form (the zoo's, basicsr's) and the
 old-arch "CNA" form spandrel (and so ComfyUI) builds, one image in NCHW
 through one buffer's channel prefixes, with the block's own forward made
 to fail; a batch, an NHWC input, hooks, ESRGAN+'s ``plus`` paths and
@@ -13,6 +14,7 @@ from torch import nn
 
 import conv_patch
 from conv_patch.recipes import esrgan
+from conv_patch.runtime import pack
 from bench.zoo import ResidualDenseBlock_5C as NewArchBlock
 from _util import TOL, perturbed, refuse_fallback, rel_err
 
@@ -88,7 +90,7 @@ def test_the_dense_block_against_its_own_forward(form, device, exact_fp32, monke
     cats = []
     real_cat = torch.cat
     monkeypatch.setattr(torch, "cat", lambda *a, **k: (cats.append(1), real_cat(*a, **k))[1])
-    with torch.no_grad():
+    with torch.no_grad(), pack.graph_path():
         y = block(x)
     assert not cats  # the channel prefixes were read in place
     assert rel_err(y, expected) <= tol
@@ -109,7 +111,7 @@ def test_the_dense_block_with_other_activations(act, device, exact_fp32, monkeyp
     block, x, tol = _on(device, block, x)
     refuse_fallback(monkeypatch, esrgan)
     monkeypatch.setattr(nn.PReLU, "forward", lambda *a: pytest.fail("the PReLU ran as a module"))
-    with torch.no_grad():
+    with torch.no_grad(), pack.graph_path():
         y = block(x)
     assert rel_err(y, expected) <= tol
 
@@ -130,7 +132,7 @@ def test_what_the_dense_block_leaves_to_its_own_forward(case, exact_fp32):
     real_base = esrgan.base
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(esrgan, "base", lambda m, *a, **k: (own.append(1), real_base(m, *a, **k))[1])
-        with torch.no_grad():
+        with torch.no_grad(), pack.graph_path():
             y = block(x)
     assert own and rel_err(y, ref(x.double())) <= TOL[torch.float32]
     assert case != "hook" or seen == [(1, gc, 7, 9)]
@@ -178,7 +180,7 @@ def test_the_compact_net_against_its_own_forward(act, upscale, device, exact_fp3
     refuse_fallback(monkeypatch, esrgan)
     for cls in (nn.PReLU, nn.ReLU, nn.LeakyReLU):
         monkeypatch.setattr(cls, "forward", lambda *a: pytest.fail("an activation ran as a module"))
-    with torch.no_grad():
+    with torch.no_grad(), pack.graph_path():
         y = net(x)
         again = net(x)  # the replayed plans
     assert y.shape == (2, 3, 7 * upscale, 9 * upscale) and y.is_contiguous()
@@ -230,10 +232,45 @@ def test_what_the_compact_net_leaves_to_its_own_forward(exact_fp32):
     seen = []
     handle = net.body[3].register_forward_hook(lambda m, a, o: seen.append(o.shape))
     x = _input(3)
-    with torch.no_grad():
+    with torch.no_grad(), pack.graph_path():
         assert rel_err(net(x), ref(x.double())) <= TOL[torch.float32]
     assert seen == [(1, 8, 7, 9)]
     handle.remove()
     y = net(x)
     y.sum().backward()
     assert net.body[1].weight.grad is not None
+
+
+@pytest.mark.parametrize("net", ["dense", "compact"])
+def test_launched_eagerly_the_blocks_run_their_own_forward(net, exact_fp32, monkeypatch):
+    """Host-bound launched, the fused forwards measured slower than the
+    blocks' own (``esrgan.graphs_only``): eagerly the recipe's forward is not
+    called; under a block's own CUDA graphs and on the graph path it is."""
+    block = perturbed(NewArchBlock(12, 5), 2, 0.05) if net == "dense" else _compact()
+    ref = copy.deepcopy(block).double()
+    conv_patch.apply(block)
+    recipe = esrgan.RESIDUAL_DENSE if net == "dense" else esrgan.COMPACT
+    calls = []
+    real = type(recipe).forward
+    monkeypatch.setattr(type(recipe), "forward", lambda self, *a, **k: (calls.append(1), real(self, *a, **k))[1])
+    x = _input(12 if net == "dense" else 3)
+    with torch.no_grad():
+        y = block(x)
+    assert not calls and rel_err(y, ref(x.double())) <= TOL[torch.float32]
+    with torch.no_grad(), pack.graph_path():
+        block(x)
+    assert calls
+
+
+@pytest.mark.gpu
+def test_the_compact_net_under_its_cuda_graphs():
+    """``PatchConfig(cuda_graphs=True)``: the capture runs the recipe, the
+    replay computes the net's answer."""
+    net = _compact(feat=16).to("cuda", torch.float16)
+    ref = copy.deepcopy(net).double()
+    conv_patch.apply(net, config=conv_patch.PatchConfig(cuda_graphs=True))
+    x = _input(3).to("cuda", torch.float16)
+    with torch.no_grad():
+        outs = [net(x).clone() for _ in range(3)]
+    expected = ref(x.double())
+    assert all(rel_err(o, expected) <= TOL[torch.float16] * 5 for o in outs)

@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from conv_patch.recipes import catalog as rc
-from conv_patch.api.patcher import PatchReport, apply, is_patched
+from conv_patch.api.patcher import PatchConfig, PatchReport, apply, is_patched
 
 log = logging.getLogger("conv_patch")
 
@@ -116,8 +116,8 @@ def _changed(m: nn.Module) -> bool:
     return any(is_patched(x) or rc.is_fused(x) for x in m.modules())
 
 
-def _patch_tree(root: nn.Module, recipes: bool) -> PatchReport:
-    report = apply(root, recipes=recipes)
+def _patch_tree(root: nn.Module, recipes: bool, config: Optional[PatchConfig] = None) -> PatchReport:
+    report = apply(root, config=config, recipes=recipes)
     if not recipes:
         # Blocks fused in a VAE patched in place by an older version of the
         # node (or by conv_patch.apply) get their own forward back, in the copy.
@@ -300,12 +300,18 @@ def _patched_descriptor_class(cls: type) -> type:
     return sub
 
 
-def patched_upscale_model(model, recipes: bool = True) -> Tuple[object, PatchReport]:
+def patched_upscale_model(model, recipes: bool = True, cuda_graphs: bool = False) -> Tuple[object, PatchReport]:
     """A patched copy of ComfyUI upscale model ``model`` (a spandrel
     descriptor, or any object whose ``model`` property is the network),
     which is left as it was; see the comment above for how. A model the node
     patched before is patched again from its original network, never a
-    second layer."""
+    second layer. ``cuda_graphs`` (with ``recipes``): the fused blocks
+    replay CUDA graphs per tile shape (``PatchConfig(cuda_graphs=True)``),
+    where the ESRGAN recipes run (launched eagerly an upscaler's calls are
+    host-bound and its fused blocks run their own forward:
+    recipes/esrgan.py). Off by default: each graph keeps its call's
+    activations, and ComfyUI's tiles come in up to four shapes (inside,
+    right and bottom edges, corner), gigabytes for an fp32 ESRGAN at 512²."""
     net = getattr(model, "model", None)
     if not isinstance(net, nn.Module):
         raise ValueError(f"Conv Patch Upscale Model: expected an upscale model with a `model` network, "
@@ -317,7 +323,7 @@ def patched_upscale_model(model, recipes: bool = True) -> Tuple[object, PatchRep
                          "not a spandrel model descriptor")
     source = model.__dict__.get("cp_source", net)
     tree = shared_copy(source)
-    report = _patch_tree(tree, recipes)
+    report = _patch_tree(tree, recipes, PatchConfig(cuda_graphs=True) if recipes and cuda_graphs else None)
     out = object.__new__(_patched_descriptor_class(base))
     out.__dict__.update(model.__dict__)
     out.__dict__.update(cp_model=tree, cp_source=source)
@@ -345,10 +351,15 @@ class ConvPatchUpscaleModel:
             "recipes": ("BOOLEAN", {"default": True,
                                     "tooltip": "fuse activations, residuals and concatenations around the "
                                                "convolutions of the net's blocks (off: convolutions only)"}),
+            "cuda_graphs": ("BOOLEAN", {"default": False,
+                                        "tooltip": "replay the fused blocks from a CUDA graph per tile shape, "
+                                                   "where the dense blocks' and compact nets' fusions run "
+                                                   "(needs recipes; keeps each tile shape's activations in "
+                                                   "GPU memory)"}),
         }}
 
-    def patch(self, upscale_model, recipes=True):
-        out, report = patched_upscale_model(upscale_model, bool(recipes))
+    def patch(self, upscale_model, recipes=True, cuda_graphs=False):
+        out, report = patched_upscale_model(upscale_model, bool(recipes), bool(cuda_graphs))
         log.info("Conv Patch Upscale Model: %d convolutions patched, %d skipped, %d blocks fused",
                  len(report.patched), len(report.skipped), len(report.fused))
         for fqn, why in report.skipped.items():

@@ -76,10 +76,11 @@ def _input(nf, n=1, seed=0):
     return x
 
 
-@pytest.mark.parametrize("form", ["new-arch", "old-arch"])
-def test_the_dense_block_against_its_own_forward(form, device, exact_fp32, monkeypatch):
-    nf, gc = 12, 5  # channels no multiple of 8
-    block = perturbed(NewArchBlock(nf, gc) if form == "new-arch" else ResidualDenseBlock_5C(nf, gc), 3, 0.05)
+def _fused_dense(block, device, monkeypatch, refused=()):
+    """(the fused block's output, its float64 reference, the tolerance, the
+    ``torch.cat`` calls it made): on the graph path, the block's own forward
+    and the modules of the classes ``refused`` made to fail."""
+    nf = block.conv1.in_channels if isinstance(block.conv1, nn.Conv2d) else block.conv1[0].in_channels
     ref = copy.deepcopy(block).double()
     report = conv_patch.apply(block)
     assert report.fused[""].startswith("esrgan.ResidualDenseBlock"), report.fused
@@ -87,11 +88,21 @@ def test_the_dense_block_against_its_own_forward(form, device, exact_fp32, monke
     expected = ref(x.double())
     block, x, tol = _on(device, block, x)
     refuse_fallback(monkeypatch, esrgan)
+    for cls in refused:
+        monkeypatch.setattr(cls, "forward", lambda *a: pytest.fail(f"a {cls.__name__} ran as a module"))
     cats = []
     real_cat = torch.cat
     monkeypatch.setattr(torch, "cat", lambda *a, **k: (cats.append(1), real_cat(*a, **k))[1])
     with torch.no_grad(), pack.graph_path():
         y = block(x)
+    return y, expected, tol, cats
+
+
+@pytest.mark.parametrize("form", ["new-arch", "old-arch"])
+def test_the_dense_block_against_its_own_forward(form, device, exact_fp32, monkeypatch):
+    nf, gc = 12, 5  # channels no multiple of 8
+    block = perturbed(NewArchBlock(nf, gc) if form == "new-arch" else ResidualDenseBlock_5C(nf, gc), 3, 0.05)
+    y, expected, tol, cats = _fused_dense(block, device, monkeypatch)
     assert not cats  # the channel prefixes were read in place
     assert rel_err(y, expected) <= tol
 
@@ -101,18 +112,8 @@ def test_the_dense_block_against_its_own_forward(form, device, exact_fp32, monke
 def test_the_dense_block_with_other_activations(act, device, exact_fp32, monkeypatch):
     """spandrel's ``act_type``s: a PReLU's slopes (one per channel or one)
     read with the bias in the epilogue, its module never called."""
-    nf, gc = 12, 5
-    block = perturbed(_swap(NewArchBlock(nf, gc), "lrelu", act(gc)), 6, 0.3)
-    ref = copy.deepcopy(block).double()
-    report = conv_patch.apply(block)
-    assert report.fused[""].startswith("esrgan.ResidualDenseBlock"), report.fused
-    x = _input(nf)
-    expected = ref(x.double())
-    block, x, tol = _on(device, block, x)
-    refuse_fallback(monkeypatch, esrgan)
-    monkeypatch.setattr(nn.PReLU, "forward", lambda *a: pytest.fail("the PReLU ran as a module"))
-    with torch.no_grad(), pack.graph_path():
-        y = block(x)
+    block = perturbed(_swap(NewArchBlock(12, 5), "lrelu", act(5)), 6, 0.3)
+    y, expected, tol, _ = _fused_dense(block, device, monkeypatch, refused=(nn.PReLU,))
     assert rel_err(y, expected) <= tol
 
 

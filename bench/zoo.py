@@ -711,6 +711,7 @@ def bench_row(name, size, batch, dtype_name, runs, warmup, tiny, device, min_sec
         ref = model_output(model, inputs[0])
         err = {k: rel_err(model_output(m, inputs[0]), ref)
                for k, m in (("patched", patched), ("graphed", graphed), *others.items())}
+        fp32 = fp32_errors(model, patched, inputs[0])
         args, kw = inputs[0]
         held = tensor_bytes((args, kw))
         peak = {k: peak_gib(lambda m=m: m(*args, **kw), m, held) for k, m in (("unpatched", model),
@@ -729,6 +730,9 @@ def bench_row(name, size, batch, dtype_name, runs, warmup, tiny, device, min_sec
         "noise_iqr": [q / base["ms"] for q in _quartiles(base["samples"])],
         "speedup_round_iqr": _round_iqr(base, res["patched"]),
         "first_call_s": first, "rel_err_vs_unpatched": err["patched"], "graph_rel_err_vs_unpatched": err["graphed"],
+        # Issue 44's error check: against the model in float32 (inputs cast
+        # up), the patched model's error at most 1.5x the unpatched one's.
+        **fp32,
         # A process holding only that model (common.peak_gib): weights, packs, input, the call's high water.
         "peak_gib": peak["patched"], "baseline_peak_gib": peak["unpatched"],
         "patched_convs": len(report.patched), "fused_blocks": len(report.fused),
@@ -743,6 +747,30 @@ def bench_row(name, size, batch, dtype_name, runs, warmup, tiny, device, min_sec
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return row
+
+
+def as_float32(obj):
+    """A call's inputs with every floating tensor in float32."""
+    if isinstance(obj, torch.Tensor):
+        return obj.float() if obj.is_floating_point() else obj
+    if isinstance(obj, dict):
+        return {k: as_float32(v) for k, v in obj.items()}
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(as_float32(v) for v in obj)
+    return obj
+
+
+def fp32_errors(model, patched, inp) -> dict:
+    """``rel_err_vs_fp32`` (patched) and ``baseline_rel_err_vs_fp32``
+    (unpatched) against a float32 copy of the unpatched model on the same
+    inputs cast up, and ``err_ok``: patched <= 1.5 x unpatched + a float32
+    floor (1e-5; a float32 model's own error is 0)."""
+    ref_model = copy.deepcopy(model).float()
+    args, kw = inp
+    ref = model_output(ref_model, (as_float32(args), as_float32(kw)))
+    del ref_model
+    mine, theirs = rel_err(model_output(patched, inp), ref), rel_err(model_output(model, inp), ref)
+    return {"rel_err_vs_fp32": mine, "baseline_rel_err_vs_fp32": theirs, "err_ok": mine <= 1.5 * theirs + 1e-5}
 
 
 def tensor_bytes(obj) -> int:

@@ -184,6 +184,8 @@ def test_bench_zoo_rows(tmp_path):
         assert 0 < lo <= hi and r["noise_iqr"][0] <= 1.0 <= r["noise_iqr"][1] and r["runs"] == 1
         assert r["speedup"] == pytest.approx(r["baseline_ms"] / r["ours_ms"])
         assert r["rel_err_vs_unpatched"] < 1e-5 and r["graph_rel_err_vs_unpatched"] < 1e-5
+        # A float32 model is its own float32 reference: the unpatched error 0.
+        assert r["baseline_rel_err_vs_fp32"] == 0 and r["rel_err_vs_fp32"] < 1e-5 and r["err_ok"]
         # (convs a recipe runs as the folded upsample are not counted: functional.upsample_conv2d)
         assert r["kernel_convs"] > 0 and 0 < sum(r["routes"].values()) <= r["patched_convs"]
         assert r["peak_gib"] is None and r["baseline_peak_gib"] is None  # (no GPU: no peak)
@@ -201,6 +203,24 @@ def test_bench_zoo_tiny_configs_build():
         with torch.inference_mode():
             model(*args, **kwargs)
         assert fields["model"] == name
+
+
+def test_zoo_fp32_errors_compare_both_models_with_a_float32_copy():
+    """The error check of issue 44: a half model's float32 copy is the
+    reference, the patched error against it within 1.5x the unpatched one's
+    (here a 'patched' model that adds noise fails it)."""
+    import torch
+
+    from bench import zoo
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.SiLU(),
+                                torch.nn.Conv2d(8, 3, 3, padding=1)).to(torch.bfloat16)
+    x = torch.randn(1, 3, 9, 9).to(torch.bfloat16)
+    good = zoo.fp32_errors(model, model, ((x,), {}))
+    assert good["baseline_rel_err_vs_fp32"] > 1e-4 and good["rel_err_vs_fp32"] == good["baseline_rel_err_vs_fp32"]
+    assert good["err_ok"]
+    noisy = torch.nn.Sequential(model, torch.nn.Dropout(0.2).train())
+    assert not zoo.fp32_errors(model, noisy, ((x,), {}))["err_ok"]
 
 
 def test_bench_zoo_convs_only_variant(monkeypatch):

@@ -109,6 +109,8 @@ class ResidualDenseBlock(Recipe):
     what = ("dense-block convs on one buffer's channel prefixes, activation and 0.2 residual in the epilogues "
             "(with cuda_graphs; launched eagerly its own forward)")
 
+    graphs_only = True
+
     def unfused(self, m, args, kwargs):
         return graphs_only(m)
 
@@ -189,6 +191,8 @@ class CompactNet(Recipe):
 
     name = "esrgan.SRVGGNetCompact"
     what = "conv+PReLU/ReLU/LeakyReLU epilogues, body in NHWC (with cuda_graphs; launched eagerly its own forward)"
+
+    graphs_only = True
 
     def unfused(self, m, args, kwargs):
         return graphs_only(m)

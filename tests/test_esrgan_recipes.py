@@ -275,3 +275,29 @@ def test_the_compact_net_under_its_cuda_graphs():
         outs = [net(x).clone() for _ in range(3)]
     expected = ref(x.double())
     assert all(rel_err(o, expected) <= TOL[torch.float16] * 5 for o in outs)
+
+
+def test_a_stack_holding_dense_blocks_runs_unfused_launched(exact_fp32, monkeypatch):
+    """spandrel's RRDB (one top-level Sequential over the dense blocks):
+    launched eagerly, once its plan is made, the stack runs as its own
+    class with the dense blocks as theirs (what ``recipes=False`` runs,
+    measured faster there); on the graph path the chain's recipe runs."""
+    from bench import zoo
+    from conv_patch.recipes import common
+    net = perturbed(zoo.rrdb_spandrel(True)[0], 7, 0.05)
+    ref = copy.deepcopy(net).double()
+    report = conv_patch.apply(net)
+    assert report.fused[""].startswith("sequential_chain")
+    x = _input(3)
+    with torch.no_grad():
+        net(x)  # (the stack's first call makes its plan)
+    calls = []
+    real = common.SequentialChain.forward
+    monkeypatch.setattr(common.SequentialChain, "forward",
+                        lambda self, *a, **k: (calls.append(1), real(self, *a, **k))[1])
+    with torch.no_grad():
+        y = net(x)
+    assert not calls and rel_err(y, ref(x.double())) <= TOL[torch.float32]
+    with torch.no_grad(), pack.graph_path():
+        net(x)
+    assert calls

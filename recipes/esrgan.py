@@ -144,11 +144,12 @@ RESIDUAL_DENSE = register(ResidualDenseBlock())
 
 
 def compact_steps(m) -> Optional[tuple]:
-    """((conv, activation) per hidden layer, the last conv) of an
-    ``SRVGGNetCompact``, or None: the body alternates 3x3 stride-1 convs of
-    padding 1 with activations the kernels carry (a PReLU with one slope or
-    one per channel), its last conv writes ``upscale**2`` channels per output
-    channel and the upsampler is a pixel shuffle by ``upscale``."""
+    """((conv, activation, activation module) per hidden layer, the last
+    conv) of an ``SRVGGNetCompact``, or None: the body alternates 3x3
+    stride-1 convs of padding 1 with activations the kernels carry (a PReLU
+    with one slope or one per channel), its last conv writes ``upscale**2``
+    channels per output channel and the upsampler is a pixel shuffle by
+    ``upscale``."""
     body, upsampler, upscale = parts(m, "body", "upsampler", "upscale")
     if type(body) is not nn.ModuleList or type(upsampler) is not nn.PixelShuffle:
         return None

@@ -251,15 +251,20 @@ def test_launched_eagerly_the_blocks_run_their_own_forward(net, exact_fp32, monk
     ref = copy.deepcopy(block).double()
     conv_patch.apply(block)
     recipe = esrgan.RESIDUAL_DENSE if net == "dense" else esrgan.COMPACT
+    _own_forward_eagerly_fused_on_graphs(block, type(recipe), _input(12 if net == "dense" else 3), ref, monkeypatch)
+
+
+def _own_forward_eagerly_fused_on_graphs(model, recipe_cls, x, ref, monkeypatch):
+    """Launched eagerly ``recipe_cls.forward`` is not called and the model
+    computes its answer; on the graph path it is called."""
     calls = []
-    real = type(recipe).forward
-    monkeypatch.setattr(type(recipe), "forward", lambda self, *a, **k: (calls.append(1), real(self, *a, **k))[1])
-    x = _input(12 if net == "dense" else 3)
+    real = recipe_cls.forward
+    monkeypatch.setattr(recipe_cls, "forward", lambda self, *a, **k: (calls.append(1), real(self, *a, **k))[1])
     with torch.no_grad():
-        y = block(x)
+        y = model(x)
     assert not calls and rel_err(y, ref(x.double())) <= TOL[torch.float32]
     with torch.no_grad(), pack.graph_path():
-        block(x)
+        model(x)
     assert calls
 
 
@@ -291,13 +296,4 @@ def test_a_stack_holding_dense_blocks_runs_unfused_launched(exact_fp32, monkeypa
     x = _input(3)
     with torch.no_grad():
         net(x)  # (the stack's first call makes its plan)
-    calls = []
-    real = common.SequentialChain.forward
-    monkeypatch.setattr(common.SequentialChain, "forward",
-                        lambda self, *a, **k: (calls.append(1), real(self, *a, **k))[1])
-    with torch.no_grad():
-        y = net(x)
-    assert not calls and rel_err(y, ref(x.double())) <= TOL[torch.float32]
-    with torch.no_grad(), pack.graph_path():
-        net(x)
-    assert calls
+    _own_forward_eagerly_fused_on_graphs(net, common.SequentialChain, x, ref, monkeypatch)

@@ -118,12 +118,14 @@ def test_the_dense_block_with_other_activations(act, device, exact_fp32, monkeyp
 
 
 @pytest.mark.parametrize("case", ["batch", "nhwc", "hook"])
-def test_what_the_dense_block_leaves_to_its_own_forward(case, exact_fp32):
+def test_what_the_dense_block_leaves_to_its_own_forward(case, device, exact_fp32):
     nf, gc = 12, 5
     block = perturbed(NewArchBlock(nf, gc), 4, 0.05)
     ref = copy.deepcopy(block).double()
     conv_patch.apply(block)
     x = _input(nf, n=2 if case == "batch" else 1)
+    expected = ref(x.double())
+    block, x, tol = _on(device, block, x)
     if case == "nhwc":
         x = x.contiguous(memory_format=torch.channels_last)
     seen = []
@@ -135,7 +137,7 @@ def test_what_the_dense_block_leaves_to_its_own_forward(case, exact_fp32):
         mp.setattr(esrgan, "base", lambda m, *a, **k: (own.append(1), real_base(m, *a, **k))[1])
         with torch.no_grad(), pack.graph_path():
             y = block(x)
-    assert own and rel_err(y, ref(x.double())) <= TOL[torch.float32]
+    assert own and rel_err(y, expected) <= tol
     assert case != "hook" or seen == [(1, gc, 7, 9)]
 
 
@@ -187,7 +189,10 @@ def test_the_compact_net_against_its_own_forward(act, upscale, device, exact_fp3
     assert y.shape == (2, 3, 7 * upscale, 9 * upscale) and y.is_contiguous()
     assert rel_err(y, expected) <= tol
     assert torch.equal(again, y)
-    assert all(conv_patch.last_route(c).is_kernel for c in net.body if isinstance(c, nn.Conv2d))
+    # On a GPU a conv may route to cuDNN, its activation then in the
+    # epilogue pass after it (the modules above still never ran).
+    assert device.type != "cpu" or all(conv_patch.last_route(c).is_kernel for c in net.body
+                                       if isinstance(c, nn.Conv2d))
 
 
 class _ResidualSwitch(nn.Module):
@@ -243,7 +248,7 @@ def test_what_the_compact_net_leaves_to_its_own_forward(exact_fp32):
 
 
 @pytest.mark.parametrize("net", ["dense", "compact"])
-def test_launched_eagerly_the_blocks_run_their_own_forward(net, exact_fp32, monkeypatch):
+def test_launched_eagerly_the_blocks_run_their_own_forward(net, device, exact_fp32, monkeypatch):
     """Host-bound launched, the fused forwards measured slower than the
     blocks' own (``esrgan.graphs_only``): eagerly the recipe's forward is not
     called; under a block's own CUDA graphs and on the graph path it is."""
@@ -251,18 +256,22 @@ def test_launched_eagerly_the_blocks_run_their_own_forward(net, exact_fp32, monk
     ref = copy.deepcopy(block).double()
     conv_patch.apply(block)
     recipe = esrgan.RESIDUAL_DENSE if net == "dense" else esrgan.COMPACT
-    _own_forward_eagerly_fused_on_graphs(block, type(recipe), _input(12 if net == "dense" else 3), ref, monkeypatch)
+    _own_forward_eagerly_fused_on_graphs(block, type(recipe), _input(12 if net == "dense" else 3), ref, device,
+                                         monkeypatch)
 
 
-def _own_forward_eagerly_fused_on_graphs(model, recipe_cls, x, ref, monkeypatch):
+def _own_forward_eagerly_fused_on_graphs(model, recipe_cls, x, ref, device, monkeypatch):
     """Launched eagerly ``recipe_cls.forward`` is not called and the model
-    computes its answer; on the graph path it is called."""
+    computes its answer; on the graph path it is called (where the kernels
+    run: under the interpreter, or on the GPU)."""
+    expected = ref(x.double())
+    model, x, tol = _on(device, model, x)
     calls = []
     real = recipe_cls.forward
     monkeypatch.setattr(recipe_cls, "forward", lambda self, *a, **k: (calls.append(1), real(self, *a, **k))[1])
     with torch.no_grad():
         y = model(x)
-    assert not calls and rel_err(y, ref(x.double())) <= TOL[torch.float32]
+    assert not calls and rel_err(y, expected) <= tol
     with torch.no_grad(), pack.graph_path():
         model(x)
     assert calls
@@ -282,7 +291,7 @@ def test_the_compact_net_under_its_cuda_graphs():
     assert all(rel_err(o, expected) <= TOL[torch.float16] * 5 for o in outs)
 
 
-def test_a_stack_holding_dense_blocks_runs_unfused_launched(exact_fp32, monkeypatch):
+def test_a_stack_holding_dense_blocks_runs_unfused_launched(device, exact_fp32, monkeypatch):
     """spandrel's RRDB (one top-level Sequential over the dense blocks):
     launched eagerly, once its plan is made, the stack runs as its own
     class with the dense blocks as theirs (what ``recipes=False`` runs,
@@ -294,6 +303,7 @@ def test_a_stack_holding_dense_blocks_runs_unfused_launched(exact_fp32, monkeypa
     report = conv_patch.apply(net)
     assert report.fused[""].startswith("sequential_chain")
     x = _input(3)
+    on_device, x_on, _ = _on(device, net, x)
     with torch.no_grad():
-        net(x)  # (the stack's first call makes its plan)
-    _own_forward_eagerly_fused_on_graphs(net, common.SequentialChain, x, ref, monkeypatch)
+        on_device(x_on)  # (the stack's first call makes its plan)
+    _own_forward_eagerly_fused_on_graphs(on_device, common.SequentialChain, x, ref, device, monkeypatch)

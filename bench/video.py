@@ -333,6 +333,10 @@ def layer_row(meas) -> dict:
             "speedup": (meas.cudnn_ms / best) if best else None, "times": meas.times, "rejected": meas.rejected}
 
 
+def gpu_name(device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "the CPU"
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", choices=sorted(MODELS), default="wan2.1")
@@ -423,7 +427,8 @@ def main(argv=None):
             tune.write_table(tune.merge_conv3d(table, measured, f"bench.video --model {args.model} --layers "
                                                f"--layout {args.layout}: {len(measured)} Conv3d calls of a "
                                                f"{args.layer_frames}-frame {args.height}x{args.width} decode, "
-                                               f"{str(dtype).split('.')[-1]}"), args.write_table)
+                                               f"{str(dtype).split('.')[-1]}, on {gpu_name(device)}"),
+                             args.write_table)
             print("conv3d entries written to", args.write_table)
     path = save()
     print_table(rows, ["name", "baseline_ms", "ours_ms", "speedup"])

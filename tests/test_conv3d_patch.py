@@ -416,6 +416,22 @@ def test_conv3d_entries_weigh_the_kernel_against_the_cudnn_route(monkeypatch):
     assert tune.conv3d_entry(m)["route"] == "cudnn"
 
 
+def test_merged_conv3d_entries_keep_the_table_and_say_they_extend_it():
+    """``--write-table`` into an architecture's table: its other entries
+    and its conv2d section stay, and the one-line source
+    says this run extended an earlier table (it once replaced the line,
+    leaving the H200 runs unsaid)."""
+    from conv_patch.tools import tune
+    entry = {"route": "igemm", "BLOCK_M": 64, "BLOCK_N": 16, "BLOCK_K": 16, "ours_ms": 1.0, "cudnn_ms": 2.0}
+    conv2d = {"exact": {"k2": dict(entry, ours_ms=3.0)}, "buckets": []}
+    table = {"schema": 1, "arch": "sm90", "source": "earlier runs", "conv2d": conv2d,
+             "conv3d": {"exact": {"old": entry}}}
+    out = tune.merge_conv3d(table, [], "bench.video --layers, on an H100")
+    assert out["source"] == "bench.video --layers, on an H100 Extends an earlier table of this GPU."
+    assert out["conv3d"]["exact"] == {"old": entry} and out["conv2d"] == conv2d
+    assert tune.merge_conv3d(dict(table, source=None), [], "first")["source"] == "first"
+
+
 def test_conv3d_table_entries_are_validated():
     from conv_patch.routing import tables as config_tables
     good = {"route": "igemm", "BLOCK_M": 64, "BLOCK_N": 16, "BLOCK_K": 16, "ours_ms": 1.0, "cudnn_ms": 2.0}

@@ -499,7 +499,9 @@ def merge_conv3d(table: dict, measurements: List[Conv3dMeasurement], note: str =
     sec["exact"] = exact
     out["conv3d"] = sec
     if note:
-        out["source"] = note
+        # One line, this run's (as ``write`` does): the table's earlier runs
+        # are its history (docs/tuning-log.md), not lost but not repeated.
+        out["source"] = f"{note} Extends an earlier table of this GPU." if table.get("source") else note
     return config_tables.validate_table(out, f"table for {out.get('arch', '?')} with conv3d entries")
 
 

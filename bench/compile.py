@@ -6,7 +6,7 @@ and the patched model run eagerly, per compile mode, each compiled with
     python -m bench.compile [--only NAME ...] [--modes default,max-autotune-no-cudagraphs,reduce-overhead]
                             [--runs 10] [--warmup 3] [--backend inductor] [--tiny] [--out DIR|FILE]
                             [--name compile] [--in-process] [--warm-cache] [--child-timeout S]
-                            [--cudnn-benchmark]
+                            [--cudnn-benchmark] [--profile N]
 
 Cases (``--only``): ``flux-vae-decode`` (the FLUX.1 VAE decoder at 1024²,
 ``bench.zoo``'s model, ``torch.compile(decoder)``), ``flux-vae-decode-fn``
@@ -52,8 +52,12 @@ the unpatched model in fp32, eager), ``peak_gib`` / ``baseline_peak_gib``
 (``common.peak_gib``), and ``checks``: the issue's bars (both models
 compiled with fullgraph; the patched one compiled once; compiled patched
 never slower than patched eager; its compile time at most the baseline's;
-``target_speedup``: FLUX decode ours <= 0.6x baseline, UNets >= 1.10x). A
-stage that fails leaves ``error`` ("stage: Type: message", ``traceback``)
+``target_speedup``: FLUX decode ours <= 0.6x baseline, UNets >= 1.10x).
+``--profile N`` adds one profiled call of the compiled patched and of the
+patched eager model: ``ours_kernel_ms`` / ``patched_eager_kernel_ms`` (the
+sum of the call's GPU kernels: beside ``ours_ms`` and ``host_ms``, whether
+it is host- or GPU-bound), ``*_kernel_launches`` and ``*_profile`` (the N
+largest kernels, ``common.profile_top``). A stage that fails leaves ``error`` ("stage: Type: message", ``traceback``)
 and what was measured before it; a child that dies or passes
 ``--child-timeout`` leaves a row with its ``error``. ``--tiny`` runs the
 zoo's tiny configs on the CPU (the tests); ``--backend eager`` or
@@ -75,7 +79,7 @@ import torch
 
 import conv_patch
 
-from .common import bench_device, child_rows, env_info, peak_gib, print_table, sync, write_results
+from .common import bench_device, child_rows, env_info, peak_gib, print_table, profile_top, sync, write_results
 from .zoo import DTYPES, inputs_for, interleaved, load_case, output_tensor, rel_err, seeded, tensor_bytes, \
     size_name
 
@@ -213,7 +217,7 @@ def _warmup_compile(opts, device, dtype) -> float:
     return time.perf_counter() - t
 
 
-def bench_case(name, size, batch, dtype_name, mode, runs, warmup, tiny, device, backend="inductor"):
+def bench_case(name, size, batch, dtype_name, mode, runs, warmup, tiny, device, backend="inductor", profile=0):
     """One row: ``name`` compiled in ``mode``, patched and unpatched (the
     module docstring says what is measured, in what order)."""
     fields, model, inputs = load(name, size, batch, dtype_name, tiny, device)
@@ -302,6 +306,18 @@ def bench_case(name, size, batch, dtype_name, mode, runs, warmup, tiny, device, 
                 return f
             row["peak_gib"] = peak_gib(once(ours), patched, held)
             row["baseline_peak_gib"] = peak_gib(once(base), model, held)
+
+            if profile:
+                # Where the compiled patched call's time goes against the
+                # patched eager one: GPU kernels by total time, and the sum
+                # of all of them (the call's GPU time, to set beside its
+                # wall and host time above).
+                stage = "profile"
+                for key, fn in (("ours", once(ours)), ("patched_eager", once(eager_patched))):
+                    whole = profile_top(fn, device, top=100000)
+                    row[f"{key}_kernel_ms"] = sum(r["ms"] for r in whole)
+                    row[f"{key}_kernel_launches"] = sum(r["calls"] for r in whole)
+                    row[f"{key}_profile"] = whole[:profile]
     except Exception as e:  # a graph break under fullgraph, a failed capture, OOM: said in the row
         row["error"] = f"{stage}: {type(e).__name__}: {e}"[:4000]
         row["traceback"] = traceback.format_exc()[-4000:]
@@ -350,6 +366,7 @@ def _child(case, mode, args) -> dict:
     argv = ["--in-process", "--only", name, "--modes", mode, "--runs", str(args.runs), "--warmup", str(args.warmup),
             "--backend", args.backend]
     argv += [f for f, on in (("--tiny", args.tiny), ("--cudnn-benchmark", args.cudnn_benchmark)) if on]
+    argv += ["--profile", str(args.profile)] if args.profile else []
     with tempfile.TemporaryDirectory(prefix="bench-compile-") as tmp:
         env = {} if args.warm_cache else {"TORCHINDUCTOR_CACHE_DIR": str(Path(tmp) / "inductor"),
                                           "TRITON_CACHE_DIR": str(Path(tmp) / "triton")}
@@ -392,6 +409,9 @@ def main(argv=None):
     ap.add_argument("--child-timeout", type=float, default=None, help="seconds a child may run")
     ap.add_argument("--cudnn-benchmark", action="store_true",
                     help="torch.backends.cudnn.benchmark on for every variant (the stronger eager baseline)")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="also profile one call of the compiled patched and the patched eager model: their N "
+                         "largest GPU kernels and the sum of all (on the CPU: top-level ops)")
     ap.add_argument("--row-out", default=None, help=argparse.SUPPRESS)  # a child's rows
     args = ap.parse_args(argv)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -409,7 +429,7 @@ def main(argv=None):
     for case in cases:
         for mode in modes:
             if args.in_process:
-                row = bench_case(*case, mode, args.runs, args.warmup, args.tiny, device, args.backend)
+                row = bench_case(*case, mode, args.runs, args.warmup, args.tiny, device, args.backend, args.profile)
                 torch._dynamo.reset()
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()

@@ -21,7 +21,7 @@ def test_bench_compile_tiny_row(tmp_path):
     from bench import compile as bc
     out = tmp_path / "compile-test.json"
     rows = bc.main(["--tiny", "--only", bc.FN_CASE, "--modes", "default", "--runs", "1", "--warmup", "0",
-                    "--backend", "eager", "--out", str(out)])
+                    "--backend", "eager", "--profile", "3", "--out", str(out)])
     doc = json.loads(out.read_text())
     assert {"gpu", "torch", "triton", "date", "rows"} <= set(doc) and doc["isolated"] and doc["cache"] == "cold"
     assert len(rows) == len(doc["rows"]) == 1
@@ -39,6 +39,11 @@ def test_bench_compile_tiny_row(tmp_path):
     assert r["op_sites"] > 0 and r["op_kernel_sites"] > 0 and r["patched_convs"] > 0
     # (graphs: 2 on the CPU, the recompile test_compile.test_recipe_model_compiles_once expects to fail)
     assert r["checks"]["fullgraph"] and r["graphs"] >= 1 and r["baseline_graphs"] == 1 and r["timing_graphs"] >= 1
+    # --profile (passed on to the child): the largest ops of each call, and their sum.
+    for key in ("ours", "patched_eager"):
+        top = r[f"{key}_profile"]
+        assert 1 <= len(top) <= 3 and all(t["ms"] > 0 and t["calls"] >= 1 for t in top)
+        assert r[f"{key}_kernel_ms"] >= sum(t["ms"] for t in top) and r[f"{key}_kernel_launches"] >= len(top)
 
 
 def test_bench_compile_checks_and_options(tmp_path):

@@ -136,6 +136,35 @@ def test_the_compiled_op_runs_through_the_dispatch_core(device, exact_fp32, monk
         assert not last.is_kernel and last.reason == "test"
 
 
+@pytest.mark.parametrize("which", ["conv", "upsample_conv", "group_norm"])
+def test_the_ops_refuse_a_call_that_needs_a_gradient(device, which):
+    """conv-patch's ops have no autograd formula: where a gradient is
+    needed they raise (never a result autograd would differentiate
+    wrongly); without one they compute, and pass torch's op checks
+    (schema, fake, the dispatcher's view of them)."""
+    import conv_patch.ops.group_norm  # noqa: F401 (the modules that define the ops)
+    import conv_patch.runtime.compiled  # noqa: F401
+    torch.manual_seed(0)
+    x = torch.randn(1, 8, 5, 6, device=device)
+    w, b = torch.randn(8, 8, 3, 3, device=device), torch.randn(8, device=device)
+    op, args, ref = {
+        "conv": (torch.ops.conv_patch.conv.default,
+                 (x, w, b, None, False, [1, 1], [1, 1], [1, 1], [1, 1], [0, 0], 1.0, "none", 1.0),
+                 lambda x: torch.nn.functional.conv2d(x, w, b, padding=1)),
+        "upsample_conv": (torch.ops.conv_patch.upsample_conv.default, (x, w, b, None, "none"),
+                          lambda x: torch.nn.functional.conv2d(torch.nn.functional.interpolate(x, scale_factor=2.0),
+                                                               w, b, padding=1)),
+        "group_norm": (torch.ops.conv_patch.group_norm.default, (x, 2, b, b, 1e-5, "silu", None, None, None),
+                       lambda x: torch.nn.functional.silu(torch.nn.functional.group_norm(x, 2, b, b))),
+    }[which]
+    with torch.no_grad():
+        assert rel_err(op(*args), ref(x)) <= 1e-4
+        torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
+    needs = (x.clone().requires_grad_(),) + args[1:]
+    with pytest.raises(RuntimeError, match=f"conv_patch::{which} computes no gradient"):
+        op(*needs)
+
+
 def _conv_op_calls(fn, *args) -> int:
     """Calls of conv-patch's custom ops in one call of ``fn`` (torch.profiler)."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:

@@ -11,6 +11,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from conv_patch.ops import library
 from conv_patch.ops.conv2d import nhwc
 from conv_patch.ops.loader import kernels
 from conv_patch.activations import activation_code, eager_epilogue
@@ -161,7 +162,8 @@ def output_format(x: torch.Tensor) -> torch.memory_format:
     return torch.channels_last if nhwc(x) else torch.contiguous_format
 
 
-@torch.library.custom_op("conv_patch::group_norm", mutates_args=())
+@library.op("group_norm(Tensor x, int num_groups, Tensor? weight, Tensor? bias, float eps, str activation, "
+            "Tensor? input_bias, Tensor? scale, Tensor? shift) -> Tensor")
 def group_norm_compiled(x: torch.Tensor, num_groups: int, weight: Optional[torch.Tensor],
                         bias: Optional[torch.Tensor], eps: float, activation: str,
                         input_bias: Optional[torch.Tensor], scale: Optional[torch.Tensor],
@@ -177,7 +179,7 @@ def group_norm_compiled(x: torch.Tensor, num_groups: int, weight: Optional[torch
     return y.contiguous(memory_format=output_format(x))
 
 
-@group_norm_compiled.register_fake
+@library.fake(group_norm_compiled)
 def _(x, num_groups, weight, bias, eps, activation, input_bias, scale, shift):
     return torch.empty_like(x, memory_format=output_format(x))
 

@@ -1,4 +1,4 @@
-"""The convolution as a PyTorch custom op, for ``torch.compile``.
+"""The convolution as a PyTorch op (``ops/library.py``), for ``torch.compile``.
 
 ``torch.ops.conv_patch.conv`` takes the whole call (input, weight, bias,
 residual, geometry, epilogue) and runs it through the one dispatch entry
@@ -17,6 +17,7 @@ from typing import List, Optional
 import torch
 
 from conv_patch.ops import conv2d as conv_op
+from conv_patch.ops import library
 from conv_patch.runtime import dispatch
 from conv_patch.call import Call
 from conv_patch.specs import ConvSpec, needs_grad
@@ -29,7 +30,9 @@ def _spec(x, weight, bias, transposed, stride, pad_begin, pad_end, dilation, out
                     bias is not None)
 
 
-@torch.library.custom_op("conv_patch::conv", mutates_args=())
+@library.op("conv(Tensor x, Tensor weight, Tensor? bias, Tensor? residual, bool transposed, int[] stride, "
+            "int[] pad_begin, int[] pad_end, int[] dilation, int[] output_padding, float beta, str activation, "
+            "float out_scale) -> Tensor")
 def conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], residual: Optional[torch.Tensor],
          transposed: bool, stride: List[int], pad_begin: List[int], pad_end: List[int], dilation: List[int],
          output_padding: List[int], beta: float, activation: str, out_scale: float) -> torch.Tensor:
@@ -40,11 +43,11 @@ def conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], re
     y = dispatch.conv_with(site, weight, bias, Call(x, residual, beta, activation, out_scale,
                                                     output_padding=tuple(output_padding) if transposed else None,
                                                     fallback_args=(weight, bias)))
-    # A custom op's output must not alias its inputs.
+    # An op's output must not alias its inputs (the compiled graph may free them).
     return y.clone() if y is x or y is residual else y
 
 
-@conv.register_fake
+@library.fake(conv)
 def _(x, weight, bias, residual, transposed, stride, pad_begin, pad_end, dilation, output_padding,
       beta, activation, out_scale):
     spec = _spec(x, weight, bias, transposed, stride, pad_begin, pad_end, dilation, output_padding)
@@ -84,7 +87,7 @@ def _upsample_format(x) -> torch.memory_format:
     return torch.channels_last if conv_op.nhwc(x) else torch.contiguous_format
 
 
-@torch.library.custom_op("conv_patch::upsample_conv", mutates_args=())
+@library.op("upsample_conv(Tensor x, Tensor weight, Tensor? bias, Tensor? residual, str activation) -> Tensor")
 def upsample_conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                   residual: Optional[torch.Tensor], activation: str) -> torch.Tensor:
     """``act(conv3x3(F.interpolate(x, scale_factor=2)) + residual)`` as a
@@ -105,7 +108,7 @@ def upsample_conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     return y.clone() if y is residual else y
 
 
-@upsample_conv.register_fake
+@library.fake(upsample_conv)
 def _(x, weight, bias, residual, activation):
     n, _, h, w = x.shape
     return torch.empty((n, weight.shape[0], 2 * h, 2 * w), dtype=x.dtype, device=x.device,

@@ -1,0 +1,56 @@
+"""conv-patch's PyTorch ops (``torch.ops.conv_patch.*``: the conv, the
+folded upsample, the GroupNorm pass that compiled graphs call), defined on
+one ``torch.library.Library``: a schema, one implementation for every
+device (``CompositeExplicitAutograd``) and a fake for tracing.
+
+Why not ``torch.library.custom_op``: its Python wrapping (an autograd
+wrapper, a Dynamo-disabled frame, a redispatch, an alias check of the
+outputs) costs about 24 µs a call on a 13-argument op (CPU, torch 2.13: 32.8
+µs against 15.6 for the same op defined here, around an 8 µs
+``F.conv2d``), paid by every conv of a compiled graph; defined here, a call
+goes from the dispatcher to the implementation. What that wrapping checked
+the callers keep: the implementations return fresh tensors (never an
+input), and the ops are only called where nothing needs a gradient (each
+caller's ``needs_grad`` check), so no autograd formula is needed; a call
+that would need one raises instead of returning a result autograd cannot
+differentiate.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+NAMESPACE = "conv_patch"
+LIB = torch.library.Library(NAMESPACE, "DEF")
+
+
+def op(schema: str) -> Callable:
+    """Decorator: the function is the implementation of the op ``schema``
+    defines (``"name(Tensor x, ...) -> Tensor"``); the decorated name is
+    bound to the op's overload, ``torch.ops.conv_patch.<name>.default``."""
+    name = schema.split("(", 1)[0].strip()
+
+    def define(impl: Callable):
+        def checked(*args):
+            if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+                raise RuntimeError(f"{NAMESPACE}::{name} computes no gradient; call it where none is needed "
+                                   "(torch.no_grad(), or tensors that do not require grad)")
+            return impl(*args)
+
+        LIB.define(schema)
+        LIB.impl(name, checked, "CompositeExplicitAutograd")
+        return getattr(getattr(torch.ops, NAMESPACE), name).default
+
+    return define
+
+
+def fake(overload) -> Callable:
+    """Decorator: the function is the fake (shape, dtype, layout) of
+    ``overload``, one of this library's ops."""
+    def register(fn: Callable):
+        torch.library.register_fake(overload, fn, lib=LIB)
+        return fn
+
+    return register

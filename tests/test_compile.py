@@ -136,13 +136,14 @@ def test_the_compiled_op_runs_through_the_dispatch_core(device, exact_fp32, monk
         assert not last.is_kernel and last.reason == "test"
 
 
-@pytest.mark.parametrize("which", ["conv", "upsample_conv", "group_norm"])
+@pytest.mark.parametrize("which", ["conv", "upsample_conv", "group_norm", "attention"])
 def test_the_ops_refuse_a_call_that_needs_a_gradient(device, which):
     """conv-patch's ops have no autograd formula: where a gradient is
     needed they raise (never a result autograd would differentiate
     wrongly); without one they compute, and pass torch's op checks
     (schema, fake, the dispatcher's view of them)."""
-    import conv_patch.ops.group_norm  # noqa: F401 (the modules that define the ops)
+    import conv_patch.ops.attention  # noqa: F401 (the modules that define the ops)
+    import conv_patch.ops.group_norm  # noqa: F401
     import conv_patch.runtime.compiled  # noqa: F401
     torch.manual_seed(0)
     x = torch.randn(1, 8, 5, 6, device=device)
@@ -156,6 +157,8 @@ def test_the_ops_refuse_a_call_that_needs_a_gradient(device, which):
                                                                w, b, padding=1)),
         "group_norm": (torch.ops.conv_patch.group_norm.default, (x, 2, b, b, 1e-5, "silu", None, None, None),
                        lambda x: torch.nn.functional.silu(torch.nn.functional.group_norm(x, 2, b, b))),
+        "attention": (torch.ops.conv_patch.attention.default, (x[0], x[0] * 0.5, x[0].flip(1), None),
+                      lambda x: torch.nn.functional.scaled_dot_product_attention(x[0], x[0] * 0.5, x[0].flip(1))),
     }[which]
     with torch.no_grad():
         assert rel_err(op(*args), ref(x)) <= 1e-4

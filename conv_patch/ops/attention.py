@@ -9,6 +9,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from conv_patch.ops import library
 from conv_patch.ops.loader import kernels
 from conv_patch.routing.registry import tma_arch
 from conv_patch.specs import HALF_DTYPES, KERNEL_DTYPES, needs_grad
@@ -81,8 +82,11 @@ def attention_routes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple
     return ("blocked", "fused", "sdpa") if fused else ("blocked", "sdpa")
 
 
-def _attention_target(q, k, v, any_width: bool = False) -> Optional[Target]:
-    if torch.compiler.is_compiling() or q.dim() < 2 or needs_grad(q, k, v):
+def _attention_target(q, k, v, any_width: bool = False, traced: bool = False) -> Optional[Target]:
+    """The target whose kernels take this call, or None (SDPA). Under
+    torch.compile tracing None, except for ``traced``: whether the call,
+    run, would take the kernels (``attention``'s op then stands for it)."""
+    if (torch.compiler.is_compiling() and not traced) or q.dim() < 2 or needs_grad(q, k, v):
         return None
     target = target_for(q.device)
     if not target.kernels or not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
@@ -116,6 +120,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional
     ("fused", "blocked" or "sdpa"; benchmarks and tests) overrides the choice
     where ``attention_routes`` lists it."""
     if route is None:
+        if torch.compiler.is_compiling() and _attention_target(q, k, v, traced=True) is not None:
+            # One opaque op of the compiled graph, the kernels the eager call
+            # runs: traced, SDPA would be PyTorch's memory-efficient kernel
+            # for these wide heads (FLUX.1's decoder at 1024², H100: 4.55 ms
+            # against the kernels' 1.08; docs/performance.md).
+            return attention_compiled(q, k, v, None if scale is None else float(scale))
         route = attention_route(q, k, v)
     else:
         routes = attention_routes(q, k, v)
@@ -166,3 +176,16 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional
             kern.launch_softmax_rows(scores[:r], probs[:r], scale, block, warps)
             torch.mm(probs[:r], v3[b], out=out[b, i:i + r])
     return out.view(*lead, n, dv)
+
+
+@library.op("attention(Tensor q, Tensor k, Tensor v, float? scale) -> Tensor")
+def attention_compiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float]) -> torch.Tensor:
+    """``attention`` as one op of a compiled graph (run, it chooses its
+    route as the eager call does)."""
+    return attention(q, k, v, scale).contiguous()
+
+
+@library.fake(attention_compiled)
+def _(q, k, v, scale):
+    lead = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    return q.new_empty((*lead, q.shape[-2], v.shape[-1]))

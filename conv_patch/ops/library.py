@@ -1,5 +1,6 @@
 """conv-patch's PyTorch ops (``torch.ops.conv_patch.*``: the conv, the
-folded upsample, the GroupNorm pass that compiled graphs call), defined on
+folded upsample, the GroupNorm pass and the wide-head attention that
+compiled graphs call), defined on
 one ``torch.library.Library``: a schema, one implementation for every
 device (``CompositeExplicitAutograd``) and a fake for tracing.
 

@@ -107,6 +107,11 @@ class FusedBlock:
         if unfused is not None:
             swaps = unfused(self, args, kwargs)
             if swaps is not None:
+                if not swaps and watch is None:
+                    # Nothing fused below to swap, no watch to tell: the
+                    # block's own forward, without run_unfused's frames (a
+                    # graphs-only block's every eager call).
+                    return self.cp_own_forward(*args, **kwargs)
                 return passthrough.run_unfused(self, swaps, functools.partial(self.cp_own_forward, *args,
                                                                               **kwargs))
         st = peek(self)

@@ -57,8 +57,9 @@ never slower than patched eager; its compile time at most the baseline's;
 patched eager model: ``ours_kernel_ms`` / ``patched_eager_kernel_ms`` (the
 sum of the call's GPU kernels: beside ``ours_ms`` and ``host_ms``, whether
 it is host- or GPU-bound), ``*_kernel_launches`` and ``*_profile`` (the N
-largest kernels, ``common.profile_top``). A stage that fails leaves ``error`` ("stage: Type: message", ``traceback``)
-and what was measured before it; a child that dies or passes
+largest kernels, ``common.profile_top``). A stage that fails leaves
+``error`` ("stage: Type: message", ``traceback``) and what was measured
+before it; a child that dies or passes
 ``--child-timeout`` leaves a row with its ``error``. ``--tiny`` runs the
 zoo's tiny configs on the CPU (the tests); ``--backend eager`` or
 ``aot_eager`` traces without Inductor (the mode is then not passed on).

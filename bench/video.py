@@ -43,7 +43,8 @@ import statistics
 
 import torch
 
-from .common import PEAK_TFLOPS, bench_device, launched_call, print_table, profile_top, rotated, write_results
+from .common import (PEAK_TFLOPS, bench_device, env_info, launched_call, print_table, profile_top, rotated,
+                     write_results)
 from conv_patch.runtime.state import state_of
 
 TINY = dict(base_dim=8, z_dim=4, dim_mult=[1, 2], num_res_blocks=1, attn_scales=[], temperal_downsample=[True],
@@ -333,10 +334,6 @@ def layer_row(meas) -> dict:
             "speedup": (meas.cudnn_ms / best) if best else None, "times": meas.times, "rejected": meas.rejected}
 
 
-def gpu_name(device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "the CPU"
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", choices=sorted(MODELS), default="wan2.1")
@@ -427,7 +424,7 @@ def main(argv=None):
             tune.write_table(tune.merge_conv3d(table, measured, f"bench.video --model {args.model} --layers "
                                                f"--layout {args.layout}: {len(measured)} Conv3d calls of a "
                                                f"{args.layer_frames}-frame {args.height}x{args.width} decode, "
-                                               f"{str(dtype).split('.')[-1]}, on {gpu_name(device)}"),
+                                               f"{str(dtype).split('.')[-1]}, on {env_info()['gpu']}"),
                              args.write_table)
             print("conv3d entries written to", args.write_table)
     path = save()

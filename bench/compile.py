@@ -44,8 +44,9 @@ compiled over those two calls: 1 with fullgraph and no recompile),
 the patched model's again after the reset), ``first_call_s`` (the patched
 model's first eager call, after the compiled ones: its kernels are compiled
 by then, so mostly planning), ``op_sites`` / ``op_kernel_sites``
-(conv-patch call sites the compiled op created, and those whose last call
-ran a conv-patch kernel), ``rel_err_vs_baseline`` (ours against the
+(conv-patch call sites the compiled conv ops created, and those whose last
+call ran a conv-patch kernel), ``norm_sites`` / ``norm_kernel_sites`` (the
+GroupNorm op's, and those whose plans run the kernels), ``rel_err_vs_baseline`` (ours against the
 compiled unpatched output), ``rel_err_vs_fp32`` /
 ``baseline_rel_err_vs_fp32`` / ``patched_eager_rel_err_vs_fp32`` (against
 the unpatched model in fp32, eager), ``peak_gib`` / ``baseline_peak_gib``
@@ -79,6 +80,7 @@ from pathlib import Path
 import torch
 
 import conv_patch
+from conv_patch.runtime.dispatch import NormSite
 
 from .common import bench_device, child_rows, env_info, peak_gib, print_table, profile_top, sync, write_results
 from .zoo import DTYPES, inputs_for, interleaved, load_case, output_tensor, rel_err, seeded, tensor_bytes, \
@@ -175,11 +177,9 @@ def _unique_graphs() -> int:
 
 
 def _sites():
-    """conv-patch's call sites of the compiled op so far (None where the
-    dispatch core keeps them elsewhere)."""
+    """conv-patch's call sites and norm sites of the compiled ops so far."""
     from conv_patch.runtime import dispatch
-    sites = getattr(dispatch, "_SITES", None)
-    return None if sites is None else dict(sites)
+    return dispatch.sites()
 
 
 def compile_options(mode, backend):
@@ -246,10 +246,13 @@ def bench_case(name, size, batch, dtype_name, mode, runs, warmup, tiny, device, 
             ours = compiled(patched, name, opts)
             row["compile_s"], row["second_call_s"], row["graphs"] = _first_calls(ours, inputs[0], graphed)
             sites1 = _sites()
-            if sites0 is not None:
-                new = [s for k, s in sites1.items() if k not in sites0]
-                row["op_sites"] = len(new)
-                row["op_kernel_sites"] = sum(1 for s in new if _last_is_kernel(s))
+            new = [s for k, s in sites1.items() if k not in sites0]
+            norms = [s for s in new if isinstance(s, NormSite)]
+            convs = [s for s in new if not isinstance(s, NormSite)]
+            row["op_sites"] = len(convs)
+            row["op_kernel_sites"] = sum(1 for s in convs if _last_is_kernel(s))
+            row["norm_sites"] = len(norms)
+            row["norm_kernel_sites"] = sum(1 for s in norms if _runs_kernels(s))
             stage = "compile unpatched"
             torch._dynamo.reset()
             base = compiled(model, name, opts)
@@ -330,6 +333,12 @@ def _last_is_kernel(site) -> bool:
     from conv_patch.runtime.state import state_of
     last = state_of(site).last
     return bool(last is not None and last.is_kernel)
+
+
+def _runs_kernels(site) -> bool:
+    """Whether a norm site's plans run the GroupNorm kernels."""
+    from conv_patch.runtime.state import state_of
+    return any(getattr(p, "kernel", False) for p in (state_of(site).plans or {}).values())
 
 
 def _derive(row):

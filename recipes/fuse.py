@@ -381,6 +381,13 @@ def group_norm(norm: nn.GroupNorm, x: torch.Tensor, activation: str = "none",
         # decided here, before any signature is built.
         return dispatch.group_norm_eager(norm, x, activation, out, input_bias, modulation)
     if x.dim() in (4, 5) and not comfy_active(norm):
+        if torch.compiler.is_compiling() and out is None:
+            # (An ``out`` write would be a copy in a compiled graph: the
+            # expression, which Inductor writes where it likes.)
+            from conv_patch.runtime import compiled
+            y = compiled.traced_group_norm(norm, x, activation, input_bias, modulation)
+            if y is not None:
+                return y
         return dispatch.group_norm(norm, x, activation, out, input_bias, modulation)
     return dispatch.group_norm_eager(norm, x, activation, out, input_bias, modulation)
 

@@ -37,6 +37,7 @@ def test_bench_compile_tiny_row(tmp_path):
     assert r["rel_err_vs_baseline"] <= 1e-5 and r["rel_err_vs_fp32"] <= 1e-5 and r["baseline_rel_err_vs_fp32"] <= 1e-5
     # The compiled model ran conv-patch's op, its kernels (the interpreter's).
     assert r["op_sites"] > 0 and r["op_kernel_sites"] > 0 and r["patched_convs"] > 0
+    assert r["norm_sites"] > 0 and r["norm_kernel_sites"] > 0
     # (graphs: 2 on the CPU, the recompile test_compile.test_recipe_model_compiles_once expects to fail)
     assert r["checks"]["fullgraph"] and r["graphs"] >= 1 and r["baseline_graphs"] == 1 and r["timing_graphs"] >= 1
     # --profile (passed on to the child): the largest ops of each call, and their sum.

@@ -50,6 +50,47 @@ def test_compiled_patched_model_is_one_op_per_conv(device, exact_fp32):
         assert rel_err(aot(x_cl), ref) <= 1e-5
 
 
+def _aot_ops(fn, x, dynamic=False):
+    """The ops of ``fn``'s compiled graph as Inductor receives them (after
+    AOT autograd, the composite ops replaced by what they chose)."""
+    from torch._functorch.aot_autograd import aot_module_simplified
+    seen = []
+
+    def backend(gm, inputs):
+        def fw(graph, _):
+            seen.extend(str(n.target) for n in graph.graph.nodes if n.op == "call_function")
+            return graph.forward
+        return aot_module_simplified(gm, inputs, fw_compiler=fw)
+    torch._dynamo.reset()
+    return seen, torch.compile(fn, backend=backend, fullgraph=True, dynamic=dynamic)(x)
+
+
+def test_traced_convs_the_kernels_would_not_take_are_pytorchs_convolutions(device, exact_fp32):
+    """``conv_patch::conv`` is composite: traced with known sizes, a call the
+    routing hands to PyTorch (here float64, which no kernel computes)
+    becomes PyTorch's convolution in the graph Inductor gets, fused and
+    scheduled as in the unpatched model; a call the kernels may take stays
+    one routed op (under the interpreter every float32 call), and so does
+    every call with symbolic sizes (dynamic shapes: decided when it runs)."""
+    torch.manual_seed(0)
+    for dtype in (torch.float64, torch.float32):
+        net = _net(device).to(dtype)
+        x = torch.randn(1, 8, 6, 7, device=device, dtype=dtype)
+        with torch.no_grad():
+            ref = net(x)
+            conv_patch.apply(net)
+            seen, out = _aot_ops(net, x)
+            assert rel_err(out, ref) <= (1e-12 if dtype == torch.float64 else 1e-5)
+            routed = seen.count("conv_patch.conv_routed.default")
+            if dtype == torch.float64:
+                assert routed == 0 and seen.count("aten.convolution.default") == 3
+            elif device == "cpu":
+                assert routed == 3 and "aten.convolution.default" not in seen
+            seen, out = _aot_ops(net, x, dynamic=True)
+            assert rel_err(out, ref) <= (1e-12 if dtype == torch.float64 else 1e-5)
+            assert seen.count("conv_patch.conv_routed.default") == 3
+
+
 def test_fused_call_and_functional_api_under_compile(device, exact_fp32):
     conv = torch.nn.Conv2d(8, 8, 3, padding=1).to(device).eval()
     x = torch.randn(2, 8, 5, 5, device=device)
@@ -136,19 +177,28 @@ def test_the_compiled_op_runs_through_the_dispatch_core(device, exact_fp32, monk
         assert not last.is_kernel and last.reason == "test"
 
 
-@pytest.mark.parametrize("which", ["conv", "upsample_conv", "group_norm", "attention"])
+@pytest.mark.parametrize("which", ["conv", "conv_routed", "upsample_conv", "upsample_conv_routed", "group_norm",
+                                   "attention"])
 def test_the_ops_refuse_a_call_that_needs_a_gradient(device, which):
-    """conv-patch's ops have no autograd formula: where a gradient is
+    """conv-patch's kernel ops have no autograd formula: where a gradient is
     needed they raise (never a result autograd would differentiate
     wrongly); without one they compute, and pass torch's op checks
-    (schema, fake, the dispatcher's view of them)."""
+    (schema, fake, the dispatcher's view of them). The composite conv ops
+    (``conv``, ``upsample_conv``) compute such a call as PyTorch's ops, and
+    their gradient is PyTorch's."""
     import conv_patch.ops.attention  # noqa: F401 (the modules that define the ops)
     import conv_patch.ops.group_norm  # noqa: F401
     import conv_patch.runtime.compiled  # noqa: F401
     torch.manual_seed(0)
     x = torch.randn(1, 8, 5, 6, device=device)
     w, b = torch.randn(8, 8, 3, 3, device=device), torch.randn(8, device=device)
+    conv_args = (x, w, b, None, False, [1, 1], [1, 1], [1, 1], [1, 1], [0, 0], 1.0, "none", 1.0)
     op, args, ref = {
+        "conv_routed": (torch.ops.conv_patch.conv_routed.default, conv_args,
+                        lambda x: torch.nn.functional.conv2d(x, w, b, padding=1)),
+        "upsample_conv_routed": (torch.ops.conv_patch.upsample_conv_routed.default, (x, w, b, None, "none"),
+                                 lambda x: torch.nn.functional.conv2d(
+                                     torch.nn.functional.interpolate(x, scale_factor=2.0), w, b, padding=1)),
         "conv": (torch.ops.conv_patch.conv.default,
                  (x, w, b, None, False, [1, 1], [1, 1], [1, 1], [1, 1], [0, 0], 1.0, "none", 1.0),
                  lambda x: torch.nn.functional.conv2d(x, w, b, padding=1)),
@@ -163,7 +213,16 @@ def test_the_ops_refuse_a_call_that_needs_a_gradient(device, which):
     with torch.no_grad():
         assert rel_err(op(*args), ref(x)) <= 1e-4
         torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
-    needs = (x.clone().requires_grad_(),) + args[1:]
+    xg = x.clone().requires_grad_()
+    needs = (xg,) + args[1:]
+    if which in ("conv", "upsample_conv"):
+        xr = x.clone().requires_grad_()
+        y, y_ref = op(*needs), ref(xr)
+        assert rel_err(y.detach(), y_ref.detach()) <= 1e-4
+        (y * y_ref.detach()).sum().backward()
+        (y_ref * y_ref.detach()).sum().backward()
+        assert rel_err(xg.grad, xr.grad) <= 1e-4
+        return
     with pytest.raises(RuntimeError, match=f"conv_patch::{which} computes no gradient"):
         op(*needs)
 

@@ -11,7 +11,6 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from conv_patch.ops import library
 from conv_patch.ops.conv2d import nhwc
 from conv_patch.ops.loader import kernels
 from conv_patch.activations import activation_code, eager_epilogue
@@ -160,44 +159,3 @@ def output_format(x: torch.Tensor) -> torch.memory_format:
         return (torch.channels_last_3d if not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last_3d)
                 else torch.contiguous_format)
     return torch.channels_last if nhwc(x) else torch.contiguous_format
-
-
-@library.op("group_norm(Tensor x, int num_groups, Tensor? weight, Tensor? bias, float eps, str activation, "
-            "Tensor? input_bias, Tensor? scale, Tensor? shift) -> Tensor")
-def group_norm_compiled(x: torch.Tensor, num_groups: int, weight: Optional[torch.Tensor],
-                        bias: Optional[torch.Tensor], eps: float, activation: str,
-                        input_bias: Optional[torch.Tensor], scale: Optional[torch.Tensor],
-                        shift: Optional[torch.Tensor]) -> torch.Tensor:
-    """``group_norm`` (modulated by ``scale``, ``shift`` where given) as one
-    opaque op of a compiled graph: the pass the eager model runs, in place
-    of the ``native_group_norm`` and activation Inductor would build for it
-    (those are the eager decode's slow steps, and on an NHWC activation
-    Inductor's are slower still)."""
-    mod = None if scale is None else (scale, shift)
-    y = group_norm(x, num_groups, weight, bias, eps, activation, input_bias=input_bias, modulation=mod)
-    # One layout whichever way it ran (the fake's).
-    return y.contiguous(memory_format=output_format(x))
-
-
-@library.fake(group_norm_compiled)
-def _(x, num_groups, weight, bias, eps, activation, input_bias, scale, shift):
-    return torch.empty_like(x, memory_format=output_format(x))
-
-
-def traced_group_norm(x: torch.Tensor, num_groups: int, weight: Optional[torch.Tensor] = None,
-                      bias: Optional[torch.Tensor] = None, eps: float = 1e-5, activation: str = "none",
-                      input_bias: Optional[torch.Tensor] = None,
-                      modulation: Optional[tuple] = None) -> Optional[torch.Tensor]:
-    """``group_norm``'s call under torch.compile tracing: the op above where
-    the kernels would take it eagerly (a kernel target for ``x``'s device,
-    a kernel dtype, no autograd, no autocast, modulation of ``x``'s shape),
-    else None (the caller traces the eager expression)."""
-    tensors = (x, weight, bias, input_bias) + (() if modulation is None else tuple(modulation))
-    if (x.dim() not in (4, 5) or x.numel() == 0 or x.dtype not in KERNEL_DTYPES or needs_grad(*tensors)
-            or torch.is_autocast_enabled(x.device.type) or not target_for(x.device).kernels
-            or x.shape[1] % num_groups
-            or any(t is not None and t.device != x.device for t in tensors)
-            or (modulation is not None and any(t.shape != x.shape for t in modulation))):
-        return None
-    scale, shift = (None, None) if modulation is None else modulation
-    return group_norm_compiled(x, int(num_groups), weight, bias, float(eps), activation, input_bias, scale, shift)

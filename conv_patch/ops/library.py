@@ -2,7 +2,11 @@
 folded upsample, the GroupNorm pass and the wide-head attention that
 compiled graphs call), defined on
 one ``torch.library.Library``: a schema, one implementation for every
-device (``CompositeExplicitAutograd``) and a fake for tracing.
+device (``CompositeExplicitAutograd``) and a fake for tracing (``op``,
+``fake``); or a schema whose implementation is made of other ops
+(``composite``: ``CompositeImplicitAutograd``), which tracing replaces by
+the ops it calls for the shapes it traces (how a compiled graph gets
+PyTorch's own convolution where the kernels would not take the call).
 
 Why not ``torch.library.custom_op``: its Python wrapping (an autograd
 wrapper, a Dynamo-disabled frame, a redispatch, an alias check of the
@@ -55,3 +59,20 @@ def fake(overload) -> Callable:
         return fn
 
     return register
+
+
+def composite(schema: str) -> Callable:
+    """Decorator: the function is the ``CompositeImplicitAutograd``
+    implementation of the op ``schema`` defines: it computes with other
+    ops (PyTorch's, or this library's), and while torch.compile traces it
+    runs on the traced (fake) tensors, so the graph records the ops it
+    chose, not this one. No fake is needed and no gradient check: autograd
+    sees the ops it calls."""
+    name = schema.split("(", 1)[0].strip()
+
+    def define(impl: Callable):
+        LIB.define(schema)
+        LIB.impl(name, impl, "CompositeImplicitAutograd")
+        return getattr(getattr(torch.ops, NAMESPACE), name).default
+
+    return define

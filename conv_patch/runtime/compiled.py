@@ -1,12 +1,18 @@
 """The convolution as a PyTorch op (``ops/library.py``), for ``torch.compile``.
 
 ``torch.ops.conv_patch.conv`` takes the whole call (input, weight, bias,
-residual, geometry, epilogue) and runs it through the one dispatch entry
-(``dispatch.conv_with`` with a ``dispatch.CallSite``): planned per signature,
-a kernel only where it beats PyTorch as called, like a wrapper's call. Its
-fake implementation only computes the output's shape, dtype and memory
-format, so Dynamo traces a patched model without graph breaks and Inductor
-treats the call as one opaque kernel. Under tracing the wrappers call this op
+residual, geometry, epilogue). It is a composite op: traced, it becomes
+PyTorch's own ops (the convolution and the epilogue as eager ops, which
+Inductor fuses and schedules as it does the unpatched model's) where the
+kernels would not take the call as it runs (``kernels_may_take``: the
+traced shapes are known, the routing decides as for an eager call), and
+otherwise ``torch.ops.conv_patch.conv_routed``, which runs the call
+through the one dispatch entry (``dispatch.conv_with`` with a
+``dispatch.CallSite``): planned per signature, a kernel only where it beats
+PyTorch as called, like a wrapper's call. The routed op's fake
+implementation only computes the output's shape, dtype and memory format,
+so Dynamo traces a patched model without graph breaks and Inductor treats
+the call as one opaque kernel. Under tracing the wrappers call ``conv``
 instead of falling back (``wrappers.PatchedConvMixin.cp_call``).
 """
 
@@ -16,11 +22,16 @@ from typing import List, Optional
 
 import torch
 
+from conv_patch.activations import eager_epilogue
 from conv_patch.ops import conv2d as conv_op
+from conv_patch.ops import group_norm as group_norm_op
 from conv_patch.ops import library
-from conv_patch.runtime import dispatch
+from conv_patch.routing import costs
+from conv_patch.routing.decide import decide
+from conv_patch.runtime import dispatch, pack
 from conv_patch.call import Call
-from conv_patch.specs import ConvSpec, needs_grad
+from conv_patch.specs import KERNEL_DTYPES, CallDesc, ConvSpec, layout_of, needs_grad
+from conv_patch.target import target_for
 
 
 def _spec(x, weight, bias, transposed, stride, pad_begin, pad_end, dilation, output_padding) -> ConvSpec:
@@ -30,12 +41,16 @@ def _spec(x, weight, bias, transposed, stride, pad_begin, pad_end, dilation, out
                     bias is not None)
 
 
-@library.op("conv(Tensor x, Tensor weight, Tensor? bias, Tensor? residual, bool transposed, int[] stride, "
-            "int[] pad_begin, int[] pad_end, int[] dilation, int[] output_padding, float beta, str activation, "
-            "float out_scale) -> Tensor")
-def conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], residual: Optional[torch.Tensor],
-         transposed: bool, stride: List[int], pad_begin: List[int], pad_end: List[int], dilation: List[int],
-         output_padding: List[int], beta: float, activation: str, out_scale: float) -> torch.Tensor:
+_CONV_ARGS = ("(Tensor x, Tensor weight, Tensor? bias, Tensor? residual, bool transposed, int[] stride, "
+              "int[] pad_begin, int[] pad_end, int[] dilation, int[] output_padding, float beta, str activation, "
+              "float out_scale) -> Tensor")
+
+
+@library.op("conv_routed" + _CONV_ARGS)
+def conv_routed(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                residual: Optional[torch.Tensor], transposed: bool, stride: List[int], pad_begin: List[int],
+                pad_end: List[int], dilation: List[int], output_padding: List[int], beta: float, activation: str,
+                out_scale: float) -> torch.Tensor:
     spec = _spec(x, weight, bias, transposed, stride, pad_begin, pad_end, dilation, output_padding)
     # The one dispatch entry, with a call site for the plans and the pack:
     # planned, weighed against PyTorch and replayed like a wrapper's call.
@@ -47,7 +62,7 @@ def conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], re
     return y.clone() if y is x or y is residual else y
 
 
-@library.fake(conv)
+@library.fake(conv_routed)
 def _(x, weight, bias, residual, transposed, stride, pad_begin, pad_end, dilation, output_padding,
       beta, activation, out_scale):
     spec = _spec(x, weight, bias, transposed, stride, pad_begin, pad_end, dilation, output_padding)
@@ -57,6 +72,44 @@ def _(x, weight, bias, residual, transposed, stride, pad_begin, pad_end, dilatio
     fmt = conv_op.output_memory_format(x, weight)
     y = torch.empty((1,) + shape if len(shape) == 3 else shape, dtype=x.dtype, device=x.device, memory_format=fmt)
     return y.squeeze(0) if len(shape) == 3 else y
+
+
+def kernels_may_take(spec: ConvSpec, x, weight, bias, residual, beta: float = 1.0, activation: str = "none",
+                     out_scale: float = 1.0, shape: Optional[tuple] = None) -> bool:
+    """Whether the kernels may take this call when it runs, decided while
+    tracing: yes where a size is symbolic (dynamic shapes: the routed op
+    decides per call); else the routing's decision for the call as an eager
+    call would describe it, its tensors taken as 16-byte aligned (a compiled
+    graph's buffers are; the routed op checks when it runs) and its
+    epilogue worth one pass at most (Inductor fuses the eager ops into one,
+    or into the next kernel). The table's cuDNN route counts as PyTorch's:
+    Inductor fuses that epilogue too. ``shape``: the conv's input shape
+    where it is not ``x``'s (``x`` then gives its dtype, layout and device)."""
+    shape = tuple(x.shape) if shape is None else tuple(shape)
+    if any(isinstance(d, torch.SymInt) for d in shape + tuple(weight.shape)):
+        return True
+    ops = min(1, costs.epilogue_ops(residual is not None, beta, activation, out_scale))
+    desc = CallDesc(shape=shape, dtype=x.dtype, device_type=x.device.type, layout=layout_of(x),
+                    weight_dtype=weight.dtype, bias_dtype=None if bias is None else bias.dtype,
+                    same_device=all(t is None or t.device == x.device for t in (weight, bias, residual)),
+                    output_padding=spec.output_padding if spec.transposed else None, epilogue=ops,
+                    packed=not pack.is_kernel_layout(pack.kernel_view(weight, spec.transposed)),
+                    residual_dtype=None if residual is None else residual.dtype)
+    return decide(spec, desc, target_for(x.device)).is_kernel
+
+
+@library.composite("conv" + _CONV_ARGS)
+def conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], residual: Optional[torch.Tensor],
+         transposed: bool, stride: List[int], pad_begin: List[int], pad_end: List[int], dilation: List[int],
+         output_padding: List[int], beta: float, activation: str, out_scale: float) -> torch.Tensor:
+    spec = _spec(x, weight, bias, transposed, stride, pad_begin, pad_end, dilation, output_padding)
+    if needs_grad(x, weight, bias, residual) or not kernels_may_take(spec, x, weight, bias, residual, beta,
+                                                                     activation, out_scale):
+        # PyTorch's route, as the original module and the eager epilogue
+        # (differentiable: the routed op is not).
+        return eager_epilogue(spec.torch_forward(x, weight, bias), residual, beta, activation, out_scale)
+    return conv_routed(x, weight, bias, residual, transposed, stride, pad_begin, pad_end, dilation, output_padding,
+                       beta, activation, out_scale)
 
 
 def takes(module, x, residual=None) -> bool:
@@ -87,9 +140,12 @@ def _upsample_format(x) -> torch.memory_format:
     return torch.channels_last if conv_op.nhwc(x) else torch.contiguous_format
 
 
-@library.op("upsample_conv(Tensor x, Tensor weight, Tensor? bias, Tensor? residual, str activation) -> Tensor")
-def upsample_conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                  residual: Optional[torch.Tensor], activation: str) -> torch.Tensor:
+_UPSAMPLE_ARGS = "(Tensor x, Tensor weight, Tensor? bias, Tensor? residual, str activation) -> Tensor"
+
+
+@library.op("upsample_conv_routed" + _UPSAMPLE_ARGS)
+def upsample_conv_routed(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                         residual: Optional[torch.Tensor], activation: str) -> torch.Tensor:
     """``act(conv3x3(F.interpolate(x, scale_factor=2)) + residual)`` as a
     recipe's folded upsample runs it eagerly: the four 2x2 convs of ``x``
     (``dispatch.upsample_conv_with``) where that pays
@@ -108,14 +164,80 @@ def upsample_conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     return y.clone() if y is residual else y
 
 
-@library.fake(upsample_conv)
+@library.fake(upsample_conv_routed)
 def _(x, weight, bias, residual, activation):
     n, _, h, w = x.shape
     return torch.empty((n, weight.shape[0], 2 * h, 2 * w), dtype=x.dtype, device=x.device,
                        memory_format=_upsample_format(x))
 
 
+@library.composite("upsample_conv" + _UPSAMPLE_ARGS)
+def upsample_conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                  residual: Optional[torch.Tensor], activation: str) -> torch.Tensor:
+    """Traced, PyTorch's interpolate, conv and eager epilogue where neither
+    the folded convs (``dispatch.subpixel_pays``) nor the kernels on the
+    upsampled input (``kernels_may_take``) would run, or where a gradient
+    is needed; else the routed op."""
+    spec = _upsample_spec(weight, bias)
+    n, c, h, w = x.shape
+    static = not any(isinstance(d, torch.SymInt) for d in (n, c, h, w))
+    if needs_grad(x, weight, bias, residual) or static and not dispatch.subpixel_pays(x, weight) and not kernels_may_take(
+            spec, x, weight, bias, residual, activation=activation, shape=(n, c, 2 * h, 2 * w)):
+        up = torch.nn.functional.interpolate(x, scale_factor=2.0, mode="nearest")
+        return eager_epilogue(spec.torch_forward(up, weight, bias), residual, 1.0, activation, 1.0)
+    return upsample_conv_routed(x, weight, bias, residual, activation)
+
+
 def upsample_call(module, x, residual=None, activation="none") -> torch.Tensor:
     """The folded-upsample op for patched 3x3 conv ``module`` (what a
     recipe's upsample step runs under tracing)."""
     return upsample_conv(x, module.weight, module.bias, residual, activation)
+
+
+# -- GroupNorm -------------------------------------------------------------------------
+@library.op("group_norm(Tensor x, int num_groups, Tensor? weight, Tensor? bias, float eps, str activation, "
+            "Tensor? input_bias, Tensor? scale, Tensor? shift) -> Tensor")
+def group_norm(x: torch.Tensor, num_groups: int, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+               eps: float, activation: str, input_bias: Optional[torch.Tensor], scale: Optional[torch.Tensor],
+               shift: Optional[torch.Tensor]) -> torch.Tensor:
+    """``ops.group_norm.group_norm`` (modulated by ``scale``, ``shift`` where
+    given) as one opaque op of a compiled graph: the pass the eager model
+    runs, in place of the ``native_group_norm`` and activation Inductor
+    would build for it (those are the eager decode's slow steps, and on an
+    NHWC activation Inductor's are slower still), planned and replayed
+    through the one dispatch entry on a ``dispatch.NormSite`` as a fused
+    block's norm is (a replayed call costs a fraction of a launch through
+    the kernels' Python launchers)."""
+    mod = None if scale is None else (scale, shift)
+    y = dispatch.group_norm(dispatch.norm_site(num_groups, weight, bias, eps), x, activation,
+                            input_bias=input_bias, modulation=mod)
+    # One layout whichever way it ran (the fake's).
+    y = y.contiguous(memory_format=group_norm_op.output_format(x))
+    return y.clone() if y is x else y
+
+
+@library.fake(group_norm)
+def _(x, num_groups, weight, bias, eps, activation, input_bias, scale, shift):
+    return torch.empty_like(x, memory_format=group_norm_op.output_format(x))
+
+
+def traced_group_norm(norm, x: torch.Tensor, activation: str = "none", input_bias: Optional[torch.Tensor] = None,
+                      modulation: Optional[tuple] = None) -> Optional[torch.Tensor]:
+    """A GroupNorm module's call under torch.compile tracing: the op above
+    where the kernels would take it eagerly (a kernel target for ``x``'s
+    device, a kernel dtype, no autograd, no autocast, modulation of ``x``'s
+    shape, and on a GPU a size where the kernels pay,
+    ``costs.group_norm_pays``), else None (the caller traces the eager
+    expression)."""
+    num_groups, weight, bias, eps = norm.num_groups, norm.weight, norm.bias, norm.eps
+    tensors = (x, weight, bias, input_bias) + (() if modulation is None else tuple(modulation))
+    target = target_for(x.device)
+    if (x.dim() not in (4, 5) or x.numel() == 0 or x.dtype not in KERNEL_DTYPES or needs_grad(*tensors)
+            or torch.is_autocast_enabled(x.device.type) or not target.kernels
+            or not (target.interpreter or costs.group_norm_pays(x.numel()))
+            or x.shape[1] % num_groups
+            or any(t is not None and t.device != x.device for t in tensors)
+            or (modulation is not None and any(t.shape != x.shape for t in modulation))):
+        return None
+    scale, shift = (None, None) if modulation is None else modulation
+    return group_norm(x, int(num_groups), weight, bias, float(eps), activation, input_bias, scale, shift)

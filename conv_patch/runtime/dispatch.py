@@ -161,11 +161,42 @@ def call_site(spec: ConvSpec, weight, bias) -> CallSite:
     return site
 
 
+def sites() -> dict:
+    """The call sites and norm sites made so far (a copy: key -> site)."""
+    return dict(_SITES)
+
+
 def clear(m) -> None:
     """Drop ``m``'s plans (its attributes or parameters changed), and what
     the models learned about passing their parts through."""
     passthrough.changed()
     state_of(m).clear()
+
+
+class NormSite:
+    """The plans of a GroupNorm call made without its module (the
+    torch.compile op): one per group count, eps, weight and bias (by
+    storage, like ``CallSite``, whose table it shares), which it holds (a
+    weight edited in place is read as it is at each call)."""
+
+    def __init__(self, num_groups: int, weight, bias, eps: float):
+        self.num_groups, self.weight, self.bias, self.eps = num_groups, weight, bias, eps
+        self.__dict__[STATE] = State()
+
+    def forward(self, x):
+        return torch.nn.functional.group_norm(x, self.num_groups, self.weight, self.bias, self.eps)
+
+
+def norm_site(num_groups: int, weight, bias, eps: float) -> NormSite:
+    """The ``NormSite`` of these parameters."""
+    key = ("group_norm", num_groups, eps, None if weight is None else (weight.data_ptr(), weight.device, weight.dtype),
+           None if bias is None else (bias.data_ptr(), bias.dtype))
+    site = _SITES.get(key)
+    if site is None:
+        if len(_SITES) >= MAX_SITES:
+            _SITES.clear()
+        site = _SITES[key] = NormSite(num_groups, weight, bias, eps)
+    return site
 
 
 # -- the folded upsample -------------------------------------------------------------
@@ -297,21 +328,16 @@ def _gn_key(norm, x, activation, out, input_bias, modulation):
 def group_norm(norm, x, activation="none", out=None, input_bias=None, modulation=None):
     """``act(norm(x + input_bias) * m + a)`` (``modulation`` (m, a), else
     ``act(norm(x + input_bias))``) into ``out`` when given (may be ``x``),
-    for a GroupNorm module whose forward is the torch one's: planned per
-    signature like the convs (kept in the norm's state). Under torch.compile
-    tracing, the ``conv_patch::group_norm`` op where the kernels would take
-    the call eagerly (``costs.group_norm_pays``, as the plans decide), else
-    the op's own expression (Inductor fuses it); an ``out`` write is always
-    the expression (in a compiled graph it would be a copy)."""
+    for a GroupNorm module whose forward is the torch one's, or a
+    ``NormSite``: planned per signature like the convs (kept in the norm's
+    state). Under torch.compile tracing the op's own expression (Inductor
+    fuses it; ``compiled.traced_group_norm`` is the op where the kernels
+    would take the call)."""
     def run_kernels():
         return group_norm_op.group_norm(x, norm.num_groups, norm.weight, norm.bias, norm.eps, activation,
                                         out=out, input_bias=input_bias, modulation=modulation)
     if torch.compiler.is_compiling():
-        y = None
-        if out is None and (target_for(x.device).interpreter or costs.group_norm_pays(x.numel())):
-            y = group_norm_op.traced_group_norm(x, norm.num_groups, norm.weight, norm.bias, norm.eps, activation,
-                                                input_bias, modulation)
-        return run_kernels() if y is None else y
+        return run_kernels()  # (traced: group_norm_target is None, the expression)
     key = _gn_key(norm, x, activation, out, input_bias, modulation)
     st = state_of(norm)
     plan = st.plans.get(key) if st.plans is not None else None

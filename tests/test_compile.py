@@ -91,6 +91,24 @@ def test_traced_convs_the_kernels_would_not_take_are_pytorchs_convolutions(devic
             assert seen.count("conv_patch.conv_routed.default") == 3
 
 
+def test_a_graph_replayed_as_cuda_graphs_gets_pytorchs_convolutions(device, exact_fp32):
+    """Traced for CUDA-graph replay (reduce-overhead's Inductor option),
+    the composite conv op is PyTorch's convolution even where the kernels
+    would take the call (under the interpreter, every float32 call): the
+    routed op's weight pack, made at its first call, would be allocated in
+    the graph tree's pool, which refuses it."""
+    from torch._inductor import config
+    net = _net(device)
+    x = torch.randn(1, 8, 6, 7, device=device)
+    with torch.no_grad():
+        ref = net(x)
+        conv_patch.apply(net)
+        with config.patch({"triton.cudagraphs": True}):
+            seen, out = _aot_ops(net, x)
+    assert rel_err(out, ref) <= 1e-5
+    assert seen.count("aten.convolution.default") == 3 and not [op for op in seen if "conv_patch" in op]
+
+
 def test_fused_call_and_functional_api_under_compile(device, exact_fp32):
     conv = torch.nn.Conv2d(8, 8, 3, padding=1).to(device).eval()
     x = torch.randn(2, 8, 5, 5, device=device)
@@ -179,7 +197,7 @@ def test_the_compiled_op_runs_through_the_dispatch_core(device, exact_fp32, monk
 
 @pytest.mark.parametrize("which", ["conv", "conv_routed", "upsample_conv", "upsample_conv_routed", "group_norm",
                                    "attention"])
-def test_the_ops_refuse_a_call_that_needs_a_gradient(device, which):
+def test_the_ops_refuse_a_call_that_needs_a_gradient(device, which, exact_fp32):
     """conv-patch's kernel ops have no autograd formula: where a gradient is
     needed they raise (never a result autograd would differentiate
     wrongly); without one they compute, and pass torch's op checks

@@ -98,13 +98,28 @@ def kernels_may_take(spec: ConvSpec, x, weight, bias, residual, beta: float = 1.
     return decide(spec, desc, target_for(x.device)).is_kernel
 
 
+def replayed_as_cuda_graphs() -> bool:
+    """Whether the graph being traced will be replayed as CUDA graphs
+    (torch.compile's reduce-overhead mode: Inductor's ``triton.cudagraphs``,
+    set while it traces). The routed conv ops keep tensors across calls
+    (a call site's weight pack, the folded upsample's weights), made at
+    their first call, which a CUDA-graph tree runs inside its memory pool:
+    it refuses such a tensor (its replays would overwrite it). So such a
+    graph gets PyTorch's convolutions, which it replays itself."""
+    try:
+        from torch._inductor import config
+    except ImportError:  # (a build without Inductor cannot be compiling with it)
+        return False
+    return bool(getattr(getattr(config, "triton", None), "cudagraphs", False))
+
+
 @library.composite("conv" + _CONV_ARGS)
 def conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], residual: Optional[torch.Tensor],
          transposed: bool, stride: List[int], pad_begin: List[int], pad_end: List[int], dilation: List[int],
          output_padding: List[int], beta: float, activation: str, out_scale: float) -> torch.Tensor:
     spec = _spec(x, weight, bias, transposed, stride, pad_begin, pad_end, dilation, output_padding)
-    if needs_grad(x, weight, bias, residual) or not kernels_may_take(spec, x, weight, bias, residual, beta,
-                                                                     activation, out_scale):
+    if (needs_grad(x, weight, bias, residual) or replayed_as_cuda_graphs()
+            or not kernels_may_take(spec, x, weight, bias, residual, beta, activation, out_scale)):
         # PyTorch's route, as the original module and the eager epilogue
         # (differentiable: the routed op is not).
         return eager_epilogue(spec.torch_forward(x, weight, bias), residual, beta, activation, out_scale)
@@ -176,12 +191,12 @@ def upsample_conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
                   residual: Optional[torch.Tensor], activation: str) -> torch.Tensor:
     """Traced, PyTorch's interpolate, conv and eager epilogue where neither
     the folded convs (``dispatch.subpixel_pays``) nor the kernels on the
-    upsampled input (``kernels_may_take``) would run, or where a gradient
-    is needed; else the routed op."""
+    upsampled input (``kernels_may_take``) would run, where a gradient is
+    needed, or in a graph replayed as CUDA graphs; else the routed op."""
     spec = _upsample_spec(weight, bias)
     n, c, h, w = x.shape
     static = not any(isinstance(d, torch.SymInt) for d in (n, c, h, w))
-    if needs_grad(x, weight, bias, residual) or static and not dispatch.subpixel_pays(x, weight) and not kernels_may_take(
+    if needs_grad(x, weight, bias, residual) or replayed_as_cuda_graphs() or static and not dispatch.subpixel_pays(x, weight) and not kernels_may_take(
             spec, x, weight, bias, residual, activation=activation, shape=(n, c, 2 * h, 2 * w)):
         up = torch.nn.functional.interpolate(x, scale_factor=2.0, mode="nearest")
         return eager_epilogue(spec.torch_forward(up, weight, bias), residual, 1.0, activation, 1.0)

@@ -374,9 +374,11 @@ def own_group_norm(norm, x):
     dictionaries: the small GroupNorms of a UNet run here at every call,
     and each ``norm.weight`` goes through ``nn.Module.__getattr__``."""
     cls = getattr(type(norm), "cp_base", type(norm))
+    if cls.forward is not _TORCH_GROUP_NORM:
+        return cls.forward(norm, x)  # (a subclass's, or a ``NormSite``'s)
     d = norm.__dict__
     params = d["_parameters"]
-    if cls.forward is not _TORCH_GROUP_NORM or "weight" not in params or "bias" not in params:
+    if "weight" not in params or "bias" not in params:
         return cls.forward(norm, x)  # (a parametrized weight is no registered Parameter)
     return torch.nn.functional.group_norm(x, d["num_groups"], params["weight"], params["bias"], d["eps"])
 

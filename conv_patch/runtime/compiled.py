@@ -74,19 +74,40 @@ def _(x, weight, bias, residual, transposed, stride, pad_begin, pad_end, dilatio
     return y.squeeze(0) if len(shape) == 3 else y
 
 
+def size_hint(d) -> Optional[int]:
+    """``d``, or for a symbolic size (dynamic shapes) the size it had where
+    Dynamo traced it (its hint; no guard is added), None where there is
+    none."""
+    if not isinstance(d, torch.SymInt):
+        return int(d)
+    from torch.fx.experimental import symbolic_shapes
+    for name in ("optimization_hint", "hint_int"):  # (the name in newer, older torch)
+        fn = getattr(symbolic_shapes, name, None)
+        if fn is not None:
+            try:
+                return int(fn(d))
+            except Exception:  # (no hint: an unbacked size)
+                return None
+    return None
+
+
 def kernels_may_take(spec: ConvSpec, x, weight, bias, residual, beta: float = 1.0, activation: str = "none",
                      out_scale: float = 1.0, shape: Optional[tuple] = None) -> bool:
     """Whether the kernels may take this call when it runs, decided while
-    tracing: yes where a size is symbolic (dynamic shapes: the routed op
-    decides per call); else the routing's decision for the call as an eager
-    call would describe it, its tensors taken as 16-byte aligned (a compiled
-    graph's buffers are; the routed op checks when it runs) and its
-    epilogue worth one pass at most (Inductor fuses the eager ops into one,
-    or into the next kernel). The table's cuDNN route counts as PyTorch's:
-    Inductor fuses that epilogue too. ``shape``: the conv's input shape
-    where it is not ``x``'s (``x`` then gives its dtype, layout and device)."""
-    shape = tuple(x.shape) if shape is None else tuple(shape)
-    if any(isinstance(d, torch.SymInt) for d in shape + tuple(weight.shape)):
+    tracing: the routing's decision for the call as an eager call would
+    describe it, its tensors taken as 16-byte aligned (a compiled graph's
+    buffers are; the routed op checks when it runs) and its epilogue worth
+    one pass at most (Inductor fuses the eager ops into one, or into the
+    next kernel). The table's cuDNN route counts as PyTorch's: Inductor
+    fuses that epilogue too. With symbolic sizes (dynamic shapes) the
+    decision at the sizes Dynamo traced: a conv PyTorch's route wins there
+    stays PyTorch's at every size (as fast as the compiled unpatched
+    model's), one the kernels take stays the routed op, which decides per
+    call; without a hint, the routed op. ``shape``: the conv's input shape
+    where it is not ``x``'s (``x`` then gives its dtype, layout and
+    device)."""
+    shape = tuple(size_hint(d) for d in (tuple(x.shape) if shape is None else tuple(shape)))
+    if None in shape or any(isinstance(d, torch.SymInt) for d in weight.shape):
         return True
     ops = min(1, costs.epilogue_ops(residual is not None, beta, activation, out_scale))
     desc = CallDesc(shape=shape, dtype=x.dtype, device_type=x.device.type, layout=layout_of(x),
@@ -195,9 +216,12 @@ def upsample_conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     needed, or in a graph replayed as CUDA graphs; else the routed op."""
     spec = _upsample_spec(weight, bias)
     n, c, h, w = x.shape
+    # (Symbolic sizes: the routed op, which decides per call; the size
+    # test of the folded convs would guard on them.)
     static = not any(isinstance(d, torch.SymInt) for d in (n, c, h, w))
-    if needs_grad(x, weight, bias, residual) or replayed_as_cuda_graphs() or static and not dispatch.subpixel_pays(x, weight) and not kernels_may_take(
-            spec, x, weight, bias, residual, activation=activation, shape=(n, c, 2 * h, 2 * w)):
+    if (needs_grad(x, weight, bias, residual) or replayed_as_cuda_graphs()
+            or static and not dispatch.subpixel_pays(x, weight) and not kernels_may_take(
+                spec, x, weight, bias, residual, activation=activation, shape=(n, c, 2 * h, 2 * w))):
         up = torch.nn.functional.interpolate(x, scale_factor=2.0, mode="nearest")
         return eager_epilogue(spec.torch_forward(up, weight, bias), residual, 1.0, activation, 1.0)
     return upsample_conv_routed(x, weight, bias, residual, activation)

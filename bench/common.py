@@ -198,6 +198,25 @@ def profile_top(fn, device, top: int = 25) -> list:
     return [{"kernel": k[:120], "calls": c, "ms": t / 1e3, "share": t / whole} for k, (c, t) in rows]
 
 
+def host_top(fn, calls: int = 5, top: int = 25) -> list:
+    """``calls`` calls of ``fn`` (each followed by a sync) under cProfile:
+    the ``top`` Python functions by their own time per call, as rows
+    ``{"function", "calls", "ms"}`` (calls and ms per call of ``fn``):
+    where a host-bound call's time goes."""
+    import cProfile
+    import pstats
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(calls):
+        fn()
+        sync()
+    pr.disable()
+    st = pstats.Stats(pr).stats
+    rows = sorted(st.items(), key=lambda kv: -kv[1][2])[:top]
+    return [{"function": f"{path.rsplit('/', 1)[-1]}:{line}({name})"[:120], "calls": nc / calls, "ms": tt / calls * 1e3}
+            for (path, line, name), (_, nc, tt, _, _) in rows]
+
+
 def print_table(rows, cols):
     widths = [max([len(c)] + [len(_fmt(r.get(c))) for r in rows]) for c in cols]
     print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))

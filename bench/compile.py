@@ -54,11 +54,14 @@ the unpatched model in fp32, eager), ``peak_gib`` / ``baseline_peak_gib``
 compiled with fullgraph; the patched one compiled once; compiled patched
 never slower than patched eager; its compile time at most the baseline's;
 ``target_speedup``: FLUX decode ours <= 0.6x baseline, UNets >= 1.10x).
-``--profile N`` adds one profiled call of the compiled patched and of the
-patched eager model: ``ours_kernel_ms`` / ``patched_eager_kernel_ms`` (the
-sum of the call's GPU kernels: beside ``ours_ms`` and ``host_ms``, whether
-it is host- or GPU-bound), ``*_kernel_launches`` and ``*_profile`` (the N
-largest kernels, ``common.profile_top``). A stage that fails leaves
+``--profile N`` adds one profiled call of the compiled patched, the patched
+eager and the compiled unpatched model: ``ours_kernel_ms`` /
+``patched_eager_kernel_ms`` / ``baseline_kernel_ms`` (the sum of the call's
+GPU kernels: beside ``ours_ms`` and ``host_ms``, whether it is host- or
+GPU-bound), ``*_kernel_launches`` and ``*_profile`` (the N largest kernels,
+``common.profile_top``); and five calls of each compiled model under
+cProfile, ``ours_host_top`` / ``baseline_host_top`` (the N Python functions
+with the most own time per call, ``common.host_top``). A stage that fails leaves
 ``error`` ("stage: Type: message", ``traceback``) and what was measured
 before it; a child that dies or passes
 ``--child-timeout`` leaves a row with its ``error``. ``--tiny`` runs the
@@ -82,7 +85,8 @@ import torch
 import conv_patch
 from conv_patch.runtime.dispatch import NormSite
 
-from .common import bench_device, child_rows, env_info, peak_gib, print_table, profile_top, sync, write_results
+from .common import (bench_device, child_rows, env_info, host_top, peak_gib, print_table, profile_top, sync,
+                     write_results)
 from .zoo import DTYPES, inputs_for, interleaved, load_case, output_tensor, rel_err, seeded, tensor_bytes, \
     size_name
 
@@ -317,11 +321,16 @@ def bench_case(name, size, batch, dtype_name, mode, runs, warmup, tiny, device, 
                 # of all of them (the call's GPU time, to set beside its
                 # wall and host time above).
                 stage = "profile"
-                for key, fn in (("ours", once(ours)), ("patched_eager", once(eager_patched))):
+                for key, fn in (("ours", once(ours)), ("patched_eager", once(eager_patched)),
+                                ("baseline", once(base))):
                     whole = profile_top(fn, device, top=100000)
                     row[f"{key}_kernel_ms"] = sum(r["ms"] for r in whole)
                     row[f"{key}_kernel_launches"] = sum(r["calls"] for r in whole)
                     row[f"{key}_profile"] = whole[:profile]
+                # Where a host-bound compiled call's host time goes, patched
+                # against unpatched: Python functions by own time per call.
+                for key, fn in (("ours", once(ours)), ("baseline", once(base))):
+                    row[f"{key}_host_top"] = host_top(fn, calls=5, top=profile)
     except Exception as e:  # a graph break under fullgraph, a failed capture, OOM: said in the row
         row["error"] = f"{stage}: {type(e).__name__}: {e}"[:4000]
         row["traceback"] = traceback.format_exc()[-4000:]

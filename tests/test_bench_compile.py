@@ -41,7 +41,10 @@ def test_bench_compile_tiny_row(tmp_path):
     # (graphs: 2 on the CPU, the recompile test_compile.test_recipe_model_compiles_once expects to fail)
     assert r["checks"]["fullgraph"] and r["graphs"] >= 1 and r["baseline_graphs"] == 1 and r["timing_graphs"] >= 1
     # --profile (passed on to the child): the largest ops of each call, and their sum.
-    for key in ("ours", "patched_eager"):
+    for key in ("ours", "baseline"):
+        host = r[f"{key}_host_top"]
+        assert host and all(h["ms"] >= 0 and h["calls"] > 0 and h["function"] for h in host)
+    for key in ("ours", "patched_eager", "baseline"):
         top = r[f"{key}_profile"]
         assert 1 <= len(top) <= 3 and all(t["ms"] > 0 and t["calls"] >= 1 for t in top)
         assert r[f"{key}_kernel_ms"] >= sum(t["ms"] for t in top) and r[f"{key}_kernel_launches"] >= len(top)

@@ -188,19 +188,24 @@ def test_the_compiled_op_runs_through_the_dispatch_core(device, exact_fp32, monk
     def op(w):
         return torch.ops.conv_patch.conv(x, w, b, None, False, [1, 1], [1, 1], [1, 1], [1, 1], [0, 0], 1.0,
                                          "none", 1.0)
+    def new_site(before):
+        (site,) = [s for k, s in dispatch.sites().items() if k not in before]
+        return site
     with torch.no_grad():
+        before = dispatch.sites()
         for _ in range(2):
             assert rel_err(op(w), ref) <= 1e-5
-        spec = compiled._spec(x, w, b, False, [1, 1], [1, 1], [1, 1], [1, 1], [0, 0])
-        site = dispatch.call_site(spec, w, b)
+        site = new_site(before)  # one site for both calls
+        assert site.spec == compiled._spec(x, w, b, False, [1, 1], [1, 1], [1, 1], [1, 1], [0, 0])
         assert len(state_of(site).plans) == 1 and state_of(site).last.is_kernel
         assert next(iter(state_of(site).plans.values())).program is not None  # recorded, then replayed
 
         from conv_patch.runtime import planner
         monkeypatch.setattr(planner, "decide", lambda *a, **k: RouteDecision(Route.FALLBACK, "test"))
         w2 = w.clone()
+        before = dispatch.sites()
         assert rel_err(op(w2), ref) <= 1e-6
-        last = state_of(dispatch.call_site(spec, w2, b)).last
+        last = state_of(new_site(before)).last
         assert not last.is_kernel and last.reason == "test"
 
 

@@ -51,10 +51,11 @@ def conv_routed(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
                 residual: Optional[torch.Tensor], transposed: bool, stride: List[int], pad_begin: List[int],
                 pad_end: List[int], dilation: List[int], output_padding: List[int], beta: float, activation: str,
                 out_scale: float) -> torch.Tensor:
-    spec = _spec(x, weight, bias, transposed, stride, pad_begin, pad_end, dilation, output_padding)
     # The one dispatch entry, with a call site for the plans and the pack:
     # planned, weighed against PyTorch and replayed like a wrapper's call.
-    site = dispatch.call_site(spec, weight, bias)
+    site = dispatch.call_site(
+        lambda: _spec(x, weight, bias, transposed, stride, pad_begin, pad_end, dilation, output_padding),
+        weight, bias, (transposed, *stride, *pad_begin, *pad_end, *dilation, *output_padding, bias is None))
     y = dispatch.conv_with(site, weight, bias, Call(x, residual, beta, activation, out_scale,
                                                     output_padding=tuple(output_padding) if transposed else None,
                                                     fallback_args=(weight, bias)))

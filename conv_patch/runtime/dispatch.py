@@ -16,6 +16,8 @@ bare fast path below.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from conv_patch.activations import eager_epilogue
@@ -148,16 +150,20 @@ MAX_SITES = 1024
 _SITES: dict = {}
 
 
-def call_site(spec: ConvSpec, weight, bias) -> CallSite:
+def call_site(spec, weight, bias, geometry: Optional[tuple] = None) -> CallSite:
     """The ``CallSite`` of ``spec`` with this weight and bias (by storage: a
     weight edited in place keeps its site, and its pack is refreshed from it
-    at every call as a wrapper's is)."""
-    key = (spec, weight.data_ptr(), weight.device, weight.dtype, None if bias is None else bias.data_ptr())
+    at every call as a wrapper's is). ``geometry``: a tuple of plain values
+    that determines the spec with the weight's shape (a compiled op's own
+    arguments), found without hashing a ``ConvSpec``; ``spec`` is then a
+    function making it, called for a new site only."""
+    key = (spec if geometry is None else geometry, weight.data_ptr(), weight.shape, weight.device, weight.dtype,
+           None if bias is None else bias.data_ptr())
     site = _SITES.get(key)
     if site is None:
         if len(_SITES) >= MAX_SITES:
             _SITES.clear()
-        site = _SITES[key] = CallSite(spec)
+        site = _SITES[key] = CallSite(spec if geometry is None else spec())
     return site
 
 

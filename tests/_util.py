@@ -69,3 +69,20 @@ def perturbed(block, seed: int, scale: float = 0.2):
         for p in block.parameters():
             p.add_(torch.randn(p.shape, generator=g) * scale)
     return block.eval()
+
+
+def aot_ops(fn, *args, dynamic=False):
+    """The ATen and custom ops of ``fn``'s compiled graph (after AOT
+    autograd, as Inductor receives them: composite ops replaced by what
+    they chose), and the compiled result."""
+    from torch._functorch.aot_autograd import aot_module_simplified
+    seen = []
+
+    def backend(gm, inputs):
+        def fw(graph, _):
+            seen.extend(str(n.target) for n in graph.graph.nodes if n.op == "call_function")
+            return graph.forward
+        return aot_module_simplified(gm, inputs, fw_compiler=fw)
+    torch._dynamo.reset()
+    out = torch.compile(fn, backend=backend, fullgraph=True, dynamic=dynamic)(*args)
+    return seen, out

@@ -11,7 +11,7 @@ import torch
 import conv_patch
 from conv_patch import functional
 from conv_patch.runtime.state import state_of
-from _util import rel_err
+from _util import aot_ops, rel_err
 
 
 def _net(device):
@@ -50,21 +50,6 @@ def test_compiled_patched_model_is_one_op_per_conv(device, exact_fp32):
         assert rel_err(aot(x_cl), ref) <= 1e-5
 
 
-def _aot_ops(fn, x, dynamic=False):
-    """The ops of ``fn``'s compiled graph as Inductor receives them (after
-    AOT autograd, the composite ops replaced by what they chose)."""
-    from torch._functorch.aot_autograd import aot_module_simplified
-    seen = []
-
-    def backend(gm, inputs):
-        def fw(graph, _):
-            seen.extend(str(n.target) for n in graph.graph.nodes if n.op == "call_function")
-            return graph.forward
-        return aot_module_simplified(gm, inputs, fw_compiler=fw)
-    torch._dynamo.reset()
-    return seen, torch.compile(fn, backend=backend, fullgraph=True, dynamic=dynamic)(x)
-
-
 def test_traced_convs_the_kernels_would_not_take_are_pytorchs_convolutions(device, exact_fp32):
     """``conv_patch::conv`` is composite: traced with known sizes, a call the
     routing hands to PyTorch (here float64, which no kernel computes)
@@ -80,7 +65,7 @@ def test_traced_convs_the_kernels_would_not_take_are_pytorchs_convolutions(devic
         with torch.no_grad():
             ref = net(x)
             conv_patch.apply(net)
-            seen, out = _aot_ops(net, x)
+            seen, out = aot_ops(net, x)
             assert rel_err(out, ref) <= (1e-12 if dtype == torch.float64 else 1e-5)
             routed = seen.count("conv_patch.conv_routed.default")
             if dtype == torch.float64:
@@ -88,7 +73,7 @@ def test_traced_convs_the_kernels_would_not_take_are_pytorchs_convolutions(devic
             elif device == "cpu":
                 assert routed == 3 and "aten.convolution.default" not in seen
             # Dynamic shapes: decided at the traced sizes (their hints).
-            seen, out = _aot_ops(net, x, dynamic=True)
+            seen, out = aot_ops(net, x, dynamic=True)
             assert rel_err(out, ref) <= (1e-12 if dtype == torch.float64 else 1e-5)
             if dtype == torch.float64:
                 assert "conv_patch.conv_routed.default" not in seen and seen.count("aten.convolution.default") == 3
@@ -113,7 +98,7 @@ def test_a_graph_replayed_as_cuda_graphs_gets_pytorchs_convolutions(device, exac
         ref = net(x)
         conv_patch.apply(net)
         with config.patch({"triton.cudagraphs": True}):
-            seen, out = _aot_ops(net, x)
+            seen, out = aot_ops(net, x)
     assert rel_err(out, ref) <= 1e-5
     assert seen.count("aten.convolution.default") == 3 and not [op for op in seen if "conv_patch" in op]
 

@@ -13,25 +13,9 @@ import torch.nn.functional as F
 import conv_patch
 from conv_patch.runtime import compiled, dispatch  # (compiled registers the ops)
 from conv_patch.runtime.state import state_of
-from _util import poisoned, rel_err
+from _util import aot_ops, poisoned, rel_err
 
 pytest.importorskip("diffusers")
-
-
-def _ops(fn, *args):
-    """The ATen and custom ops of ``fn``'s compiled graph (after AOT
-    autograd, as Inductor receives them), and the compiled result."""
-    from torch._functorch.aot_autograd import aot_module_simplified
-    seen = []
-
-    def backend(gm, inputs):
-        def fw(graph, _):
-            seen.extend(str(n.target) for n in graph.graph.nodes if n.op == "call_function")
-            return graph.forward
-        return aot_module_simplified(gm, inputs, fw_compiler=fw)
-    torch._dynamo.reset()
-    out = torch.compile(fn, backend=backend, fullgraph=True)(*args)
-    return seen, out
 
 
 def _decoder(device):
@@ -53,7 +37,7 @@ def test_a_fused_decoder_compiles_to_conv_patch_ops_without_copies(device, exact
         assert report.fused
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            seen, out = _ops(dec, z)
+            seen, out = aot_ops(dec, z)
     assert rel_err(out, ref) <= 1e-5
     # Nothing of ours makes Dynamo warn (traced, target_for's lru_cache did,
     # at every compile of a patched model).
@@ -98,7 +82,7 @@ def test_a_hooked_upsample_conv_is_traced_as_its_module(device, exact_fp32):
         ref = dec(z)
         conv_patch.apply(dec)
         dec.up_blocks[0].upsamplers[0].conv.register_forward_hook(lambda *a: calls.append(1))
-        seen, out = _ops(dec, z)
+        seen, out = aot_ops(dec, z)
     assert rel_err(out, ref) <= 1e-5 and calls
     assert not [op for op in seen if "upsample_conv" in op]
 
@@ -258,7 +242,7 @@ def test_a_traced_group_norm_is_the_op_only_where_the_kernels_pay(device, exact_
     norm = torch.nn.GroupNorm(4, 12).eval()
     x = torch.randn(2, 12, 5, 7) + 3
     with torch.no_grad():
-        seen, out = _ops(lambda t: fuse.group_norm(norm, t, "silu"), x)
+        seen, out = aot_ops(lambda t: fuse.group_norm(norm, t, "silu"), x)
         ref = F.silu(norm(x))
     assert rel_err(out, ref) <= 1e-5
     assert ("conv_patch.group_norm.default" in seen) is pays

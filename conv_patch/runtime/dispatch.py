@@ -159,11 +159,17 @@ def call_site(spec, weight, bias, geometry: Optional[tuple] = None) -> CallSite:
     function making it, called for a new site only."""
     key = (spec if geometry is None else geometry, weight.data_ptr(), weight.shape, weight.device, weight.dtype,
            None if bias is None else bias.data_ptr())
+    return _site(key, lambda: CallSite(spec if geometry is None else spec()))
+
+
+def _site(key, make):
+    """The site kept under ``key``, made by ``make()`` where there is none
+    (a full table starts over)."""
     site = _SITES.get(key)
     if site is None:
         if len(_SITES) >= MAX_SITES:
             _SITES.clear()
-        site = _SITES[key] = CallSite(spec if geometry is None else spec())
+        site = _SITES[key] = make()
     return site
 
 
@@ -182,8 +188,8 @@ def clear(m) -> None:
 class NormSite:
     """The plans of a GroupNorm call made without its module (the
     torch.compile op): one per group count, eps, weight and bias (by
-    storage, like ``CallSite``, whose table it shares), which it holds (a
-    weight edited in place is read as it is at each call)."""
+    storage, like ``CallSite``, in the same bounded table), which it holds
+    (a weight edited in place is read as it is at each call)."""
 
     def __init__(self, num_groups: int, weight, bias, eps: float):
         self.num_groups, self.weight, self.bias, self.eps = num_groups, weight, bias, eps
@@ -197,12 +203,7 @@ def norm_site(num_groups: int, weight, bias, eps: float) -> NormSite:
     """The ``NormSite`` of these parameters."""
     key = ("group_norm", num_groups, eps, None if weight is None else (weight.data_ptr(), weight.device, weight.dtype),
            None if bias is None else (bias.data_ptr(), bias.dtype))
-    site = _SITES.get(key)
-    if site is None:
-        if len(_SITES) >= MAX_SITES:
-            _SITES.clear()
-        site = _SITES[key] = NormSite(num_groups, weight, bias, eps)
-    return site
+    return _site(key, lambda: NormSite(num_groups, weight, bias, eps))
 
 
 # -- the folded upsample -------------------------------------------------------------

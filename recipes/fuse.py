@@ -99,6 +99,11 @@ class FusedBlock:
             # exactly what the unpatched one does (a recipe's NHWC layout
             # alone changes the CPU's rounding).
             return self.cp_own_forward(*args, **kwargs)
+        if torch.compiler.is_compiling():
+            # Traced, no watch learns, no ``unfused`` rule applies and no
+            # pack group is made (each says so itself); not asking them keeps
+            # their reads out of the compiled graph's guards.
+            return self.cp_run(*args, **kwargs)
         watch = passthrough.Watch.now
         if watch is not None and watch.observes(self):
             # A passthrough watch is learning which fused blocks do work.

@@ -50,6 +50,33 @@ def test_compiled_patched_model_is_one_op_per_conv(device, exact_fp32):
         assert rel_err(aot(x_cl), ref) <= 1e-5
 
 
+def test_a_traced_conv_guards_on_what_the_unpatched_one_does(device, exact_fp32):
+    """Dynamo guards every value a trace reads, and a compiled model checks
+    its guards at every call: a patched conv's trace reads the geometry
+    from the module's own attributes (as nn.Conv2d's forward does), never
+    the wrapper's state, so that the compiled patched model costs the host
+    what the unpatched one does. The geometry so read is right: "same"
+    padding with an even kernel (the odd pad at the end), dilation, and a
+    transposed conv's output padding given per call."""
+    from conv_patch.runtime.state import STATE
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        torch.nn.Conv2d(5, 6, 4, padding="same", dilation=(1, 2)),
+        torch.nn.ConvTranspose2d(6, 4, 3, 2, 1, output_padding=1),
+        torch.nn.Conv2d(4, 3, 3, stride=(2, 1), padding=(2, 0))).to(device).eval()
+    x = torch.randn(2, 5, 7, 9, device=device)
+    with torch.no_grad():
+        ref = net(x)
+        conv_patch.apply(net)
+        torch._dynamo.reset()
+        ours = torch._dynamo.explain(net)(x)
+        assert ours.graph_count == 1 and ours.graph_break_count == 0
+        assert not [g.name for g in ours.out_guards if f"['{STATE}']" in g.name]
+        torch._dynamo.reset()
+        out = torch.compile(net, backend="aot_eager", fullgraph=True)(x)
+    assert out.shape == ref.shape and rel_err(out, ref) <= 1e-5
+
+
 def test_traced_convs_the_kernels_would_not_take_are_pytorchs_convolutions(device, exact_fp32):
     """``conv_patch::conv`` is composite: traced with known sizes, a call the
     routing hands to PyTorch (here float64, which no kernel computes)

@@ -30,7 +30,7 @@ from conv_patch.routing import costs
 from conv_patch.routing.decide import decide
 from conv_patch.runtime import dispatch, pack
 from conv_patch.call import Call
-from conv_patch.specs import KERNEL_DTYPES, CallDesc, ConvSpec, layout_of, needs_grad
+from conv_patch.specs import KERNEL_DTYPES, CallDesc, ConvSpec, layout_of, needs_grad, pair, resolve_padding
 from conv_patch.target import target_for
 
 
@@ -160,11 +160,20 @@ def takes(module, x, residual=None) -> bool:
 
 
 def call(module, c: Call) -> torch.Tensor:
-    """The op for a wrapper's call (what its forward runs under tracing)."""
-    spec = module.spec
-    op = list(c.output_padding) if c.output_padding is not None else list(spec.output_padding)
-    return conv(c.x, module.weight, module.bias, c.residual, spec.transposed, list(spec.stride),
-                list(spec.pad_begin), list(spec.pad_end), list(spec.dilation), op,
+    """The op for a wrapper's call (what its forward runs under tracing).
+    The geometry is read from the module's own attributes, as the unpatched
+    forward reads it: Dynamo guards every value a trace reads, and the
+    wrapper's cached ``spec`` added about thirty guards a conv, evaluated at
+    every call of the compiled model (0.9 ms a call on SD1.5's UNet)."""
+    transposed = isinstance(module, torch.nn.ConvTranspose2d)
+    dilation, padding = pair(module.dilation), module.padding
+    begin, end = resolve_padding(padding, pair(module.kernel_size) if isinstance(padding, str) else None, dilation)
+    if c.output_padding is not None:
+        op = c.output_padding
+    else:
+        op = module.output_padding if transposed else (0, 0)
+    return conv(c.x, module.weight, module.bias, c.residual, transposed, list(pair(module.stride)),
+                list(begin), list(end), list(dilation), list(pair(op)),
                 float(c.beta), c.activation, float(c.out_scale))
 
 

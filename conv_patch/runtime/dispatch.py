@@ -103,9 +103,13 @@ def bare_call(m, x, activation="none", residual=None, beta=1.0, out_scale=1.0):
     this call's slot (``planner.bare_slot``), else None (the caller builds a
     ``Call`` for ``conv``). Not while torch.compile traces (a traced call is
     the compiled op's) nor for ComfyUI's classes (the caller checks)."""
+    if torch.compiler.is_compiling():
+        # First: a traced read of the module's state would add guards on it
+        # to every call of the compiled graph.
+        return None
     st = m.__dict__.get(STATE)
     bare = None if st is None else st.bare
-    if bare is None or pack.GRAPH_PATH or torch.compiler.is_compiling():
+    if bare is None or pack.GRAPH_PATH:
         return None
     res = None if residual is None else (residual.stride(), residual.dtype, residual.data_ptr() & 15)
     hit = bare.get((x.shape, x.stride(), x.dtype, x.device, x.data_ptr() & 15, activation, res, beta, out_scale))

@@ -157,15 +157,27 @@ def child_rows(module: str, argv: list, env: Optional[dict] = None, timeout: Opt
     benchmark's own rows for one case, written by its child mode), with
     ``env`` added to this process's environment: (rows, None), or (None,
     why) where the child died, wrote nothing or passed ``timeout``."""
+    import signal
     import subprocess
     import tempfile
-    with tempfile.TemporaryDirectory(prefix="bench-child-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="bench-child-", ignore_cleanup_errors=True) as tmp:
         out = Path(tmp) / "rows.json"
+        # Its own process group: a child that times out is killed with the
+        # compile workers it started (Inductor's pool), which would otherwise
+        # go on writing into the caches the caller is about to delete.
+        proc = subprocess.Popen([sys.executable, "-m", module, *argv, "--row-out", str(out)],
+                                env={**os.environ, **(env or {})}, cwd=Path(__file__).resolve().parents[1],
+                                start_new_session=True)
         try:
-            proc = subprocess.run([sys.executable, "-m", module, *argv, "--row-out", str(out)],
-                                  env={**os.environ, **(env or {})}, cwd=Path(__file__).resolve().parents[1],
-                                  timeout=timeout)
-        except subprocess.TimeoutExpired:
+            proc.wait(timeout=timeout)
+        except BaseException as e:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+            if not isinstance(e, subprocess.TimeoutExpired):
+                raise
             return None, f"child process timed out after {timeout} s"
         if out.is_file():
             return json.loads(out.read_text()), None

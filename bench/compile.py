@@ -386,7 +386,7 @@ def _child(case, mode, args) -> dict:
             "--backend", args.backend]
     argv += [f for f, on in (("--tiny", args.tiny), ("--cudnn-benchmark", args.cudnn_benchmark)) if on]
     argv += ["--profile", str(args.profile)] if args.profile else []
-    with tempfile.TemporaryDirectory(prefix="bench-compile-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="bench-compile-", ignore_cleanup_errors=True) as tmp:
         env = {} if args.warm_cache else {"TORCHINDUCTOR_CACHE_DIR": str(Path(tmp) / "inductor"),
                                           "TRITON_CACHE_DIR": str(Path(tmp) / "triton")}
         rows, error = child_rows("bench.compile", argv, env, args.child_timeout)

@@ -60,7 +60,7 @@ def _row(case, args) -> dict:
     argv = ["--child", "--only", name, "--size", json.dumps(size), "--batch", str(batch), "--dtype", dt or ""]
     argv += ["--tiny"] if args.tiny else []
     row, errors = {}, []
-    with tempfile.TemporaryDirectory(prefix="bench-first-call-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="bench-first-call-", ignore_cleanup_errors=True) as tmp:
         env = {"TRITON_CACHE_DIR": str(Path(tmp) / "triton")}
         for variant in VARIANTS:
             rows, error = child_rows("bench.first_call", argv + ["--variant", variant], env, args.child_timeout)

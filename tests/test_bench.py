@@ -610,3 +610,33 @@ def test_seeded_prelu_nets_stay_in_fp16_range():
     with torch.no_grad():
         model(torch.randn(1, 3, 24, 24, generator=torch.Generator().manual_seed(0)))
     assert len(biggest) == len(model.body) and max(biggest) < 1e3, max(biggest)
+
+
+def test_a_child_that_times_out_is_killed_with_the_processes_it_started(tmp_path):
+    """A benchmark child past its timeout is reported as such, and the
+    processes it started (Inductor's compile workers) die with it: they
+    would go on writing into the temporary caches being deleted."""
+    import time
+    from bench.common import child_rows
+    if not Path("/proc").is_dir():
+        pytest.skip("reads the grandchild's state from /proc")
+    pid_file = tmp_path / "grandchild.pid"
+    (tmp_path / "cp_sleeper.py").write_text(
+        "import subprocess, sys, time\n"
+        f"p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+        f"open({str(pid_file)!r}, 'w').write(str(p.pid))\n"
+        "time.sleep(120)\n")
+    t0 = time.monotonic()
+    rows, error = child_rows("cp_sleeper", [], {"PYTHONPATH": str(tmp_path)}, timeout=5)
+    assert rows is None and "timed out after 5" in error and time.monotonic() - t0 < 60
+    pid = int(pid_file.read_text())
+    for _ in range(50):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except FileNotFoundError:
+            break
+        if stat.rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+            break  # dead, not yet reaped (PID 1 of a container may not)
+        time.sleep(0.1)
+    else:
+        pytest.fail("the child's own process outlived its timeout")

@@ -46,7 +46,9 @@ model's first eager call, after the compiled ones: its kernels are compiled
 by then, so mostly planning), ``op_sites`` / ``op_kernel_sites``
 (conv-patch call sites the compiled conv ops created, and those whose last
 call ran a conv-patch kernel), ``norm_sites`` / ``norm_kernel_sites`` (the
-GroupNorm op's, and those whose plans run the kernels), ``rel_err_vs_baseline`` (ours against the
+GroupNorm op's, and those whose plans run the kernels), ``whole_block_calls``
+(calls of a block run whole, as eagerly, in those two calls:
+``runtime.compiled.whole_block``), ``rel_err_vs_baseline`` (ours against the
 compiled unpatched output), ``rel_err_vs_fp32`` /
 ``baseline_rel_err_vs_fp32`` / ``patched_eager_rel_err_vs_fp32`` (against
 the unpatched model in fp32, eager), ``peak_gib`` / ``baseline_peak_gib``
@@ -84,6 +86,7 @@ import torch
 
 import conv_patch
 from conv_patch.runtime.dispatch import NormSite
+from conv_patch.runtime.compiled import whole_block_calls
 
 from .common import (bench_device, child_rows, env_info, host_top, peak_gib, print_table, profile_top, sync,
                      write_results)
@@ -246,10 +249,11 @@ def bench_case(name, size, batch, dtype_name, mode, runs, warmup, tiny, device, 
             # Inductor kernels it built.
             stage = "compile patched"
             torch._dynamo.reset()
-            sites0 = _sites()
+            sites0, whole0 = _sites(), whole_block_calls()
             ours = compiled(patched, name, opts)
             row["compile_s"], row["second_call_s"], row["graphs"] = _first_calls(ours, inputs[0], graphed)
             sites1 = _sites()
+            row["whole_block_calls"] = whole_block_calls() - whole0
             new = [s for k, s in sites1.items() if k not in sites0]
             norms = [s for s in new if isinstance(s, NormSite)]
             convs = [s for s in new if not isinstance(s, NormSite)]

@@ -55,6 +55,9 @@ def plan(model: nn.Module, prefix: str = "") -> List[Tuple[str, nn.Module, Recip
 
 def fuse(module: nn.Module, recipe: Recipe) -> None:
     module.__class__ = fused_class(type(module), recipe)
+    if recipe.compiles_whole:
+        from conv_patch.runtime import compiled
+        compiled.register_whole(module)
 
 
 def unfuse(module: nn.Module) -> None:

@@ -154,6 +154,7 @@ class NHWCInside(Recipe):
     the caller's layout."""
 
     what = "NHWC inside, caller's layout at the boundary"
+    compiles_whole = True
 
     def __init__(self, name, cls_name, parts):
         self.name, self.cls_name, self.parts = name, cls_name, parts

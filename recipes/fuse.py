@@ -73,6 +73,13 @@ class Recipe:
     # before its pack group is refreshed.
     unfused = None
 
+    # Whether a traced call of the block is one op running its fused
+    # forward eagerly (``runtime.compiled.whole_block``): for blocks whose
+    # eager fused run beats what Inductor makes of the unpatched block (the
+    # big VAE halves), where tracing the recipe's ops measured slower than
+    # that eager run (docs/performance.md).
+    compiles_whole = False
+
     # ``bands(module)``, where a recipe defines it: the block's layers as
     # ``layers.Layers`` for a call in row bands (conv_patch.parallel runs
     # them; ``layers.UnsupportedModel`` where this block's structure is not
@@ -102,8 +109,11 @@ class FusedBlock:
         if torch.compiler.is_compiling():
             # Traced, no watch learns, no ``unfused`` rule applies and no
             # pack group is made (each says so itself); not asking them keeps
-            # their reads out of the compiled graph's guards.
-            return self.cp_run(*args, **kwargs)
+            # their reads out of the compiled graph's guards. A block whose
+            # recipe ``compiles_whole`` is one op running this forward eagerly.
+            from conv_patch.runtime import compiled
+            y = compiled.traced_block(self, args, kwargs)
+            return self.cp_run(*args, **kwargs) if y is None else y
         watch = passthrough.Watch.now
         if watch is not None and watch.observes(self):
             # A passthrough watch is learning which fused blocks do work.
@@ -196,7 +206,11 @@ def fused_class(cls: type, recipe: Recipe) -> type:
 
 def _rebuild(cls: type, name: str):
     klass = fused_class(cls, REGISTRY[name])
-    return klass.__new__(klass)
+    block = klass.__new__(klass)
+    if klass.cp_recipe.compiles_whole:
+        from conv_patch.runtime import compiled
+        compiled.register_whole(block)
+    return block
 
 
 def is_fused(module: nn.Module) -> bool:

@@ -27,7 +27,9 @@ def _decoder(device):
     return vae.decoder.to(device).eval()
 
 
-def test_a_fused_decoder_compiles_to_conv_patch_ops_without_copies(device, exact_fp32):
+def test_a_fused_decoder_compiles_to_conv_patch_ops_without_copies(device, exact_fp32, monkeypatch):
+    """Traced op by op (a decoder not run whole: see the test below)."""
+    monkeypatch.setattr(compiled, "register_whole", lambda block: None)
     dec = _decoder(device)
     z = torch.randn(1, 4, 6, 5, device=device)
     import warnings
@@ -72,9 +74,60 @@ def test_a_fused_decoder_compiles_to_conv_patch_ops_without_copies(device, exact
     assert z.is_cuda or not [op for op in seen if "scaled_dot_product" in op]
 
 
-def test_a_hooked_upsample_conv_is_traced_as_its_module(device, exact_fp32):
+def _whole_ok(device):
+    from conv_patch.ops import library
+    if library.CUDAGRAPH_UNSAFE is None:
+        pytest.skip("this torch cannot keep an op out of CUDA graphs")
+    if not conv_patch.target.target_for(torch.device(device)).kernels:
+        pytest.skip("no kernels on this device")
+
+
+def test_a_big_vae_half_compiles_to_one_op_running_its_eager_forward(device, exact_fp32):
+    """A VAE decoder (``Recipe.compiles_whole``) is one ``whole_block`` op
+    in the compiled graph, computing what the patched decoder computes
+    eagerly, bit for bit, in the caller's layout; it stays out of CUDA
+    graphs (reduce-overhead), and a copy of the patched decoder (deepcopy,
+    with other weights) compiles to its own block, never the original's."""
+    import copy
+    _whole_ok(device)
+    dec = _decoder(device)
+    z = torch.randn(1, 4, 6, 5, device=device)
+    with torch.no_grad():
+        conv_patch.apply(dec)
+        other = copy.deepcopy(dec)
+        for p in other.parameters():
+            p.mul_(1.5)
+        for model, x in ((dec, z), (dec, z.contiguous(memory_format=torch.channels_last)), (other, z)):
+            eager = model(x)
+            seen, out = aot_ops(model, x)
+            assert seen == ["conv_patch.whole_block.default"]
+            assert torch.equal(out, eager) and out.stride() == eager.stride()
+        assert not torch.equal(other(z), dec(z))
+    assert torch.Tag.cudagraph_unsafe in torch.ops.conv_patch.whole_block.default.tags
+
+
+def test_a_big_vae_half_is_traced_op_by_op_where_it_cannot_run_whole(device, exact_fp32):
+    """Where the eager forward cannot stand for the traced call (a gradient
+    is needed: the op has no backward; a strided input) the decoder's recipe
+    is traced as before: no ``whole_block``, and the same answer."""
+    _whole_ok(device)
+    dec = _decoder(device)
+    z = torch.randn(1, 4, 12, 5, device=device)
+    with torch.no_grad():
+        ref = dec(z[:, :, ::2])
+    conv_patch.apply(dec)
+    with torch.no_grad():
+        seen, out = aot_ops(dec, z[:, :, ::2])
+    assert "conv_patch.whole_block.default" not in seen and rel_err(out, ref) <= 1e-5
+    seen, out = aot_ops(dec, z[:, :, ::2].contiguous())
+    assert "conv_patch.whole_block.default" not in seen and rel_err(out, ref) <= 1e-5
+
+
+def test_a_hooked_upsample_conv_is_traced_as_its_module(device, exact_fp32, monkeypatch):
     """A forward hook on the conv makes the recipe call the module itself,
-    as eagerly: no op hides the hook's call."""
+    as eagerly: no op hides the hook's call (traced op by op; run whole, the
+    decoder's eager forward calls it)."""
+    monkeypatch.setattr(compiled, "register_whole", lambda block: None)
     dec = _decoder(device)
     z = torch.randn(1, 4, 6, 5, device=device)
     calls = []

@@ -31,10 +31,16 @@ NAMESPACE = "conv_patch"
 LIB = torch.library.Library(NAMESPACE, "DEF")
 
 
-def op(schema: str) -> Callable:
+# The tag telling Inductor not to capture an op in a CUDA graph (it runs
+# between the graph's captured parts); None in a torch without it.
+CUDAGRAPH_UNSAFE = getattr(torch.Tag, "cudagraph_unsafe", None)
+
+
+def op(schema: str, tags: tuple = ()) -> Callable:
     """Decorator: the function is the implementation of the op ``schema``
-    defines (``"name(Tensor x, ...) -> Tensor"``); the decorated name is
-    bound to the op's overload, ``torch.ops.conv_patch.<name>.default``."""
+    defines (``"name(Tensor x, ...) -> Tensor"``), with ``tags``; the
+    decorated name is bound to the op's overload,
+    ``torch.ops.conv_patch.<name>.default``."""
     name = schema.split("(", 1)[0].strip()
 
     def define(impl: Callable):
@@ -44,7 +50,7 @@ def op(schema: str) -> Callable:
                                    "(torch.no_grad(), or tensors that do not require grad)")
             return impl(*args)
 
-        LIB.define(schema)
+        LIB.define(schema, tags=tags)
         LIB.impl(name, checked, "CompositeExplicitAutograd")
         return getattr(getattr(torch.ops, NAMESPACE), name).default
 

@@ -28,7 +28,7 @@ from conv_patch.ops import group_norm as group_norm_op
 from conv_patch.ops import library
 from conv_patch.routing import costs
 from conv_patch.routing.decide import decide
-from conv_patch.runtime import dispatch, pack
+from conv_patch.runtime import dispatch, pack, passthrough
 from conv_patch.call import Call
 from conv_patch.specs import KERNEL_DTYPES, CallDesc, ConvSpec, layout_of, needs_grad, pair, resolve_padding
 from conv_patch.target import target_for
@@ -290,3 +290,94 @@ def traced_group_norm(norm, x: torch.Tensor, activation: str = "none", input_bia
         return None
     scale, shift = (None, None) if modulation is None else modulation
     return group_norm(x, int(num_groups), weight, bias, float(eps), activation, input_bias, scale, shift)
+
+
+# -- whole blocks: a fused block the compiled graph runs as patched eager -----------
+# A big VAE half (``Recipe.compiles_whole``) runs eagerly at several times
+# the unpatched speed; traced op by op, Inductor's glue between the ops and
+# each op's host cost made it slower than that eager run. Such a block is one
+# op in the graph: its eager fused forward, planned and replayed as eagerly.
+# The op names the block by ``id`` (Dynamo bakes the value in and guards the
+# registry's membership); a block is registered when fused (and when copied
+# or unpickled, which rebuilds it through its recipe), never while traced.
+_WHOLE: dict = {}
+_CALLS = {"whole_block": 0}
+
+
+def whole_block_calls() -> int:
+    """How many ``whole_block`` calls have run in this process."""
+    return _CALLS["whole_block"]
+
+
+def register_whole(block) -> None:
+    """Let ``block`` run as one op when traced (``traced_block``)."""
+    import weakref
+    key = id(block)
+
+    def gone(ref, key=key):
+        if _WHOLE.get(key) is ref:
+            del _WHOLE[key]
+    _WHOLE[key] = weakref.ref(block, gone)
+
+
+def _whole(key: int):
+    ref = _WHOLE.get(key)
+    block = None if ref is None else ref()
+    if block is None:
+        raise RuntimeError("conv_patch::whole_block: the block this compiled graph was traced with is gone "
+                           "(compile the model again)")
+    return block
+
+
+def _format(x) -> Optional[torch.memory_format]:
+    if x.is_contiguous():
+        return torch.contiguous_format
+    return torch.channels_last if conv_op.nhwc(x) else None
+
+
+# Never captured in a CUDA graph (reduce-overhead mode): the eager forward
+# makes packs and plans at its first call and keeps them across calls, which a
+# graph tree's memory pool refuses. Inductor runs it between captured parts.
+@library.op("whole_block(int block, Tensor x) -> Tensor", tags=(library.CUDAGRAPH_UNSAFE,))
+def whole_block(block: int, x: torch.Tensor) -> torch.Tensor:
+    """The registered block's fused forward on ``x``, run as eagerly (its
+    pack group, plans and replays), in ``x``'s memory format."""
+    _CALLS["whole_block"] += 1
+    y = _whole(block).forward(x)
+    y = y.contiguous(memory_format=_format(x))
+    return y.clone() if y is x else y
+
+
+@library.fake(whole_block)
+def _(block, x):
+    # The output's shape and dtype: the block's unpatched computation on the
+    # fake input, every conv-patch component under it run as its own class
+    # for the while (PyTorch's ops only: the patched paths read tensors'
+    # addresses, which a fake tensor has none of). The block's parameters
+    # are real tensors, which the fake mode takes as constants here.
+    m = _whole(block)
+    swaps = passthrough.own_class_swaps([c for c in m.modules() if c is not m])
+    mode = x.fake_mode
+    allowed, mode.allow_non_fake_inputs = mode.allow_non_fake_inputs, True
+    try:
+        y = passthrough.run_unfused(m, swaps, lambda: m.cp_own_forward(x))
+    finally:
+        mode.allow_non_fake_inputs = allowed
+    return torch.empty(y.shape, dtype=y.dtype, device=y.device, memory_format=_format(x))
+
+
+def traced_block(block, args: tuple, kwargs: dict) -> Optional[torch.Tensor]:
+    """A fused block's call under torch.compile tracing: ``whole_block``
+    for a registered block called on one 4-D tensor of a kernel dtype, in a
+    dense layout, with no autograd, no autocast, on a kernel target, in a
+    torch that can keep the op out of CUDA graphs; else None (the caller
+    traces the block's recipe)."""
+    if kwargs or len(args) != 1 or library.CUDAGRAPH_UNSAFE is None or id(block) not in _WHOLE:
+        return None
+    x = args[0]
+    if (not isinstance(x, torch.Tensor) or x.dim() != 4 or x.dtype not in KERNEL_DTYPES
+            or _format(x) is None or not target_for(x.device).kernels
+            or torch.is_autocast_enabled(x.device.type)
+            or (torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in block.parameters())))):
+        return None
+    return whole_block(id(block), x)

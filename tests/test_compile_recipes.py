@@ -103,6 +103,12 @@ def test_a_big_vae_half_compiles_to_one_op_running_its_eager_forward(device, exa
             assert seen == ["conv_patch.whole_block.default"]
             assert torch.equal(out, eager) and out.stride() == eager.stride()
         assert not torch.equal(other(z), dec(z))
+        # Dynamic shapes: the fake's output size follows the input's.
+        torch._dynamo.reset()
+        fn = torch.compile(dec, backend="aot_eager", fullgraph=True, dynamic=True)
+        for shape in ((1, 4, 6, 5), (2, 4, 3, 7)):
+            x = torch.randn(shape, device=device)
+            assert torch.equal(fn(x), dec(x))
     assert torch.Tag.cudagraph_unsafe in torch.ops.conv_patch.whole_block.default.tags
 
 

@@ -55,7 +55,7 @@ def plan(model: nn.Module, prefix: str = "") -> List[Tuple[str, nn.Module, Recip
 
 def fuse(module: nn.Module, recipe: Recipe) -> None:
     module.__class__ = fused_class(type(module), recipe)
-    if recipe.compiles_whole:
+    if recipe.whole_from is not None:
         from conv_patch.runtime import compiled
         compiled.register_whole(module)
 

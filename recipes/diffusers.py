@@ -154,7 +154,6 @@ class NHWCInside(Recipe):
     the caller's layout."""
 
     what = "NHWC inside, caller's layout at the boundary"
-    compiles_whole = True
 
     def __init__(self, name, cls_name, parts):
         self.name, self.cls_name, self.parts = name, cls_name, parts
@@ -200,6 +199,10 @@ class Decoder(NHWCInside):
     tensors of its second and third resnets. The tail, GroupNorm → SiLU →
     conv_out, is one ``norm_conv`` step."""
 
+    # A latent of 128^2 (a 1024^2 image) and more: compiled, one op (see
+    # ``Recipe.whole_from``; measured at 1024^2 in docs/performance.md).
+    whole_from = 128 * 128
+
     def match(self, m):
         ups = getattr(m, "up_blocks", None)
         return (super().match(m) and ups is not None and len(ups) > 0
@@ -243,6 +246,9 @@ class Encoder(NHWCInside):
     the H200 against 0.35 reading NCHW; on the few-input-channel route it
     now takes, 0.23 and 0.25.) The tail, GroupNorm → SiLU → conv_out, is
     one ``norm_conv`` step."""
+
+    # A 1024^2 image and more (as the decoder's 128^2 latent).
+    whole_from = 1024 * 1024
 
     def match(self, m):
         return (super().match(m) and is_group_norm(getattr(m, "conv_norm_out", None))

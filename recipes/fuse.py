@@ -73,12 +73,13 @@ class Recipe:
     # before its pack group is refreshed.
     unfused = None
 
-    # Whether a traced call of the block is one op running its fused
-    # forward eagerly (``runtime.compiled.whole_block``): for blocks whose
-    # eager fused run beats what Inductor makes of the unpatched block (the
-    # big VAE halves), where tracing the recipe's ops measured slower than
-    # that eager run (docs/performance.md).
-    compiles_whole = False
+    # From how many input pixels (N·H·W of a 4-D input, at the traced
+    # sizes) a traced call of the block is one op running its fused forward
+    # eagerly (``runtime.compiled.whole_block``); None: never. For blocks
+    # whose eager fused run beats what Inductor makes of the unpatched block
+    # at such sizes (the big VAE halves), where tracing the recipe's ops
+    # measured slower than that eager run (docs/performance.md).
+    whole_from = None
 
     # ``bands(module)``, where a recipe defines it: the block's layers as
     # ``layers.Layers`` for a call in row bands (conv_patch.parallel runs
@@ -110,7 +111,7 @@ class FusedBlock:
             # Traced, no watch learns, no ``unfused`` rule applies and no
             # pack group is made (each says so itself); not asking them keeps
             # their reads out of the compiled graph's guards. A block whose
-            # recipe ``compiles_whole`` is one op running this forward eagerly.
+            # recipe says so (``whole_from``) is one op running this forward eagerly.
             from conv_patch.runtime import compiled
             y = compiled.traced_block(self, args, kwargs)
             return self.cp_run(*args, **kwargs) if y is None else y
@@ -207,7 +208,7 @@ def fused_class(cls: type, recipe: Recipe) -> type:
 def _rebuild(cls: type, name: str):
     klass = fused_class(cls, REGISTRY[name])
     block = klass.__new__(klass)
-    if klass.cp_recipe.compiles_whole:
+    if klass.cp_recipe.whole_from is not None:
         from conv_patch.runtime import compiled
         compiled.register_whole(block)
     return block

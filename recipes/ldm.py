@@ -142,6 +142,10 @@ def _mid_layers(m) -> list:
 class Decoder(NHWCInside):
     """The ldm ``Decoder`` (NHWC inside), and its layers for bands."""
 
+    # A latent of 128^2 (a 1024^2 image) and more: compiled, one op (see
+    # ``Recipe.whole_from``; measured at 1024^2 in docs/performance.md).
+    whole_from = 128 * 128
+
     def bands(self, m) -> Layers:
         need(not getattr(m, "give_pre_end", False) and not getattr(m, "tanh_out", False),
              "give_pre_end / tanh_out are not taken")
@@ -162,6 +166,9 @@ class Decoder(NHWCInside):
 
 class Encoder(NHWCInside):
     """The ldm ``Encoder`` (NHWC inside), and its layers for bands."""
+
+    # A 1024^2 image and more (as the decoder's 128^2 latent).
+    whole_from = 1024 * 1024
 
     def bands(self, m) -> Layers:
         need(_silu_of(m) and is_conv(m.conv_in, 3, 1, 1), "unknown ldm Encoder")

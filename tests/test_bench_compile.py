@@ -35,10 +35,11 @@ def test_bench_compile_tiny_row(tmp_path):
     assert r["speedup"] == pytest.approx(r["baseline_ms"] / r["ours_ms"])
     # Compiled patched computes what compiled unpatched does (fp32: to rounding).
     assert r["rel_err_vs_baseline"] <= 1e-5 and r["rel_err_vs_fp32"] <= 1e-5 and r["baseline_rel_err_vs_fp32"] <= 1e-5
-    # The compiled model ran the decoder whole, as patched eager (one op,
-    # its kernels the interpreter's), twice: no GroupNorm op traced (the
-    # call sites are the eager folded upsample's).
-    assert r["whole_block_calls"] == 2 and r["patched_convs"] > 0 and r["norm_sites"] == 0
+    # The compiled model ran conv-patch's ops, their kernels (the
+    # interpreter's); the tiny decoder is below its recipe's bound for
+    # running whole (tests/test_compile_recipes.py covers that).
+    assert r["op_sites"] > 0 and r["op_kernel_sites"] > 0 and r["patched_convs"] > 0
+    assert r["norm_sites"] > 0 and r["norm_kernel_sites"] > 0 and r["whole_block_calls"] == 0
     # (graphs: 2 on the CPU, the recompile test_compile.test_recipe_model_compiles_once expects to fail)
     assert r["checks"]["fullgraph"] and r["graphs"] >= 1 and r["baseline_graphs"] == 1 and r["timing_graphs"] >= 1
     # --profile (passed on to the child): the largest ops of each call, and their sum.

@@ -74,22 +74,27 @@ def test_a_fused_decoder_compiles_to_conv_patch_ops_without_copies(device, exact
     assert z.is_cuda or not [op for op in seen if "scaled_dot_product" in op]
 
 
-def _whole_ok(device):
+def _whole_ok(device, monkeypatch, pixels=1):
+    """Skips where no block runs whole; else the decoder recipe's bound
+    lowered to ``pixels`` (the tiny decoder's latents are far below it)."""
     from conv_patch.ops import library
+    from conv_patch.recipes import diffusers as recipes
     if library.CUDAGRAPH_UNSAFE is None:
         pytest.skip("this torch cannot keep an op out of CUDA graphs")
     if not conv_patch.target.target_for(torch.device(device)).kernels:
         pytest.skip("no kernels on this device")
+    assert recipes.Decoder.whole_from == 128 * 128
+    monkeypatch.setattr(recipes.Decoder, "whole_from", pixels)
 
 
-def test_a_big_vae_half_compiles_to_one_op_running_its_eager_forward(device, exact_fp32):
-    """A VAE decoder (``Recipe.compiles_whole``) is one ``whole_block`` op
+def test_a_big_vae_half_compiles_to_one_op_running_its_eager_forward(device, exact_fp32, monkeypatch):
+    """A VAE decoder (``Recipe.whole_from``) is one ``whole_block`` op
     in the compiled graph, computing what the patched decoder computes
     eagerly, bit for bit, in the caller's layout; it stays out of CUDA
     graphs (reduce-overhead), and a copy of the patched decoder (deepcopy,
     with other weights) compiles to its own block, never the original's."""
     import copy
-    _whole_ok(device)
+    _whole_ok(device, monkeypatch)
     dec = _decoder(device)
     z = torch.randn(1, 4, 6, 5, device=device)
     with torch.no_grad():
@@ -112,11 +117,31 @@ def test_a_big_vae_half_compiles_to_one_op_running_its_eager_forward(device, exa
     assert torch.Tag.cudagraph_unsafe in torch.ops.conv_patch.whole_block.default.tags
 
 
-def test_a_big_vae_half_is_traced_op_by_op_where_it_cannot_run_whole(device, exact_fp32):
+def test_a_big_vae_half_runs_whole_only_from_its_recipes_size(device, exact_fp32, monkeypatch):
+    """Below its recipe's ``whole_from`` (N·H·W of the input) the decoder
+    is traced op by op (where Inductor's unpatched graph may beat the eager
+    run); from it on, one op. With dynamic shapes the bound is a guard: a
+    size across it compiles again, and each side computes right."""
+    _whole_ok(device, monkeypatch, pixels=40)
+    dec = _decoder(device)
+    small, big = torch.randn(1, 4, 6, 5, device=device), torch.randn(2, 4, 3, 7, device=device)  # 30, 42
+    with torch.no_grad():
+        ref_small, ref_big = dec(small), dec(big)
+        conv_patch.apply(dec)
+        seen, out = aot_ops(dec, small)
+        assert "conv_patch.whole_block.default" not in seen and rel_err(out, ref_small) <= 1e-5
+        seen, out = aot_ops(dec, big)
+        assert seen == ["conv_patch.whole_block.default"] and rel_err(out, ref_big) <= 1e-5
+        torch._dynamo.reset()
+        fn = torch.compile(dec, backend="aot_eager", fullgraph=True, dynamic=True)
+        assert rel_err(fn(small), ref_small) <= 1e-5 and rel_err(fn(big), ref_big) <= 1e-5
+
+
+def test_a_big_vae_half_is_traced_op_by_op_where_it_cannot_run_whole(device, exact_fp32, monkeypatch):
     """Where the eager forward cannot stand for the traced call (a gradient
     is needed: the op has no backward; a strided input) the decoder's recipe
     is traced as before: no ``whole_block``, and the same answer."""
-    _whole_ok(device)
+    _whole_ok(device, monkeypatch)
     dec = _decoder(device)
     z = torch.randn(1, 4, 12, 5, device=device)
     with torch.no_grad():

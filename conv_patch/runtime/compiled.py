@@ -18,6 +18,7 @@ instead of falling back (``wrappers.PatchedConvMixin.cp_call``).
 
 from __future__ import annotations
 
+import weakref
 from typing import List, Optional
 
 import torch
@@ -293,7 +294,7 @@ def traced_group_norm(norm, x: torch.Tensor, activation: str = "none", input_bia
 
 
 # -- whole blocks: a fused block the compiled graph runs as patched eager -----------
-# A big VAE half (``Recipe.compiles_whole``) runs eagerly at several times
+# A big VAE half (``Recipe.whole_from``) runs eagerly at several times
 # the unpatched speed; traced op by op, Inductor's glue between the ops and
 # each op's host cost made it slower than that eager run. Such a block is one
 # op in the graph: its eager fused forward, planned and replayed as eagerly.
@@ -311,7 +312,6 @@ def whole_block_calls() -> int:
 
 def register_whole(block) -> None:
     """Let ``block`` run as one op when traced (``traced_block``)."""
-    import weakref
     key = id(block)
 
     def gone(ref, key=key):
@@ -369,14 +369,17 @@ def _(block, x):
 def traced_block(block, args: tuple, kwargs: dict) -> Optional[torch.Tensor]:
     """A fused block's call under torch.compile tracing: ``whole_block``
     for a registered block called on one 4-D tensor of a kernel dtype, in a
-    dense layout, with no autograd, no autocast, on a kernel target, in a
-    torch that can keep the op out of CUDA graphs; else None (the caller
-    traces the block's recipe)."""
+    dense layout, of at least its recipe's ``whole_from`` pixels (N·H·W;
+    with dynamic shapes a guard: a size across the bound compiles again), with
+    no autograd, no autocast, on a kernel target, in a torch that can keep
+    the op out of CUDA graphs; else None (the caller traces the block's
+    recipe)."""
     if kwargs or len(args) != 1 or library.CUDAGRAPH_UNSAFE is None or id(block) not in _WHOLE:
         return None
     x = args[0]
     if (not isinstance(x, torch.Tensor) or x.dim() != 4 or x.dtype not in KERNEL_DTYPES
             or _format(x) is None or not target_for(x.device).kernels
+            or x.shape[0] * x.shape[2] * x.shape[3] < block.cp_recipe.whole_from
             or torch.is_autocast_enabled(x.device.type)
             or (torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in block.parameters())))):
         return None

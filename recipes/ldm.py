@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from .fuse import (Recipe, attention, base, conv, dropout_is_identity, from_tokens, group_norm, inference,
                    is_conv, is_group_norm, is_silu, matches, named, plain, register, resnet, to_tokens,
                    upsample_conv)
+from . import diffusers
 from .diffusers import NHWCInside, tail_layer
 from .layers import Conv, Layers, Resnet, Up, Whole, need, own_pad, plus
 
@@ -142,9 +143,7 @@ def _mid_layers(m) -> list:
 class Decoder(NHWCInside):
     """The ldm ``Decoder`` (NHWC inside), and its layers for bands."""
 
-    # A latent of 128^2 (a 1024^2 image) and more: compiled, one op (see
-    # ``Recipe.whole_from``; measured at 1024^2 in docs/performance.md).
-    whole_from = 128 * 128
+    whole_from = diffusers.Decoder.whole_from  # (the same VAE half)
 
     def bands(self, m) -> Layers:
         need(not getattr(m, "give_pre_end", False) and not getattr(m, "tanh_out", False),
@@ -167,8 +166,7 @@ class Decoder(NHWCInside):
 class Encoder(NHWCInside):
     """The ldm ``Encoder`` (NHWC inside), and its layers for bands."""
 
-    # A 1024^2 image and more (as the decoder's 128^2 latent).
-    whole_from = 1024 * 1024
+    whole_from = diffusers.Encoder.whole_from
 
     def bands(self, m) -> Layers:
         need(_silu_of(m) and is_conv(m.conv_in, 3, 1, 1), "unknown ldm Encoder")

@@ -52,6 +52,18 @@ def resolve_padding(padding, kernel: Pair, dilation: Pair) -> Tuple[Pair, Pair]:
     return p, p
 
 
+def conv_geometry(m: nn.Module) -> tuple:
+    """``(transposed, stride, dilation, pad_begin, pad_end, output_padding)``
+    of a 2-D (transposed) conv module, read from the attributes its own
+    forward reads (the kernel size only for a string padding): what a
+    torch.compile trace of a patched conv reads, since Dynamo guards every
+    value a trace reads."""
+    s, d, padding = pair(m.stride), pair(m.dilation), m.padding
+    transposed = isinstance(m, nn.ConvTranspose2d)
+    begin, end = resolve_padding(padding, pair(m.kernel_size) if isinstance(padding, str) else None, d)
+    return transposed, s, d, begin, end, pair(m.output_padding) if transposed else (0, 0)
+
+
 @dataclass(frozen=True)
 class ConvSpec:
     """A 2-D (transposed) convolution's hyper-parameters.
@@ -107,15 +119,13 @@ class ConvSpec:
 
     @classmethod
     def from_module(cls, m: nn.Module) -> "ConvSpec":
-        k, s, d = pair(m.kernel_size), pair(m.stride), pair(m.dilation)
-        transposed = isinstance(m, nn.ConvTranspose2d)
-        begin, end = resolve_padding(m.padding, k, d)
+        transposed, s, d, begin, end, op = conv_geometry(m)
         return cls(
             transposed=transposed,
             in_channels=int(m.in_channels),
             out_channels=int(m.out_channels),
-            kernel=k, stride=s, dilation=d, pad_begin=begin, pad_end=end,
-            output_padding=pair(getattr(m, "output_padding", 0)) if transposed else (0, 0),
+            kernel=pair(m.kernel_size), stride=s, dilation=d, pad_begin=begin, pad_end=end,
+            output_padding=op,
             groups=int(m.groups),
             padding_mode=str(m.padding_mode),
             has_bias=m.bias is not None,

@@ -31,7 +31,7 @@ from conv_patch.routing import costs
 from conv_patch.routing.decide import decide
 from conv_patch.runtime import dispatch, pack, passthrough
 from conv_patch.call import Call
-from conv_patch.specs import KERNEL_DTYPES, CallDesc, ConvSpec, layout_of, needs_grad, pair, resolve_padding
+from conv_patch.specs import KERNEL_DTYPES, CallDesc, ConvSpec, conv_geometry, layout_of, needs_grad, pair
 from conv_patch.target import target_for
 
 
@@ -166,15 +166,11 @@ def call(module, c: Call) -> torch.Tensor:
     forward reads it: Dynamo guards every value a trace reads, and the
     wrapper's cached ``spec`` added about thirty guards a conv, evaluated at
     every call of the compiled model (0.9 ms a call on SD1.5's UNet)."""
-    transposed = isinstance(module, torch.nn.ConvTranspose2d)
-    dilation, padding = pair(module.dilation), module.padding
-    begin, end = resolve_padding(padding, pair(module.kernel_size) if isinstance(padding, str) else None, dilation)
+    transposed, stride, dilation, begin, end, op = conv_geometry(module)
     if c.output_padding is not None:
-        op = c.output_padding
-    else:
-        op = module.output_padding if transposed else (0, 0)
-    return conv(c.x, module.weight, module.bias, c.residual, transposed, list(pair(module.stride)),
-                list(begin), list(end), list(dilation), list(pair(op)),
+        op = pair(c.output_padding)
+    return conv(c.x, module.weight, module.bias, c.residual, transposed, list(stride),
+                list(begin), list(end), list(dilation), list(op),
                 float(c.beta), c.activation, float(c.out_scale))
 
 

@@ -179,8 +179,15 @@ def _upsample_spec(weight, bias) -> ConvSpec:
                     (0, 0), 1, "zeros", bias is not None)
 
 
+def _format(x) -> Optional[torch.memory_format]:
+    """``x``'s dense memory format (NCHW or NHWC), None for any other strides."""
+    if x.is_contiguous():
+        return torch.contiguous_format
+    return torch.channels_last if conv_op.nhwc(x) else None
+
+
 def _upsample_format(x) -> torch.memory_format:
-    return torch.channels_last if conv_op.nhwc(x) else torch.contiguous_format
+    return _format(x) or torch.contiguous_format
 
 
 _UPSAMPLE_ARGS = "(Tensor x, Tensor weight, Tensor? bias, Tensor? residual, str activation) -> Tensor"
@@ -323,12 +330,6 @@ def _whole(key: int):
         raise RuntimeError("conv_patch::whole_block: the block this compiled graph was traced with is gone "
                            "(compile the model again)")
     return block
-
-
-def _format(x) -> Optional[torch.memory_format]:
-    if x.is_contiguous():
-        return torch.contiguous_format
-    return torch.channels_last if conv_op.nhwc(x) else None
 
 
 # Never captured in a CUDA graph (reduce-overhead mode): the eager forward

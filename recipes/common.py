@@ -11,8 +11,8 @@ from conv_patch.runtime import dispatch, pack, passthrough
 from conv_patch.runtime.state import peek, state_of
 from conv_patch.routing.costs import group_norm_pays
 
-from .fuse import (Recipe, base, channels_last, conv, epilogue_activation, group_norm, inference, is_conv, is_fused,
-                   is_group_norm, like_input, norm_is_eager, plain, register, upsample_conv)
+from .fuse import (Recipe, base, channels_last, conv, epilogue_activation, fused_below, group_norm, inference, is_conv,
+                   is_fused, is_group_norm, like_input, norm_is_eager, plain, register, swaps_below, upsample_conv)
 
 
 class GroupNormRecipe(Recipe):
@@ -115,11 +115,6 @@ def _holds_graphs_only(m) -> bool:
     return any(c.cp_recipe.graphs_only for c in fused_below(m))
 
 
-def fused_below(m) -> tuple:
-    """The fused blocks under ``m``."""
-    return tuple([c for c in m.modules() if c is not m and is_fused(c)])
-
-
 class SequentialChain(Recipe):
     """``nn.Sequential`` stacks: each conv with the ReLU/SiLU after it is one
     kernel with the activation in its epilogue; nearest x2 upsampling followed
@@ -185,10 +180,7 @@ class SequentialChain(Recipe):
                 or st.graphs is not None or st.bands is not None
                 or torch.compiler.is_compiling()):
             return None
-        swaps = st.own_swaps
-        if swaps is None or swaps[0] is not held:
-            swaps = st.own_swaps = (held, passthrough.own_class_swaps(fused_below(m)))
-        return swaps[1]
+        return swaps_below(m, held)
 
     def upsample_convs(self, m):
         return tuple(mod for kind, mod, _ in chain_plan(list(m)) if kind == "upconv")

@@ -10,13 +10,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from conv_patch.ops.conv2d import output_shape
+from conv_patch.runtime.state import peek
 from conv_patch.specs import ConvSpec
 from conv_patch.target import target_for
 
 from .layers import Conv, Layers, NormConv, Resnet, Up, Whole, need, own_pad, plus
 from .fuse import (Recipe, attention, base, channels_last, conv, dropout_is_identity, from_tokens, group_norm,
-                   inference, is_conv, is_group_norm, is_relu, is_silu, like_input, matches, named, norm_conv,
-                   parts, plain, register, resnet, to_tokens, upsample_conv)
+                   inference, is_conv, is_group_norm, is_relu, is_silu, launched_on_gpu, like_input, matches, named,
+                   norm_conv, parts, plain, register, resnet, swaps_below, to_tokens, upsample_conv)
 
 
 class ResnetBlock2D(Recipe):
@@ -38,6 +39,29 @@ class ResnetBlock2D(Recipe):
                 and getattr(m, "time_embedding_norm", None) in ("default", "group")
                 and (getattr(m, "conv_shortcut", 0) is None or is_conv(m.conv_shortcut))
                 and isinstance(getattr(m, "output_scale_factor", None), (int, float)))
+
+    def unfused(self, m, args, kwargs):
+        """A UNet's block (called with a time embedding) launched eagerly on
+        a GPU: its own forward, the GroupNorms under it as their own
+        classes. A UNet at its usual sizes is host-bound launched (SD1.5 at
+        a 64² latent, b2: 20 ms a call for about 11 ms of GPU work), so the
+        GroupNorm kernels' launches, which save GPU time from 4M elements,
+        add host time there, and the recipe's conv steps run PyTorch's
+        convolutions through more Python (H100, fp16: SD1.5 UNet 0.96x and
+        ControlNet 0.97x with the recipes, 0.99x without them;
+        docs/performance.md). On the graph path, in a block replaying its
+        own graphs and under torch.compile host time is not the cost: there
+        the recipe runs, as it does on the CPU (the interpreter's tests) and
+        in a VAE's blocks (no time embedding)."""
+        temb = args[1] if len(args) > 1 else kwargs.get("temb")
+        x = args[0] if args else kwargs.get("input_tensor")
+        if (temb is None or not isinstance(x, torch.Tensor) or not launched_on_gpu(x)
+                or torch.compiler.is_compiling()):
+            return None
+        st = peek(m)
+        if st is not None and (st.graphs is not None or st.bands is not None):
+            return None
+        return swaps_below(m, tuple(m._modules.values()))
 
     def forward(self, m, input_tensor, temb=None, *args, **kwargs):
         norm1, norm2, conv1, conv2, sc, act, drop, proj = parts(

@@ -218,6 +218,29 @@ def is_fused(module: nn.Module) -> bool:
     return isinstance(module, FusedBlock)
 
 
+def launched_on_gpu(x: torch.Tensor) -> bool:
+    """Whether a call on ``x`` is launched eagerly on a GPU, where host time
+    is a cost: a CUDA tensor, off the CUDA-graph path (``unfused`` rules)."""
+    return x.is_cuda and not pack.GRAPH_PATH
+
+
+def fused_below(m) -> tuple:
+    """The fused blocks under ``m``."""
+    return tuple([c for c in m.modules() if c is not m and is_fused(c)])
+
+
+def swaps_below(m, made_from) -> tuple:
+    """``passthrough.own_class_swaps`` of the fused blocks under ``m`` (an
+    ``unfused`` rule's answer), kept in ``m``'s state while ``made_from``
+    (what the caller built them from: its children, its plan) is unchanged:
+    the walk would cost more than the call it saves."""
+    st = state_of(m)
+    held = st.own_swaps
+    if held is None or (held[0] is not made_from and held[0] != made_from):
+        held = st.own_swaps = (made_from, passthrough.own_class_swaps(fused_below(m)))
+    return held[1]
+
+
 def base(module, *args, **kwargs):
     """The block's own forward (what it computes unpatched)."""
     return module.cp_own_forward(*args, **kwargs)

@@ -20,6 +20,7 @@ from conv_patch import functional
 from conv_patch.tools import taesd
 from conv_patch.recipes import catalog as recipes
 from conv_patch.recipes import fuse
+from conv_patch.recipes import diffusers as rdiff
 
 diffusers = pytest.importorskip("diffusers")
 from diffusers.models.downsampling import Downsample2D  # noqa: E402
@@ -194,6 +195,9 @@ def test_unet_resnet_block_adds_its_time_embedding_in_conv1s_epilogue(device, ex
             seen.append(None if call.residual is None else call.residual.stride())
         return real(m, call)
 
+    # As on the graph path (launched on a GPU the block runs its own forward:
+    # the next test).
+    monkeypatch.setattr(rdiff, "launched_on_gpu", lambda x: False)
     with torch.no_grad():
         ref = block(x, temb)
         conv_patch.apply(block)
@@ -204,6 +208,40 @@ def test_unet_resnet_block_adds_its_time_embedding_in_conv1s_epilogue(device, ex
     # A temb of another dtype: the block's own forward (no_fallback says so).
     with torch.no_grad(), pytest.raises(AssertionError, match="fell back"):
         block(x, temb.double())
+
+
+def test_unet_resnet_block_launched_on_a_gpu_runs_its_own_forward(device, exact_fp32, monkeypatch):
+    """Launched eagerly on a GPU a UNet's block (a temb) is host-bound: its
+    own forward runs, with its GroupNorms as their own class (no GroupNorm
+    kernel, no recipe step), the convs still patched; a VAE's block (no
+    temb) and a call on the graph path run the recipe."""
+    block = _seeded(ResnetBlock2D(in_channels=6, out_channels=10, temb_channels=12, groups=2, eps=1e-6)).eval()
+    block = block.to(device)
+    x = torch.randn(2, 6, 7, 5, device=device) * 2 + 0.5
+    temb = torch.randn(2, 12, device=device) * 3
+    with torch.no_grad():
+        ref = block(x, temb)
+        conv_patch.apply(block, config=conv_patch.PatchConfig(passthrough=False))
+    monkeypatch.setattr(rdiff, "launched_on_gpu", lambda x: True)
+    steps, norms, convs = [], [], []
+    real_resnet, real_gn, real_conv = fuse.resnet, dispatch.group_norm, dispatch.conv
+    monkeypatch.setattr(rdiff, "resnet", lambda *a, **k: steps.append(1) or real_resnet(*a, **k))
+    monkeypatch.setattr(dispatch, "group_norm", lambda *a, **k: norms.append(1) or real_gn(*a, **k))
+    monkeypatch.setattr(dispatch, "conv", lambda m, c: convs.append(m) or real_conv(m, c))
+    recipe = type(block).cp_recipe
+    with torch.no_grad():
+        out = block(x, temb)
+        assert not steps and not norms and convs  # its own forward, its convs patched
+        assert fuse.is_fused(block.norm1) and fuse.is_fused(block.norm2)  # their classes given back
+        assert rel_err(out, ref) <= 1e-5
+        swaps = recipe.unfused(block, (x, temb), {})
+        assert {id(c) for c, _, _ in swaps} == {id(block.norm1), id(block.norm2)}
+        assert recipe.unfused(block, (x, temb), {}) is swaps  # kept while its children are
+        assert recipe.unfused(block, (x, None), {}) is None  # a VAE's block: the recipe
+        monkeypatch.setattr(rdiff, "launched_on_gpu", lambda x: False)
+        assert recipe.unfused(block, (x, temb), {}) is None  # the graph path
+        steps.clear()
+        assert rel_err(block(x, temb), ref) <= 1e-5 and steps
 
 
 def _patched_resnet(device):

@@ -15,9 +15,70 @@ from conv_patch.specs import ConvSpec
 from conv_patch.target import target_for
 
 from .layers import Conv, Layers, NormConv, Resnet, Up, Whole, need, own_pad, plus
-from .fuse import (Recipe, attention, base, channels_last, conv, dropout_is_identity, from_tokens, group_norm,
-                   inference, is_conv, is_group_norm, is_relu, is_silu, launched_on_gpu, like_input, matches, named,
-                   norm_conv, parts, plain, register, resnet, swaps_below, to_tokens, upsample_conv)
+from .fuse import (Recipe, attention, bare, base, channels_last, conv, dropout_is_identity,
+                   from_tokens, global_hooks, group_norm, inference, is_conv, is_group_norm, is_relu, is_silu,
+                   launched_on_gpu, like_input, matches, named, norm_conv, parts, plain, register, resnet,
+                   swaps_below, to_tokens, upsample_conv)
+
+
+class LeanResnet:
+    """``ResnetBlock2D.forward`` for a block passed through
+    (``Recipe.lean``): the same ops in the same order on the same values,
+    without the module calls of its plain parts (bare PyTorch modules: the
+    functions their forwards call), the dropout that is the identity in
+    eval, the division by an ``output_scale_factor`` of 1, or new tensors
+    for sums and activations that can be written in place. Only where no
+    gradient is recorded (an in-place activation would hide its input from
+    autograd) and for the block as diffusers builds it; any other call runs
+    the class's own forward."""
+
+    def forward(self, input_tensor, temb=None, *args, **kwargs):
+        d = self.__dict__
+        mods = d["_modules"]
+        n1, n2, act, drop = mods.get("norm1"), mods.get("norm2"), mods.get("nonlinearity"), mods.get("dropout")
+        c1, c2, sc, proj = mods.get("conv1"), mods.get("conv2"), mods.get("conv_shortcut"), mods.get("time_emb_proj")
+        if (args or kwargs or torch.is_grad_enabled() or d.get("training", True) or d.get("upsample", 0) is not None
+                or d.get("downsample", 0) is not None or d.get("time_embedding_norm") != "default"
+                or not isinstance(input_tensor, torch.Tensor) or (proj is not None and temb is None) or global_hooks()
+                or not (bare(n1, nn.GroupNorm) and bare(n2, nn.GroupNorm) and bare(act, nn.SiLU) and not act.inplace
+                        and bare(drop, nn.Dropout) and not drop.training and _bare_conv(c1) and _bare_conv(c2)
+                        and (sc is None or _bare_conv(sc)) and (proj is None or bare(proj, nn.Linear)))):
+            return super().forward(input_tensor, temb, *args, **kwargs)
+        # Every tensor below is made here (functions, not modules that might
+        # hand back one they hold), so the in-place steps touch nothing else.
+        h = F.silu(F.group_norm(input_tensor, n1.num_groups, n1.weight, n1.bias, n1.eps), inplace=True)
+        h = _conv(c1, h)
+        if proj is not None:
+            p = proj._parameters
+            temb = F.linear(temb if d.get("skip_time_act") else F.silu(temb), p["weight"], p["bias"])[:, :, None, None]
+        if temb is not None:
+            h = _sum(h, temb)
+        h = F.silu(F.group_norm(h, n2.num_groups, n2.weight, n2.bias, n2.eps), inplace=True)
+        h = _sum(_conv(c2, h), input_tensor if sc is None else _conv(sc, input_tensor))
+        scale = d["output_scale_factor"]
+        return h if scale == 1 else h / scale
+
+
+def _bare_conv(m) -> bool:
+    return bare(m, nn.Conv2d) and m.padding_mode == "zeros"
+
+
+def _conv(m: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
+    """What a bare ``nn.Conv2d``'s forward computes (``_bare_conv``)."""
+    p = m._parameters
+    return F.conv2d(x, p["weight"], p["bias"], m.stride, m.padding, m.dilation, m.groups)
+
+
+def _sum(h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """``h + t`` (``h`` a tensor the caller made and no one else holds):
+    into ``h`` where that gives the same tensor (``t`` broadcasts into
+    ``h``'s shape, same dtype, and as a full-size operand the same strides,
+    so the sum's layout is ``h``'s either way)."""
+    if t.dtype == h.dtype and t.device == h.device and (
+            t.shape == h.shape and t.stride() == h.stride()
+            or t.dim() == 4 and t.shape[2:] == (1, 1) and t.shape[:2] == h.shape[:2]):
+        return h.add_(t)
+    return h + t
 
 
 class ResnetBlock2D(Recipe):
@@ -28,6 +89,7 @@ class ResnetBlock2D(Recipe):
 
     name = "diffusers.ResnetBlock2D"
     what = "GroupNorm+SiLU, time embedding in conv1's epilogue, residual and 1/output_scale_factor in conv2's"
+    lean = LeanResnet
 
     def match(self, m):
         return (named(m, "ResnetBlock2D") and is_group_norm(getattr(m, "norm1", None))

@@ -73,6 +73,15 @@ class Recipe:
     # before its pack group is refreshed.
     unfused = None
 
+    # ``lean``, where a recipe defines it: a mixin whose ``forward``
+    # computes exactly what the block's own class does (the same ops in the
+    # same order, the same values) through fewer Python calls and launches,
+    # or calls that class's forward where it cannot. Put in front of the
+    # block's own class (``lean_class``), it is the class the block runs as
+    # when passed through (``cp_own_class``: idle at its call's signature,
+    # ``runtime.passthrough``), where the host sets the pace.
+    lean = None
+
     # From how many input pixels (N·H·W of a 4-D input, at the traced
     # sizes) a traced call of the block is one op running its fused forward
     # eagerly (``runtime.compiled.whole_block``); None: never. For blocks
@@ -164,8 +173,10 @@ class FusedBlock:
 
     def cp_own_class(self) -> type:
         """The class this block runs as when ``conv_patch.runtime.passthrough``
-        passes it through: its own."""
-        return self.cp_base
+        passes it through: its own, with the recipe's ``lean`` forward in
+        front where it has one."""
+        lean = self.cp_recipe.lean
+        return self.cp_base if lean is None else lean_class(self.cp_base, lean)
 
     def __reduce_ex__(self, protocol):
         # The dynamic class cannot be found by name when unpickling. (The
@@ -203,6 +214,25 @@ def fused_class(cls: type, recipe: Recipe) -> type:
             "__doc__": f"{cls.__module__}.{cls.__qualname__} with conv-patch's {recipe.name!r} recipe.",
         })
     return _CLASSES[key]
+
+
+def lean_class(cls: type, lean: type) -> type:
+    """``cls`` with the mixin ``lean`` in front (``Recipe.lean``), under
+    ``cls``'s own name."""
+    key = (cls, lean)
+    if key not in _CLASSES:
+        _CLASSES[key] = type(cls.__name__, (lean, cls), {
+            "__module__": __name__, "__qualname__": cls.__name__,
+            "__doc__": f"{cls.__module__}.{cls.__qualname__} run through conv-patch's {lean.__name__}.",
+        })
+    return _CLASSES[key]
+
+
+def bare(m: Optional[nn.Module], cls: type) -> bool:
+    """Whether ``m`` is exactly a ``cls`` (no subclass, no conv-patch class,
+    no parametrization) with no forward hooks: its forward may then be run
+    as the function it calls."""
+    return type(m) is cls and not m._forward_hooks and not m._forward_pre_hooks
 
 
 def _rebuild(cls: type, name: str):
@@ -247,7 +277,7 @@ def base(module, *args, **kwargs):
 
 
 # -- call-time guards ---------------------------------------------------------
-def _global_hooks() -> bool:
+def global_hooks() -> bool:
     m = torch_module
     return bool(m._global_forward_hooks or m._global_forward_pre_hooks
                 or getattr(m, "_global_forward_hooks_always_called", None))
@@ -256,7 +286,7 @@ def _global_hooks() -> bool:
 def plain(*modules: Optional[nn.Module]) -> bool:
     """No forward hooks on the modules a fused forward calls around (a hook
     there expects to see that module run)."""
-    if _global_hooks():
+    if global_hooks():
         return False
     for m in modules:
         if m is not None and (m._forward_hooks or m._forward_pre_hooks):

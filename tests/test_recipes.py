@@ -15,7 +15,7 @@ from torch import nn
 
 import conv_patch
 from _util import poisoned, rel_err
-from conv_patch.runtime import dispatch
+from conv_patch.runtime import dispatch, passthrough
 from conv_patch import functional
 from conv_patch.tools import taesd
 from conv_patch.recipes import catalog as recipes
@@ -242,6 +242,58 @@ def test_unet_resnet_block_launched_on_a_gpu_runs_its_own_forward(device, exact_
         assert recipe.unfused(block, (x, temb), {}) is None  # the graph path
         steps.clear()
         assert rel_err(block(x, temb), ref) <= 1e-5 and steps
+
+
+@pytest.mark.parametrize("cin,cout,osf,skip_act,temb_ch,cl", [(6, 10, 1.0, False, 12, False), (8, 8, 2.0, True, 12, True),
+                                                            (6, 14, 1.0, False, None, False)])
+def test_lean_resnet_block_computes_its_own_forward_bit_for_bit(device, cin, cout, osf, skip_act, temb_ch, cl,
+                                                                 monkeypatch):
+    """The class a passed-through resnet block runs as (``LeanResnet`` in
+    front of its own): the block's values bit for bit, without its own
+    forward; with a gradient recorded, a hook, a training block or an odd
+    argument, its own forward."""
+    block = _seeded(ResnetBlock2D(in_channels=cin, out_channels=cout, temb_channels=temb_ch, groups=2, eps=1e-6,
+                                  output_scale_factor=osf, skip_time_act=skip_act)).eval().to(device)
+    x = torch.randn(2, cin, 7, 5, device=device) * 2 + 0.5
+    if cl:
+        x = x.to(memory_format=torch.channels_last)
+    temb = torch.randn(2, 12, device=device) * 3 if temb_ch else None
+    with torch.no_grad():
+        ref = block(x, temb)
+    conv_patch.apply(block)
+    lean = type(block).cp_own_class(block)
+    assert lean is fuse.lean_class(ResnetBlock2D, rdiff.LeanResnet) and issubclass(lean, ResnetBlock2D)
+    assert lean.__name__ == "ResnetBlock2D"
+    # As the passthrough runs an idle block: it and everything under it as their own classes.
+    for c, own, _ in passthrough.own_class_swaps(list(block.modules())):
+        object.__setattr__(c, "__class__", own)
+    assert type(block) is lean
+    own_calls = []
+    real = ResnetBlock2D.forward
+    monkeypatch.setattr(ResnetBlock2D, "forward", lambda *a, **k: own_calls.append(1) or real(*a, **k))
+    with torch.no_grad():
+        out = block(x, temb)
+    assert not own_calls and torch.equal(out, ref) and out.stride() == ref.stride()
+    with torch.no_grad():
+        x0 = x.clone()
+        block(x, temb)
+        assert torch.equal(x, x0)  # the input is not written
+    # Its own forward where the lean one may not run.
+    with torch.enable_grad():
+        assert torch.equal(block(x, temb), ref) and len(own_calls) == 1
+    seen = []
+    h = block.norm2.register_forward_hook(lambda m, a, o: seen.append(1))
+    with torch.no_grad():
+        assert torch.equal(block(x, temb), ref) and len(own_calls) == 2 and seen
+    h.remove()
+    block.dropout.train()
+    with torch.no_grad():
+        assert torch.equal(block(x, temb), ref) and len(own_calls) == 3
+    block.dropout.eval()
+    if temb is not None:
+        with torch.no_grad(), pytest.raises(Exception):
+            block(x, None)  # diffusers' own error: its projection needs a temb
+        assert len(own_calls) == 4
 
 
 def _patched_resnet(device):

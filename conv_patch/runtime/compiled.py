@@ -121,14 +121,17 @@ def kernels_may_take(spec: ConvSpec, x, weight, bias, residual, beta: float = 1.
     return decide(spec, desc, target_for(x.device)).is_kernel
 
 
-def replayed_as_cuda_graphs() -> bool:
-    """Whether the graph being traced will be replayed as CUDA graphs
-    (torch.compile's reduce-overhead mode: Inductor's ``triton.cudagraphs``,
-    set while it traces). The routed conv ops keep tensors across calls
-    (a call site's weight pack, the folded upsample's weights), made at
-    their first call, which a CUDA-graph tree runs inside its memory pool:
-    it refuses such a tensor (its replays would overwrite it). So such a
-    graph gets PyTorch's convolutions, which it replays itself."""
+def replayed_as_cuda_graphs(x: torch.Tensor) -> bool:
+    """Whether the graph being traced, on ``x``'s device, will be replayed
+    as CUDA graphs (torch.compile's reduce-overhead mode: Inductor's
+    ``triton.cudagraphs``, set while it traces, whatever the device; only a
+    CUDA graph is replayed so). The routed conv ops keep tensors across
+    calls (a call site's weight pack, the folded upsample's weights), made
+    at their first call, which a CUDA-graph tree runs inside its memory
+    pool: it refuses such a tensor (its replays would overwrite it). So such
+    a graph gets PyTorch's convolutions, which it replays itself."""
+    if not x.is_cuda:
+        return False
     try:
         from torch._inductor import config
     except ImportError:  # (a build without Inductor cannot be compiling with it)
@@ -141,7 +144,7 @@ def conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], re
          transposed: bool, stride: List[int], pad_begin: List[int], pad_end: List[int], dilation: List[int],
          output_padding: List[int], beta: float, activation: str, out_scale: float) -> torch.Tensor:
     spec = _spec(x, weight, bias, transposed, stride, pad_begin, pad_end, dilation, output_padding)
-    if (needs_grad(x, weight, bias, residual) or replayed_as_cuda_graphs()
+    if (needs_grad(x, weight, bias, residual) or replayed_as_cuda_graphs(x)
             or not kernels_may_take(spec, x, weight, bias, residual, beta, activation, out_scale)):
         # PyTorch's route, as the original module and the eager epilogue
         # (differentiable: the routed op is not).
@@ -233,7 +236,7 @@ def upsample_conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     # (Symbolic sizes: the routed op, which decides per call; the size
     # test of the folded convs would guard on them.)
     static = not any(isinstance(d, torch.SymInt) for d in (n, c, h, w))
-    if (needs_grad(x, weight, bias, residual) or replayed_as_cuda_graphs()
+    if (needs_grad(x, weight, bias, residual) or replayed_as_cuda_graphs(x)
             or static and not dispatch.subpixel_pays(x, weight) and not kernels_may_take(
                 spec, x, weight, bias, residual, activation=activation, shape=(n, c, 2 * h, 2 * w))):
         up = torch.nn.functional.interpolate(x, scale_factor=2.0, mode="nearest")

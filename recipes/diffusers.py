@@ -52,9 +52,14 @@ class LeanResnet:
             p = proj._parameters
             temb = F.linear(temb if d.get("skip_time_act") else F.silu(temb), p["weight"], p["bias"])[:, :, None, None]
         if temb is not None:
-            h = _sum(h, temb)
+            h = h.add_(temb) if _adds_into(h, temb) else h + temb
         h = F.silu(F.group_norm(h, n2.num_groups, n2.weight, n2.bias, n2.eps), inplace=True)
-        h = _sum(_conv(c2, h), input_tensor if sc is None else _conv(sc, input_tensor))
+        h = _conv(c2, h)
+        x = input_tensor if sc is None else _conv(sc, input_tensor)
+        # (In diffusers' order where not in place: the sum's layout follows
+        # its first operand where the two differ, as on a GPU, whose
+        # GroupNorm hands a channels_last input back contiguous.)
+        h = h.add_(x) if _adds_into(h, x) else x + h
         scale = d["output_scale_factor"]
         return h if scale == 1 else h / scale
 
@@ -69,16 +74,14 @@ def _conv(m: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
     return F.conv2d(x, p["weight"], p["bias"], m.stride, m.padding, m.dilation, m.groups)
 
 
-def _sum(h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """``h + t`` (``h`` a tensor the caller made and no one else holds):
-    into ``h`` where that gives the same tensor (``t`` broadcasts into
-    ``h``'s shape, same dtype, and as a full-size operand the same strides,
-    so the sum's layout is ``h``'s either way)."""
-    if t.dtype == h.dtype and t.device == h.device and (
-            t.shape == h.shape and t.stride() == h.stride()
-            or t.dim() == 4 and t.shape[2:] == (1, 1) and t.shape[:2] == h.shape[:2]):
-        return h.add_(t)
-    return h + t
+def _adds_into(h: torch.Tensor, t: torch.Tensor) -> bool:
+    """Whether ``h.add_(t)`` (``h`` a tensor the caller made and no one else
+    holds) gives the tensor ``h + t`` and ``t + h`` give: ``t`` broadcasts
+    into ``h``'s shape with the same dtype and device, and as a full-size
+    operand has the same strides (so the sum's layout is ``h``'s either way)."""
+    return t.dtype == h.dtype and t.device == h.device and (
+        t.shape == h.shape and t.stride() == h.stride()
+        or t.dim() == 4 and t.shape[2:] == (1, 1) and t.shape[:2] == h.shape[:2])
 
 
 class ResnetBlock2D(Recipe):

@@ -257,6 +257,10 @@ def test_lean_resnet_block_computes_its_own_forward_bit_for_bit(device, cin, cou
     x = torch.randn(2, cin, 7, 5, device=device) * 2 + 0.5
     if cl:
         x = x.to(memory_format=torch.channels_last)
+        # As on a GPU, whose GroupNorm hands a channels_last input back
+        # contiguous: the sums' operands then differ in layout.
+        gn = F.group_norm
+        monkeypatch.setattr(F, "group_norm", lambda *a, **k: gn(*a, **k).contiguous())
     temb = torch.randn(2, 12, device=device) * 3 if temb_ch else None
     with torch.no_grad():
         ref = block(x, temb)
@@ -616,7 +620,7 @@ class _LayoutProbe(nn.Module):
 
 
 @pytest.mark.parametrize("eager_norm", [False, True])
-def test_a_chain_with_a_pytorch_group_norm_inside_stays_nchw(eager_norm, monkeypatch):
+def test_a_chain_with_a_pytorch_group_norm_inside_stays_nchw(device, eager_norm, monkeypatch):
     """A stack runs NHWC inside unless a GroupNorm in it would run as
     PyTorch's (which hands NHWC back as NCHW): TAEF2's pooled blocks at
     256-512 px (docs/performance.md). The output is the same either way."""
@@ -624,11 +628,11 @@ def test_a_chain_with_a_pytorch_group_norm_inside_stays_nchw(eager_norm, monkeyp
     torch.manual_seed(0)
     probe = _LayoutProbe()
     stack = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), probe, taesd.Block(8, 8, pool=True),
-                          nn.Conv2d(8, 3, 3, padding=1), nn.ReLU())
+                          nn.Conv2d(8, 3, 3, padding=1), nn.ReLU()).to(device)
     ref = copy.deepcopy(stack)
     conv_patch.apply(stack, config=conv_patch.PatchConfig(passthrough=False))
     monkeypatch.setattr(common, "norm_is_eager", lambda x, numel=None: eager_norm)
-    x = torch.randn(1, 3, 6, 5)
+    x = torch.randn(1, 3, 6, 5, device=device)
     with torch.no_grad():
         assert rel_err(stack(x), ref(x)) < 1e-5
     assert probe.nhwc == [not eager_norm]

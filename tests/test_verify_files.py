@@ -904,3 +904,29 @@ def test_ltx_video_original_layout_is_recognised(prefix, tmp_path, capsys, monke
     # A decoder alone in the original layout: diffusers' converter reads the encoder, so it is not read.
     half = {k: v for k, v in shapes.items() if ".encoder." not in "." + k}
     assert formats.ltx_original_names(half) is None
+
+
+def test_an_fp32_check_is_measured_against_float64(monkeypatch):
+    """End to end in fp32, the reference is the unpatched model in float64:
+    the unpatched fp32 run has its own rounding error (not 0, as against an
+    fp32 reference, where the patched run's rounding would be all the bound
+    allows); a model that cannot run in float64 gets the fp32 reference, and
+    is left in fp32 either way."""
+    from conv_patch.tools import verify
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.SiLU(), torch.nn.Conv2d(16, 5, 3))
+    x = torch.randn(2, 3, 9, 11) * 3 + 1
+
+    def run(m, t):
+        return m(t)
+    e = verify.check_end_to_end("decode", net, run, x, torch.float32)
+    assert e.passed and 0 < e.rel_err_unpatched < 1e-5 and e.bound > verify.E2E_FLOOR[torch.float32]
+    assert next(net.parameters()).dtype == torch.float32
+
+    def fp32_only(m, t):
+        if t.dtype == torch.float64:
+            raise RuntimeError("no float64 kernel")
+        return m(t)
+    net2 = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3))
+    e = verify.check_end_to_end("decode", net2, fp32_only, x, torch.float32)
+    assert e.rel_err_unpatched == 0 and e.passed and next(net2.parameters()).dtype == torch.float32

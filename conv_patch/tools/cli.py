@@ -169,7 +169,7 @@ def summary_lines(report) -> list:
         if e.error is not None:
             lines.append(f"end to end, {e.what}: the patched model {e.error}  FAIL")
             continue
-        lines.append(f"end to end, {e.what}: rel err vs fp32 patched {e.rel_err_patched:.3g}, "
+        lines.append(f"end to end, {e.what}: rel err vs the exact reference patched {e.rel_err_patched:.3g}, "
                      f"unpatched {e.rel_err_unpatched:.3g}"
                      + ("" if e.bound is None else f" (pass: patched <= 1.5 x unpatched + the {report.dtype} "
                                                    f"floor = {e.bound:.3g})")

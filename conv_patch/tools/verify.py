@@ -6,7 +6,8 @@ Two checks, both against references computed independently of the kernels:
   float64 convolution of the same (rounded) inputs; PyTorch's own result in the
   same dtype is measured the same way, for scale;
 * end to end: the whole model patched and unpatched in the working dtype,
-  each against the unpatched model in exact fp32. The patched model passes
+  each against the unpatched model in exact arithmetic (fp32 for a
+  half-precision check, float64 for an fp32 one). The patched model passes
   when its error is at most 1.5x the unpatched model's (plus a floor for fp32,
   where both are near zero); on a GPU both are timed, interleaved.
 """
@@ -189,6 +190,24 @@ def _time_interleaved(fns, runs: int, warmup: int = 3) -> List[float]:
     return [statistics.median(s) for s in samples]
 
 
+def _reference(model: nn.Module, run: Callable, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The unpatched model's output in exact arithmetic: in float32 for a
+    half-precision check; in float64 for a float32 one, where a float32
+    reference would be the unpatched run itself (its error 0, so the patched
+    run's own rounding, no larger, would be all the bound allows). A model
+    that cannot run in float64 gives the float32 reference. ``model`` is
+    left in float32."""
+    with torch.no_grad(), conv_tf32(False):
+        if dtype == torch.float32:
+            try:
+                return run(model.double(), x.double())
+            except Exception:  # noqa: BLE001 - an op without float64: the float32 reference
+                pass
+            finally:
+                model.float()
+        return run(model, x.float())
+
+
 def check_end_to_end(what: str, model: nn.Module, run: Callable[[nn.Module, torch.Tensor], torch.Tensor],
                      x: torch.Tensor, dtype: torch.dtype, timing_runs: int = 0,
                      image_range: Optional[tuple] = None, filter_fn=None) -> EndToEnd:
@@ -197,8 +216,7 @@ def check_end_to_end(what: str, model: nn.Module, run: Callable[[nn.Module, torc
     ``x``, and the PSNR of each output (clamped to the range) against it is
     reported too. The model is left patched (``filter_fn`` as for
     ``apply``), in ``dtype``."""
-    with torch.no_grad(), conv_tf32(False):
-        ref = run(model, x.float())
+    ref = _reference(model, run, x, dtype)
     model.to(dtype)
     xd = x.to(dtype)
     timed = timing_runs and x.device.type == "cuda"

@@ -116,7 +116,8 @@ def test_a_big_vae_half_compiles_to_one_op_running_its_eager_forward(device, exa
         fn = torch.compile(dec, backend="aot_eager", fullgraph=True, dynamic=True)
         for shape in ((1, 4, 6, 5), (2, 4, 3, 7)):
             x = torch.randn(shape, device=device)
-            assert torch.equal(fn(x), dec(x))
+            y, ref = fn(x), dec(x)
+            assert y.shape == ref.shape and rel_err(y, ref) <= 1e-6, (shape, (y - ref).abs().max().item())
     assert torch.Tag.cudagraph_unsafe in torch.ops.conv_patch.whole_block.default.tags
 
 

@@ -620,7 +620,7 @@ class _LayoutProbe(nn.Module):
 
 
 @pytest.mark.parametrize("eager_norm", [False, True])
-def test_a_chain_with_a_pytorch_group_norm_inside_stays_nchw(device, eager_norm, monkeypatch):
+def test_a_chain_with_a_pytorch_group_norm_inside_stays_nchw(device, exact_fp32, eager_norm, monkeypatch):
     """A stack runs NHWC inside unless a GroupNorm in it would run as
     PyTorch's (which hands NHWC back as NCHW): TAEF2's pooled blocks at
     256-512 px (docs/performance.md). The output is the same either way."""

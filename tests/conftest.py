@@ -1,10 +1,23 @@
 """Test set-up: without CUDA the kernels run under the Triton interpreter on
 CPU tensors (how CI tests them); with CUDA the same tests run on the GPU."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
+
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    # torch.compile's caches (Inductor's FX graphs, AOTAutograd's) live in
+    # one folder per machine and outlast a run, and a cached graph holds the
+    # choices conv-patch's composite ops made when it was traced (PyTorch's
+    # convolution or the routed op) by whatever code traced it: the tests
+    # must trace with the code under test.
+    _cache = tempfile.mkdtemp(prefix="conv-patch-tests-inductor-")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = _cache
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
 
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:

@@ -108,13 +108,12 @@ class ResnetBlock2D(Recipe):
     def unfused(self, m, args, kwargs):
         """A UNet's block (called with a time embedding) launched eagerly on
         a GPU: its own forward, the GroupNorms under it as their own
-        classes. A UNet at its usual sizes is host-bound launched (SD1.5 at
-        a 64² latent, b2: 20 ms a call for about 11 ms of GPU work), so the
-        GroupNorm kernels' launches, which save GPU time from 4M elements,
-        add host time there, and the recipe's conv steps run PyTorch's
-        convolutions through more Python (H100, fp16: SD1.5 UNet 0.96x and
-        ControlNet 0.97x with the recipes, 0.99x without them;
-        docs/performance.md). On the graph path, in a block replaying its
+        classes. A UNet at its usual sizes is host-bound launched (its GPU
+        work about half its call), so the GroupNorm kernels' launches, which
+        save GPU time from 4M elements, add host time there, and the
+        recipe's conv steps run PyTorch's convolutions through more Python:
+        measured slower than the block's own forward
+        (docs/performance.md). On the graph path, in a block replaying its
         own graphs and under torch.compile host time is not the cost: there
         the recipe runs, as it does on the CPU (the interpreter's tests) and
         in a VAE's blocks (no time embedding)."""

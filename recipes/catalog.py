@@ -13,12 +13,13 @@ from typing import List, Tuple
 
 from torch import nn
 
-from . import cogvideox, common, dcae, diffusers, esrgan, hunyuan, ldm, ltx, mochi, wan  # noqa: F401  (registration)
+from . import cogvideox, common, dcae, diffusers, esrgan, hunyuan, ldm, ltx, mochi, transformer2d, wan  # noqa: F401  (registration)
 from .fuse import REGISTRY, FusedBlock, Recipe, fused_class, is_fused
 from conv_patch.runtime.state import peek
 
 ORDER = [
-    diffusers.RESNET, diffusers.UPSAMPLE, diffusers.DOWNSAMPLE, diffusers.ATTENTION, diffusers.DECODER,
+    diffusers.RESNET, diffusers.UPSAMPLE, diffusers.DOWNSAMPLE, diffusers.ATTENTION, transformer2d.TRANSFORMER_2D,
+    diffusers.DECODER,
     diffusers.ENCODER, diffusers.TINY_BLOCK, ldm.RESNET, ldm.ATTN, ldm.UPSAMPLE, ldm.DOWNSAMPLE, ldm.DECODER,
     ldm.ENCODER, wan.RESIDUAL, wan.COMFY_RESIDUAL, wan.ATTENTION, wan.RMS_NORM, wan.DECODER, wan.RESAMPLE,
     wan.RESIDUAL_UP, hunyuan.RESNET, ltx.RESNET, cogvideox.RESNET, mochi.RESNET, esrgan.RESIDUAL_DENSE,

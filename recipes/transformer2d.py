@@ -10,10 +10,13 @@ projections stay on PyTorch's route there, so the block is idle and the
 passthrough runs it as its own class; this recipe's ``lean`` mixin,
 ``LeanTransformer2D``, is that class's forward then: the same ops in the
 same order on the same values (bit for bit), called as the functions the
-parts' forwards call, with the residual sums written in place. It runs only
-for the configuration written out below, recognised at every call (exact
-diffusers classes, ``AttnProcessor2_0``, no masks, no extra arguments, no
-hooks, no gradient recorded); any other call runs the class's own forward.
+parts' forwards call, with the residual sums written in place. Each part is
+recognised at every call (the exact diffusers class with the forward
+written out here, ``AttnProcessor2_0``, the configuration, no hooks) and
+run inline, or else called as a module, as its parent's forward would (a
+LoRA layer, a hooked or replaced part, another attention processor). A call
+with masks or extra arguments, with a gradient recorded or global hooks
+set, runs the class's own forward.
 
 On the graph path and under torch.compile (host time is not the cost there)
 the block runs its own forward with its convs patched."""
@@ -85,20 +88,9 @@ def _written_out(cls: type, name: str, fn) -> bool:
 
 
 def _plain(m) -> bool:
-    """A diffusers module the lean forward reads its parts from: no hooks."""
+    """No hooks: the module's forward may be run inline (a hooked module is
+    called as a module, as its parent's own forward calls it)."""
     return not m._forward_hooks and not m._forward_pre_hooks
-
-
-def _bare_linear(m) -> bool:
-    return bare(m, nn.Linear)
-
-
-def _bare_conv1x1(m) -> bool:
-    return bare(m, nn.Conv2d) and m.padding_mode == "zeros"
-
-
-def _eval_dropout(m) -> bool:
-    return bare(m, nn.Dropout) and not m.training
 
 
 def _attr(m, name):
@@ -108,98 +100,74 @@ def _attr(m, name):
     return mods[name] if name in mods else d.get(name)
 
 
-def _attention_ok(a, cross: bool) -> bool:
-    if kind(a) != "Attention" or not _plain(a) or kind(a.__dict__.get("processor")) != "AttnProcessor2_0":
-        return False
-    d, mods = a.__dict__, a.__dict__["_modules"]
-    out = mods.get("to_out")
-    if (_attr(a, "spatial_norm") is not None or _attr(a, "group_norm") is not None
-            or _attr(a, "norm_q") is not None or _attr(a, "norm_k") is not None
-            or (cross and _attr(a, "norm_cross") is not None) or d.get("residual_connection") is not False
-            or not isinstance(d.get("rescale_output_factor"), (int, float)) or type(out) is not nn.ModuleList
-            or len(out) != 2):
-        return False
-    o = out._modules
-    return (_bare_linear(mods.get("to_q")) and _bare_linear(mods.get("to_k")) and _bare_linear(mods.get("to_v"))
-            and _bare_linear(o["0"]) and _eval_dropout(o["1"]))
+# Each part below is run inline where it is the exact class written out
+# with no hooks, and called as a module otherwise (what its parent's own
+# forward does: a LoRA layer, a hooked or replaced module runs as itself).
+# A sum is written in place only into a tensor made here (``mine``): a
+# module called as one may hand back a tensor that someone else holds.
+
+def _linear(m, x: torch.Tensor) -> tuple:
+    if bare(m, nn.Linear):
+        p = m._parameters
+        return F.linear(x, p["weight"], p["bias"]), True
+    return m(x), False
 
 
-def _ff_ok(ff) -> bool:
-    if kind(ff) != "FeedForward" or not _plain(ff):
-        return False
-    net = ff.__dict__["_modules"].get("net")
-    if type(net) is not nn.ModuleList:
-        return False
-    for m in net._modules.values():
-        k = kind(m)
-        if k in ("GEGLU", "GELU"):
-            if not _plain(m) or not _bare_linear(m.__dict__["_modules"].get("proj")):
-                return False
-        elif not (_bare_linear(m) or _eval_dropout(m)):
-            return False
-    return True
+def _conv(m, x: torch.Tensor) -> tuple:
+    if bare(m, nn.Conv2d) and m.padding_mode == "zeros":
+        p = m._parameters
+        return F.conv2d(x, p["weight"], p["bias"], m.stride, m.padding, m.dilation, m.groups), True
+    return m(x), False
 
 
-def _block_ok(b, cross: bool) -> bool:
-    if kind(b) != "BasicTransformerBlock" or not _plain(b):
-        return False
-    d, mods = b.__dict__, b.__dict__["_modules"]
-    a2 = mods.get("attn2")
-    return (d.get("norm_type") == "layer_norm" and _attr(b, "pos_embed") is None
-            and d.get("_chunk_size") is None and d.get("only_cross_attention") is False
-            and bare(mods.get("norm1"), nn.LayerNorm) and bare(mods.get("norm3"), nn.LayerNorm)
-            and _attention_ok(mods.get("attn1"), False)
-            and (a2 is None or (bare(mods.get("norm2"), nn.LayerNorm) and _attention_ok(a2, cross)))
-            and _ff_ok(mods.get("ff")))
+def _norm(m, x: torch.Tensor) -> torch.Tensor:
+    if bare(m, nn.LayerNorm):
+        return F.layer_norm(x, m.normalized_shape, m.weight, m.bias, m.eps)
+    if bare(m, nn.GroupNorm):
+        return F.group_norm(x, m.num_groups, m.weight, m.bias, m.eps)
+    return m(x)
 
 
-def lean_ok(t, x, ctx) -> bool:
-    """Whether ``LeanTransformer2D`` computes what ``t``'s own forward does
-    for a call on ``x`` with the text states ``ctx`` (the caller has checked
-    the arguments)."""
-    d, mods = t.__dict__, t.__dict__["_modules"]
-    if (d.get("training", True) or not d.get("is_input_continuous") or torch.is_grad_enabled() or global_hooks() or x.device.type not in ("cuda", "cpu")):
-        return False
-    lin = d.get("use_linear_projection")
-    proj = _bare_linear if lin else _bare_conv1x1
-    blocks = mods.get("transformer_blocks")
-    if (not bare(mods.get("norm"), nn.GroupNorm) or not proj(mods.get("proj_in")) or not proj(mods.get("proj_out"))
-            or type(blocks) is not nn.ModuleList):
-        return False
-    cross = ctx is not None
-    return all([_block_ok(b, cross) for b in blocks._modules.values()])
+def _dropout(m, x: torch.Tensor) -> tuple:
+    """(output, whether it is the input itself): an eval dropout is the identity."""
+    if bare(m, nn.Dropout) and not m.training:
+        return x, True
+    return m(x), False
 
 
-def _linear(m: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    p = m._parameters
-    return F.linear(x, p["weight"], p["bias"])
-
-
-def _conv(m: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
-    p = m._parameters
-    return F.conv2d(x, p["weight"], p["bias"], m.stride, m.padding, m.dilation, m.groups)
-
-
-def _layer_norm(m: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
-    return F.layer_norm(x, m.normalized_shape, m.weight, m.bias, m.eps)
-
-
-def _add(a: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """``a + x`` with ``a`` a tensor the caller made: in place where that
-    gives the same tensor (same shape, dtype, device and strides)."""
-    if a.shape == x.shape and a.dtype == x.dtype and a.device == x.device and a.stride() == x.stride():
+def _add(a: torch.Tensor, mine: bool, x: torch.Tensor) -> torch.Tensor:
+    """``a + x``, in place where ``a`` is a tensor made here and that gives
+    the same tensor (same shape, dtype, device and strides)."""
+    if (mine and a.shape == x.shape and a.dtype == x.dtype and a.device == x.device
+            and a.stride() == x.stride()):
         return a.add_(x)
     return a + x
 
 
-def _attention(a, x: torch.Tensor, ctx: Optional[torch.Tensor]) -> torch.Tensor:
-    """``AttnProcessor2_0`` on 3-D tokens, no mask (``_attention_ok``)."""
+def _attention_inline(a, cross: bool) -> bool:
+    """``a`` is diffusers' ``Attention`` with ``AttnProcessor2_0`` in the
+    configuration ``_attention`` writes out (no norms, no residual)."""
+    if kind(a) != "Attention" or not _plain(a) or kind(a.__dict__.get("processor")) != "AttnProcessor2_0":
+        return False
+    d = a.__dict__
+    out = d["_modules"].get("to_out")
+    return (_attr(a, "spatial_norm") is None and _attr(a, "group_norm") is None and _attr(a, "norm_q") is None
+            and _attr(a, "norm_k") is None and not (cross and _attr(a, "norm_cross") is not None)
+            and d.get("residual_connection") is False and isinstance(d.get("rescale_output_factor"), (int, float))
+            and type(out) is nn.ModuleList and len(out) == 2)
+
+
+def _attention(a, x: torch.Tensor, ctx: Optional[torch.Tensor]) -> tuple:
+    """``a(x, encoder_hidden_states=ctx)`` on 3-D tokens, no mask: inline,
+    ``AttnProcessor2_0``'s steps, where ``_attention_inline``."""
+    if not _attention_inline(a, ctx is not None):
+        return a(x, encoder_hidden_states=ctx, attention_mask=None), False
     mods = a.__dict__["_modules"]
     src = x if ctx is None else ctx
     b = src.shape[0]
-    q = _linear(mods["to_q"], x)
-    k = _linear(mods["to_k"], src)
-    v = _linear(mods["to_v"], src)
+    q = _linear(mods["to_q"], x)[0]
+    k = _linear(mods["to_k"], src)[0]
+    v = _linear(mods["to_v"], src)[0]
     heads = a.__dict__["heads"]
     d = k.shape[-1] // heads
     q = q.view(b, -1, heads, d).transpose(1, 2)
@@ -209,32 +177,56 @@ def _attention(a, x: torch.Tensor, ctx: Optional[torch.Tensor]) -> torch.Tensor:
     # (diffusers' ``.to(query.dtype)`` after it is the identity: SDPA
     # returns its query's dtype.)
     o = o.transpose(1, 2).reshape(b, -1, heads * d)
-    o = _linear(mods["to_out"]._modules["0"], o)
+    out = mods["to_out"]._modules
+    o, mine = _linear(out["0"], o)
+    o, same = _dropout(out["1"], o)
+    mine = mine and same
     scale = a.__dict__["rescale_output_factor"]
-    return o if scale == 1 else o / scale
+    return (o, mine) if scale == 1 else (o / scale, True)
 
 
-def _feed_forward(ff, h: torch.Tensor) -> torch.Tensor:
+def _feed_forward(ff, h: torch.Tensor) -> tuple:
+    if kind(ff) != "FeedForward" or not _plain(ff) or type(_attr(ff, "net")) is not nn.ModuleList:
+        return ff(h), False
+    mine = False  # (the input: a norm's output, made here or not)
     for m in ff.__dict__["_modules"]["net"]._modules.values():
         k = kind(m)
-        if k == "GEGLU":
-            h, gate = _linear(m.__dict__["_modules"]["proj"], h).chunk(2, dim=-1)
-            h = h * F.gelu(gate)
-        elif k == "GELU":
-            h = F.gelu(_linear(m.__dict__["_modules"]["proj"], h), approximate=m.__dict__["approximate"])
-        elif type(m) is nn.Linear:
-            h = _linear(m, h)
-        # else an eval dropout: the identity
-    return h
+        if k == "GEGLU" and _plain(m):
+            h, gate = _linear(m.__dict__["_modules"]["proj"], h)[0].chunk(2, dim=-1)
+            h, mine = h * F.gelu(gate), True
+        elif k == "GELU" and _plain(m):
+            h, mine = F.gelu(_linear(m.__dict__["_modules"]["proj"], h)[0], approximate=m.__dict__["approximate"]), True
+        elif type(m) is nn.Dropout:
+            h, same = _dropout(m, h)
+            mine = mine and same
+        else:
+            h, mine = _linear(m, h) if type(m) is nn.Linear else (m(h), False)
+    return h, mine
 
 
-def _block(b, x: torch.Tensor, ctx: Optional[torch.Tensor]) -> torch.Tensor:
+def _block_inline(b) -> bool:
+    """``b`` is diffusers' ``BasicTransformerBlock`` in the configuration
+    ``_block`` writes out (layer norms, no positional embedding, no chunked
+    feed-forward, self-attention then optional cross-attention)."""
+    if kind(b) != "BasicTransformerBlock" or not _plain(b):
+        return False
+    d = b.__dict__
+    return (d.get("norm_type") == "layer_norm" and _attr(b, "pos_embed") is None and d.get("_chunk_size") is None
+            and d.get("only_cross_attention") is False)
+
+
+def _block(b, x: torch.Tensor, ctx: Optional[torch.Tensor], cross_attention_kwargs) -> torch.Tensor:
+    """``b``'s call as ``Transformer2DModel`` makes it, with no masks,
+    timestep or class labels (``cross_attention_kwargs`` None or empty)."""
+    if not _block_inline(b):
+        return b(x, attention_mask=None, encoder_hidden_states=ctx, encoder_attention_mask=None, timestep=None,
+                 cross_attention_kwargs=cross_attention_kwargs, class_labels=None)
     mods = b.__dict__["_modules"]
-    x = _add(_attention(mods["attn1"], _layer_norm(mods["norm1"], x), None), x)
+    x = _add(*_attention(mods["attn1"], _norm(mods["norm1"], x), None), x)
     a2 = mods.get("attn2")
     if a2 is not None:
-        x = _add(_attention(a2, _layer_norm(mods["norm2"], x), ctx), x)
-    return _add(_feed_forward(mods["ff"], _layer_norm(mods["norm3"], x)), x)
+        x = _add(*_attention(a2, _norm(mods["norm2"], x), ctx), x)
+    return _add(*_feed_forward(mods["ff"], _norm(mods["norm3"], x)), x)
 
 
 class LeanTransformer2D:
@@ -246,34 +238,37 @@ class LeanTransformer2D:
                 class_labels=None, cross_attention_kwargs=None, attention_mask=None,
                 encoder_attention_mask=None, return_dict=True):
         x, ctx = hidden_states, encoder_hidden_states
+        d = self.__dict__
+        mods = d["_modules"]
+        blocks = mods.get("transformer_blocks")
         if (return_dict is not False or timestep is not None or added_cond_kwargs is not None
                 or class_labels is not None or cross_attention_kwargs or attention_mask is not None
                 or encoder_attention_mask is not None or not isinstance(x, torch.Tensor) or x.dim() != 4
                 or not (ctx is None or isinstance(ctx, torch.Tensor) and ctx.dim() == 3)
-                or not lean_ok(self, x, ctx)):
+                or d.get("training", True) or not d.get("is_input_continuous") or type(blocks) is not nn.ModuleList
+                or torch.is_grad_enabled() or global_hooks() or x.device.type not in ("cuda", "cpu")):
             return super().forward(hidden_states, encoder_hidden_states, timestep, added_cond_kwargs, class_labels,
                                    cross_attention_kwargs, attention_mask, encoder_attention_mask, return_dict)
-        mods = self.__dict__["_modules"]
         b, _, height, width = x.shape
-        n = mods["norm"]
-        h = F.group_norm(x, n.num_groups, n.weight, n.bias, n.eps)
-        linear = self.__dict__["use_linear_projection"]
+        h = _norm(mods["norm"], x)
+        linear = d["use_linear_projection"]
         if linear:
             inner = h.shape[1]
-            h = _linear(mods["proj_in"], h.permute(0, 2, 3, 1).reshape(b, height * width, inner))
+            h = _linear(mods["proj_in"], h.permute(0, 2, 3, 1).reshape(b, height * width, inner))[0]
         else:
-            h = _conv(mods["proj_in"], h)
+            h = _conv(mods["proj_in"], h)[0]
             inner = h.shape[1]
             h = h.permute(0, 2, 3, 1).reshape(b, height * width, inner)
-        for blk in mods["transformer_blocks"]._modules.values():
-            h = _block(blk, h, ctx)
+        for blk in blocks._modules.values():
+            h = _block(blk, h, ctx, cross_attention_kwargs)
         if linear:
-            h = _linear(mods["proj_out"], h).reshape(b, height, width, inner).permute(0, 3, 1, 2).contiguous()
+            h, mine = _linear(mods["proj_out"], h)
+            y = h.reshape(b, height, width, inner).permute(0, 3, 1, 2).contiguous()
+            mine = mine or y.data_ptr() != h.data_ptr()
         else:
-            h = h.reshape(b, height, width, inner).permute(0, 3, 1, 2).contiguous()
-            h = _conv(mods["proj_out"], h)
+            y, mine = _conv(mods["proj_out"], h.reshape(b, height, width, inner).permute(0, 3, 1, 2).contiguous())
         # diffusers: ``hidden_states + residual``
-        return (_add(h, x),)
+        return (_add(y, mine, x),)
 
 
 class Transformer2D(Recipe):

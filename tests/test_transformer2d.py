@@ -101,43 +101,93 @@ def test_lean_transformer_runs_its_own_forward_where_it_must(device, own_forward
         ref_dict = block(x, ctx).sample
     block = _passed_through(block)
 
-    def own(**kwargs):
+    def run(**kwargs):
         own_forwards.clear()
         with torch.no_grad():
             y = block(x, ctx, **{"return_dict": False, **kwargs})
         return y[0] if isinstance(y, tuple) else y.sample
 
-    assert torch.equal(own(), ref) and not own_forwards
+    assert torch.equal(run(), ref) and not own_forwards
     # The output class it would have to build.
-    assert torch.equal(own(return_dict=True), ref_dict) and own_forwards[0] == "Transformer2DModel"
+    assert torch.equal(run(return_dict=True), ref_dict) and own_forwards[0] == "Transformer2DModel"
     # A mask (all kept: the same values through the masked path).
     mask = torch.ones(2, 7, device=device)
-    own(encoder_attention_mask=mask)
+    run(encoder_attention_mask=mask)
     assert own_forwards[0] == "Transformer2DModel"
-    own(cross_attention_kwargs={"unused": 1})
+    run(cross_attention_kwargs={"unused": 1})
     assert own_forwards[0] == "Transformer2DModel"
     # Autograd recorded.
     own_forwards.clear()
     with torch.enable_grad():
         assert torch.equal(block(x, ctx, return_dict=False)[0].detach(), ref)
     assert own_forwards[0] == "Transformer2DModel"
-    # A hook deep inside must see its module run.
+    # A global hook would not see the parts run inline.
     seen = []
-    h = block.transformer_blocks[1].attn2.to_k.register_forward_hook(lambda m, a, o: seen.append(1))
-    own()
-    assert own_forwards[0] == "Transformer2DModel" and seen
+    h = torch.nn.modules.module.register_module_forward_hook(lambda m, a, o: seen.append(type(m).__name__))
+    try:
+        run()
+    finally:
+        h.remove()
+    assert own_forwards[0] == "Transformer2DModel" and "Linear" in seen
+
+
+def test_lean_transformer_calls_the_parts_it_cannot_inline_as_modules(device, own_forwards):
+    """A hooked part, a replaced part (a LoRA layer), another processor or a
+    training dropout: called as a module, as its parent's own forward
+    would; the rest still inline."""
+    block = _transformer(False, True).to(device)
+    x, ctx = _inputs(device, True)
+    with torch.no_grad():
+        ref = block(x, ctx, return_dict=False)[0]
+    block = _passed_through(block)
+
+    def run():
+        own_forwards.clear()
+        with torch.no_grad():
+            return block(x, ctx, return_dict=False)[0]
+
+    seen = []
+    hooks = [block.transformer_blocks[1].attn2.to_k.register_forward_hook(lambda m, a, o: seen.append("to_k")),
+             block.transformer_blocks[0].norm3.register_forward_hook(lambda m, a, o: seen.append("norm3")),
+             block.transformer_blocks[1].ff.register_forward_pre_hook(lambda m, a: seen.append("ff"))]
+    assert torch.equal(run(), ref) and not own_forwards and seen == ["norm3", "to_k", "ff"]
+    for h in hooks:
+        h.remove()
+    # A hooked block or attention: its own forward, the others inline.
+    h = block.transformer_blocks[0].register_forward_hook(lambda m, a, o: seen.append("block"))
+    assert torch.equal(run(), ref) and own_forwards == ["BasicTransformerBlock", "Attention", "Attention"]
     h.remove()
+    h = block.transformer_blocks[1].attn1.register_forward_pre_hook(lambda m, a, k: seen.append("attn1"),
+                                                                    with_kwargs=True)
+    assert torch.equal(run(), ref) and own_forwards == ["Attention"] and seen[-1] == "attn1"
+    h.remove()
+
+    class LoRALinear(torch.nn.Linear):  # a replaced part, computing the same
+        calls = 0
+
+        def forward(self, x):
+            LoRALinear.calls += 1
+            return super().forward(x)
+
+    old = block.transformer_blocks[0].attn1.to_out[0]
+    new = LoRALinear(old.in_features, old.out_features).to(device)
+    new.load_state_dict(old.state_dict())
+    block.transformer_blocks[0].attn1.to_out[0] = new
+    assert torch.equal(run(), ref) and not own_forwards and LoRALinear.calls == 1
+    block.transformer_blocks[0].attn1.to_out[0] = old
     # Another processor (set_attn_processor): its own computation.
     block.transformer_blocks[0].attn1.set_processor(AttnProcessor())
-    y = own()
-    assert own_forwards[0] == "Transformer2DModel" and (y - ref).abs().max() <= 1e-4 * ref.abs().max()
+    y = run()
+    assert own_forwards == ["Attention"] and (y - ref).abs().max() <= 1e-4 * ref.abs().max()
     block.transformer_blocks[0].attn1.set_processor(AttnProcessor2_0())
-    # A training dropout.
-    block.transformer_blocks[0].ff.net[1].train()
-    own()
-    assert own_forwards[0] == "Transformer2DModel"
-    block.transformer_blocks[0].ff.net[1].eval()
-    assert torch.equal(own(), ref) and not own_forwards
+    # A training dropout (p=0 here: the same values through the module).
+    drop = block.transformer_blocks[0].ff.net[1]
+    drop.train()
+    h = drop.register_forward_hook(lambda m, a, o: seen.append("dropout"))
+    assert torch.equal(run(), ref) and not own_forwards and seen[-1] == "dropout"
+    h.remove()
+    drop.eval()
+    assert torch.equal(run(), ref) and not own_forwards
 
 
 def test_lean_transformer_takes_only_the_contracts_it_wrote_out(monkeypatch):

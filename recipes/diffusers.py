@@ -46,14 +46,15 @@ class LeanResnet:
             return super().forward(input_tensor, temb, *args, **kwargs)
         # Every tensor below is made here (functions, not modules that might
         # hand back one they hold), so the in-place steps touch nothing else.
-        h = F.silu(F.group_norm(input_tensor, n1.num_groups, n1.weight, n1.bias, n1.eps), inplace=True)
+        p1, p2 = n1._parameters, n2._parameters  # (``n1.weight`` goes through ``Module.__getattr__``)
+        h = F.silu(F.group_norm(input_tensor, n1.num_groups, p1.get("weight"), p1.get("bias"), n1.eps), inplace=True)
         h = _conv(c1, h)
         if proj is not None:
             p = proj._parameters
             temb = F.linear(temb if d.get("skip_time_act") else F.silu(temb), p["weight"], p["bias"])[:, :, None, None]
         if temb is not None:
             h = h.add_(temb) if _adds_into(h, temb) else h + temb
-        h = F.silu(F.group_norm(h, n2.num_groups, n2.weight, n2.bias, n2.eps), inplace=True)
+        h = F.silu(F.group_norm(h, n2.num_groups, p2.get("weight"), p2.get("bias"), n2.eps), inplace=True)
         h = _conv(c2, h)
         x = input_tensor if sc is None else _conv(sc, input_tensor)
         # (In diffusers' order where not in place: the sum's layout follows

@@ -121,10 +121,14 @@ def _conv(m, x: torch.Tensor) -> tuple:
 
 
 def _norm(m, x: torch.Tensor) -> torch.Tensor:
+    # (Parameters read from their dictionary: ``m.weight`` goes through
+    # ``nn.Module.__getattr__``.)
     if bare(m, nn.LayerNorm):
-        return F.layer_norm(x, m.normalized_shape, m.weight, m.bias, m.eps)
+        p = m._parameters
+        return F.layer_norm(x, m.normalized_shape, p.get("weight"), p.get("bias"), m.eps)
     if bare(m, nn.GroupNorm):
-        return F.group_norm(x, m.num_groups, m.weight, m.bias, m.eps)
+        p = m._parameters
+        return F.group_norm(x, m.num_groups, p.get("weight"), p.get("bias"), m.eps)
     return m(x)
 
 

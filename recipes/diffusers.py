@@ -18,7 +18,7 @@ from .layers import Conv, Layers, NormConv, Resnet, Up, Whole, need, own_pad, pl
 from .fuse import (Recipe, attention, bare, base, channels_last, conv, dropout_is_identity,
                    from_tokens, global_hooks, group_norm, inference, is_conv, is_group_norm, is_relu, is_silu,
                    launched_on_gpu, like_input, matches, named, norm_conv, parts, plain, register, resnet,
-                   swaps_below, to_tokens, upsample_conv)
+                   swaps_below, to_tokens, upsample_conv, written_out)
 
 
 class LeanResnet:
@@ -372,6 +372,53 @@ class Encoder(NHWCInside):
         return Layers("encoder", steps)
 
 
+def _tiny_step(m, h: torch.Tensor, mine: bool) -> tuple:
+    """One module of a tiny block's chain on ``h`` (``mine``: a tensor made
+    here, which an activation may overwrite): inline where it is a bare
+    conv or activation, called as a module otherwise."""
+    if _bare_conv(m):
+        return _conv(m, h), True
+    if bare(m, nn.ReLU):
+        return F.relu(h, inplace=mine or m.inplace), mine
+    if bare(m, nn.SiLU):
+        return F.silu(h, inplace=mine or m.inplace), mine
+    return m(h), False
+
+
+class LeanTinyBlock:
+    """``fuse(conv(x) + skip(x))`` (after ``x = x + pool(x)`` where the block
+    has a pool) of AutoencoderTiny's and TAESD's blocks, for a block passed
+    through (``Recipe.lean``): the same ops in the same order on the same
+    values, the bare convs and activations as the functions their forwards
+    call (any other part called as a module), the activations and the sum
+    in place on tensors made here. Where no gradient is recorded and no
+    global hook is set; otherwise the class's own forward."""
+
+    def forward(self, x, *args, **kwargs):
+        d = self.__dict__
+        mods = d["_modules"]
+        seq, skip, fuse = mods.get("conv"), mods.get("skip"), mods.get("fuse")
+        pool = mods["pool"] if "pool" in mods else d.get("pool")
+        if (args or kwargs or not isinstance(x, torch.Tensor) or torch.is_grad_enabled() or global_hooks()
+                or type(seq) is not nn.Sequential or not plain(seq) or skip is None or fuse is None):
+            return super().forward(x, *args, **kwargs)
+        if pool is not None:
+            x = x + pool(x)
+        h, mine = x, False
+        for m in seq.__dict__["_modules"].values():
+            h, mine = _tiny_step(m, h, mine)
+        if bare(skip, nn.Identity):
+            s = x
+        else:
+            s = _tiny_step(skip, x, False)[0]
+        h = h.add_(s) if mine and _adds_into(h, s) else h + s
+        return _tiny_step(fuse, h, True)[0]
+
+
+# The block classes ``LeanTinyBlock`` was written from: (module, class name).
+_TINY_LEAN = (("diffusers.", "AutoencoderTinyBlock"), ("conv_patch.tools.taesd", "Block"))
+
+
 class TinyBlock(Recipe):
     """``fuse(conv(x) + skip(x))`` of AutoencoderTiny / TAESD: conv, act,
     conv, act, conv with the activations in the epilogues and the skip added
@@ -383,6 +430,15 @@ class TinyBlock(Recipe):
 
     def __init__(self, name, cls_names):
         self.name, self.cls_names = name, cls_names
+
+    def lean_for(self, cls):
+        """``LeanTinyBlock`` for diffusers' ``AutoencoderTinyBlock`` and
+        conv-patch's TAESD ``Block`` (other copies run as themselves: their
+        forwards were not read)."""
+        for module, name in _TINY_LEAN:
+            if cls.__name__ == name and written_out(cls, "forward", ("self", "x"), module):
+                return LeanTinyBlock
+        return None
 
     def match(self, m):
         seq = getattr(m, "conv", None)

@@ -82,6 +82,13 @@ class Recipe:
     # ``runtime.passthrough``), where the host sets the pace.
     lean = None
 
+    def lean_for(self, cls: type):
+        """The ``lean`` mixin for this recipe's blocks of class ``cls``
+        (None: they run as ``cls`` itself when passed through). A recipe
+        whose lean forward was written from one class's forward (matching
+        copies of it by name) says here which classes it holds for."""
+        return self.lean
+
     # From how many input pixels (N·H·W of a 4-D input, at the traced
     # sizes) a traced call of the block is one op running its fused forward
     # eagerly (``runtime.compiled.whole_block``); None: never. For blocks
@@ -175,7 +182,7 @@ class FusedBlock:
         """The class this block runs as when ``conv_patch.runtime.passthrough``
         passes it through: its own, with the recipe's ``lean`` forward in
         front where it has one."""
-        lean = self.cp_recipe.lean
+        lean = self.cp_recipe.lean_for(self.cp_base)
         return self.cp_base if lean is None else lean_class(self.cp_base, lean)
 
     def __reduce_ex__(self, protocol):
@@ -226,6 +233,33 @@ def lean_class(cls: type, lean: type) -> type:
             "__doc__": f"{cls.__module__}.{cls.__qualname__} run through conv-patch's {lean.__name__}.",
         })
     return _CLASSES[key]
+
+
+_WRITTEN_OUT: Dict[tuple, bool] = {}
+
+
+def written_out(cls: type, method: str, params: tuple, module: str) -> bool:
+    """Whether ``cls`` defines ``method`` itself, as a plain function of the
+    module ``module`` (or a module under it: ``"diffusers."``) taking the
+    parameters ``params``: the contract a lean forward written from that
+    method relies on. A method replaced at run time (a wrapper some library
+    installs, a ``functools.wraps`` decorator) is another function and is
+    read again. Cached per class and method object."""
+    fn = cls.__dict__.get(method)
+    key = (cls, method, fn, params, module)
+    ok = _WRITTEN_OUT.get(key)
+    if ok is None:
+        import inspect
+        ok = False
+        if (inspect.isfunction(fn) and not hasattr(fn, "__wrapped__")
+                and (fn.__module__ == module or module.endswith(".") and fn.__module__.startswith(module))
+                and (cls.__module__ == module or module.endswith(".") and cls.__module__.startswith(module))):
+            try:
+                ok = tuple(inspect.signature(fn, follow_wrapped=False).parameters) == params
+            except (TypeError, ValueError):
+                ok = False
+        _WRITTEN_OUT[key] = ok
+    return ok
 
 
 def bare(m: Optional[nn.Module], cls: type) -> bool:

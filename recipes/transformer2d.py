@@ -23,18 +23,18 @@ the block runs its own forward with its convs patched."""
 
 from __future__ import annotations
 
-import inspect
-from typing import Dict, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .fuse import Recipe, bare, base, global_hooks, named, register
+from .fuse import Recipe, bare, base, global_hooks, named, register, written_out
 
 # The forwards written out below, by diffusers class name, with the
 # parameter names each one's contract was read from; a class whose forward
-# takes others (another diffusers version) is not run lean.
+# takes others (another diffusers version), or a forward replaced at run
+# time, is not run inline (``fuse.written_out``).
 _CONTRACTS = {
     "Transformer2DModel": ("self", "hidden_states", "encoder_hidden_states", "timestep", "added_cond_kwargs",
                            "class_labels", "cross_attention_kwargs", "attention_mask", "encoder_attention_mask",
@@ -50,10 +50,6 @@ _CONTRACTS = {
                          "args", "kwargs"),
 }
 _METHOD = {"AttnProcessor2_0": "__call__"}
-# (class, its method) -> the class's name in _CONTRACTS, or None: read once
-# per class and per method object, so a forward replaced at run time (a
-# wrapper some library installs) is read again, and not run lean.
-_KINDS: Dict[tuple, Optional[str]] = {}
 
 
 def kind(obj) -> Optional[str]:
@@ -64,27 +60,10 @@ def kind(obj) -> Optional[str]:
 
 def kind_of(cls: type) -> Optional[str]:
     name = cls.__name__
-    fn = cls.__dict__.get(_METHOD.get(name, "forward"))
-    key = (cls, fn)
-    k = _KINDS.get(key, 0)
-    if k == 0:
-        k = name if _written_out(cls, name, fn) else None
-        _KINDS[key] = k
-    return k
-
-
-def _written_out(cls: type, name: str, fn) -> bool:
-    """``cls`` is diffusers' class ``name`` with its own method ``fn`` as
-    diffusers defines it (not a wrapper) and the parameters read above."""
-    if name not in _CONTRACTS or not cls.__module__.startswith("diffusers.") or not inspect.isfunction(fn):
-        return False
-    if hasattr(fn, "__wrapped__") or not fn.__module__.startswith("diffusers."):
-        return False
-    try:
-        params = tuple(inspect.signature(fn, follow_wrapped=False).parameters)
-    except (TypeError, ValueError):
-        return False
-    return params == _CONTRACTS[name]
+    params = _CONTRACTS.get(name)
+    if params is None or not written_out(cls, _METHOD.get(name, "forward"), params, "diffusers."):
+        return None
+    return name
 
 
 def _plain(m) -> bool:

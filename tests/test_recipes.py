@@ -636,3 +636,65 @@ def test_a_chain_with_a_pytorch_group_norm_inside_stays_nchw(device, exact_fp32,
     with torch.no_grad():
         assert rel_err(stack(x), ref(x)) < 1e-5
     assert probe.nhwc == [not eager_norm]
+
+
+def _ran(code):
+    """A list that a profile hook fills with one entry per call of ``code``
+    (a spy put in a forward's place would be another forward)."""
+    import sys
+    calls = []
+    old = sys.getprofile()
+    sys.setprofile(lambda frame, event, arg: calls.append(1) if event == "call" and frame.f_code is code else None)
+    return calls, lambda: sys.setprofile(old)
+
+
+@pytest.mark.parametrize("which,cin,cout,cl", [("diffusers", 6, 10, False), ("diffusers", 8, 8, True),
+                                               ("taesd", 6, 6, False), ("taesd-pool", 6, 6, True)])
+def test_lean_tiny_block_computes_its_own_forward_bit_for_bit(device, which, cin, cout, cl):
+    """AutoencoderTiny's and TAESD's block passed through (``LeanTinyBlock``):
+    its own values bit for bit without its own forward; a hooked part runs
+    as a module; with a gradient recorded, its own forward."""
+    from diffusers.models.unets.unet_2d_blocks import AutoencoderTinyBlock
+    if which == "diffusers":
+        block, cls = AutoencoderTinyBlock(cin, cout, "relu"), AutoencoderTinyBlock
+    else:
+        block, cls = taesd.Block(cin, cout, pool=which == "taesd-pool"), taesd.Block
+    block = _seeded(block).eval().to(device)
+    x = torch.randn(2, cin, 7, 5, device=device) * 2 + 0.5
+    if cl:
+        x = x.to(memory_format=torch.channels_last)
+    with torch.no_grad():
+        ref = block(x)
+    conv_patch.apply(block)
+    lean = type(block).cp_own_class(block)
+    assert lean is fuse.lean_class(cls, rdiff.LeanTinyBlock) and lean.__name__ == cls.__name__
+    for c, own, _ in passthrough.own_class_swaps(list(block.modules())):
+        object.__setattr__(c, "__class__", own)
+    assert type(block) is lean
+    calls, stop = _ran(cls.forward.__code__)
+    try:
+        x0 = x.clone()
+        with torch.no_grad():
+            out = block(x)
+        assert not calls and torch.equal(out, ref) and out.stride() == ref.stride() and torch.equal(x, x0)
+        seen = []
+        h = block.conv[2].register_forward_hook(lambda m, a, o: seen.append(1))
+        with torch.no_grad():
+            assert torch.equal(block(x), ref) and not calls and seen == [1]
+        h.remove()
+        with torch.enable_grad():
+            assert torch.equal(block(x).detach(), ref) and len(calls) == 1
+    finally:
+        stop()
+
+
+def test_lean_tiny_block_only_for_the_classes_it_was_written_from():
+    from diffusers.models.unets.unet_2d_blocks import AutoencoderTinyBlock
+    recipe = rdiff.TINY_BLOCK
+    assert recipe.lean_for(AutoencoderTinyBlock) is rdiff.LeanTinyBlock
+    assert recipe.lean_for(taesd.Block) is rdiff.LeanTinyBlock
+    # Another package's copy (ComfyUI's, a user's): its own forward, unread.
+    copy_cls = type("Block", (nn.Module,), {"__module__": "comfy.taesd.taesd", "forward": taesd.Block.forward})
+    assert recipe.lean_for(copy_cls) is None
+    sub = type("AutoencoderTinyBlock", (AutoencoderTinyBlock,), {"forward": lambda self, x: x})
+    assert recipe.lean_for(sub) is None

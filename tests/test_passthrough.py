@@ -405,3 +405,56 @@ def test_a_stack_run_unfused_copies_and_pickles(eager_norms):
                 torch.testing.assert_close(other(x), ref(x))
             assert is_fused(other[3])
 
+
+class VAE(nn.Module):
+    """Called as a diffusers pipeline calls a VAE: ``vae.decode(z)``, which
+    calls its ``decoder`` (not the VAE's forward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.decoder = Net()
+
+    def decode(self, z):
+        return self.decoder(z)
+
+    def forward(self, z):
+        return self.decode(z)
+
+
+def test_a_vae_called_through_decode_passes_through():
+    torch.manual_seed(0)
+    vae = VAE()
+    ref = copy.deepcopy(vae)
+    conv_patch.apply(vae)
+    patched = _classes(vae.decoder)
+    assert passthrough.entries(vae) == [vae.decoder]
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(2, 3, 7, 9)
+            assert torch.allclose(vae.decode(x), ref.decode(x), rtol=1e-5, atol=1e-6)
+    seen = vae.decoder.probe.seen
+    assert seen[0] == patched and seen[1] == patched
+    assert seen[2]["slow"] is nn.Sequential and seen[2]["tail"] is nn.Conv2d
+    assert [n for _, n in passthrough.learned(vae.decoder)] == [4] and passthrough.learned(vae) == []
+    # Called through its forward, the VAE's own hooks decide; the decoder's
+    # do nothing inside that call.
+    with torch.no_grad():
+        for _ in range(3):
+            vae(torch.randn(1, 3, 5, 5))
+    assert len(passthrough.learned(vae)) == 1 and len(passthrough.learned(vae.decoder)) == 1
+    assert seen[-1]["slow"] is nn.Sequential
+    # Its own hooks are not a user's: bands and fused forwards may still run
+    # the decoder their way; a user's hook beside them counts.
+    assert not passthrough.other_hooks(vae.decoder)
+    handle = vae.decoder.register_forward_hook(lambda *a: None)
+    assert passthrough.other_hooks(vae.decoder)
+    handle.remove()
+    handle = vae.decoder.register_forward_pre_hook(lambda *a: None)
+    assert passthrough.other_hooks(vae.decoder)
+    handle.remove()
+    conv_patch.remove(vae)
+    assert not vae.decoder._forward_pre_hooks and not vae.decoder._forward_hooks
+    # A model without such an entry point: its parts are not hooked.
+    net = Net()
+    conv_patch.apply(net)
+    assert passthrough.entries(net) == [] and not net.slow._forward_pre_hooks

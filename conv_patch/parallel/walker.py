@@ -22,6 +22,7 @@ from torch import nn
 from conv_patch.recipes import catalog
 from conv_patch.recipes import fuse as steps
 from conv_patch.recipes.layers import Conv, NormConv, Resnet, Up, UnsupportedModel, Whole, own_pad
+from conv_patch.runtime import passthrough
 from conv_patch.runtime.wrappers import PatchedConvMixin
 from conv_patch.parallel.comm import Banded, Comm
 from conv_patch.parallel.geometry import Level, check_halo, window
@@ -216,7 +217,7 @@ def blocked_reason(m: nn.Module, x: torch.Tensor) -> Optional[str]:
     if not steps.plain():
         return "global forward hooks are installed"
     for name, sub in m.named_modules():
-        if sub._forward_hooks or sub._forward_pre_hooks:
+        if passthrough.other_hooks(sub):
             return f"forward hooks on {name or type(m).__name__}"
         if isinstance(sub, nn.Dropout) and not steps.dropout_is_identity(sub):
             return f"{name} is an active dropout (training mode): bands compute inference"

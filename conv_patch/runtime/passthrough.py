@@ -355,18 +355,38 @@ def _exit(model, args, kwargs, output):
     return None
 
 
+# A VAE is called through its ``decode``/``encode`` methods (a diffusers
+# pipeline's ``vae.decode(latents)``), not its forward, and these call its
+# ``decoder``/``encoder``: the parts hooked beside the model itself.
+ENTRY_PARTS = (("decode", "decoder"), ("encode", "encoder"))
+
+
+def entries(model: nn.Module) -> List[nn.Module]:
+    """The parts of ``model`` that its other entry points than ``forward``
+    call (``ENTRY_PARTS``): hooked too, so that a ``vae.decode`` call learns
+    and passes through. Inside a call of the model's own forward their
+    hooks do nothing (the outer call decides)."""
+    out = []
+    for method, part in ENTRY_PARTS:
+        m = model._modules.get(part)
+        if isinstance(m, nn.Module) and callable(getattr(type(model), method, None)):
+            out.append(m)
+    return out
+
+
 def install(model: nn.Module) -> bool:
-    """Hook ``model`` for passing through; on a hooked model, forget what it
-    learned (its components changed). A model that is a fused block itself
-    keeps its class (fixed once its call has begun): what it calls can pass
-    through. Whether it is hooked."""
-    st = state_of(model)
-    if st.passthrough is not None and _hooked(model):
-        st.passthrough.plans.clear()
-        return True
-    st.passthrough = Passthrough()
-    model.register_forward_pre_hook(_enter, with_kwargs=True)
-    model.register_forward_hook(_exit, with_kwargs=True, always_call=True)
+    """Hook ``model`` (and its ``entries``) for passing through; on a hooked
+    model, forget what it learned (its components changed). A model that is
+    a fused block itself keeps its class (fixed once its call has begun):
+    what it calls can pass through. Whether it is hooked."""
+    for m in (model, *entries(model)):
+        st = state_of(m)
+        if st.passthrough is not None and _hooked(m):
+            st.passthrough.plans.clear()
+            continue
+        st.passthrough = Passthrough()
+        m.register_forward_pre_hook(_enter, with_kwargs=True)
+        m.register_forward_hook(_exit, with_kwargs=True, always_call=True)
     return True
 
 
@@ -374,17 +394,26 @@ def _hooked(model: nn.Module) -> bool:
     return any(h is _enter for h in model._forward_pre_hooks.values())
 
 
+def other_hooks(m: nn.Module) -> bool:
+    """Whether ``m`` carries forward hooks besides the passthrough's (which
+    expect nothing of how the module runs)."""
+    return (any(h is not _enter for h in m._forward_pre_hooks.values())
+            or any(h is not _exit for h in m._forward_hooks.values()))
+
+
 def uninstall(model: nn.Module) -> None:
-    """Take the hooks off ``model`` and forget what it learned."""
-    st = peek(model)
-    if st is not None:
-        st.passthrough = None
-    for hooks in (model._forward_pre_hooks, model._forward_hooks):
-        for k in [k for k, h in hooks.items() if h is _enter or h is _exit]:
-            del hooks[k]
-            model._forward_hooks_with_kwargs.pop(k, None)
-            model._forward_pre_hooks_with_kwargs.pop(k, None)
-            model._forward_hooks_always_called.pop(k, None)
+    """Take the hooks off ``model`` (and its ``entries``) and forget what it
+    learned."""
+    for m in (model, *entries(model)):
+        st = peek(m)
+        if st is not None:
+            st.passthrough = None
+        for hooks in (m._forward_pre_hooks, m._forward_hooks):
+            for k in [k for k, h in hooks.items() if h is _enter or h is _exit]:
+                del hooks[k]
+                m._forward_hooks_with_kwargs.pop(k, None)
+                m._forward_pre_hooks_with_kwargs.pop(k, None)
+                m._forward_hooks_always_called.pop(k, None)
 
 
 def learned(model: nn.Module) -> List[tuple]:

@@ -15,10 +15,10 @@ from conv_patch.specs import ConvSpec
 from conv_patch.target import target_for
 
 from .layers import Conv, Layers, NormConv, Resnet, Up, Whole, need, own_pad, plus
-from .fuse import (Recipe, attention, bare, base, channels_last, conv, dropout_is_identity,
-                   from_tokens, global_hooks, group_norm, inference, is_conv, is_group_norm, is_relu, is_silu,
-                   launched_on_gpu, like_input, matches, named, norm_conv, parts, plain, register, resnet,
-                   swaps_below, to_tokens, upsample_conv, written_out)
+from .fuse import (Recipe, adds_into, attention, bare, bare_conv, base, channels_last, conv, conv_of,
+                   dropout_is_identity, from_tokens, global_hooks, group_norm, inference, is_conv,
+                   is_group_norm, is_relu, is_silu, launched_on_gpu, like_input, matches, named, norm_conv, parts,
+                   plain, register, resnet, sum_into, swaps_below, to_tokens, upsample_conv, written_out)
 
 
 class LeanResnet:
@@ -41,48 +41,28 @@ class LeanResnet:
                 or d.get("downsample", 0) is not None or d.get("time_embedding_norm") != "default"
                 or not isinstance(input_tensor, torch.Tensor) or (proj is not None and temb is None) or global_hooks()
                 or not (bare(n1, nn.GroupNorm) and bare(n2, nn.GroupNorm) and bare(act, nn.SiLU) and not act.inplace
-                        and bare(drop, nn.Dropout) and not drop.training and _bare_conv(c1) and _bare_conv(c2)
-                        and (sc is None or _bare_conv(sc)) and (proj is None or bare(proj, nn.Linear)))):
+                        and bare(drop, nn.Dropout) and not drop.training and bare_conv(c1) and bare_conv(c2)
+                        and (sc is None or bare_conv(sc)) and (proj is None or bare(proj, nn.Linear)))):
             return super().forward(input_tensor, temb, *args, **kwargs)
         # Every tensor below is made here (functions, not modules that might
         # hand back one they hold), so the in-place steps touch nothing else.
         p1, p2 = n1._parameters, n2._parameters  # (``n1.weight`` goes through ``Module.__getattr__``)
         h = F.silu(F.group_norm(input_tensor, n1.num_groups, p1.get("weight"), p1.get("bias"), n1.eps), inplace=True)
-        h = _conv(c1, h)
+        h = conv_of(c1, h)
         if proj is not None:
             p = proj._parameters
             temb = F.linear(temb if d.get("skip_time_act") else F.silu(temb), p["weight"], p["bias"])[:, :, None, None]
         if temb is not None:
-            h = h.add_(temb) if _adds_into(h, temb) else h + temb
+            h = sum_into(h, True, temb)
         h = F.silu(F.group_norm(h, n2.num_groups, p2.get("weight"), p2.get("bias"), n2.eps), inplace=True)
-        h = _conv(c2, h)
-        x = input_tensor if sc is None else _conv(sc, input_tensor)
+        h = conv_of(c2, h)
+        x = input_tensor if sc is None else conv_of(sc, input_tensor)
         # (In diffusers' order where not in place: the sum's layout follows
         # its first operand where the two differ, as on a GPU, whose
         # GroupNorm hands a channels_last input back contiguous.)
-        h = h.add_(x) if _adds_into(h, x) else x + h
+        h = h.add_(x) if adds_into(h, x) else x + h
         scale = d["output_scale_factor"]
         return h if scale == 1 else h / scale
-
-
-def _bare_conv(m) -> bool:
-    return bare(m, nn.Conv2d) and m.padding_mode == "zeros"
-
-
-def _conv(m: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
-    """What a bare ``nn.Conv2d``'s forward computes (``_bare_conv``)."""
-    p = m._parameters
-    return F.conv2d(x, p["weight"], p["bias"], m.stride, m.padding, m.dilation, m.groups)
-
-
-def _adds_into(h: torch.Tensor, t: torch.Tensor) -> bool:
-    """Whether ``h.add_(t)`` (``h`` a tensor the caller made and no one else
-    holds) gives the tensor ``h + t`` and ``t + h`` give: ``t`` broadcasts
-    into ``h``'s shape with the same dtype and device, and as a full-size
-    operand has the same strides (so the sum's layout is ``h``'s either way)."""
-    return t.dtype == h.dtype and t.device == h.device and (
-        t.shape == h.shape and t.stride() == h.stride()
-        or t.dim() == 4 and t.shape[2:] == (1, 1) and t.shape[:2] == h.shape[:2])
 
 
 class ResnetBlock2D(Recipe):
@@ -376,8 +356,8 @@ def _tiny_step(m, h: torch.Tensor, mine: bool) -> tuple:
     """One module of a tiny block's chain on ``h`` (``mine``: a tensor made
     here, which an activation may overwrite): inline where it is a bare
     conv or activation, called as a module otherwise."""
-    if _bare_conv(m):
-        return _conv(m, h), True
+    if bare_conv(m):
+        return conv_of(m, h), True
     if bare(m, nn.ReLU):
         return F.relu(h, inplace=mine or m.inplace), mine
     if bare(m, nn.SiLU):
@@ -411,7 +391,7 @@ class LeanTinyBlock:
             s = x
         else:
             s = _tiny_step(skip, x, False)[0]
-        h = h.add_(s) if mine and _adds_into(h, s) else h + s
+        h = sum_into(h, mine, s)
         return _tiny_step(fuse, h, True)[0]
 
 

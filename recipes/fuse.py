@@ -269,6 +269,74 @@ def bare(m: Optional[nn.Module], cls: type) -> bool:
     return type(m) is cls and not m._forward_hooks and not m._forward_pre_hooks
 
 
+# -- lean steps ----------------------------------------------------------------
+# A lean forward (``Recipe.lean``) runs each part inline where it is the
+# exact PyTorch class with no hooks, and calls it as a module otherwise (what
+# its parent's own forward does: a LoRA layer, a hooked or replaced module
+# runs as itself). Each step says whether its output is a tensor made there
+# (``mine``), so that a later step may write into it in place: a module
+# called as one may hand back a tensor that someone else holds.
+
+def hookless(m: nn.Module) -> bool:
+    """No forward hooks on ``m`` (global hooks are the caller's check, made
+    once per call)."""
+    return not m._forward_hooks and not m._forward_pre_hooks
+
+
+def bare_conv(m) -> bool:
+    return bare(m, nn.Conv2d) and m.padding_mode == "zeros"
+
+
+def conv_of(m: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
+    """What a bare ``nn.Conv2d``'s forward computes (``bare_conv``); its
+    parameters read from their dictionary (``m.weight`` goes through
+    ``nn.Module.__getattr__``)."""
+    p = m._parameters
+    return F.conv2d(x, p["weight"], p["bias"], m.stride, m.padding, m.dilation, m.groups)
+
+
+def inline_conv(m, x: torch.Tensor) -> tuple:
+    """(output, mine) of the conv ``m`` on ``x``."""
+    if bare_conv(m):
+        return conv_of(m, x), True
+    return m(x), False
+
+
+def inline_linear(m, x: torch.Tensor) -> tuple:
+    """(output, mine) of the linear ``m`` on ``x``."""
+    if bare(m, nn.Linear):
+        p = m._parameters
+        return F.linear(x, p["weight"], p["bias"]), True
+    return m(x), False
+
+
+def inline_norm(m, x: torch.Tensor) -> torch.Tensor:
+    """The LayerNorm or GroupNorm ``m`` on ``x`` (always a new tensor)."""
+    if bare(m, nn.LayerNorm):
+        p = m._parameters
+        return F.layer_norm(x, m.normalized_shape, p.get("weight"), p.get("bias"), m.eps)
+    if bare(m, nn.GroupNorm):
+        p = m._parameters
+        return F.group_norm(x, m.num_groups, p.get("weight"), p.get("bias"), m.eps)
+    return m(x)
+
+
+def adds_into(h: torch.Tensor, t: torch.Tensor) -> bool:
+    """Whether ``h.add_(t)`` (``h`` a tensor the caller made and no one else
+    holds) gives the tensor ``h + t`` and ``t + h`` give: ``t`` broadcasts
+    into ``h``'s shape with the same dtype and device, and as a full-size
+    operand has the same strides (so the sum's layout is ``h``'s either way)."""
+    return t.dtype == h.dtype and t.device == h.device and (
+        t.shape == h.shape and t.stride() == h.stride()
+        or t.dim() == 4 and t.shape[2:] == (1, 1) and t.shape[:2] == h.shape[:2])
+
+
+def sum_into(h: torch.Tensor, mine: bool, t: torch.Tensor) -> torch.Tensor:
+    """``h + t``, in place where ``h`` is a tensor made here and that gives
+    the same tensor (``adds_into``)."""
+    return h.add_(t) if mine and adds_into(h, t) else h + t
+
+
 def _rebuild(cls: type, name: str):
     klass = fused_class(cls, REGISTRY[name])
     block = klass.__new__(klass)

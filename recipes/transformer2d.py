@@ -29,7 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .fuse import Recipe, bare, base, global_hooks, named, register, written_out
+from .fuse import (Recipe, bare, base, global_hooks, hookless, inline_conv, inline_linear, inline_norm, named,
+                   register, sum_into, written_out)
 
 # The forwards written out below, by diffusers class name, with the
 # parameter names each one's contract was read from; a class whose forward
@@ -66,12 +67,6 @@ def kind_of(cls: type) -> Optional[str]:
     return name
 
 
-def _plain(m) -> bool:
-    """No hooks: the module's forward may be run inline (a hooked module is
-    called as a module, as its parent's own forward calls it)."""
-    return not m._forward_hooks and not m._forward_pre_hooks
-
-
 def _attr(m, name):
     """``m.name`` read from the dictionaries (a module or a plain value)."""
     d = m.__dict__
@@ -79,37 +74,8 @@ def _attr(m, name):
     return mods[name] if name in mods else d.get(name)
 
 
-# Each part below is run inline where it is the exact class written out
-# with no hooks, and called as a module otherwise (what its parent's own
-# forward does: a LoRA layer, a hooked or replaced module runs as itself).
-# A sum is written in place only into a tensor made here (``mine``): a
-# module called as one may hand back a tensor that someone else holds.
-
-def _linear(m, x: torch.Tensor) -> tuple:
-    if bare(m, nn.Linear):
-        p = m._parameters
-        return F.linear(x, p["weight"], p["bias"]), True
-    return m(x), False
-
-
-def _conv(m, x: torch.Tensor) -> tuple:
-    if bare(m, nn.Conv2d) and m.padding_mode == "zeros":
-        p = m._parameters
-        return F.conv2d(x, p["weight"], p["bias"], m.stride, m.padding, m.dilation, m.groups), True
-    return m(x), False
-
-
-def _norm(m, x: torch.Tensor) -> torch.Tensor:
-    # (Parameters read from their dictionary: ``m.weight`` goes through
-    # ``nn.Module.__getattr__``.)
-    if bare(m, nn.LayerNorm):
-        p = m._parameters
-        return F.layer_norm(x, m.normalized_shape, p.get("weight"), p.get("bias"), m.eps)
-    if bare(m, nn.GroupNorm):
-        p = m._parameters
-        return F.group_norm(x, m.num_groups, p.get("weight"), p.get("bias"), m.eps)
-    return m(x)
-
+# Each part below is run inline or called as a module as ``fuse``'s lean
+# steps say (``inline_conv`` and the rest).
 
 def _dropout(m, x: torch.Tensor) -> tuple:
     """(output, whether it is the input itself): an eval dropout is the identity."""
@@ -118,19 +84,10 @@ def _dropout(m, x: torch.Tensor) -> tuple:
     return m(x), False
 
 
-def _add(a: torch.Tensor, mine: bool, x: torch.Tensor) -> torch.Tensor:
-    """``a + x``, in place where ``a`` is a tensor made here and that gives
-    the same tensor (same shape, dtype, device and strides)."""
-    if (mine and a.shape == x.shape and a.dtype == x.dtype and a.device == x.device
-            and a.stride() == x.stride()):
-        return a.add_(x)
-    return a + x
-
-
 def _attention_inline(a, cross: bool) -> bool:
     """``a`` is diffusers' ``Attention`` with ``AttnProcessor2_0`` in the
     configuration ``_attention`` writes out (no norms, no residual)."""
-    if kind(a) != "Attention" or not _plain(a) or kind(a.__dict__.get("processor")) != "AttnProcessor2_0":
+    if kind(a) != "Attention" or not hookless(a) or kind(a.__dict__.get("processor")) != "AttnProcessor2_0":
         return False
     d = a.__dict__
     out = d["_modules"].get("to_out")
@@ -148,9 +105,9 @@ def _attention(a, x: torch.Tensor, ctx: Optional[torch.Tensor]) -> tuple:
     mods = a.__dict__["_modules"]
     src = x if ctx is None else ctx
     b = src.shape[0]
-    q = _linear(mods["to_q"], x)[0]
-    k = _linear(mods["to_k"], src)[0]
-    v = _linear(mods["to_v"], src)[0]
+    q = inline_linear(mods["to_q"], x)[0]
+    k = inline_linear(mods["to_k"], src)[0]
+    v = inline_linear(mods["to_v"], src)[0]
     heads = a.__dict__["heads"]
     d = k.shape[-1] // heads
     q = q.view(b, -1, heads, d).transpose(1, 2)
@@ -161,7 +118,7 @@ def _attention(a, x: torch.Tensor, ctx: Optional[torch.Tensor]) -> tuple:
     # returns its query's dtype.)
     o = o.transpose(1, 2).reshape(b, -1, heads * d)
     out = mods["to_out"]._modules
-    o, mine = _linear(out["0"], o)
+    o, mine = inline_linear(out["0"], o)
     o, same = _dropout(out["1"], o)
     mine = mine and same
     scale = a.__dict__["rescale_output_factor"]
@@ -169,21 +126,21 @@ def _attention(a, x: torch.Tensor, ctx: Optional[torch.Tensor]) -> tuple:
 
 
 def _feed_forward(ff, h: torch.Tensor) -> tuple:
-    if kind(ff) != "FeedForward" or not _plain(ff) or type(_attr(ff, "net")) is not nn.ModuleList:
+    if kind(ff) != "FeedForward" or not hookless(ff) or type(_attr(ff, "net")) is not nn.ModuleList:
         return ff(h), False
     mine = False  # (the input: a norm's output, made here or not)
     for m in ff.__dict__["_modules"]["net"]._modules.values():
         k = kind(m)
-        if k == "GEGLU" and _plain(m):
-            h, gate = _linear(m.__dict__["_modules"]["proj"], h)[0].chunk(2, dim=-1)
+        if k == "GEGLU" and hookless(m):
+            h, gate = inline_linear(m.__dict__["_modules"]["proj"], h)[0].chunk(2, dim=-1)
             h, mine = h * F.gelu(gate), True
-        elif k == "GELU" and _plain(m):
-            h, mine = F.gelu(_linear(m.__dict__["_modules"]["proj"], h)[0], approximate=m.__dict__["approximate"]), True
+        elif k == "GELU" and hookless(m):
+            h, mine = F.gelu(inline_linear(m.__dict__["_modules"]["proj"], h)[0], approximate=m.__dict__["approximate"]), True
         elif type(m) is nn.Dropout:
             h, same = _dropout(m, h)
             mine = mine and same
         else:
-            h, mine = _linear(m, h) if type(m) is nn.Linear else (m(h), False)
+            h, mine = inline_linear(m, h) if type(m) is nn.Linear else (m(h), False)
     return h, mine
 
 
@@ -191,7 +148,7 @@ def _block_inline(b) -> bool:
     """``b`` is diffusers' ``BasicTransformerBlock`` in the configuration
     ``_block`` writes out (layer norms, no positional embedding, no chunked
     feed-forward, self-attention then optional cross-attention)."""
-    if kind(b) != "BasicTransformerBlock" or not _plain(b):
+    if kind(b) != "BasicTransformerBlock" or not hookless(b):
         return False
     d = b.__dict__
     return (d.get("norm_type") == "layer_norm" and _attr(b, "pos_embed") is None and d.get("_chunk_size") is None
@@ -205,11 +162,11 @@ def _block(b, x: torch.Tensor, ctx: Optional[torch.Tensor], cross_attention_kwar
         return b(x, attention_mask=None, encoder_hidden_states=ctx, encoder_attention_mask=None, timestep=None,
                  cross_attention_kwargs=cross_attention_kwargs, class_labels=None)
     mods = b.__dict__["_modules"]
-    x = _add(*_attention(mods["attn1"], _norm(mods["norm1"], x), None), x)
+    x = sum_into(*_attention(mods["attn1"], inline_norm(mods["norm1"], x), None), x)
     a2 = mods.get("attn2")
     if a2 is not None:
-        x = _add(*_attention(a2, _norm(mods["norm2"], x), ctx), x)
-    return _add(*_feed_forward(mods["ff"], _norm(mods["norm3"], x)), x)
+        x = sum_into(*_attention(a2, inline_norm(mods["norm2"], x), ctx), x)
+    return sum_into(*_feed_forward(mods["ff"], inline_norm(mods["norm3"], x)), x)
 
 
 class LeanTransformer2D:
@@ -233,25 +190,25 @@ class LeanTransformer2D:
             return super().forward(hidden_states, encoder_hidden_states, timestep, added_cond_kwargs, class_labels,
                                    cross_attention_kwargs, attention_mask, encoder_attention_mask, return_dict)
         b, _, height, width = x.shape
-        h = _norm(mods["norm"], x)
+        h = inline_norm(mods["norm"], x)
         linear = d["use_linear_projection"]
         if linear:
             inner = h.shape[1]
-            h = _linear(mods["proj_in"], h.permute(0, 2, 3, 1).reshape(b, height * width, inner))[0]
+            h = inline_linear(mods["proj_in"], h.permute(0, 2, 3, 1).reshape(b, height * width, inner))[0]
         else:
-            h = _conv(mods["proj_in"], h)[0]
+            h = inline_conv(mods["proj_in"], h)[0]
             inner = h.shape[1]
             h = h.permute(0, 2, 3, 1).reshape(b, height * width, inner)
         for blk in blocks._modules.values():
             h = _block(blk, h, ctx, cross_attention_kwargs)
         if linear:
-            h, mine = _linear(mods["proj_out"], h)
+            h, mine = inline_linear(mods["proj_out"], h)
             y = h.reshape(b, height, width, inner).permute(0, 3, 1, 2).contiguous()
             mine = mine or y.data_ptr() != h.data_ptr()
         else:
-            y, mine = _conv(mods["proj_out"], h.reshape(b, height, width, inner).permute(0, 3, 1, 2).contiguous())
+            y, mine = inline_conv(mods["proj_out"], h.reshape(b, height, width, inner).permute(0, 3, 1, 2).contiguous())
         # diffusers: ``hidden_states + residual``
-        return (_add(y, mine, x),)
+        return (sum_into(y, mine, x),)
 
 
 class Transformer2D(Recipe):

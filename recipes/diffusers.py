@@ -16,7 +16,7 @@ from conv_patch.target import target_for
 
 from .layers import Conv, Layers, NormConv, Resnet, Up, Whole, need, own_pad, plus
 from .fuse import (Recipe, adds_into, attention, bare, bare_conv, base, channels_last, conv, conv_of,
-                   dropout_is_identity, from_tokens, global_hooks, group_norm, inference, is_conv,
+                   dropout_is_identity, from_tokens, global_hooks, group_norm, inference, inline_step, is_conv,
                    is_group_norm, is_relu, is_silu, launched_on_gpu, like_input, matches, named, norm_conv, parts,
                    plain, register, resnet, sum_into, swaps_below, to_tokens, upsample_conv, written_out)
 
@@ -352,19 +352,6 @@ class Encoder(NHWCInside):
         return Layers("encoder", steps)
 
 
-def _tiny_step(m, h: torch.Tensor, mine: bool) -> tuple:
-    """One module of a tiny block's chain on ``h`` (``mine``: a tensor made
-    here, which an activation may overwrite): inline where it is a bare
-    conv or activation, called as a module otherwise."""
-    if bare_conv(m):
-        return conv_of(m, h), True
-    if bare(m, nn.ReLU):
-        return F.relu(h, inplace=mine or m.inplace), mine
-    if bare(m, nn.SiLU):
-        return F.silu(h, inplace=mine or m.inplace), mine
-    return m(h), False
-
-
 class LeanTinyBlock:
     """``fuse(conv(x) + skip(x))`` (after ``x = x + pool(x)`` where the block
     has a pool) of AutoencoderTiny's and TAESD's blocks, for a block passed
@@ -386,13 +373,13 @@ class LeanTinyBlock:
             x = x + pool(x)
         h, mine = x, False
         for m in seq.__dict__["_modules"].values():
-            h, mine = _tiny_step(m, h, mine)
+            h, mine = inline_step(m, h, mine)
         if bare(skip, nn.Identity):
             s = x
         else:
-            s = _tiny_step(skip, x, False)[0]
+            s = inline_step(skip, x, False)[0]
         h = sum_into(h, mine, s)
-        return _tiny_step(fuse, h, True)[0]
+        return inline_step(fuse, h, True)[0]
 
 
 # The block classes ``LeanTinyBlock`` was written from: (module, class name).

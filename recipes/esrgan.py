@@ -40,8 +40,8 @@ from conv_patch.activations import per_channel
 from conv_patch.runtime import pack
 from conv_patch.runtime.state import peek, state_of
 
-from .fuse import (Recipe, base, channels_last, conv, epilogue_activation, inference, is_conv, like_input, named,
-                   parts, plain, register)
+from .fuse import (Recipe, base, channels_last, conv, epilogue_activation, global_hooks, hookless, inference,
+                   inline_step, is_conv, like_input, named, parts, plain, register, sum_into)
 
 CLASSES = ("ResidualDenseBlock_5C", "ResidualDenseBlock")
 # The residual scale both forms' forward writes (``x5 * 0.2 + x``).
@@ -98,6 +98,53 @@ def graphs_only(m) -> Optional[tuple]:
     return None if st is not None and st.graphs is not None else ()
 
 
+# The names a dense block's forward reads where it is ESRGAN's, basicsr's
+# or spandrel's (each conv on the concatenation of the input and the earlier
+# outputs, ``x5 * 0.2 + x``): the forward ``LeanDenseBlock`` writes out.
+DENSE_FORWARD = frozenset({"conv1", "conv2", "conv3", "conv4", "conv5", "lrelu", "torch", "cat"})
+_DENSE_CONVS = ("conv1", "conv2", "conv3", "conv4", "conv5")
+
+
+def _dense_forward(cls) -> bool:
+    code = getattr(getattr(cls, "forward", None), "__code__", None)
+    names = set(code.co_names) if code is not None else set()
+    return {*_DENSE_CONVS, "cat"} <= names <= DENSE_FORWARD
+
+
+def _chain(c, h: torch.Tensor, mine: bool, act) -> tuple:
+    """(output, mine) of a dense block's conv step: the conv and, where the
+    block has one (``act``: its ``lrelu``), the activation after it; a CNA
+    step's ``nn.Sequential`` of the two run part by part."""
+    if type(c) is nn.Sequential and hookless(c):
+        for m in c.__dict__["_modules"].values():
+            h, mine = inline_step(m, h, mine)
+        return h, mine
+    h, mine = inline_step(c, h, mine)
+    return (h, mine) if act is None else inline_step(act, h, mine)
+
+
+class LeanDenseBlock:
+    """A residual dense block's forward for a block passed through
+    (``Recipe.lean``): the same ops in the same order on the same values
+    (each conv on ``torch.cat`` of the input and the earlier outputs, its
+    activation, ``x5 * 0.2 + x``), the bare convs and activations as the
+    functions their forwards call (any other part called as a module), the
+    activations and the last two steps in place on tensors made here. Where
+    no gradient is recorded and no global hook is set; otherwise the class's
+    own forward."""
+
+    def forward(self, x, *args, **kwargs):
+        if args or kwargs or not isinstance(x, torch.Tensor) or torch.is_grad_enabled() or global_hooks():
+            return super().forward(x, *args, **kwargs)
+        mods = self.__dict__["_modules"]
+        act = mods.get("lrelu")
+        outs = [x]
+        for k, name in enumerate(_DENSE_CONVS):
+            h, mine = _chain(mods[name], x if k == 0 else torch.cat(outs, 1), False, act if k < 4 else None)
+            outs.append(h)
+        return sum_into(h.mul_(RESIDUAL_SCALE) if mine else h * RESIDUAL_SCALE, True, x)
+
+
 class ResidualDenseBlock(Recipe):
     """conv1-4 reading channel prefixes of one buffer in place and writing
     their activated outputs into its next slices, conv5 with the 0.2-scaled
@@ -113,6 +160,11 @@ class ResidualDenseBlock(Recipe):
 
     def unfused(self, m, args, kwargs):
         return graphs_only(m)
+
+    def lean_for(self, cls):
+        """``LeanDenseBlock`` where the class's forward reads only what
+        ESRGAN's, basicsr's and spandrel's read (``DENSE_FORWARD``)."""
+        return LeanDenseBlock if _dense_forward(cls) else None
 
     def match(self, m):
         return (any(named(m, n) for n in CLASSES) and dense_parts(m) is not None
@@ -184,6 +236,28 @@ def _compact_forward(cls) -> bool:
     return {"body", "upsampler", "upscale", "interpolate"} <= names <= COMPACT_FORWARD
 
 
+class LeanCompactNet:
+    """``SRVGGNetCompact``'s forward for a net passed through or run
+    unfused (``Recipe.lean``): the body in order, its bare convs and
+    activations as the functions their forwards call (any other layer called
+    as a module), the activations in place on tensors made here, then the
+    pixel shuffle plus the nearest-upsampled input. Where no gradient is
+    recorded and no global hook is set; otherwise the class's own forward."""
+
+    def forward(self, x, *args, **kwargs):
+        d = self.__dict__
+        mods = d["_modules"]
+        body, up = mods.get("body"), mods.get("upsampler")
+        if (args or kwargs or not isinstance(x, torch.Tensor) or torch.is_grad_enabled() or global_hooks()
+                or type(body) is not nn.ModuleList or type(up) is not nn.PixelShuffle or not hookless(up)
+                or "upscale" not in d):
+            return super().forward(x, *args, **kwargs)
+        h, mine = x, False
+        for m in body.__dict__["_modules"].values():
+            h, mine = inline_step(m, h, mine)
+        return F.pixel_shuffle(h, up.upscale_factor) + F.interpolate(x, scale_factor=d["upscale"], mode="nearest")
+
+
 class CompactNet(Recipe):
     """``SRVGGNetCompact``: every conv with its activation in the epilogue,
     the body in NHWC inside; the pixel shuffle and the upsampled input's add
@@ -197,6 +271,12 @@ class CompactNet(Recipe):
 
     def unfused(self, m, args, kwargs):
         return graphs_only(m)
+
+    def lean_for(self, cls):
+        """``LeanCompactNet`` where the class's forward reads what the
+        recipe's does and upsamples the input nearest."""
+        code = getattr(getattr(cls, "forward", None), "__code__", None)
+        return LeanCompactNet if _compact_forward(cls) and "nearest" in code.co_consts else None
 
     def match(self, m):
         return (named(m, "SRVGGNetCompact") and compact_steps(m) is not None

@@ -143,7 +143,7 @@ class FusedBlock:
                     # Nothing fused below to swap, no watch to tell: the
                     # block's own forward, without run_unfused's frames (a
                     # graphs-only block's every eager call).
-                    return self.cp_own_forward(*args, **kwargs)
+                    return self.cp_idle_forward(*args, **kwargs)
                 return passthrough.run_unfused(self, swaps, functools.partial(self.cp_own_forward, *args,
                                                                               **kwargs))
         st = peek(self)
@@ -162,6 +162,24 @@ class FusedBlock:
         ``Attention`` class is one of Dynamo's in-graph callables, and
         ``Attention.forward(block, ...)`` breaks the graph)."""
         return super().forward(*args, **kwargs)
+
+    def cp_idle_forward(self, *args, **kwargs):
+        """The block's own forward, for a call its recipe runs unfused with
+        nothing below to swap: through the recipe's ``lean`` forward where
+        it has one, the block running as the class it is passed through as
+        (``cp_own_class``) for the call, as the passthrough would run it (a
+        model that is such a block itself, an upscaler, is never passed
+        through: its class is fixed once its call has begun)."""
+        own = self.cp_own_class()
+        if own is self.cp_base:
+            return self.cp_own_forward(*args, **kwargs)
+        patched = type(self)
+        passthrough.store(self, "__class__", own)
+        try:
+            return own.forward(self, *args, **kwargs)
+        finally:
+            if type(self) is own:
+                passthrough.store(self, "__class__", patched)
 
     def cp_run(self, *args, **kwargs):
         st = peek(self)
@@ -319,6 +337,25 @@ def inline_norm(m, x: torch.Tensor) -> torch.Tensor:
         p = m._parameters
         return F.group_norm(x, m.num_groups, p.get("weight"), p.get("bias"), m.eps)
     return m(x)
+
+
+def inline_step(m, h: torch.Tensor, mine: bool) -> tuple:
+    """(output, mine) of one module of a conv/activation chain on ``h``
+    (``mine``: a tensor made here, which an activation may overwrite, as an
+    in-place activation module does anyway): inline where it is a bare
+    conv, ReLU, SiLU, LeakyReLU or PReLU, called as a module otherwise."""
+    if bare_conv(m):
+        return conv_of(m, h), True
+    t = type(m)
+    if t is nn.ReLU and hookless(m):
+        return F.relu(h, inplace=mine or m.inplace), mine
+    if t is nn.SiLU and hookless(m):
+        return F.silu(h, inplace=mine or m.inplace), mine
+    if t is nn.LeakyReLU and hookless(m):
+        return F.leaky_relu(h, m.negative_slope, inplace=mine or m.inplace), mine
+    if t is nn.PReLU and hookless(m):
+        return F.prelu(h, m._parameters["weight"]), True
+    return m(h), False
 
 
 def adds_into(h: torch.Tensor, t: torch.Tensor) -> bool:

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import conv_patch
-from conv_patch.recipes import esrgan
+from conv_patch.recipes import esrgan, fuse
 from conv_patch.runtime import pack
 from bench.zoo import ResidualDenseBlock_5C as NewArchBlock
 from _util import TOL, perturbed, refuse_fallback, rel_err
@@ -307,3 +307,89 @@ def test_a_stack_holding_dense_blocks_runs_unfused_launched(device, exact_fp32, 
     with torch.no_grad():
         on_device(x_on)  # (the stack's first call makes its plan)
     _own_forward_eagerly_fused_on_graphs(on_device, common.SequentialChain, x, ref, device, monkeypatch)
+
+
+# -- lean forwards: the blocks' own forwards through fewer Python calls ------
+def _refuse_module_calls(monkeypatch, *classes):
+    for cls in classes:
+        monkeypatch.setattr(cls, "forward", lambda *a, _c=cls, **k: pytest.fail(f"a {_c.__name__} ran as a module"))
+
+
+def _lean_copy(block, lean):
+    lean_block = copy.deepcopy(block)
+    lean_block.__class__ = fuse.lean_class(type(block), lean)
+    return lean_block
+
+
+@pytest.mark.parametrize("form", ["new", "cna"])
+def test_the_lean_dense_block_is_its_own_forward(form, monkeypatch):
+    """Passed through, a dense block (both forms) runs ``LeanDenseBlock``:
+    bit-equal to its own forward, its convs and activations never called as
+    modules; a hooked conv is called as one; autograd runs the own forward."""
+    if form == "new":
+        block = NewArchBlock(12, 5)
+    else:  # spandrel's block, as the zoo's spandrel RRDB net builds it
+        from bench import zoo
+        block = next(m for m in zoo.spandrel_rrdbnet(12, 1, 5).modules() if type(m).__name__ == "ResidualDenseBlock_5C")
+    block = perturbed(block, 2, 0.05)
+    assert esrgan.RESIDUAL_DENSE.lean_for(type(block)) is esrgan.LeanDenseBlock
+    lean = _lean_copy(block, esrgan.LeanDenseBlock)
+    x = _input(12)
+    with torch.no_grad():
+        ref = block(x)
+        with monkeypatch.context() as mp:
+            _refuse_module_calls(mp, nn.Conv2d, nn.LeakyReLU, nn.Sequential, type(block))
+            y = lean(x)
+        assert torch.equal(y, ref) and y.stride() == ref.stride()
+        seen = []
+        conv2 = lean.conv2[0] if form == "cna" else lean.conv2
+        handle = conv2.register_forward_hook(lambda m, a, o: seen.append(o.shape))
+        assert torch.equal(lean(x), ref) and seen == [(1, 5, 7, 9)]
+        handle.remove()
+    x.requires_grad_(True)
+    y = lean(x)
+    assert y.grad_fn is not None and torch.equal(y.detach(), ref)
+
+
+def test_dense_blocks_written_otherwise_have_no_lean_forward():
+    """A forward that reads ESRGAN+'s 1x1 path is not the one written out."""
+    assert esrgan.RESIDUAL_DENSE.lean_for(ResidualDenseBlock_5C) is None
+
+
+@pytest.mark.parametrize("act", ["prelu", "relu", "leakyrelu"])
+def test_the_lean_compact_net_is_its_own_forward(act, monkeypatch):
+    net = _compact(act, num_conv=4)
+    assert esrgan.COMPACT.lean_for(type(net)) is esrgan.LeanCompactNet
+    lean = _lean_copy(net, esrgan.LeanCompactNet)
+    x = _input(3, n=2)
+    with torch.no_grad():
+        ref = net(x)
+        with monkeypatch.context() as mp:
+            _refuse_module_calls(mp, nn.Conv2d, nn.PReLU, nn.ReLU, nn.LeakyReLU, nn.PixelShuffle, type(net))
+            y = lean(x)
+    assert torch.equal(y, ref) and y.stride() == ref.stride()
+    assert esrgan.COMPACT.lean_for(_ResidualSwitch) is None
+
+
+def test_a_patched_compact_net_runs_lean_when_launched_eagerly(device, exact_fp32, monkeypatch):
+    """The net is the model and a graphs-only block: launched eagerly it runs
+    its own forward, through ``LeanCompactNet`` (the class it is passed
+    through as, for the call), and keeps its patched class between calls."""
+    net = _compact(num_conv=4)
+    ref = copy.deepcopy(net).double()
+    conv_patch.apply(net)
+    patched = type(net)
+    x = _input(3, n=2)
+    expected = ref(x.double())
+    net, x, tol = _on(device, net, x)
+    calls = []
+    real = esrgan.LeanCompactNet.forward
+    monkeypatch.setattr(esrgan.LeanCompactNet, "forward",
+                        lambda self, *a, **k: (calls.append(type(self)), real(self, *a, **k))[1])
+    outs, counts = [], []
+    with torch.no_grad():
+        for _ in range(4):  # (the second call is the passthrough's watched one: its own forward)
+            outs.append(net(x))
+            counts.append(len(calls))
+    assert counts == [1, 1, 2, 3] and all(c is not patched for c in calls) and type(net) is patched
+    assert all(rel_err(y, expected) <= tol for y in outs)

@@ -257,7 +257,7 @@ class Watch:
 # ``m.__class__ = cls`` would go through nn.Module.__setattr__ (and a
 # wrapper's, which drops its plans at any public assignment): a microsecond
 # or more each, where this is the same store.
-_store = object.__setattr__
+store = object.__setattr__
 
 
 def own_class_swaps(blocks) -> tuple:
@@ -286,7 +286,7 @@ def run_unfused(block: nn.Module, swaps: tuple, fn):
     mine = []
     for c, own, patched in swaps:
         if type(c) is patched:  # (else changed since, or passed through already)
-            _store(c, "__class__", own)
+            store(c, "__class__", own)
             mine.append((c, own, patched))
     watch = Watch.now
     if watch is not None and watch.thread == threading.get_ident():
@@ -296,7 +296,7 @@ def run_unfused(block: nn.Module, swaps: tuple, fn):
     finally:
         for c, own, patched in mine:
             if type(c) is own:
-                _store(c, "__class__", patched)
+                store(c, "__class__", patched)
 
 
 def _enter(model, args, kwargs):
@@ -324,7 +324,7 @@ def _enter(model, args, kwargs):
     elif Watch.now is None:
         for m, own, patched in plan:
             if type(m) is patched:  # (else changed since: left as it is)
-                _store(m, "__class__", own)
+                store(m, "__class__", own)
         _Global.swapped += 1
         what = plan
     calls.append((model, key, what))
@@ -350,7 +350,7 @@ def _exit(model, args, kwargs, output):
         return None
     for m, own, patched in what:
         if type(m) is own:
-            _store(m, "__class__", patched)
+            store(m, "__class__", patched)
     _Global.swapped -= 1
     return None
 

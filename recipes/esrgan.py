@@ -105,10 +105,24 @@ DENSE_FORWARD = frozenset({"conv1", "conv2", "conv3", "conv4", "conv5", "lrelu",
 _DENSE_CONVS = ("conv1", "conv2", "conv3", "conv4", "conv5")
 
 
+def _forward_names(cls) -> frozenset:
+    """The names ``cls.forward`` reads (cached per function: a graphs-only
+    block's eager call asks at every call)."""
+    fn = getattr(cls, "forward", None)
+    names = _NAMES.get(fn)
+    if names is None:
+        code = getattr(fn, "__code__", None)
+        names = frozenset(code.co_names) if code is not None else frozenset()
+        if fn is not None:
+            _NAMES[fn] = names
+    return names
+
+
+_NAMES: dict = {}
+
+
 def _dense_forward(cls) -> bool:
-    code = getattr(getattr(cls, "forward", None), "__code__", None)
-    names = set(code.co_names) if code is not None else set()
-    return {*_DENSE_CONVS, "cat"} <= names <= DENSE_FORWARD
+    return {*_DENSE_CONVS, "cat"} <= _forward_names(cls) <= DENSE_FORWARD
 
 
 def _chain(c, h: torch.Tensor, mine: bool, act) -> tuple:
@@ -231,9 +245,7 @@ COMPACT_FORWARD = frozenset({"range", "len", "enumerate", "body", "upsampler", "
 
 
 def _compact_forward(cls) -> bool:
-    code = getattr(getattr(cls, "forward", None), "__code__", None)
-    names = set(code.co_names) if code is not None else set()
-    return {"body", "upsampler", "upscale", "interpolate"} <= names <= COMPACT_FORWARD
+    return {"body", "upsampler", "upscale", "interpolate"} <= _forward_names(cls) <= COMPACT_FORWARD
 
 
 class LeanCompactNet:
@@ -275,8 +287,9 @@ class CompactNet(Recipe):
     def lean_for(self, cls):
         """``LeanCompactNet`` where the class's forward reads what the
         recipe's does and upsamples the input nearest."""
-        code = getattr(getattr(cls, "forward", None), "__code__", None)
-        return LeanCompactNet if _compact_forward(cls) and "nearest" in code.co_consts else None
+        if not _compact_forward(cls):
+            return None
+        return LeanCompactNet if "nearest" in cls.forward.__code__.co_consts else None
 
     def match(self, m):
         return (named(m, "SRVGGNetCompact") and compact_steps(m) is not None

@@ -640,3 +640,13 @@ def test_a_child_that_times_out_is_killed_with_the_processes_it_started(tmp_path
         time.sleep(0.1)
     else:
         pytest.fail("the child's own process outlived its timeout")
+
+
+def test_bench_lean_rows(tmp_path):
+    """The lean forwards' benchmark: one row per block, each bit-equal to
+    the block's own forward, in a results file."""
+    from bench import lean
+    rows = lean.main(["--tiny", "--rounds", "1", "--out", str(tmp_path)])
+    assert [r["name"].split(" ")[0] for r in rows] == ["srvgg-x4", "dense", "dense"]
+    assert all(r["bit_equal"] and r["baseline_ms"] > 0 and r["ours_ms"] > 0 for r in rows)
+    assert json.loads(next(tmp_path.glob("lean-*.json")).read_text())["rows"][0]["speedup"] > 0

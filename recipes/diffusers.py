@@ -16,8 +16,8 @@ from conv_patch.target import target_for
 
 from .layers import Conv, Layers, NormConv, Resnet, Up, Whole, need, own_pad, plus
 from .fuse import (Recipe, adds_into, attention, bare, bare_conv, base, channels_last, conv, conv_of,
-                   dropout_is_identity, from_tokens, global_hooks, group_norm, inference, inline_step, is_conv,
-                   is_group_norm, is_relu, is_silu, launched_on_gpu, like_input, matches, named, norm_conv, parts,
+                   dropout_is_identity, from_tokens, global_hooks, group_norm, hookless, inference, inline_step,
+                   is_conv, is_group_norm, is_relu, is_silu, launched_on_gpu, like_input, matches, named, norm_conv, parts,
                    plain, register, resnet, sum_into, swaps_below, to_tokens, upsample_conv, written_out)
 
 
@@ -369,7 +369,12 @@ class LeanTinyBlock:
         if (args or kwargs or not isinstance(x, torch.Tensor) or torch.is_grad_enabled() or global_hooks()
                 or type(seq) is not nn.Sequential or not plain(seq) or skip is None or fuse is None):
             return super().forward(x, *args, **kwargs)
-        if pool is not None:
+        if type(pool) is nn.Sequential and hookless(pool):
+            p, made = x, False
+            for m in pool.__dict__["_modules"].values():
+                p, made = inline_step(m, p, made)
+            x = x + p
+        elif pool is not None:
             x = x + pool(x)
         h, mine = x, False
         for m in seq.__dict__["_modules"].values():

@@ -343,10 +343,13 @@ def inline_step(m, h: torch.Tensor, mine: bool) -> tuple:
     """(output, mine) of one module of a conv/activation chain on ``h``
     (``mine``: a tensor made here, which an activation may overwrite, as an
     in-place activation module does anyway): inline where it is a bare
-    conv, ReLU, SiLU, LeakyReLU or PReLU, called as a module otherwise."""
+    conv, GroupNorm, ReLU, SiLU, LeakyReLU or PReLU, called as a module
+    otherwise."""
     if bare_conv(m):
         return conv_of(m, h), True
     t = type(m)
+    if t is nn.GroupNorm and hookless(m):
+        return inline_norm(m, h), True
     if t is nn.ReLU and hookless(m):
         return F.relu(h, inplace=mine or m.inplace), mine
     if t is nn.SiLU and hookless(m):

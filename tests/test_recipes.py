@@ -638,14 +638,24 @@ def test_a_chain_with_a_pytorch_group_norm_inside_stays_nchw(device, exact_fp32,
     assert probe.nhwc == [not eager_norm]
 
 
-def _ran(code):
-    """A list that a profile hook fills with one entry per call of ``code``
-    (a spy put in a forward's place would be another forward)."""
+def _ran(code, *others):
+    """A list that a profile hook fills with one entry per call of ``code``,
+    and one for the calls of any of ``others`` (a spy put in a forward's
+    place would be another forward)."""
     import sys
-    calls = []
+    calls, other = [], []
+    others = set(others)
     old = sys.getprofile()
-    sys.setprofile(lambda frame, event, arg: calls.append(1) if event == "call" and frame.f_code is code else None)
-    return calls, lambda: sys.setprofile(old)
+
+    def hook(frame, event, arg):
+        if event == "call":
+            if frame.f_code is code:
+                calls.append(1)
+            elif frame.f_code in others:
+                other.append(frame.f_code.co_qualname)
+
+    sys.setprofile(hook)
+    return calls, other, lambda: sys.setprofile(old)
 
 
 @pytest.mark.parametrize("which,cin,cout,cl", [("diffusers", 6, 10, False), ("diffusers", 8, 8, True),
@@ -671,12 +681,16 @@ def test_lean_tiny_block_computes_its_own_forward_bit_for_bit(device, which, cin
     for c, own, _ in passthrough.own_class_swaps(list(block.modules())):
         object.__setattr__(c, "__class__", own)
     assert type(block) is lean
-    calls, stop = _ran(cls.forward.__code__)
+    # (Its parts, the pool's GroupNorm among them, as the functions their
+    # forwards call: no module forward runs.)
+    calls, parts, stop = _ran(cls.forward.__code__, nn.Sequential.forward.__code__, nn.GroupNorm.forward.__code__,
+                              nn.Conv2d.forward.__code__, nn.ReLU.forward.__code__)
     try:
         x0 = x.clone()
         with torch.no_grad():
             out = block(x)
-        assert not calls and torch.equal(out, ref) and out.stride() == ref.stride() and torch.equal(x, x0)
+        assert not calls and not parts, parts
+        assert torch.equal(out, ref) and out.stride() == ref.stride() and torch.equal(x, x0)
         seen = []
         h = block.conv[2].register_forward_hook(lambda m, a, o: seen.append(1))
         with torch.no_grad():

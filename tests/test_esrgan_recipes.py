@@ -393,3 +393,17 @@ def test_a_patched_compact_net_runs_lean_when_launched_eagerly(device, exact_fp3
             counts.append(len(calls))
     assert counts == [1, 1, 2, 3] and all(c is not patched for c in calls) and type(net) is patched
     assert all(rel_err(y, expected) <= tol for y in outs)
+
+
+def test_a_lean_call_that_raises_gives_the_patched_class_back(device, monkeypatch):
+    net = _compact(num_conv=2)
+    conv_patch.apply(net)
+    patched = type(net)
+    net, x, _ = _on(device, net, _input(3))
+
+    def boom(*a, **k):
+        raise RuntimeError("boom")
+    monkeypatch.setattr(esrgan, "inline_step", boom)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="boom"):
+        net(x)
+    assert type(net) is patched

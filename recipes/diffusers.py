@@ -16,9 +16,10 @@ from conv_patch.target import target_for
 
 from .layers import Conv, Layers, NormConv, Resnet, Up, Whole, need, own_pad, plus
 from .fuse import (Recipe, adds_into, attention, bare, bare_conv, base, channels_last, conv, conv_of,
-                   dropout_is_identity, from_tokens, global_hooks, group_norm, hookless, inference, inline_step,
-                   is_conv, is_group_norm, is_relu, is_silu, launched_on_gpu, like_input, matches, named, norm_conv, parts,
-                   plain, register, resnet, sum_into, swaps_below, to_tokens, upsample_conv, written_out)
+                   dropout_is_identity, from_tokens, global_hooks, group_norm, hookless, inference, inline_chain,
+                   inline_step, is_conv, is_group_norm, is_relu, is_silu, launched_on_gpu, like_input, matches, named,
+                   norm_conv, parts, plain, register, resnet, sum_into, swaps_below, to_tokens, upsample_conv,
+                   written_out)
 
 
 class LeanResnet:
@@ -370,15 +371,10 @@ class LeanTinyBlock:
                 or type(seq) is not nn.Sequential or not plain(seq) or skip is None or fuse is None):
             return super().forward(x, *args, **kwargs)
         if type(pool) is nn.Sequential and hookless(pool):
-            p, made = x, False
-            for m in pool.__dict__["_modules"].values():
-                p, made = inline_step(m, p, made)
-            x = x + p
+            x = x + inline_chain(pool.__dict__["_modules"].values(), x, False)[0]
         elif pool is not None:
             x = x + pool(x)
-        h, mine = x, False
-        for m in seq.__dict__["_modules"].values():
-            h, mine = inline_step(m, h, mine)
+        h, mine = inline_chain(seq.__dict__["_modules"].values(), x, False)
         if bare(skip, nn.Identity):
             s = x
         else:

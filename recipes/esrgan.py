@@ -41,7 +41,7 @@ from conv_patch.runtime import pack
 from conv_patch.runtime.state import peek, state_of
 
 from .fuse import (Recipe, base, channels_last, conv, epilogue_activation, global_hooks, hookless, inference,
-                   inline_step, is_conv, like_input, named, parts, plain, register, sum_into)
+                   inline_chain, inline_step, is_conv, like_input, named, parts, plain, register, sum_into)
 
 CLASSES = ("ResidualDenseBlock_5C", "ResidualDenseBlock")
 # The residual scale both forms' forward writes (``x5 * 0.2 + x``).
@@ -130,9 +130,7 @@ def _chain(c, h: torch.Tensor, mine: bool, act) -> tuple:
     block has one (``act``: its ``lrelu``), the activation after it; a CNA
     step's ``nn.Sequential`` of the two run part by part."""
     if type(c) is nn.Sequential and hookless(c):
-        for m in c.__dict__["_modules"].values():
-            h, mine = inline_step(m, h, mine)
-        return h, mine
+        return inline_chain(c.__dict__["_modules"].values(), h, mine)
     h, mine = inline_step(c, h, mine)
     return (h, mine) if act is None else inline_step(act, h, mine)
 
@@ -264,9 +262,7 @@ class LeanCompactNet:
                 or type(body) is not nn.ModuleList or type(up) is not nn.PixelShuffle or not hookless(up)
                 or "upscale" not in d):
             return super().forward(x, *args, **kwargs)
-        h, mine = x, False
-        for m in body.__dict__["_modules"].values():
-            h, mine = inline_step(m, h, mine)
+        h, _ = inline_chain(body.__dict__["_modules"].values(), x, False)
         return F.pixel_shuffle(h, up.upscale_factor) + F.interpolate(x, scale_factor=d["upscale"], mode="nearest")
 
 

@@ -361,6 +361,15 @@ def inline_step(m, h: torch.Tensor, mine: bool) -> tuple:
     return m(h), False
 
 
+def inline_chain(modules, h: torch.Tensor, mine: bool) -> tuple:
+    """(output, mine) of ``modules`` applied in order (``inline_step`` each):
+    an ``nn.Sequential``'s or ``nn.ModuleList``'s modules, read from its
+    ``_modules``."""
+    for m in modules:
+        h, mine = inline_step(m, h, mine)
+    return h, mine
+
+
 def adds_into(h: torch.Tensor, t: torch.Tensor) -> bool:
     """Whether ``h.add_(t)`` (``h`` a tensor the caller made and no one else
     holds) gives the tensor ``h + t`` and ``t + h`` give: ``t`` broadcasts

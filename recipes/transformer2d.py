@@ -135,7 +135,8 @@ def _feed_forward(ff, h: torch.Tensor) -> tuple:
             h, gate = inline_linear(m.__dict__["_modules"]["proj"], h)[0].chunk(2, dim=-1)
             h, mine = h * F.gelu(gate), True
         elif k == "GELU" and hookless(m):
-            h, mine = F.gelu(inline_linear(m.__dict__["_modules"]["proj"], h)[0], approximate=m.__dict__["approximate"]), True
+            proj = m.__dict__["_modules"]["proj"]
+            h, mine = F.gelu(inline_linear(proj, h)[0], approximate=m.__dict__["approximate"]), True
         elif type(m) is nn.Dropout:
             h, same = _dropout(m, h)
             mine = mine and same

@@ -403,7 +403,7 @@ def test_a_lean_call_that_raises_gives_the_patched_class_back(device, monkeypatc
 
     def boom(*a, **k):
         raise RuntimeError("boom")
-    monkeypatch.setattr(esrgan, "inline_step", boom)
+    monkeypatch.setattr(esrgan, "inline_chain", boom)
     with torch.no_grad(), pytest.raises(RuntimeError, match="boom"):
         net(x)
     assert type(net) is patched

@@ -10,22 +10,20 @@ writes ``lean-<device>-<date>.json``."""
 
 import argparse
 import copy
-import statistics
 
 import torch
 
-from bench.common import bench_device, launched_call, print_table, rotated, write_results
+from bench import zoo
+from bench.common import bench_device, print_table, write_results
 from conv_patch.recipes import esrgan, fuse
 
 
 def _spandrel_dense(nf, gc):
-    from bench import zoo
     return next(m for m in zoo.spandrel_rrdbnet(nf, 1, gc).modules() if type(m).__name__ == "ResidualDenseBlock_5C")
 
 
 def cases(tiny: bool):
     """(name, block, input shape, lean mixin)."""
-    from bench import zoo
     feat, convs, size = (8, 3, 8) if tiny else (64, 32, 256)
     nf, gc, dsize = (8, 4, 8) if tiny else (64, 32, 256)
     return [
@@ -52,18 +50,13 @@ def main(argv=None):
         mine = copy.deepcopy(own)
         mine.__class__ = fuse.lean_class(type(own), lean)
         x = torch.randn(shape, device=device, dtype=dtype)
-        fns = [lambda m=own: m(x), lambda m=mine: m(x)]
-        samples = [[], []]
         with torch.no_grad():
-            equal = torch.equal(fns[0](), fns[1]())
-            for _ in range(3):
-                fns[0](), fns[1]()
-            for r in range(args.rounds):
-                for i in rotated(2, r):
-                    samples[i].append(launched_call(fns[i], device)[1])
-        a, b = statistics.median(samples[0]), statistics.median(samples[1])
+            equal = torch.equal(own(x), mine(x))
+            t = zoo.interleaved({"own": lambda: own(x), "lean": lambda: mine(x)}, args.rounds, 3)
+        a, b = t["own"]["ms"], t["lean"]["ms"]
         rows.append({"name": f"{name} b{shape[0]} {str(dtype)[6:]}", "baseline": "the block's own forward",
-                     "baseline_ms": a, "ours_ms": b, "speedup": a / b, "bit_equal": equal, "rounds": args.rounds})
+                     "baseline_ms": a, "ours_ms": b, "speedup": a / b, "host_ms": t["lean"]["host_ms"],
+                     "baseline_host_ms": t["own"]["host_ms"], "bit_equal": equal, "rounds": args.rounds})
     path = write_results(f"lean-{device.type}", rows, out_dir=args.out)
     print_table(rows, ["name", "baseline_ms", "ours_ms", "speedup", "bit_equal"])
     print("wrote", path)

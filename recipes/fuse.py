@@ -280,11 +280,17 @@ def written_out(cls: type, method: str, params: tuple, module: str) -> bool:
     return ok
 
 
+def hookless(m: nn.Module) -> bool:
+    """No forward hooks on ``m`` (global hooks are the caller's check, made
+    once per call)."""
+    return not m._forward_hooks and not m._forward_pre_hooks
+
+
 def bare(m: Optional[nn.Module], cls: type) -> bool:
     """Whether ``m`` is exactly a ``cls`` (no subclass, no conv-patch class,
     no parametrization) with no forward hooks: its forward may then be run
     as the function it calls."""
-    return type(m) is cls and not m._forward_hooks and not m._forward_pre_hooks
+    return type(m) is cls and hookless(m)
 
 
 # -- lean steps ----------------------------------------------------------------
@@ -294,12 +300,6 @@ def bare(m: Optional[nn.Module], cls: type) -> bool:
 # runs as itself). Each step says whether its output is a tensor made there
 # (``mine``), so that a later step may write into it in place: a module
 # called as one may hand back a tensor that someone else holds.
-
-def hookless(m: nn.Module) -> bool:
-    """No forward hooks on ``m`` (global hooks are the caller's check, made
-    once per call)."""
-    return not m._forward_hooks and not m._forward_pre_hooks
-
 
 def bare_conv(m) -> bool:
     return bare(m, nn.Conv2d) and m.padding_mode == "zeros"

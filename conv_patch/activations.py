@@ -97,21 +97,29 @@ class ChannelSlopes:
         return self.module.weight.dim() == 1 and self.module.weight.numel() in (1, channels)
 
     def params(self, bias: Optional[torch.Tensor], channels: int, device) -> torch.Tensor:
-        """The kernels' [channels, 2] fp32 (bias, slope) buffer, rewritten
-        from the bias and the slopes at every call (one launch; never
-        trusted to be fresh, as the weight packs are not: conv_patch/runtime/pack.py).
-        Kept between calls, so a recorded launch replays on it and a CUDA
-        graph captures its refresh."""
+        """The kernels' [channels, 2] (bias, slope) buffer, rewritten from
+        the bias and the slopes at every call (never trusted to be fresh, as
+        the weight packs are not: conv_patch/runtime/pack.py) in one launch:
+        in the dtype the bias and the slopes share (the kernels read it in
+        fp32, an exact widening), else fp32. Kept between calls, so a
+        recorded launch replays on it and a CUDA graph captures its refresh.
+        The casts and the stack into an fp32 buffer were three launches and
+        two allocations a call: a third of a PReLU conv's host time on an
+        upscaler's body (docs/performance.md)."""
         slopes = self.module.weight.detach()
+        same = bias is None or (bias.dtype == slopes.dtype and bias.device == slopes.device == device)
+        dtype = slopes.dtype if same and slopes.device == device else torch.float32
         held = self._buf
         # (Without a bias the zeros written at allocation are the bias
         # column: a buffer a biased call wrote is not reused for that.)
-        key = (channels, device, bias is None)
+        key = (channels, device, bias is None, dtype)
         if held is None or held[0] != key:
-            held = self._buf = (key, torch.zeros((channels, 2), dtype=torch.float32, device=device))
+            held = self._buf = (key, torch.zeros((channels, 2), dtype=dtype, device=device))
         buf = held[1]
         if bias is None:
             buf[:, 1].copy_(slopes.expand(channels))
+        elif dtype is slopes.dtype and same:
+            torch.stack((bias.detach(), slopes.expand(channels)), 1, out=buf)
         else:
             torch.stack((bias.detach().float(), slopes.float().expand(channels)), 1, out=buf)
         return buf

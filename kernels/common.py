@@ -161,10 +161,11 @@ def epilogue_values(acc, r, offs_n, n_ok, bias_ptr, beta, out_scale, HAS_BIAS: t
     """``out_scale * act(acc + bias + beta * r)`` in fp32, ``r`` the
     residual tile (read under HAS_RES only). The fusion semantics of every
     kernel, whichever way its tile is then stored. Under PReLU ``bias_ptr``
-    is the [C, 2] fp32 (bias, slope) buffer (``ChannelSlopes.params``)."""
+    is the [C, 2] (bias, slope) buffer (``ChannelSlopes.params``: fp32, or
+    the bias's and the slopes' own dtype)."""
     if ACT == ACT_PRELU:
-        b = tl.load(bias_ptr + 2 * offs_n, mask=n_ok, other=0.0)
-        slope = tl.load(bias_ptr + 2 * offs_n + 1, mask=n_ok, other=0.0)
+        b = tl.load(bias_ptr + 2 * offs_n, mask=n_ok, other=0.0).to(tl.float32)
+        slope = tl.load(bias_ptr + 2 * offs_n + 1, mask=n_ok, other=0.0).to(tl.float32)
         acc += b[None, :]
         if HAS_RES:
             acc += beta * r

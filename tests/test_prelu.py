@@ -85,6 +85,38 @@ def test_prelu_epilogue_matches_float64(route, case, device, exact_fp32):
     assert rel_err(y, ref) <= TOL[dtype] * (4 if dtype != torch.float32 else 1)
 
 
+@pytest.mark.parametrize("bias_dtype", [torch.float16, torch.float32, None])
+def test_params_buffer_is_one_write_in_the_shared_dtype(bias_dtype, device, exact_fp32):
+    """The (bias, slope) buffer is written by one op a call: in the dtype the
+    bias and the slopes share (fp16 here, read in fp32 by the kernels: an
+    exact widening), fp32 where they differ; a half-precision model's PReLU
+    conv on a kernel route matches float64."""
+    g = torch.Generator().manual_seed(11)
+    prelu = _prelu(9, g).to(device, torch.float16)
+    bias = None if bias_dtype is None else randn(g, 9, device=device).to(bias_dtype)
+    act = ChannelSlopes(prelu)
+    buf = act.params(bias, 9, prelu.weight.device)  # (a tensor's device, as the kernel routes pass)
+    want = torch.float16 if bias_dtype in (torch.float16, None) else torch.float32
+    assert buf.dtype == want and tuple(buf.shape) == (9, 2)
+    assert torch.equal(buf[:, 1].double(), prelu.weight.double())
+    assert torch.equal(buf[:, 0].double(), torch.zeros(9, dtype=torch.float64, device=device) if bias is None
+                       else bias.double())
+    if bias_dtype is not torch.float16:
+        return
+    conv = nn.Conv2d(13, 9, 3, padding=1)
+    with torch.no_grad():
+        conv.weight.copy_(torch.randn(conv.weight.shape, generator=g) * (13 * 9) ** -0.5)
+        conv.bias.copy_(torch.randn(9, generator=g) - 0.5)
+    x = randn(g, 2, 13, 7, 9, dtype=torch.float16, device=device)
+    m = _patched("igemm", conv, x, torch.float16)
+    with torch.no_grad():
+        y = m(x, activation=act)
+        y2 = m(x, activation=act)  # the replayed plan
+    assert conv_patch.last_route(m).is_kernel
+    ref = _ref(x, m, prelu)
+    assert rel_err(y, ref) <= TOL[torch.float16] and torch.equal(y, y2)
+
+
 def test_replayed_plan_reads_slopes_and_bias_edited_in_place(device, exact_fp32):
     """The second call replays the recorded launches: the (bias, slope)
     buffer is rewritten at every call, so in-place edits (``.data`` writes

@@ -48,13 +48,13 @@ def main(argv=None):
             ], rounds=args.rounds)
             nbytes = 3 * x.numel() * x.element_size()
             rows.append({
-                "name": f"group_norm+silu {'x'.join(map(str, shape))} {'nhwc' if nhwc else 'nchw'}",
+                "name": f"group_norm({args.groups})+silu {'x'.join(map(str, shape))} {'nhwc' if nhwc else 'nchw'}",
                 "baseline": "torch group_norm + silu", "baseline_ms": theirs, "ours_ms": ours,
                 "speedup": theirs / ours, "tbs": nbytes / ours / 1e9, "rel_err": err,
                 "dtype": str(dtype).replace("torch.", ""),
             })
-            write_results("group_norm", rows, {}, args.out)
-    path = write_results("group_norm", rows, {}, args.out)
+            write_results("group_norm", rows, {"groups": args.groups}, args.out)
+    path = write_results("group_norm", rows, {"groups": args.groups}, args.out)
     print_table(rows, ["name", "baseline_ms", "ours_ms", "speedup", "tbs", "rel_err"])
     print("wrote", path)
 

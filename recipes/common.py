@@ -30,7 +30,8 @@ class GroupNormRecipe(Recipe):
         return is_group_norm(m)
 
     def forward(self, m, x):
-        if (x.is_cuda and not group_norm_pays(x.numel())) or x.dim() not in (4, 5) or not inference(x, m):
+        if (x.dim() not in (4, 5) or (x.is_cuda and not group_norm_pays(x.numel(), x.shape[0] * m.num_groups))
+                or not inference(x, m)):
             # Small on a GPU: PyTorch's own GroupNorm is faster.
             return dispatch.own_group_norm(m, x)
         return group_norm(m, x)
@@ -80,12 +81,14 @@ def chain_plan(children):
     return steps
 
 
-def _group_norm_channels(m) -> int:
-    """The fewest channels of a GroupNorm below ``m`` (0: none)."""
-    fewest = 0
+def _group_norm_channels(m) -> tuple:
+    """(channels, groups) of the GroupNorm below ``m`` with the fewest
+    channels per group, the one PyTorch's kernel is likeliest to take
+    (``costs.group_norm_pays``); (0, 0): none."""
+    fewest = (0, 0)
     for c in m.modules():  # (a loop: torch.compile traces this at the stack's first call)
-        if isinstance(c, nn.GroupNorm) and (fewest == 0 or c.num_channels < fewest):
-            fewest = c.num_channels
+        if isinstance(c, nn.GroupNorm) and (fewest[0] == 0 or c.num_channels * fewest[1] < fewest[0] * c.num_groups):
+            fewest = (c.num_channels, c.num_groups)
     return fewest
 
 
@@ -100,11 +103,11 @@ def _has_convs(m, n: int) -> bool:
     return False
 
 
-def _norms_eager(x: torch.Tensor, gn_channels: int) -> bool:
-    """Whether a stack's GroupNorms (the fewest of their channels
-    ``gn_channels``, 0: none) run as PyTorch's on a stack input ``x``,
-    judged at its resolution."""
-    return bool(gn_channels) and norm_is_eager(x, x.numel() // max(x.shape[1], 1) * gn_channels)
+def _norms_eager(x: torch.Tensor, gn: tuple) -> bool:
+    """Whether a stack's GroupNorms (``gn``: ``_group_norm_channels``) run
+    as PyTorch's on a stack input ``x``, judged at its resolution."""
+    channels, groups = gn
+    return bool(channels) and norm_is_eager(x, x.numel() // max(x.shape[1], 1) * channels, groups)
 
 
 def _holds_graphs_only(m) -> bool:

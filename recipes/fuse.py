@@ -583,10 +583,13 @@ def _kernels_may_run(m: nn.Module) -> bool:
             and not (m._forward_hooks or m._forward_pre_hooks))
 
 
-def norm_is_eager(x: torch.Tensor, numel: Optional[int] = None) -> bool:
+def norm_is_eager(x: torch.Tensor, numel: Optional[int] = None, groups: Optional[int] = None) -> bool:
     """Whether ``group_norm`` runs PyTorch's GroupNorm (below the kernels'
-    crossover) on ``x``, or on a tensor of ``numel`` elements on its device."""
-    return x.is_cuda and not costs.group_norm_pays(x.numel() if numel is None else numel)
+    crossover) on ``x``, or on a tensor of ``numel`` elements of ``x``'s
+    batch on its device, in ``groups`` groups (unknown: judged on the size
+    alone)."""
+    return x.is_cuda and not costs.group_norm_pays(x.numel() if numel is None else numel,
+                                                   None if groups is None else x.shape[0] * groups)
 
 
 def group_norm(norm: nn.GroupNorm, x: torch.Tensor, activation: str = "none",
@@ -600,7 +603,7 @@ def group_norm(norm: nn.GroupNorm, x: torch.Tensor, activation: str = "none",
     the result. Hooks are the caller's business (fused blocks check
     ``plain`` first, the GroupNorm recipe runs inside the module's own
     call)."""
-    if norm_is_eager(x):
+    if norm_is_eager(x, groups=norm.num_groups):
         # PyTorch's GroupNorm is faster at this size:
         # decided here, before any signature is built.
         return dispatch.group_norm_eager(norm, x, activation, out, input_bias, modulation)

@@ -85,7 +85,8 @@ def test_bench_group_norm_rows(tmp_path):
     from bench import group_norm
     group_norm.main(["--shapes", "1x12x5x7", "--groups", "3", "--rounds", "1", "--out", str(tmp_path)])
     rows = _result(tmp_path, "group_norm")["rows"]
-    assert [r["name"] for r in rows] == ["group_norm+silu 1x12x5x7 nchw", "group_norm+silu 1x12x5x7 nhwc"]
+    assert [r["name"] for r in rows] == ["group_norm(3)+silu 1x12x5x7 nchw", "group_norm(3)+silu 1x12x5x7 nhwc"]
+    assert _result(tmp_path, "group_norm")["groups"] == 3
     tol = 1e-5 if rows[0]["dtype"] == "float32" else 1e-2  # bf16 on a GPU
     assert all(ROW_KEYS | {"tbs", "rel_err"} <= set(r) and r["rel_err"] < tol for r in rows)
 
@@ -647,6 +648,6 @@ def test_bench_lean_rows(tmp_path):
     the block's own forward, in a results file."""
     from bench import lean
     rows = lean.main(["--tiny", "--rounds", "1", "--out", str(tmp_path)])
-    assert [r["name"].split(" ")[0] for r in rows] == ["srvgg-x4", "dense", "dense"]
+    assert [r["name"].split(" ")[0] for r in rows] == ["dense", "dense"]
     assert all(r["bit_equal"] and r["baseline_ms"] > 0 and r["ours_ms"] > 0 for r in rows)
     assert json.loads(next(tmp_path.glob("lean-*.json")).read_text())["rows"][0]["speedup"] > 0

@@ -609,6 +609,13 @@ def test_fused_epilogue_and_group_norm_thresholds():
     assert costs.fused_epilogue_pays(mid, 2, True, False, gpu_conv=0.12)
     assert not costs.group_norm_pays(costs.GROUP_NORM_MIN_ELEMENTS - 1)
     assert costs.group_norm_pays(costs.GROUP_NORM_MIN_ELEMENTS)
+    # Few groups of many elements (TAEF2's GroupNorm(4, 256) at a 64^2
+    # latent: PyTorch's moments kernel runs one block a row) pay below it;
+    # 32 groups of a tensor whose rows are as long (a UNet's, a VAE's) do not.
+    taef2 = 1 * 256 * 64 * 64
+    assert costs.group_norm_pays(taef2, 1 * 4) and not costs.group_norm_pays(taef2)
+    assert not costs.group_norm_pays(taef2, 1 * 32) and not costs.group_norm_pays(taef2 * 2, 1 * 32)
+    assert not costs.group_norm_pays(4 * costs.GROUP_NORM_ROW_ELEMENTS - 1, 4)
 
 
 def test_fit_recovers_the_model_it_was_measured_with():

@@ -305,7 +305,7 @@ def eager_norms(monkeypatch):
     """The stack's GroupNorms judged PyTorch's (below the kernels'
     crossover), as on a GPU at TAEF2's 256^2 and 512^2 decodes."""
     from conv_patch.recipes import common
-    monkeypatch.setattr(common, "norm_is_eager", lambda x, numel=None: True)
+    monkeypatch.setattr(common, "norm_is_eager", lambda x, numel=None, groups=None: True)
 
 
 def _watch_block(stack, fail_at=None):
@@ -384,7 +384,7 @@ def test_a_stack_runs_its_recipes_where_its_norms_are_the_kernels_or_on_the_grap
             stack(x)  # on the CPU the GroupNorms are the kernels'
         assert {s[0] for s in seen} == {fused}
         from conv_patch.recipes import common
-        monkeypatch.setattr(common, "norm_is_eager", lambda x, numel=None: True)
+        monkeypatch.setattr(common, "norm_is_eager", lambda x, numel=None, groups=None: True)
         with pack.graph_path():
             stack(x)
         assert seen[-1][0] is fused

@@ -631,7 +631,7 @@ def test_a_chain_with_a_pytorch_group_norm_inside_stays_nchw(device, exact_fp32,
                           nn.Conv2d(8, 3, 3, padding=1), nn.ReLU()).to(device)
     ref = copy.deepcopy(stack)
     conv_patch.apply(stack, config=conv_patch.PatchConfig(passthrough=False))
-    monkeypatch.setattr(common, "norm_is_eager", lambda x, numel=None: eager_norm)
+    monkeypatch.setattr(common, "norm_is_eager", lambda x, numel=None, groups=None: eager_norm)
     x = torch.randn(1, 3, 6, 5, device=device)
     with torch.no_grad():
         assert rel_err(stack(x), ref(x)) < 1e-5

@@ -404,13 +404,24 @@ def subpixel_pays(macs: float) -> bool:
 # bench.group_norm) 2.6M elements ran 0.47-0.49x PyTorch's time and 4.2M
 # 1.10-1.58x; PyTorch's one call is also less host time.
 GROUP_NORM_MIN_ELEMENTS = 4 << 20
+# Below that, for a GroupNorm of few (sample, group) rows each holding at
+# least GROUP_NORM_ROW_ELEMENTS: PyTorch's statistics kernel gives a row
+# one CUDA block, so such a norm runs on a few SMs (TAEF2's pooled blocks,
+# GroupNorm(4, 256) at a 512^2 decode's 64^2 latent: four rows of 262K
+# elements, 0.23 ms of the H100's time with the SiLU against the kernels'
+# 0.017, which split every row over the GPU; at 32^2 0.070 against 0.017:
+# group_norm-few-groups-h100-2026-12-06.json). Measured there at 4 rows
+# only; at 32 rows (a UNet's, a VAE's) PyTorch's stays in charge.
+GROUP_NORM_ROW_ELEMENTS = 1 << 16
+GROUP_NORM_FEW_ROWS = 16
 
 
-def group_norm_pays(numel: int) -> bool:
+def group_norm_pays(numel: int, rows: Optional[int] = None) -> bool:
     """Whether the GroupNorm kernels beat PyTorch's GroupNorm on a tensor of
-    ``numel`` elements (eagerly and in a graph alike: below the crossover
-    they are slower on the GPU too)."""
-    return numel >= GROUP_NORM_MIN_ELEMENTS
+    ``numel`` elements in ``rows`` (sample, group) rows (eagerly and in a
+    graph alike: below the crossover they are slower on the GPU too)."""
+    return numel >= GROUP_NORM_MIN_ELEMENTS or (rows is not None and rows <= GROUP_NORM_FEW_ROWS
+                                                 and numel >= rows * GROUP_NORM_ROW_ELEMENTS)
 
 
 # PyTorch's RMS norm as the Wan-family VAEs write it, on a half-precision

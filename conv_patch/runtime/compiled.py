@@ -290,7 +290,7 @@ def traced_group_norm(norm, x: torch.Tensor, activation: str = "none", input_bia
     target = target_for(x.device)
     if (x.dim() not in (4, 5) or x.numel() == 0 or x.dtype not in KERNEL_DTYPES or needs_grad(*tensors)
             or torch.is_autocast_enabled(x.device.type) or not target.kernels
-            or not (target.interpreter or costs.group_norm_pays(x.numel()))
+            or not (target.interpreter or costs.group_norm_pays(x.numel(), x.shape[0] * num_groups))
             or x.shape[1] % num_groups
             or any(t is not None and t.device != x.device for t in tensors)
             or (modulation is not None and any(t.shape != x.shape for t in modulation))):

@@ -215,7 +215,7 @@ def group_norm_decision(x, num_groups, weight, bias, graph) -> tuple:
         return False, "the kernels do not take this call"
     if target_for(x.device).interpreter:
         return True, "interpreter"
-    if costs.group_norm_pays(x.numel()):
+    if costs.group_norm_pays(x.numel(), x.shape[0] * num_groups):
         return True, "large enough to pay"
     return False, f"{x.numel()} elements: PyTorch's GroupNorm is faster at this size"
 

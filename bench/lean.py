@@ -24,10 +24,8 @@ def _spandrel_dense(nf, gc):
 
 def cases(tiny: bool):
     """(name, block, input shape, lean mixin)."""
-    feat, convs, size = (8, 3, 8) if tiny else (64, 32, 256)
     nf, gc, dsize = (8, 4, 8) if tiny else (64, 32, 256)
     return [
-        (f"srvgg-x4 {size}x{size}", zoo.SRVGGNetCompact(feat, convs), (1, 3, size, size), esrgan.LeanCompactNet),
         (f"dense block new-arch {dsize}x{dsize}", zoo.ResidualDenseBlock_5C(nf, gc), (1, nf, dsize, dsize),
          esrgan.LeanDenseBlock),
         (f"dense block spandrel {dsize}x{dsize}", _spandrel_dense(nf, gc), (1, nf, dsize, dsize),

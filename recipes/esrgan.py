@@ -85,11 +85,10 @@ def _forward_scale(cls) -> Optional[float]:
 
 
 def graphs_only(m) -> Optional[tuple]:
-    """The ``unfused`` rule of both recipes here: launched eagerly, an
-    upscaler's call is host-bound and the fused forward measured slower
-    than the block's own (H100, 256², fp16: RRDB x4 0.72x, the compact net
-    0.80x, against 1.37x and 1.70x replayed from CUDA graphs:
-    docs/performance.md), so eagerly the block runs its own forward (no
+    """The dense block's ``unfused`` rule: launched eagerly, an RRDB net's
+    call is host-bound and the fused forward measured slower than the
+    block's own (H100, 256², fp16: RRDB x4 0.72x against 1.37x replayed
+    from CUDA graphs: docs/performance.md), so eagerly the block runs its own forward (no
     swaps: nothing fused below it); on the graph path (its own graphs, or a
     capture of a block above it) the recipe runs."""
     if pack.GRAPH_PATH or torch.compiler.is_compiling():
@@ -246,46 +245,18 @@ def _compact_forward(cls) -> bool:
     return {"body", "upsampler", "upscale", "interpolate"} <= _forward_names(cls) <= COMPACT_FORWARD
 
 
-class LeanCompactNet:
-    """``SRVGGNetCompact``'s forward for a net passed through or run
-    unfused (``Recipe.lean``): the body in order, its bare convs and
-    activations as the functions their forwards call (any other layer called
-    as a module), the activations in place on tensors made here, then the
-    pixel shuffle plus the nearest-upsampled input. Where no gradient is
-    recorded and no global hook is set; otherwise the class's own forward."""
-
-    def forward(self, x, *args, **kwargs):
-        d = self.__dict__
-        mods = d["_modules"]
-        body, up = mods.get("body"), mods.get("upsampler")
-        if (args or kwargs or not isinstance(x, torch.Tensor) or torch.is_grad_enabled() or global_hooks()
-                or type(body) is not nn.ModuleList or type(up) is not nn.PixelShuffle or not hookless(up)
-                or "upscale" not in d):
-            return super().forward(x, *args, **kwargs)
-        h, _ = inline_chain(body.__dict__["_modules"].values(), x, False)
-        return F.pixel_shuffle(h, up.upscale_factor) + F.interpolate(x, scale_factor=d["upscale"], mode="nearest")
-
-
 class CompactNet(Recipe):
     """``SRVGGNetCompact``: every conv with its activation in the epilogue,
     the body in NHWC inside; the pixel shuffle and the upsampled input's add
     as the net's own. Batches of any size; a traced call, hooks or autograd
-    run the net's own forward."""
+    run the net's own forward. Launched eagerly too: with the PReLU
+    epilogue's (bias, slope) buffer written in one launch, the fused body
+    measured 1.31x the net's own forward at 256² (H100, fp16; its
+    NCHW convs pay cuDNN's layout copies, a bias add and a PReLU pass
+    each: docs/performance.md)."""
 
     name = "esrgan.SRVGGNetCompact"
-    what = "conv+PReLU/ReLU/LeakyReLU epilogues, body in NHWC (with cuda_graphs; launched eagerly its own forward)"
-
-    graphs_only = True
-
-    def unfused(self, m, args, kwargs):
-        return graphs_only(m)
-
-    def lean_for(self, cls):
-        """``LeanCompactNet`` where the class's forward reads what the
-        recipe's does and upsamples the input nearest."""
-        if not _compact_forward(cls):
-            return None
-        return LeanCompactNet if "nearest" in cls.forward.__code__.co_consts else None
+    what = "conv+PReLU/ReLU/LeakyReLU epilogues, body in NHWC"
 
     def match(self, m):
         return (named(m, "SRVGGNetCompact") and compact_steps(m) is not None

@@ -247,17 +247,35 @@ def test_what_the_compact_net_leaves_to_its_own_forward(exact_fp32):
     assert net.body[1].weight.grad is not None
 
 
-@pytest.mark.parametrize("net", ["dense", "compact"])
-def test_launched_eagerly_the_blocks_run_their_own_forward(net, device, exact_fp32, monkeypatch):
-    """Host-bound launched, the fused forwards measured slower than the
-    blocks' own (``esrgan.graphs_only``): eagerly the recipe's forward is not
+def test_launched_eagerly_the_dense_block_runs_its_own_forward(device, exact_fp32, monkeypatch):
+    """Host-bound launched, the fused forward measured slower than the
+    block's own (``esrgan.graphs_only``): eagerly the recipe's forward is not
     called; under a block's own CUDA graphs and on the graph path it is."""
-    block = perturbed(NewArchBlock(12, 5), 2, 0.05) if net == "dense" else _compact()
+    block = perturbed(NewArchBlock(12, 5), 2, 0.05)
     ref = copy.deepcopy(block).double()
     conv_patch.apply(block)
-    recipe = esrgan.RESIDUAL_DENSE if net == "dense" else esrgan.COMPACT
-    _own_forward_eagerly_fused_on_graphs(block, type(recipe), _input(12 if net == "dense" else 3), ref, device,
-                                         monkeypatch)
+    _own_forward_eagerly_fused_on_graphs(block, type(esrgan.RESIDUAL_DENSE), _input(12), ref, device, monkeypatch)
+
+
+def test_launched_eagerly_the_compact_net_runs_fused(device, exact_fp32, monkeypatch):
+    """The compact net is no graphs-only block (measured faster fused
+    launched): an eager call, off the graph path, runs the recipe at every
+    call, its activations never as modules."""
+    net = _compact(num_conv=4)
+    ref = copy.deepcopy(net).double()
+    conv_patch.apply(net)
+    assert not esrgan.COMPACT.graphs_only
+    x = _input(3, n=2)
+    expected = ref(x.double())
+    net, x, tol = _on(device, net, x)
+    calls = []
+    real = type(esrgan.COMPACT).forward
+    monkeypatch.setattr(type(esrgan.COMPACT), "forward", lambda self, *a, **k: (calls.append(1), real(self, *a, **k))[1])
+    for cls in (nn.PReLU, nn.ReLU, nn.LeakyReLU):
+        monkeypatch.setattr(cls, "forward", lambda *a: pytest.fail("an activation ran as a module"))
+    with torch.no_grad():
+        outs = [net(x) for _ in range(3)]
+    assert len(calls) == 3 and all(rel_err(y, expected) <= tol for y in outs)
 
 
 def _own_forward_eagerly_fused_on_graphs(model, recipe_cls, x, ref, device, monkeypatch):
@@ -356,35 +374,21 @@ def test_dense_blocks_written_otherwise_have_no_lean_forward():
     assert esrgan.RESIDUAL_DENSE.lean_for(ResidualDenseBlock_5C) is None
 
 
-@pytest.mark.parametrize("act", ["prelu", "relu", "leakyrelu"])
-def test_the_lean_compact_net_is_its_own_forward(act, monkeypatch):
-    net = _compact(act, num_conv=4)
-    assert esrgan.COMPACT.lean_for(type(net)) is esrgan.LeanCompactNet
-    lean = _lean_copy(net, esrgan.LeanCompactNet)
-    x = _input(3, n=2)
-    with torch.no_grad():
-        ref = net(x)
-        with monkeypatch.context() as mp:
-            _refuse_module_calls(mp, nn.Conv2d, nn.PReLU, nn.ReLU, nn.LeakyReLU, nn.PixelShuffle, type(net))
-            y = lean(x)
-    assert torch.equal(y, ref) and y.stride() == ref.stride()
-    assert esrgan.COMPACT.lean_for(_ResidualSwitch) is None
-
-
-def test_a_patched_compact_net_runs_lean_when_launched_eagerly(device, exact_fp32, monkeypatch):
-    """The net is the model and a graphs-only block: launched eagerly it runs
-    its own forward, through ``LeanCompactNet`` (the class it is passed
-    through as, for the call), and keeps its patched class between calls."""
-    net = _compact(num_conv=4)
+def test_a_patched_dense_block_runs_lean_when_launched_eagerly(device, exact_fp32, monkeypatch):
+    """A dense block that is the model and a graphs-only block: launched
+    eagerly it runs its own forward, through ``LeanDenseBlock`` (the class
+    it is passed through as, for the call), and keeps its patched class
+    between calls."""
+    net = perturbed(NewArchBlock(12, 5), 4, 0.05)
     ref = copy.deepcopy(net).double()
     conv_patch.apply(net)
     patched = type(net)
-    x = _input(3, n=2)
+    x = _input(12)
     expected = ref(x.double())
     net, x, tol = _on(device, net, x)
     calls = []
-    real = esrgan.LeanCompactNet.forward
-    monkeypatch.setattr(esrgan.LeanCompactNet, "forward",
+    real = esrgan.LeanDenseBlock.forward
+    monkeypatch.setattr(esrgan.LeanDenseBlock, "forward",
                         lambda self, *a, **k: (calls.append(type(self)), real(self, *a, **k))[1])
     outs, counts = [], []
     with torch.no_grad():
@@ -396,14 +400,14 @@ def test_a_patched_compact_net_runs_lean_when_launched_eagerly(device, exact_fp3
 
 
 def test_a_lean_call_that_raises_gives_the_patched_class_back(device, monkeypatch):
-    net = _compact(num_conv=2)
+    net = NewArchBlock(12, 5)
     conv_patch.apply(net)
     patched = type(net)
-    net, x, _ = _on(device, net, _input(3))
+    net, x, _ = _on(device, net, _input(12))
 
     def boom(*a, **k):
         raise RuntimeError("boom")
-    monkeypatch.setattr(esrgan, "inline_chain", boom)
+    monkeypatch.setattr(esrgan, "_chain", boom)
     with torch.no_grad(), pytest.raises(RuntimeError, match="boom"):
         net(x)
     assert type(net) is patched

@@ -182,7 +182,15 @@ class ResidualDenseBlock(Recipe):
                 and _forward_scale(getattr(type(m), "cp_base", type(m))) == RESIDUAL_SCALE)
 
     def forward(self, m, x, *args, **kwargs):
-        found = dense_parts(m)
+        # The parts are the block's: kept until a part (or a CNA step's
+        # conv or activation) is replaced, added or removed.
+        key = tuple([c for s in m.__dict__["_modules"].values()
+                     for c in ((s, *s.__dict__["_modules"].values()) if type(s) is nn.Sequential else (s,))])
+        st = state_of(m)
+        held = st.chain
+        if held is None or held[0] != key:
+            held = st.chain = (key, dense_parts(m))
+        found = held[1]
         if (args or kwargs or found is None or not isinstance(x, torch.Tensor) or x.dim() != 4 or x.shape[0] != 1
                 or not x.is_contiguous() or torch.compiler.is_compiling()):
             # (A batch's or an NHWC buffer's channel prefixes are not dense:

@@ -257,6 +257,30 @@ def test_launched_eagerly_the_dense_block_runs_its_own_forward(device, exact_fp3
     _own_forward_eagerly_fused_on_graphs(block, type(esrgan.RESIDUAL_DENSE), _input(12), ref, device, monkeypatch)
 
 
+def test_a_dense_block_edited_after_its_first_call_is_read_again(device, exact_fp32):
+    """The recipe keeps the block's parts between calls (``dense_parts`` at
+    every call was a tenth of its host time); a part replaced since is seen:
+    with a conv the recipe does not take, the block computes its own forward
+    with the new conv (a stale plan would run the old one)."""
+    block = perturbed(NewArchBlock(12, 5), 6, 0.05)
+    ref = copy.deepcopy(block)
+    conv_patch.apply(block)
+    g = torch.Generator().manual_seed(3)
+    new = nn.Conv2d(22, 5, 1)
+    with torch.no_grad():
+        new.weight.copy_(torch.randn(new.weight.shape, generator=g) * 0.2)
+    ref.conv3 = copy.deepcopy(new)
+    ref = ref.double()
+    x = _input(12)
+    expected = ref(x.double())
+    block, x, tol = _on(device, block, x)
+    with torch.no_grad(), pack.graph_path():
+        block(x)
+        block.conv3 = new.to(x.device, x.dtype)  # 1x1: not a dense block the recipe takes
+        y = block(x)
+    assert rel_err(y, expected) <= tol
+
+
 def test_launched_eagerly_the_compact_net_runs_fused(device, exact_fp32, monkeypatch):
     """The compact net is no graphs-only block (measured faster fused
     launched): an eager call, off the graph path, runs the recipe at every

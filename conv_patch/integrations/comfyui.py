@@ -353,9 +353,9 @@ class ConvPatchUpscaleModel:
                                                "convolutions of the net's blocks (off: convolutions only)"}),
             "cuda_graphs": ("BOOLEAN", {"default": False,
                                         "tooltip": "replay the fused blocks from a CUDA graph per tile shape, "
-                                                   "where the dense blocks' and compact nets' fusions run "
-                                                   "(needs recipes; keeps each tile shape's activations in "
-                                                   "GPU memory)"}),
+                                                   "where the ESRGAN dense blocks' fusions run (the compact "
+                                                   "nets' run either way; needs recipes; keeps each tile "
+                                                   "shape's activations in GPU memory)"}),
         }}
 
     def patch(self, upscale_model, recipes=True, cuda_graphs=False):

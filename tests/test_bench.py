@@ -651,3 +651,27 @@ def test_bench_lean_rows(tmp_path):
     assert [r["name"].split(" ")[0] for r in rows] == ["dense", "dense"]
     assert all(r["bit_equal"] and r["baseline_ms"] > 0 and r["ours_ms"] > 0 for r in rows)
     assert json.loads(next(tmp_path.glob("lean-*.json")).read_text())["rows"][0]["speedup"] > 0
+
+
+def test_bench_ab_rows_and_rules(tmp_path):
+    """The rule A/B: one row per variant, each computing the unpatched
+    answer; a variant's rule holds inside its calls only."""
+    from torch import nn
+
+    from bench import ab
+    from conv_patch.recipes import esrgan
+    from conv_patch.routing import costs
+    own = esrgan.graphs_only
+    rows = ab.main(["--only", "srvgg-x4", "--variants", "eager-dense-blocks", "size-only-group-norm", "--tiny",
+                    "--runs", "1", "--out", str(tmp_path)])
+    assert [r["variant"] for r in rows] == ["eager-dense-blocks", "size-only-group-norm"]
+    assert all(ROW_KEYS <= set(r) and r["rel_err_vs_unpatched"] < 1e-5 for r in rows)
+    assert json.loads(next(tmp_path.glob("ab-*.json")).read_text())["variants"] == ["eager-dense-blocks",
+                                                                                 "size-only-group-norm"]
+    assert esrgan.graphs_only is own
+    taef2_pool = (1 * 256 * 64 * 64, 4)
+    with ab.VARIANTS["size-only-group-norm"][0]():
+        assert not costs.group_norm_pays(*taef2_pool)
+    assert costs.group_norm_pays(*taef2_pool)
+    with ab.VARIANTS["eager-dense-blocks"][0]():
+        assert esrgan.graphs_only(nn.Linear(1, 1)) is None

@@ -1,0 +1,143 @@
+"""A decision rule against its alternative, on whole zoo models: each
+variant is the model patched with one rule changed for its calls, launched
+eagerly and interleaved with the unpatched model and the default patched
+one in one process (``zoo.interleaved``: rotated order, medians after
+warm-up).
+
+    python -m bench.ab --only srvgg-x4 taef2 --variants eager-dense-blocks size-only-group-norm
+                       [--table T] [--sizes 256 512] [--runs 41] [--tiny] [--out DIR]
+
+A variant (``VARIANTS``) changes a rule the routing or the recipes read at
+call time, set around its own calls only, so that the other models in the
+rounds keep the default: ``eager-dense-blocks`` runs the upscalers' fused
+blocks launched eagerly (``esrgan.graphs_only`` lifted), and
+``size-only-group-norm`` sends GroupNorms of few long rows back to PyTorch
+below the size crossover (``costs.GROUP_NORM_ROW_ELEMENTS`` past any size).
+``--table T`` adds a variant patched with config table ``T``
+(``PatchConfig(table=T)``) instead of the architecture's own.
+
+One row per (model, size, variant): name, baseline ("conv-patch, default
+rules"), baseline_ms, ours_ms (the variant), speedup (default over
+variant: above 1 the variant is faster), unpatched_ms, the variant's and
+the default's speedups over the unpatched model, host times and errors
+against the unpatched output. Written as ``ab-<date>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+
+import torch
+
+import conv_patch
+from conv_patch.recipes import esrgan
+from conv_patch.routing import costs
+
+from . import zoo
+from .common import bench_device, print_table, write_results
+
+
+@contextlib.contextmanager
+def _eager_dense_blocks():
+    own = esrgan.graphs_only
+    esrgan.graphs_only = lambda m: None
+    try:
+        yield
+    finally:
+        esrgan.graphs_only = own
+
+
+@contextlib.contextmanager
+def _size_only_group_norm():
+    own = costs.GROUP_NORM_ROW_ELEMENTS
+    costs.GROUP_NORM_ROW_ELEMENTS = 1 << 62
+    try:
+        yield
+    finally:
+        costs.GROUP_NORM_ROW_ELEMENTS = own
+
+
+VARIANTS = {
+    "eager-dense-blocks": (_eager_dense_blocks, "the upscalers' fused blocks launched eagerly"),
+    "size-only-group-norm": (_size_only_group_norm, "GroupNorm on the kernels from 4M elements only"),
+}
+
+# Default sizes of the models this benchmark was written for (else the zoo's first).
+SIZES = {"srvgg-x4": (256,), "rrdb-x4": (256,), "rrdb-spandrel-x4": (256,), "taef2": (256, 512),
+         "autoencoder-tiny": (512,)}
+
+
+def _sizes(name):
+    if name in SIZES:
+        return SIZES[name]
+    return tuple(sorted({s for n, s, _, _ in zoo.FULL + zoo.UNTUNED if n == name})[:1]) or (512,)
+
+
+def _wrapped(model, args, kwargs, rule):
+    def call():
+        with rule():
+            return model(*args, **kwargs)
+    return call
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", nargs="+", choices=sorted(zoo.MODELS), required=True)
+    ap.add_argument("--variants", nargs="*", choices=sorted(VARIANTS), default=[])
+    ap.add_argument("--table", default=None, help="a config table to run as a variant")
+    ap.add_argument("--sizes", type=int, nargs="+", default=None)
+    ap.add_argument("--runs", type=int, default=41)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--tiny", action="store_true", help="tiny configs on the CPU (the tests)")
+    ap.add_argument("--out", default=None, help="results folder (default bench/results)")
+    args = ap.parse_args(argv)
+    if not args.variants and args.table is None:
+        ap.error("name at least one variant or a --table")
+    device = bench_device()
+    rows = []
+    for name in args.only:
+        for size in (args.sizes or _sizes(name)):
+            fields, model, inputs = zoo.load_case(name, 16 if args.tiny else size, 1, "fp32" if args.tiny else None,
+                                                  args.tiny, device, 1)
+            x, kw = inputs[0]
+            default = copy.deepcopy(model)
+            conv_patch.apply(default)
+            calls = {"unpatched": lambda: model(*x, **kw), "default": lambda: default(*x, **kw)}
+            what = {}
+            for v in args.variants:
+                m = copy.deepcopy(model)
+                conv_patch.apply(m)
+                calls[v] = _wrapped(m, x, kw, VARIANTS[v][0])
+                what[v] = VARIANTS[v][1]
+            if args.table is not None:
+                m = copy.deepcopy(model)
+                conv_patch.apply(m, config=conv_patch.PatchConfig(table=args.table))
+                calls["table"] = lambda m=m: m(*x, **kw)
+                what["table"] = f"patched with the table {args.table}"
+            with torch.inference_mode():
+                ref = zoo.output_tensor(calls["unpatched"]()).float()
+                errs = {k: ((zoo.output_tensor(f()).float() - ref).norm() / ref.norm()).item()
+                        for k, f in calls.items() if k != "unpatched"}
+                t = zoo.interleaved(calls, 2 if args.tiny else args.runs, 1 if args.tiny else args.warmup)
+            base, dflt = t["unpatched"]["ms"], t["default"]["ms"]
+            for v in what:
+                ms = t[v]["ms"]
+                rows.append({"name": f"{fields['name']} {v}", "variant": v, "what": what[v],
+                             "baseline": "conv-patch, default rules", "baseline_ms": dflt, "ours_ms": ms,
+                             "speedup": dflt / ms, "unpatched_ms": base, "variant_speedup": base / ms,
+                             "default_speedup": base / dflt, "host_ms": t[v]["host_ms"],
+                             "baseline_host_ms": t["default"]["host_ms"], "rel_err_vs_unpatched": errs[v],
+                             "default_rel_err_vs_unpatched": errs["default"], "rounds": args.runs})
+                print(f"{rows[-1]['name']}: unpatched {base:.3f} ms, default {dflt:.3f}, {v} {ms:.3f} "
+                      f"(default/variant x{dflt / ms:.3f})", flush=True)
+            write_results("ab", rows, {"variants": args.variants, "table": args.table}, args.out)
+    path = write_results("ab", rows, {"variants": args.variants, "table": args.table}, args.out)
+    print_table(rows, ["name", "unpatched_ms", "baseline_ms", "ours_ms", "speedup"])
+    print("wrote", path)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -638,6 +638,26 @@ def test_a_chain_with_a_pytorch_group_norm_inside_stays_nchw(device, exact_fp32,
     assert probe.nhwc == [not eager_norm]
 
 
+def test_a_chain_judges_its_norms_by_their_groups_too(device, monkeypatch):
+    """The stack asks the size rule about the GroupNorm with the fewest
+    channels per group (PyTorch's kernel gives each (sample, group) row
+    one block: few long rows go to the kernels, ``costs.group_norm_pays``),
+    at the stack input's resolution, with that norm's group count."""
+    from conv_patch.recipes import common
+    asked = []
+    monkeypatch.setattr(common, "norm_is_eager",
+                        lambda x, numel=None, groups=None: asked.append((numel, groups)) or False)
+    # The pool's GroupNorm(4, 32) has 8 channels a group, the GroupNorm(2, 8) 4: that one is judged.
+    for extra, judged in ((nn.GroupNorm(2, 8), (8, 2)), (nn.Identity(), (32, 4))):
+        asked.clear()
+        stack = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), taesd.Block(8, 8, pool=True), extra,
+                              nn.Conv2d(8, 3, 3, padding=1)).to(device)
+        conv_patch.apply(stack, config=conv_patch.PatchConfig(passthrough=False))
+        with torch.no_grad():
+            stack(torch.randn(2, 3, 6, 5, device=device))
+        assert (2 * 6 * 5 * judged[0], judged[1]) in asked, asked
+
+
 def _ran(code, *others):
     """A list that a profile hook fills with one entry per call of ``code``,
     and one for the calls of any of ``others`` (a spy put in a forward's

@@ -87,10 +87,11 @@ def _forward_scale(cls) -> Optional[float]:
 def graphs_only(m) -> Optional[tuple]:
     """The dense block's ``unfused`` rule: launched eagerly, an RRDB net's
     call is host-bound and the fused forward measured slower than the
-    block's own (H100, 256², fp16: RRDB x4 0.72x against 1.37x replayed
-    from CUDA graphs: docs/performance.md), so eagerly the block runs its own forward (no
-    swaps: nothing fused below it); on the graph path (its own graphs, or a
-    capture of a block above it) the recipe runs."""
+    block's own (its channel-prefix convs mostly on cuDNN, each with an
+    activation op and a copy into the buffer: docs/performance.md), so
+    eagerly the block runs its own forward (no swaps: nothing fused below
+    it); on the graph path (its own graphs, or a capture of a block above
+    it) the recipe runs."""
     if pack.GRAPH_PATH or torch.compiler.is_compiling():
         return None
     st = peek(m)
@@ -257,11 +258,10 @@ class CompactNet(Recipe):
     """``SRVGGNetCompact``: every conv with its activation in the epilogue,
     the body in NHWC inside; the pixel shuffle and the upsampled input's add
     as the net's own. Batches of any size; a traced call, hooks or autograd
-    run the net's own forward. Launched eagerly too: with the PReLU
-    epilogue's (bias, slope) buffer written in one launch, the fused body
-    measured 1.31x the net's own forward at 256² (H100, fp16; its
-    NCHW convs pay cuDNN's layout copies, a bias add and a PReLU pass
-    each: docs/performance.md)."""
+    run the net's own forward. Launched eagerly too: the fused body
+    measured faster than the net's own forward, whose NCHW convs pay
+    cuDNN's layout copies, a bias add and a PReLU pass each
+    (docs/performance.md)."""
 
     name = "esrgan.SRVGGNetCompact"
     what = "conv+PReLU/ReLU/LeakyReLU epilogues, body in NHWC"

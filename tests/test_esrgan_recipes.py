@@ -294,7 +294,8 @@ def test_launched_eagerly_the_compact_net_runs_fused(device, exact_fp32, monkeyp
     net, x, tol = _on(device, net, x)
     calls = []
     real = type(esrgan.COMPACT).forward
-    monkeypatch.setattr(type(esrgan.COMPACT), "forward", lambda self, *a, **k: (calls.append(1), real(self, *a, **k))[1])
+    monkeypatch.setattr(type(esrgan.COMPACT), "forward",
+                        lambda self, *a, **k: (calls.append(1), real(self, *a, **k))[1])
     for cls in (nn.PReLU, nn.ReLU, nn.LeakyReLU):
         monkeypatch.setattr(cls, "forward", lambda *a: pytest.fail("an activation ran as a module"))
     with torch.no_grad():

@@ -107,8 +107,9 @@ class ChannelSlopes:
         two allocations a call: a third of a PReLU conv's host time on an
         upscaler's body (docs/performance.md)."""
         slopes = self.module.weight.detach()
-        same = bias is None or (bias.dtype == slopes.dtype and bias.device == slopes.device == device)
-        dtype = slopes.dtype if same and slopes.device == device else torch.float32
+        # (The slopes, and the bias where there is one, on the buffer's device in one dtype.)
+        same = slopes.device == device and (bias is None or (bias.dtype == slopes.dtype and bias.device == device))
+        dtype = slopes.dtype if same else torch.float32
         held = self._buf
         # (Without a bias the zeros written at allocation are the bias
         # column: a buffer a biased call wrote is not reused for that.)
@@ -118,7 +119,7 @@ class ChannelSlopes:
         buf = held[1]
         if bias is None:
             buf[:, 1].copy_(slopes.expand(channels))
-        elif dtype is slopes.dtype and same:
+        elif same:
             torch.stack((bias.detach(), slopes.expand(channels)), 1, out=buf)
         else:
             torch.stack((bias.detach().float(), slopes.float().expand(channels)), 1, out=buf)

@@ -440,7 +440,7 @@ def plain(*modules: Optional[nn.Module]) -> bool:
     if global_hooks():
         return False
     for m in modules:
-        if m is not None and (m._forward_hooks or m._forward_pre_hooks):
+        if m is not None and not hookless(m):
             return False
     return True
 
@@ -580,7 +580,7 @@ def kernel_step(m: nn.Module, fn):
 
 def _kernels_may_run(m: nn.Module) -> bool:
     return (isinstance(m, PatchedConvMixin) and not m.cp_comfy_active()
-            and not (m._forward_hooks or m._forward_pre_hooks))
+            and hookless(m))
 
 
 def norm_is_eager(x: torch.Tensor, numel: Optional[int] = None, groups: Optional[int] = None) -> bool:
@@ -662,7 +662,7 @@ def causal_conv3d(m: nn.Conv3d, x: torch.Tensor, cache_x: Optional[torch.Tensor]
     (``wrappers.causal_conv3d_problem``): the cached frames read in place and
     the residual in the epilogue where ``m`` is patched and the kernel takes
     the call, the module's own call and a PyTorch add otherwise."""
-    if isinstance(m, PatchedCausalConv3d) and not (m._forward_hooks or m._forward_pre_hooks):
+    if isinstance(m, PatchedCausalConv3d) and hookless(m):
         return m.causal(x, cache_x, residual=residual)
     y = m(x, cache_x)
     return y if residual is None else y + residual

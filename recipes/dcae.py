@@ -29,15 +29,14 @@ import torch.nn.functional as F
 
 from conv_patch.target import target_for
 
-from .fuse import (Recipe, base, channel_rms_norm, channels_last, conv, epilogue_activation, inference, is_conv,
-                   last_axis_rms_norm_params, like_input, named, parts, plain, register, upsample_conv)
+from .fuse import (Recipe, base, channel_rms_norm, channels_last, conv, epilogue_activation, forward_names, inference,
+                   is_conv, last_axis_rms_norm_params, like_input, named, parts, plain, register, upsample_conv)
 
 
 def _forward_reads(m, *names: str) -> bool:
     """Whether the forward of ``m``'s own class reads all of ``names`` (a
     forward of the same class name written otherwise is not matched)."""
-    code = getattr(getattr(getattr(type(m), "cp_base", type(m)), "forward", None), "__code__", None)
-    return code is not None and set(names) <= set(code.co_names)
+    return set(names) <= forward_names(getattr(type(m), "cp_base", type(m)))
 
 
 def _act(m) -> Optional[str]:

@@ -40,8 +40,8 @@ from conv_patch.activations import per_channel
 from conv_patch.runtime import pack
 from conv_patch.runtime.state import peek, state_of
 
-from .fuse import (Recipe, base, channels_last, conv, epilogue_activation, global_hooks, hookless, inference,
-                   inline_chain, inline_step, is_conv, like_input, named, parts, plain, register, sum_into)
+from .fuse import (Recipe, base, channels_last, conv, epilogue_activation, forward_names, global_hooks, hookless,
+                   inference, inline_chain, inline_step, is_conv, like_input, named, parts, plain, register, sum_into)
 
 CLASSES = ("ResidualDenseBlock_5C", "ResidualDenseBlock")
 # The residual scale both forms' forward writes (``x5 * 0.2 + x``).
@@ -105,24 +105,8 @@ DENSE_FORWARD = frozenset({"conv1", "conv2", "conv3", "conv4", "conv5", "lrelu",
 _DENSE_CONVS = ("conv1", "conv2", "conv3", "conv4", "conv5")
 
 
-def _forward_names(cls) -> frozenset:
-    """The names ``cls.forward`` reads (cached per function: a graphs-only
-    block's eager call asks at every call)."""
-    fn = getattr(cls, "forward", None)
-    names = _NAMES.get(fn)
-    if names is None:
-        code = getattr(fn, "__code__", None)
-        names = frozenset(code.co_names) if code is not None else frozenset()
-        if fn is not None:
-            _NAMES[fn] = names
-    return names
-
-
-_NAMES: dict = {}
-
-
 def _dense_forward(cls) -> bool:
-    return {*_DENSE_CONVS, "cat"} <= _forward_names(cls) <= DENSE_FORWARD
+    return {*_DENSE_CONVS, "cat"} <= forward_names(cls) <= DENSE_FORWARD
 
 
 def _chain(c, h: torch.Tensor, mine: bool, act) -> tuple:
@@ -251,7 +235,7 @@ COMPACT_FORWARD = frozenset({"range", "len", "enumerate", "body", "upsampler", "
 
 
 def _compact_forward(cls) -> bool:
-    return {"body", "upsampler", "upscale", "interpolate"} <= _forward_names(cls) <= COMPACT_FORWARD
+    return {"body", "upsampler", "upscale", "interpolate"} <= forward_names(cls) <= COMPACT_FORWARD
 
 
 class CompactNet(Recipe):

@@ -280,6 +280,23 @@ def written_out(cls: type, method: str, params: tuple, module: str) -> bool:
     return ok
 
 
+def forward_names(cls) -> frozenset:
+    """The names ``cls.forward`` reads (``co_names``), by which a recipe
+    tells a forward it wrote its own from; cached per function (a
+    graphs-only block's eager call asks at every call)."""
+    fn = getattr(cls, "forward", None)
+    names = _FORWARD_NAMES.get(fn)
+    if names is None:
+        code = getattr(fn, "__code__", None)
+        names = frozenset(code.co_names) if code is not None else frozenset()
+        if fn is not None:
+            _FORWARD_NAMES[fn] = names
+    return names
+
+
+_FORWARD_NAMES: dict = {}
+
+
 def hookless(m: nn.Module) -> bool:
     """No forward hooks on ``m`` (global hooks are the caller's check, made
     once per call)."""

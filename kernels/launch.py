@@ -16,6 +16,8 @@ refuse_top_level(__name__)
 
 from conv_patch.work import Work
 
+from . import direct_launch
+
 INT32_LIMIT = 2**31 - 1
 
 # tl.dot needs every block dimension >= 16.
@@ -336,7 +338,7 @@ class Program:
         desc_cls = None
         self.launches = []
         for kernel, grid, args, meta, compiled, consts, device in rec.launches:
-            subs, template = [], list(args)
+            subs, template, descs = [], list(args), {}
             for i, a in enumerate(args):
                 if isinstance(a, Tensor):
                     subs.append((i, self._ref(a), None))
@@ -344,12 +346,17 @@ class Program:
                     desc_cls = type(a)
                     # The descriptor's fields but its base: the plan must
                     # not keep the first call's tensors alive.
-                    fields = dict(a.__dict__, base=None)
+                    fields = descs[i] = dict(a.__dict__, base=None)
                     subs.append((i, self._ref(a.base), fields))
                 else:
                     continue
                 template[i] = None
-            self.launches.append((kernel, grid, template, subs, meta, compiled, consts, device))
+            replay = None
+            if compiled is not None:
+                c_launcher = direct_launch.launcher_of(compiled)
+                if c_launcher is not None:
+                    replay = direct_launch.Replay(c_launcher, grid, args, consts, descs)
+            self.launches.append((kernel, grid, template, subs, meta, compiled, consts, device, replay))
         self.result = self._ref(result) if isinstance(result, Tensor) else None
         self._desc_cls = desc_cls
         del self._bases, self._by_storage
@@ -372,7 +379,17 @@ class Program:
             bases.append(torch.empty_strided(shape, stride, dtype=dtype, device=device))
         knobs, driver, _ = _triton()
         hooked = _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook)
-        for kernel, grid, args, subs, meta, compiled, consts, device in self.launches:
+        direct = not hooked and direct_launch.direct_launch_on()
+        for kernel, grid, args, subs, meta, compiled, consts, device, replay in self.launches:
+            if direct and replay is not None:
+                values = []
+                for i, (b, view), _ in subs:
+                    t = bases[b]
+                    if view is not None:
+                        t = t.as_strided(view[0], view[1], t.storage_offset() + view[2])
+                    values.append((i, t))
+                replay.call(driver.active.get_current_stream(device), values)
+                continue
             args = args.copy()
             for i, (b, view), desc in subs:
                 t = bases[b]

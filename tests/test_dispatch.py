@@ -317,6 +317,54 @@ def test_bare_fast_path_costs_no_more_python_than_the_module(device, exact_fp32,
         assert len(keys) == 2
 
 
+def test_recorded_kernel_plans_are_found_on_the_bare_path(device, exact_fp32, monkeypatch):
+    """A plain call of a recorded kernel plan replays from its bare slot,
+    without ``conv_key``, the ``Call`` or the full path's frames; what the
+    slot does not hold is checked: a replaced weight, autograd, autocast and
+    a residual of another shape (same strides) each take the full path, and
+    every answer is the unpatched one."""
+    net, twin = _net(device)
+    conv, ref = net[0], twin[0]
+    keys = []
+    real_key = dispatch.conv_key
+    monkeypatch.setattr(dispatch, "conv_key", lambda *a, **k: keys.append(1) or real_key(*a, **k))
+    x = torch.randn(2, 6, 7, 9, device=device)
+    res = torch.randn(2, 10, 7, 9, device=device)
+    with torch.no_grad():
+        for _ in range(3):
+            assert rel_err(conv(x), ref(x)) <= TOL[torch.float32]
+            assert rel_err(conv(x, residual=res, activation="silu"), F.silu(ref(x) + res)) <= TOL[torch.float32]
+        assert len(keys) == 2 and all(p.kind == KERNEL for p in _plans(conv).values())
+        names = _python_calls(lambda: conv(x))
+        assert "conv_key" not in names and "cp_call" not in names and "replay" in names, names
+        # An in-place edit is read by the replay (the pack is refreshed).
+        conv.weight.mul_(-2.0)
+        ref.weight.mul_(-2.0)
+        assert rel_err(conv(x), ref(x)) <= TOL[torch.float32] and len(keys) == 2
+        # A replaced parameter: the full path, a plan of its own.
+        w = torch.randn_like(conv.weight) * 0.3
+        conv.weight = nn.Parameter(w.clone())
+        ref.weight = nn.Parameter(w.clone())
+        assert rel_err(conv(x), ref(x)) <= TOL[torch.float32] and len(keys) == 3
+        # A residual whose strides equal the slot's but whose shape does not.
+        thin = torch.randn(1, 10, 7, 9, device=device)
+        assert thin.stride() == res.stride()
+        n = len(keys)
+        try:
+            y = conv(x, residual=thin, activation="silu")
+        except ValueError:
+            pass
+        else:
+            assert rel_err(y, F.silu(ref(x) + thin)) <= TOL[torch.float32]
+        assert len(keys) == n + 1
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            y, want = conv(x), ref(x)
+        assert y.dtype == want.dtype and rel_err(y, want) <= TOL[torch.bfloat16] and len(keys) == n + 2
+    # Autograd: the full path, with a graph to differentiate.
+    y = conv(x)
+    assert y.grad_fn is not None and len(keys) == n + 3 and rel_err(y, ref(x)) <= TOL[torch.float32]
+
+
 def test_bare_fast_path_stays_off_conv_patchs_graph_path(device, exact_fp32, monkeypatch):
     """On conv-patch's own graph path (warm-up and capture, where a launch
     costs GPU time only) a call is never found on the bare path, and on a

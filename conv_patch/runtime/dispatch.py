@@ -30,7 +30,7 @@ from conv_patch.ops.subpixel import PARITIES, parity_padding, parity_view, parit
 from conv_patch.routing import costs
 from conv_patch.routing.decide import decide
 from conv_patch.runtime import pack, passthrough, planner
-from conv_patch.runtime.plans import UNREGISTERED, building, conv_key, cudnn_weight, eager, tensor_sig
+from conv_patch.runtime.plans import UNREGISTERED, KernelSlot, building, conv_key, cudnn_weight, eager, tensor_sig
 from conv_patch.runtime.state import STATE, State, state_of
 from conv_patch.specs import ConvSpec
 from conv_patch.target import target_for
@@ -90,7 +90,10 @@ def conv_with(m, weight, bias, call: Call):
 # more host time than the module's own forward and the eager ops: a few
 # frames, no ``Call`` and no attribute lookups through
 # ``nn.Module.__getattr__``. A UNet's resnet convs (the time embedding and
-# the shortcut in their epilogues) run on PyTorch this way.
+# the shortcut in their epilogues) run on PyTorch this way. A recorded
+# kernel plan of such a call is found here too (``plans.KernelSlot``, which
+# checks what else its signature held) and replayed, without the ``Call``,
+# the signature and four frames of the full path.
 # Only plans made off the graph path are remembered, and a call on it
 # (``pack.GRAPH_PATH``: conv-patch's own graph warm-up and capture) does not
 # look here: there a launch costs GPU time only and the kernels may win. A
@@ -115,6 +118,8 @@ def bare_call(m, x, activation="none", residual=None, beta=1.0, out_scale=1.0):
     hit = bare.get((x.shape, x.stride(), x.dtype, x.device, x.data_ptr() & 15, activation, res, beta, out_scale))
     if hit is None:
         return None
+    if type(hit) is KernelSlot:
+        return hit.run(m, x, activation, residual)
     params = m.__dict__["_parameters"]
     weight = params.get("weight")
     if weight is None:  # parametrized since (see conv): its own forward computes

@@ -25,8 +25,8 @@ from conv_patch.routing import costs, tables
 from conv_patch.routing.decide import LEAN, RouteDecision, decide, fallback, table_for
 from conv_patch.routing.registry import Route
 from conv_patch.runtime import pack
-from conv_patch.runtime.plans import (CUDNN, KERNEL, MODULE, AutocastPlan, Conv3dPlan, ConvPlan, NormPlan, building,
-                                      autocast_in_kernels, eager, kernel_failure, recorded, store_plan)
+from conv_patch.runtime.plans import (CUDNN, KERNEL, MODULE, AutocastPlan, Conv3dPlan, ConvPlan, KernelSlot, NormPlan,
+                                      autocast_in_kernels, building, eager, kernel_failure, recorded, store_plan)
 from conv_patch.runtime.state import state_of
 from conv_patch.specs import CallDesc, HALF_DTYPES
 from conv_patch.target import target_for
@@ -50,7 +50,8 @@ def build(m, key, call, weight, bias):
         else:
             plan = AutocastPlan(cast, call.x.device.type, call.padding)
             if autocast_in_kernels(plan, call, grad):
-                plan.inner, y = _build(m, graph, plan.cast_call(call), plan.cast(weight), plan.cast(bias))
+                plan.inner, y = _build(m, graph, plan.cast_call(call), plan.cast(weight), plan.cast(bias),
+                                       slot=False)
             else:
                 y = plan.run(m, call, weight, bias)
         store_plan(m, key, plan, keep=not foreign)
@@ -89,10 +90,18 @@ def spec_for_call(m, weight, padding) -> tuple:
     return spec, None
 
 
-def _build(m, graph, call, weight, bias, packable=False):
+# Recorded kernel plans also found on the bare fast path (``bench.ab``'s
+# ``full-path`` variant turns it off to measure it).
+KERNEL_SLOTS = True
+
+
+def _build(m, graph, call, weight, bias, packable=False, slot=True):
     """(plan, result of this call) for a call without autocast; ``packable``:
     without autograd (a PyTorch-route call on an NHWC input may then read
-    the weight's pack, ``ConvPlan.cl_pack``)."""
+    the weight's pack, ``ConvPlan.cl_pack``). ``slot``: a recorded KERNEL
+    plan of a plain call is also found on the bare fast path
+    (``plans.KernelSlot``); not for autocast's cast call, whose weight is a
+    temporary."""
     x = call.x
     decision, spec = decide_call(m, call, weight, bias, graph)
     plan = ConvPlan(MODULE, decision, spec, graph=graph, direct=direct_args(m, spec, call.padding, call.fallback_args),
@@ -119,6 +128,14 @@ def _build(m, graph, call, weight, bias, packable=False):
             plan = ConvPlan(MODULE, fallback(kernel_failure(e, stacklevel=6)), spec, graph=graph,
                             padding=call.padding)
         else:
+            if (slot and KERNEL_SLOTS and plan.program is not None and call.out is None and not call.no_bias and call.padding is None
+                    and call.output_padding is None and not call.fallback_args and not graph
+                    and call.residual is not x):
+                st = state_of(m)
+                if st.bare is None:
+                    st.bare = {}
+                st.bare[bare_slot(x, call.residual, call.activation, call.beta, call.out_scale)] = \
+                    KernelSlot(plan, weight, bias, call.residual)
             return plan, ((y, bias) if call.no_bias else y)
     eager_only = plan.kind == MODULE and plan.direct is not None and call.out is None and not call.no_bias
     plan.bare = eager_only and call.plain_epilogue

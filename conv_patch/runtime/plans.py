@@ -231,15 +231,23 @@ class ConvPlan:
                                        None if call.no_bias else bias, residual=call.residual, beta=call.beta,
                                        activation=call.activation, out_scale=call.out_scale, out=call.out)
             return (y, bias) if call.no_bias else y
-        w = self.weight(m, weight)
         b = None if call.no_bias else bias
-        if type(call.activation) is not str:  # (PReLU's slopes: one type check on the hot path)
-            b = conv2d_op.kernel_bias(b, call.activation, self.spec.out_channels, call.x.device)
         if self.program is not None:
-            y = self.program((call.x, w, b, call.residual, call.out))
+            y = self.replay(m, call.x, weight, b, call.activation, call.residual, call.out)
         else:
+            w = self.weight(m, weight)
+            if type(call.activation) is not str:
+                b = conv2d_op.kernel_bias(b, call.activation, self.spec.out_channels, call.x.device)
             y = self.launch(call, w, b)
         return (y, bias) if call.no_bias else y
+
+    def replay(self, m, x, weight, bias, activation, residual, out):
+        """A KERNEL plan's recorded launches on this call's tensors, the
+        pack refreshed from ``weight`` first."""
+        w = self.weight(m, weight)
+        if type(activation) is not str:  # (PReLU's slopes: one type check on the hot path)
+            bias = conv2d_op.kernel_bias(bias, activation, self.spec.out_channels, x.device)
+        return self.program((x, w, bias, residual, out))
 
     def weight(self, m, weight):
         """The kernels' weight, read from ``weight`` during this call (see
@@ -261,6 +269,45 @@ class ConvPlan:
                                     residual=call.residual, beta=call.beta, activation=call.activation,
                                     out_scale=call.out_scale, output_padding=call.output_padding, out=call.out,
                                     memory_format=self.memory_format)
+
+
+class KernelSlot:
+    """A recorded KERNEL plan on the bare fast path (``dispatch.bare_call``):
+    the bare slot holds the input's geometry, dtype, device and alignment,
+    the residual's layout, dtype and alignment, and the epilogue's
+    constants; what else the plan's signature (``conv_key``) held for such a
+    call is checked here: the weight and bias by address and shape (a
+    replaced parameter builds a new plan), the residual's shape and that it
+    is not the input, no autograd, no autocast. Where a check fails the call
+    takes the full path."""
+
+    __slots__ = ("plan", "weight_key", "bias_ptr", "residual_shape")
+
+    def __init__(self, plan, weight, bias, residual):
+        self.plan = plan
+        self.weight_key = (weight.data_ptr(), weight.shape)
+        self.bias_ptr = None if bias is None else bias.data_ptr()
+        self.residual_shape = None if residual is None else residual.shape
+
+    def run(self, m, x, activation, residual):
+        """The plan's replay, or None where the call is not the plan's."""
+        params = m.__dict__["_parameters"]
+        weight, bias = params.get("weight"), params.get("bias")
+        if weight is None or (weight.data_ptr(), weight.shape) != self.weight_key:
+            return None
+        if (None if bias is None else bias.data_ptr()) != self.bias_ptr:
+            return None
+        if residual is not None and (residual is x or residual.shape != self.residual_shape):
+            return None
+        if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                        or (bias is not None and bias.requires_grad)
+                                        or (residual is not None and residual.requires_grad)):
+            return None
+        if torch.is_autocast_enabled(x.device.type):
+            return None
+        plan = self.plan
+        state_of(m).last = plan.decision
+        return plan.replay(m, x, weight, bias, activation, residual, None)
 
 
 @dataclasses.dataclass(eq=False)

@@ -12,7 +12,13 @@ call time, set around its own calls only, so that the other models in the
 rounds keep the default: ``eager-dense-blocks`` runs the upscalers' fused
 blocks launched eagerly (``esrgan.graphs_only`` lifted), and
 ``size-only-group-norm`` sends GroupNorms of few long rows back to PyTorch
-below the size crossover (``costs.GROUP_NORM_ROW_ELEMENTS`` past any size).
+below the size crossover (``costs.GROUP_NORM_ROW_ELEMENTS`` past any size),
+and ``triton-launcher`` replays the recorded launches through Triton's
+Python launcher instead of its C launcher (``kernels/direct_launch.py``),
+``full-path`` finds kernel plans by their full signature only
+(``planner.KERNEL_SLOTS`` off: no ``plans.KernelSlot`` on the bare path),
+and ``cudnn-grouped-pointwise`` leaves grouped 1x1 convs to PyTorch (the
+DC-AE recipe's ``proj_out``).
 ``--table T`` adds a variant patched with config table ``T``
 (``PatchConfig(table=T)``) instead of the architecture's own.
 
@@ -32,8 +38,11 @@ import copy
 import torch
 
 import conv_patch
+from conv_patch.kernels import direct_launch
+from conv_patch.ops import grouped_pointwise
 from conv_patch.recipes import esrgan
 from conv_patch.routing import costs
+from conv_patch.runtime import planner
 
 from . import zoo
 from .common import bench_device, print_table, write_results
@@ -59,9 +68,41 @@ def _size_only_group_norm():
         costs.GROUP_NORM_ROW_ELEMENTS = own
 
 
+@contextlib.contextmanager
+def _triton_launcher():
+    was = direct_launch.enable(False)
+    try:
+        yield
+    finally:
+        direct_launch.enable(was)
+
+
+@contextlib.contextmanager
+def _full_path():
+    own = planner.KERNEL_SLOTS
+    planner.KERNEL_SLOTS = False
+    try:
+        yield
+    finally:
+        planner.KERNEL_SLOTS = own
+
+
+@contextlib.contextmanager
+def _cudnn_grouped_pointwise():
+    own = grouped_pointwise.problem
+    grouped_pointwise.problem = lambda conv, x: "bench.ab: cuDNN's grouped conv"
+    try:
+        yield
+    finally:
+        grouped_pointwise.problem = own
+
+
 VARIANTS = {
     "eager-dense-blocks": (_eager_dense_blocks, "the upscalers' fused blocks launched eagerly"),
     "size-only-group-norm": (_size_only_group_norm, "GroupNorm on the kernels from 4M elements only"),
+    "triton-launcher": (_triton_launcher, "replays through Triton's Python launcher, not its C launcher directly"),
+    "full-path": (_full_path, "kernel plans found by the full signature only, not on the bare fast path"),
+    "cudnn-grouped-pointwise": (_cudnn_grouped_pointwise, "grouped 1x1 convs (DC-AE's proj_out) on cuDNN"),
 }
 
 # Default sizes of the models this benchmark was written for (else the zoo's first).

@@ -18,6 +18,10 @@ reads.
   added in conv_in's epilogue, the final RMS norm and ReLU one pass. Its
   EfficientViT blocks (the linear attention, the GLU convs) run their own
   forward on the NHWC activations.
+* ``SanaMultiscaleAttentionProjection`` (the linear attention's multiscale
+  branch): its depthwise conv runs as it is, its grouped 1x1 ``proj_out``
+  as one launch of the grouped-pointwise kernel (``ops.grouped_pointwise``;
+  cuDNN runs a GEMM per group on NHWC, each behind a slicing kernel).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from conv_patch.ops import grouped_pointwise
 from conv_patch.target import target_for
 
 from .fuse import (Recipe, base, channel_rms_norm, channels_last, conv, epilogue_activation, forward_names, inference,
@@ -154,6 +159,31 @@ class Decoder(Recipe):
         return like_input(conv_out(h), x)
 
 
+class MultiscaleProjection(Recipe):
+    """The depthwise ``proj_in`` as it is, the grouped 1x1 ``proj_out`` in
+    one kernel launch where the kernel takes it (else the module)."""
+
+    name = "dcae.SanaMultiscaleAttentionProjection"
+    what = "grouped 1x1 proj_out in one launch"
+    runs_convs = False  # (no patched conv below: no weight packs to refresh)
+
+    def match(self, m):
+        proj_in, proj_out = parts(m, "proj_in", "proj_out")
+        return (named(m, "SanaMultiscaleAttentionProjection") and proj_in is not None
+                and grouped_pointwise.conv_problem(proj_out) is None
+                and _forward_reads(m, "proj_in", "proj_out"))
+
+    def forward(self, m, x, *args, **kwargs):
+        proj_in, proj_out = parts(m, "proj_in", "proj_out")
+        if args or kwargs or torch.compiler.is_compiling() or not plain(proj_out):
+            return base(m, x, *args, **kwargs)
+        h = proj_in(x)
+        if grouped_pointwise.problem(proj_out, h) is None:
+            return grouped_pointwise.grouped_pointwise(proj_out, h)
+        return proj_out(h)
+
+
 RESBLOCK = register(ResBlock())
 UP_BLOCK = register(UpBlock())
 DECODER = register(Decoder())
+MULTISCALE_PROJECTION = register(MultiscaleProjection())

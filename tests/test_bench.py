@@ -81,6 +81,14 @@ def test_bench_vae_rows(tmp_path):
     assert r["baseline"] == "eager nchw" and r["ours_ms"] > 0
 
 
+def test_bench_grouped_pointwise_rows(tmp_path):
+    from bench import grouped_pointwise
+    rows = grouped_pointwise.main(["--shapes", "1x12x5x7g3", "--rounds", "1", "--out", str(tmp_path)])
+    assert [r["name"] for r in rows] == ["grouped 1x1 1x12x5x7g3 nhwc"]
+    assert rows[0]["rel_err"] <= 2 * rows[0]["baseline_rel_err"] + 1e-6
+    assert _result(tmp_path, "grouped_pointwise")["rows"][0]["speedup"] > 0
+
+
 def test_bench_group_norm_rows(tmp_path):
     from bench import group_norm
     group_norm.main(["--shapes", "1x12x5x7", "--groups", "3", "--rounds", "1", "--out", str(tmp_path)])
@@ -675,3 +683,14 @@ def test_bench_ab_rows_and_rules(tmp_path):
     assert costs.group_norm_pays(*taef2_pool)
     with ab.VARIANTS["eager-dense-blocks"][0]():
         assert esrgan.graphs_only(nn.Linear(1, 1)) is None
+    from conv_patch.kernels import direct_launch
+    from conv_patch.runtime import planner
+    on = direct_launch.direct_launch_on()
+    with ab.VARIANTS["triton-launcher"][0](), ab.VARIANTS["full-path"][0]():
+        assert not direct_launch.direct_launch_on() and not planner.KERNEL_SLOTS
+    assert direct_launch.direct_launch_on() == on and planner.KERNEL_SLOTS
+    from conv_patch.ops import grouped_pointwise
+    conv = nn.Conv2d(4, 4, 1, groups=2)
+    with ab.VARIANTS["cudnn-grouped-pointwise"][0]():
+        assert grouped_pointwise.problem(conv, None) is not None
+    assert grouped_pointwise.problem(conv, None) == "the input is not a 4-D tensor of the conv's channels"

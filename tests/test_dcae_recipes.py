@@ -44,7 +44,8 @@ def test_the_decoder_against_its_own_forward(upsample, act, device, exact_fp32, 
     fused = {k: v.split()[0] for k, v in report.fused.items() if k.startswith("decoder")}
     assert fused == {"decoder": "dcae.Decoder", "decoder.up_blocks.0.0": "dcae.DCUpBlock2d",
                      "decoder.up_blocks.0.1": "dcae.ResBlock", "decoder.up_blocks.1.0": "dcae.DCUpBlock2d",
-                     "decoder.up_blocks.1.1": "dcae.ResBlock", "decoder.up_blocks.1.2": "dcae.ResBlock"}, fused
+                     "decoder.up_blocks.1.1": "dcae.ResBlock", "decoder.up_blocks.1.2": "dcae.ResBlock",
+                     "decoder.up_blocks.2.0.attn.to_qkv_multiscale.0": "dcae.SanaMultiscaleAttentionProjection"}, fused
     z = _latent()
     expected = ref.decode(z.double()).sample
     tol = TOL[torch.float32]
@@ -74,6 +75,34 @@ def test_the_encoder_resblocks_and_an_nhwc_input(exact_fp32):
         y = model(x).sample
     assert y.is_contiguous(memory_format=torch.channels_last)
     assert rel_err(y, ref(x.double()).sample) <= TOL[torch.float32]
+
+
+def test_the_multiscale_projection_runs_proj_out_as_one_launch(device, exact_fp32, monkeypatch):
+    """The linear attention's multiscale branch: its own forward's answer,
+    the grouped 1x1 proj_out in the kernel on an NHWC input (never the
+    module's call), and the module's own call on an NCHW one."""
+    from conv_patch.ops import grouped_pointwise
+    from conv_patch.target import target_for
+    proj = next(m for m in _model().modules() if type(m).__name__ == "SanaMultiscaleAttentionProjection")
+    proj = copy.deepcopy(proj).to(device)
+    ref = copy.deepcopy(proj)
+    assert dcae.MULTISCALE_PROJECTION.match(proj)
+    conv_patch.apply(proj)
+    calls = []
+    real = torch.nn.Conv2d.forward
+    monkeypatch.setattr(torch.nn.Conv2d, "forward",
+                        lambda m, x: (calls.append(m.kernel_size), real(m, x))[1])
+    g = torch.Generator().manual_seed(2)
+    x = (torch.randn(2, proj.proj_in.in_channels, 7, 5, generator=g) + 2.0).to(device)
+    with torch.no_grad():
+        want = ref(x)
+        calls.clear()
+        y = proj(x.contiguous(memory_format=torch.channels_last))
+        kernel = target_for(x.device).kernels
+        assert calls == ([(5, 5)] if kernel else [(5, 5), (1, 1)]) and rel_err(y, want) <= TOL[torch.float32]
+        calls.clear()
+        assert rel_err(proj(x), want) <= TOL[torch.float32] and calls == [(5, 5), (1, 1)]
+    assert grouped_pointwise.problem(proj.proj_out, x) is not None
 
 
 def test_what_the_recipes_leave_alone():

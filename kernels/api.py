@@ -12,6 +12,7 @@ Triton itself decides it at decoration time.
 from .attention import launch_attention_block, partial_columns as attention_partial_columns
 from .common import INTERPRET
 from .conv2d_tma import reads_nchw_in_place
+from .depthwise import launch_depthwise
 from .epilogue import launch_epilogue
 from .group_norm import (launch_group_norm, launch_group_norm_apply, launch_group_norm_partials,
                                            launch_group_norm_stats)
@@ -24,7 +25,8 @@ from .weight_prep import (grouped_pack_args, launch_grouped_weight_pack, launch_
                                             launch_weight_pack)
 
 __all__ = ["INTERPRET", "Program", "Unrecordable", "attention_partial_columns", "empty",
-           "grouped_pack_args", "launch_attention_block", "launch_grouped_pointwise", "launch_epilogue", "launch_group_norm",
+           "grouped_pack_args", "launch_attention_block", "launch_depthwise", "launch_epilogue",
+           "launch_grouped_pointwise", "launch_group_norm",
            "launch_group_norm_apply", "launch_group_norm_partials", "launch_group_norm_stats",
            "launch_grouped_weight_pack", "launch_nchw_to_nhwc", "launch_rms_norm", "launch_softmax_rows",
            "launch_subpixel_fold", "launch_weight_pack", "reads_nchw_in_place", "recording"]

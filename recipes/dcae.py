@@ -19,9 +19,9 @@ reads.
   EfficientViT blocks (the linear attention, the GLU convs) run their own
   forward on the NHWC activations.
 * ``SanaMultiscaleAttentionProjection`` (the linear attention's multiscale
-  branch): its depthwise conv runs as it is, its grouped 1x1 ``proj_out``
-  as one launch of the grouped-pointwise kernel (``ops.grouped_pointwise``;
-  cuDNN runs a GEMM per group on NHWC, each behind a slicing kernel).
+  branch): its depthwise ``proj_in`` and grouped 1x1 ``proj_out`` each one
+  launch of conv-patch's grouped-conv kernels (``ops.grouped_conv``; cuDNN
+  runs the 1x1 as a GEMM per group on NHWC, each behind a slicing kernel).
 """
 
 from __future__ import annotations
@@ -30,8 +30,9 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-from conv_patch.ops import grouped_pointwise
+from conv_patch.ops import grouped_conv
 from conv_patch.target import target_for
 
 from .fuse import (Recipe, base, channel_rms_norm, channels_last, conv, epilogue_activation, forward_names, inference,
@@ -160,27 +161,31 @@ class Decoder(Recipe):
 
 
 class MultiscaleProjection(Recipe):
-    """The depthwise ``proj_in`` as it is, the grouped 1x1 ``proj_out`` in
-    one kernel launch where the kernel takes it (else the module)."""
+    """The depthwise ``proj_in`` and the grouped 1x1 ``proj_out``, each in one
+    kernel launch where the kernels take it (else the module's call)."""
 
     name = "dcae.SanaMultiscaleAttentionProjection"
-    what = "grouped 1x1 proj_out in one launch"
+    what = "depthwise proj_in and grouped 1x1 proj_out, one launch each"
     runs_convs = False  # (no patched conv below: no weight packs to refresh)
 
     def match(self, m):
         proj_in, proj_out = parts(m, "proj_in", "proj_out")
-        return (named(m, "SanaMultiscaleAttentionProjection") and proj_in is not None
-                and grouped_pointwise.conv_problem(proj_out) is None
-                and _forward_reads(m, "proj_in", "proj_out"))
+        return (named(m, "SanaMultiscaleAttentionProjection") and isinstance(proj_in, nn.Module)
+                and grouped_conv.conv_problem(proj_out) is None and _forward_reads(m, "proj_in", "proj_out"))
 
     def forward(self, m, x, *args, **kwargs):
-        proj_in, proj_out = parts(m, "proj_in", "proj_out")
-        if args or kwargs or torch.compiler.is_compiling() or not plain(proj_out):
+        if args or kwargs or torch.compiler.is_compiling():
             return base(m, x, *args, **kwargs)
-        h = proj_in(x)
-        if grouped_pointwise.problem(proj_out, h) is None:
-            return grouped_pointwise.grouped_pointwise(proj_out, h)
-        return proj_out(h)
+        proj_in, proj_out = parts(m, "proj_in", "proj_out")
+        return _grouped(proj_out, _grouped(proj_in, x))
+
+
+def _grouped(conv, x):
+    """``conv(x)``: the grouped-conv kernels' launch where they take the call
+    and no hook watches ``conv``, else its own call."""
+    if plain(conv) and grouped_conv.problem(conv, x) is None:
+        return grouped_conv.grouped_conv(conv, x)
+    return conv(x)
 
 
 RESBLOCK = register(ResBlock())

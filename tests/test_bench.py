@@ -81,12 +81,12 @@ def test_bench_vae_rows(tmp_path):
     assert r["baseline"] == "eager nchw" and r["ours_ms"] > 0
 
 
-def test_bench_grouped_pointwise_rows(tmp_path):
-    from bench import grouped_pointwise
-    rows = grouped_pointwise.main(["--shapes", "1x12x5x7g3", "--rounds", "1", "--out", str(tmp_path)])
-    assert [r["name"] for r in rows] == ["grouped 1x1 1x12x5x7g3 nhwc"]
-    assert rows[0]["rel_err"] <= 2 * rows[0]["baseline_rel_err"] + 1e-6
-    assert _result(tmp_path, "grouped_pointwise")["rows"][0]["speedup"] > 0
+def test_bench_grouped_conv_rows(tmp_path):
+    from bench import grouped_conv
+    rows = grouped_conv.main(["--shapes", "1x12x5x7g3", "1x6x5x4dw3", "--rounds", "1", "--out", str(tmp_path)])
+    assert [r["name"] for r in rows] == ["pointwise 1x12x5x7g3 nhwc", "depthwise 1x6x5x4dw3 nhwc"]
+    assert all(r["rel_err"] <= 2 * r["baseline_rel_err"] + 1e-6 for r in rows)
+    assert _result(tmp_path, "grouped_conv")["rows"][1]["speedup"] > 0
 
 
 def test_bench_group_norm_rows(tmp_path):
@@ -689,8 +689,8 @@ def test_bench_ab_rows_and_rules(tmp_path):
     with ab.VARIANTS["triton-launcher"][0](), ab.VARIANTS["full-path"][0]():
         assert not direct_launch.direct_launch_on() and not planner.KERNEL_SLOTS
     assert direct_launch.direct_launch_on() == on and planner.KERNEL_SLOTS
-    from conv_patch.ops import grouped_pointwise
+    from conv_patch.ops import grouped_conv
     conv = nn.Conv2d(4, 4, 1, groups=2)
-    with ab.VARIANTS["cudnn-grouped-pointwise"][0]():
-        assert grouped_pointwise.problem(conv, None) is not None
-    assert grouped_pointwise.problem(conv, None) == "the input is not a 4-D tensor of the conv's channels"
+    with ab.VARIANTS["cudnn-grouped-convs"][0]():
+        assert grouped_conv.problem(conv, None) is not None
+    assert grouped_conv.problem(conv, None) == "the input is not a 4-D tensor of the conv's channels"

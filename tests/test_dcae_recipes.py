@@ -77,11 +77,12 @@ def test_the_encoder_resblocks_and_an_nhwc_input(exact_fp32):
     assert rel_err(y, ref(x.double()).sample) <= TOL[torch.float32]
 
 
-def test_the_multiscale_projection_runs_proj_out_as_one_launch(device, exact_fp32, monkeypatch):
+def test_the_multiscale_projection_runs_its_convs_as_one_launch_each(device, exact_fp32, monkeypatch):
     """The linear attention's multiscale branch: its own forward's answer,
-    the grouped 1x1 proj_out in the kernel on an NHWC input (never the
-    module's call), and the module's own call on an NCHW one."""
-    from conv_patch.ops import grouped_pointwise
+    the depthwise proj_in and grouped 1x1 proj_out in the kernels on an NHWC
+    input (never the modules' calls), the modules' own calls on an NCHW one
+    and on a hooked proj_in."""
+    from conv_patch.ops import grouped_conv
     from conv_patch.target import target_for
     proj = next(m for m in _model().modules() if type(m).__name__ == "SanaMultiscaleAttentionProjection")
     proj = copy.deepcopy(proj).to(device)
@@ -99,10 +100,15 @@ def test_the_multiscale_projection_runs_proj_out_as_one_launch(device, exact_fp3
         calls.clear()
         y = proj(x.contiguous(memory_format=torch.channels_last))
         kernel = target_for(x.device).kernels
-        assert calls == ([(5, 5)] if kernel else [(5, 5), (1, 1)]) and rel_err(y, want) <= TOL[torch.float32]
+        assert calls == ([] if kernel else [(5, 5), (1, 1)]) and rel_err(y, want) <= TOL[torch.float32]
         calls.clear()
         assert rel_err(proj(x), want) <= TOL[torch.float32] and calls == [(5, 5), (1, 1)]
-    assert grouped_pointwise.problem(proj.proj_out, x) is not None
+        calls.clear()
+        seen = []
+        proj.proj_in.register_forward_hook(lambda m, a, y: seen.append(y.shape))
+        y = proj(x.contiguous(memory_format=torch.channels_last))
+        assert seen and calls == ([(5, 5)] if kernel else [(5, 5), (1, 1)]) and rel_err(y, want) <= TOL[torch.float32]
+    assert grouped_conv.problem(proj.proj_out, x) is not None
 
 
 def test_what_the_recipes_leave_alone():

@@ -61,7 +61,8 @@ def main(argv=None):
             ours, theirs = interleaved_ms([lambda: grouped_conv.grouped_conv(conv, x), lambda: conv(x)],
                                           rounds=args.rounds)
         rows.append({
-            "name": f"{grouped_conv.form(conv)} {s} nhwc", "baseline": "cuDNN, launched", "baseline_ms": theirs, "ours_ms": ours,
+            "name": f"{grouped_conv.form(conv)} {s} nhwc", "baseline": "cuDNN, launched", "baseline_ms": theirs,
+            "ours_ms": ours,
             "speedup": theirs / ours, "rel_err": ((ours_y.double() - ref).norm() / ref.norm()).item(),
             "baseline_rel_err": ((theirs_y.double() - ref).norm() / ref.norm()).item(),
             "dtype": str(dtype).replace("torch.", ""),

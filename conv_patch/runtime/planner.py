@@ -128,9 +128,9 @@ def _build(m, graph, call, weight, bias, packable=False, slot=True):
             plan = ConvPlan(MODULE, fallback(kernel_failure(e, stacklevel=6)), spec, graph=graph,
                             padding=call.padding)
         else:
-            if (slot and KERNEL_SLOTS and plan.program is not None and call.out is None and not call.no_bias and call.padding is None
-                    and call.output_padding is None and not call.fallback_args and not graph
-                    and call.residual is not x):
+            if (slot and KERNEL_SLOTS and plan.program is not None and call.out is None and not call.no_bias
+                    and call.padding is None and call.output_padding is None and not call.fallback_args
+                    and not graph and call.residual is not x):
                 st = state_of(m)
                 if st.bare is None:
                     st.bare = {}

@@ -20,7 +20,7 @@ reads.
   forward on the NHWC activations.
 * ``SanaMultiscaleAttentionProjection`` (the linear attention's multiscale
   branch): its depthwise ``proj_in`` and grouped 1x1 ``proj_out`` each one
-  launch of conv-patch's grouped-conv kernels (``ops.grouped_conv``; cuDNN
+  launch of conv-patch's grouped-conv kernels (``fuse.grouped_conv``; cuDNN
   runs the 1x1 as a GEMM per group on NHWC, each behind a slicing kernel).
 """
 
@@ -32,11 +32,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conv_patch.ops import grouped_conv
+from conv_patch.ops import grouped_conv as grouped_conv_op
 from conv_patch.target import target_for
 
-from .fuse import (Recipe, base, channel_rms_norm, channels_last, conv, epilogue_activation, forward_names, inference,
-                   is_conv, last_axis_rms_norm_params, like_input, named, parts, plain, register, upsample_conv)
+from .fuse import (Recipe, base, channel_rms_norm, channels_last, conv, epilogue_activation, forward_names,
+                   grouped_conv, inference, is_conv, last_axis_rms_norm_params, like_input, named, parts, plain,
+                   register, upsample_conv)
 
 
 def _forward_reads(m, *names: str) -> bool:
@@ -171,21 +172,13 @@ class MultiscaleProjection(Recipe):
     def match(self, m):
         proj_in, proj_out = parts(m, "proj_in", "proj_out")
         return (named(m, "SanaMultiscaleAttentionProjection") and isinstance(proj_in, nn.Module)
-                and grouped_conv.conv_problem(proj_out) is None and _forward_reads(m, "proj_in", "proj_out"))
+                and grouped_conv_op.conv_problem(proj_out) is None and _forward_reads(m, "proj_in", "proj_out"))
 
     def forward(self, m, x, *args, **kwargs):
         if args or kwargs or torch.compiler.is_compiling():
             return base(m, x, *args, **kwargs)
         proj_in, proj_out = parts(m, "proj_in", "proj_out")
-        return _grouped(proj_out, _grouped(proj_in, x))
-
-
-def _grouped(conv, x):
-    """``conv(x)``: the grouped-conv kernels' launch where they take the call
-    and no hook watches ``conv``, else its own call."""
-    if plain(conv) and grouped_conv.problem(conv, x) is None:
-        return grouped_conv.grouped_conv(conv, x)
-    return conv(x)
+        return grouped_conv(proj_out, grouped_conv(proj_in, x))
 
 
 RESBLOCK = register(ResBlock())

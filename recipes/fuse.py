@@ -636,6 +636,15 @@ def group_norm(norm: nn.GroupNorm, x: torch.Tensor, activation: str = "none",
     return dispatch.group_norm_eager(norm, x, activation, out, input_bias, modulation)
 
 
+def grouped_conv(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``m(x)`` for a grouped conv the patcher left as it is: one launch of
+    conv-patch's grouped-conv kernels where they take the call
+    (``dispatch.grouped_conv``) and no hook watches ``m``, else its own call."""
+    if not plain(m):
+        return m(x)
+    return dispatch.grouped_conv(m, x)
+
+
 def rms_norm(norm: nn.Module, x: torch.Tensor, activation: str = "none") -> torch.Tensor:
     """``act(norm(x))`` for an RMS norm ``rms_norm_params`` recognises, on
     ``x`` of one more axis than its gamma (the broadcast the module was

@@ -1,6 +1,7 @@
 """The one dispatch entry: every patched convolution call (a wrapper's
 forward, a recipe's fused step, ``forward_without_bias``, the torch.compile
-op, the folded upsample) and every planned norm call runs here.
+op, the folded upsample), every planned norm call and a recipe's grouped
+conv run here.
 
 A call is one ``Call`` object. Its *signature* (``plans.conv_key``: the
 tensors' shapes, strides, dtypes, devices and alignment, the weight's
@@ -24,6 +25,7 @@ from conv_patch.activations import eager_epilogue
 from conv_patch.call import Call
 from conv_patch.ops import conv2d as conv2d_op
 from conv_patch.ops import group_norm as group_norm_op
+from conv_patch.ops import grouped_conv as grouped_conv_op
 from conv_patch.ops import rms_norm as rms_norm_op
 from conv_patch.ops.epilogue import check_residual
 from conv_patch.ops.subpixel import PARITIES, parity_padding, parity_view, parity_weight, subpixel_weights
@@ -323,6 +325,18 @@ def conv3d(m, call: Call):
         y = plan.run(m, call, weight, bias)
     st.last = plan.decision
     return y
+
+
+# -- grouped convs ----------------------------------------------------------------
+def grouped_conv(m, x):
+    """``m(x)`` for a grouped conv ``apply`` leaves as it is (an
+    ``nn.Conv2d`` of groups > 1): one launch of conv-patch's grouped-conv
+    kernels where ``ops.grouped_conv`` takes the call (a grouped 1x1 or a
+    large depthwise conv, channels-last, no autograd), else the module's own
+    call. Hooks are the caller's business."""
+    if grouped_conv_op.problem(m, x) is None:
+        return grouped_conv_op.grouped_conv(m, x)
+    return m(x)
 
 
 # -- GroupNorm ---------------------------------------------------------------------

@@ -49,23 +49,14 @@ from .common import bench_device, print_table, write_results
 
 
 @contextlib.contextmanager
-def _eager_dense_blocks():
-    own = esrgan.graphs_only
-    esrgan.graphs_only = lambda m: None
+def _swapped(owner, name, value):
+    """``owner.name`` is ``value`` inside, its own value again after."""
+    own = getattr(owner, name)
+    setattr(owner, name, value)
     try:
         yield
     finally:
-        esrgan.graphs_only = own
-
-
-@contextlib.contextmanager
-def _size_only_group_norm():
-    own = costs.GROUP_NORM_ROW_ELEMENTS
-    costs.GROUP_NORM_ROW_ELEMENTS = 1 << 62
-    try:
-        yield
-    finally:
-        costs.GROUP_NORM_ROW_ELEMENTS = own
+        setattr(owner, name, own)
 
 
 @contextlib.contextmanager
@@ -77,32 +68,16 @@ def _triton_launcher():
         direct_launch.enable(was)
 
 
-@contextlib.contextmanager
-def _full_path():
-    own = planner.KERNEL_SLOTS
-    planner.KERNEL_SLOTS = False
-    try:
-        yield
-    finally:
-        planner.KERNEL_SLOTS = own
-
-
-@contextlib.contextmanager
-def _cudnn_grouped_convs():
-    own = grouped_conv.problem
-    grouped_conv.problem = lambda conv, x: "bench.ab: cuDNN's grouped conv"
-    try:
-        yield
-    finally:
-        grouped_conv.problem = own
-
-
 VARIANTS = {
-    "eager-dense-blocks": (_eager_dense_blocks, "the upscalers' fused blocks launched eagerly"),
-    "size-only-group-norm": (_size_only_group_norm, "GroupNorm on the kernels from 4M elements only"),
+    "eager-dense-blocks": (lambda: _swapped(esrgan, "graphs_only", lambda m: None),
+                           "the upscalers' fused blocks launched eagerly"),
+    "size-only-group-norm": (lambda: _swapped(costs, "GROUP_NORM_ROW_ELEMENTS", 1 << 62),
+                             "GroupNorm on the kernels from 4M elements only"),
     "triton-launcher": (_triton_launcher, "replays through Triton's Python launcher, not its C launcher directly"),
-    "full-path": (_full_path, "kernel plans found by the full signature only, not on the bare fast path"),
-    "cudnn-grouped-convs": (_cudnn_grouped_convs, "grouped convs (DC-AE's proj_in and proj_out) on cuDNN"),
+    "full-path": (lambda: _swapped(planner, "KERNEL_SLOTS", False),
+                  "kernel plans found by the full signature only, not on the bare fast path"),
+    "cudnn-grouped-convs": (lambda: _swapped(grouped_conv, "problem", lambda conv, x: "bench.ab: cuDNN's grouped conv"),
+                            "grouped convs (DC-AE's proj_in and proj_out) on cuDNN"),
 }
 
 # Default sizes of the models this benchmark was written for (else the zoo's first).

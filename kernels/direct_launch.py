@@ -143,12 +143,13 @@ class Replay:
         self.template, self.slots, self.maps = template, slots, maps
 
     def call(self, stream, values):
-        """Launch with ``values``: (argument index, tensor) pairs."""
+        """Launch with ``values``: (argument index, tensor, the recorded
+        descriptor's fields or None) triples (``launch.Program``'s)."""
         launcher = self.launcher
         final = self.template.copy()
         final[STREAM] = stream
         slots, maps = self.slots, self.maps
-        for i, t in values:
+        for i, t, _ in values:
             entry = maps.get(i)
             if entry is None:
                 final[slots[i]] = t

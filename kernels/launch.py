@@ -381,20 +381,17 @@ class Program:
         hooked = _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook)
         direct = not hooked and direct_launch.direct_launch_on()
         for kernel, grid, args, subs, meta, compiled, consts, device, replay in self.launches:
-            if direct and replay is not None:
-                values = []
-                for i, (b, view), _ in subs:
-                    t = bases[b]
-                    if view is not None:
-                        t = t.as_strided(view[0], view[1], t.storage_offset() + view[2])
-                    values.append((i, t))
-                replay.call(driver.active.get_current_stream(device), values)
-                continue
-            args = args.copy()
+            values = []
             for i, (b, view), desc in subs:
                 t = bases[b]
                 if view is not None:
                     t = t.as_strided(view[0], view[1], t.storage_offset() + view[2])
+                values.append((i, t, desc))
+            if direct and replay is not None:
+                replay.call(driver.active.get_current_stream(device), values)
+                continue
+            args = args.copy()
+            for i, t, desc in values:
                 if desc is not None:
                     d = object.__new__(self._desc_cls)
                     d.__dict__.update(desc)

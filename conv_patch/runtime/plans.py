@@ -159,13 +159,19 @@ def store_plan(m, key, plan, keep: bool = True):
     st.plans[key] = plan
 
 
+def records_grad(x, weight, bias, residual) -> bool:
+    """Autograd would record a 2-D conv call on these tensors (written out,
+    not ``specs.needs_grad``'s generator: it runs at every planned call)."""
+    return torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                        or (bias is not None and bias.requires_grad)
+                                        or (residual is not None and residual.requires_grad))
+
+
 def conv_key(call, weight, bias):
     """Everything a 2-D plan depends on besides the module's attributes (a
     change of those clears the module's plans)."""
     x, residual, out = call.x, call.residual, call.out
-    grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
-                                        or (bias is not None and bias.requires_grad)
-                                        or (residual is not None and residual.requires_grad))
+    grad = records_grad(x, weight, bias, residual)
     device = x.device
     cuda = x.is_cuda  # (device.type costs more than the whole flag)
     graph = cuda and pack.GRAPH_PATH  # (pack.graph_flag, without its call)
@@ -299,11 +305,7 @@ class KernelSlot:
             return None
         if residual is not None and (residual is x or residual.shape != self.residual_shape):
             return None
-        if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
-                                        or (bias is not None and bias.requires_grad)
-                                        or (residual is not None and residual.requires_grad)):
-            return None
-        if torch.is_autocast_enabled(x.device.type):
+        if records_grad(x, weight, bias, residual) or torch.is_autocast_enabled(x.device.type):
             return None
         plan = self.plan
         state_of(m).last = plan.decision

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from conv_patch.ops.loader import kernels
-from conv_patch.specs import KERNEL_DTYPES, needs_grad
+from conv_patch.specs import KERNEL_DTYPES, ConvSpec, needs_grad
 from conv_patch.target import dot_precision, target_for
 
 POINTWISE, DEPTHWISE = "pointwise", "depthwise"
@@ -77,17 +77,11 @@ def problem(conv: nn.Module, x) -> Optional[str]:
     return None
 
 
-def output_size(conv: nn.Conv2d, h: int, w: int) -> tuple:
-    (kh, kw), (sh, sw), (ph, pw), (dh, dw) = conv.kernel_size, conv.stride, conv.padding, conv.dilation
-    if conv.padding == "valid":
-        ph = pw = 0
-    return (h + 2 * ph - dh * (kh - 1) - 1) // sh + 1, (w + 2 * pw - dw * (kw - 1) - 1) // sw + 1
-
-
 def grouped_conv(conv: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
     """``conv(x)`` (channels-last) where ``problem(conv, x)`` is None."""
     n, c, h, w_ = x.shape
-    oh, ow = output_size(conv, h, w_)
+    spec = ConvSpec.from_module(conv)
+    oh, ow = spec.output_hw(h, w_)
     c_out = conv.out_channels
     out = torch.empty((n, c_out, max(oh, 0), max(ow, 0)), dtype=x.dtype, device=x.device,
                       memory_format=torch.channels_last)
@@ -102,6 +96,6 @@ def grouped_conv(conv: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
                                    out.permute(0, 2, 3, 1).view(n * oh * ow, c_out), conv.groups,
                                    precision=dot_precision(x.dtype, target), upcast=target.interpreter)
     else:
-        k.launch_depthwise(x, weight, bias, out, stride=conv.stride,
-                           padding=(0, 0) if conv.padding == "valid" else conv.padding, dilation=conv.dilation)
+        # (A depthwise conv's padding is numeric, the same on both sides: ``form``.)
+        k.launch_depthwise(x, weight, bias, out, stride=spec.stride, padding=spec.pad_begin, dilation=spec.dilation)
     return out

@@ -4,13 +4,14 @@ eagerly and interleaved with the unpatched model and the default patched
 one in one process (``zoo.interleaved``: rotated order, medians after
 warm-up).
 
-    python -m bench.ab --only srvgg-x4 taef2 --variants eager-dense-blocks size-only-group-norm
+    python -m bench.ab --only srvgg-x4 taef2 --variants own-dense-blocks size-only-group-norm
                        [--table T] [--sizes 256 512] [--runs 41] [--tiny] [--out DIR]
 
 A variant (``VARIANTS``) changes a rule the routing or the recipes read at
 call time, set around its own calls only, so that the other models in the
-rounds keep the default: ``eager-dense-blocks`` runs the upscalers' fused
-blocks launched eagerly (``esrgan.graphs_only`` lifted), and
+rounds keep the default: ``own-dense-blocks`` runs the upscalers' dense
+blocks and RRDBs as their own forward launched eagerly (their rule before
+the NHWC buffers), ``own-rrdbs`` the RRDBs alone,
 ``size-only-group-norm`` sends GroupNorms of few long rows back to PyTorch
 below the size crossover (``costs.GROUP_NORM_ROW_ELEMENTS`` past any size),
 and ``triton-launcher`` replays the recorded launches through Triton's
@@ -42,7 +43,8 @@ from conv_patch.kernels import direct_launch
 from conv_patch.ops import grouped_conv
 from conv_patch.recipes import esrgan
 from conv_patch.routing import costs
-from conv_patch.runtime import planner
+from conv_patch.runtime import pack, planner
+from conv_patch.runtime.state import peek
 
 from . import zoo
 from .common import bench_device, print_table, write_results
@@ -68,9 +70,28 @@ def _triton_launcher():
         direct_launch.enable(was)
 
 
+def _own_forward_eagerly(m, args, kwargs):
+    """The upscalers' blocks' earlier rule: launched eagerly, off the graph
+    path, the block's own forward (no swaps)."""
+    if pack.GRAPH_PATH or torch.compiler.is_compiling():
+        return None
+    st = peek(m)
+    return None if st is not None and st.graphs is not None else ()
+
+
+@contextlib.contextmanager
+def _own_upscaler_blocks(*recipes):
+    with contextlib.ExitStack() as stack:
+        for r in recipes:
+            stack.enter_context(_swapped(r, "unfused", _own_forward_eagerly))
+        yield
+
+
 VARIANTS = {
-    "eager-dense-blocks": (lambda: _swapped(esrgan, "graphs_only", lambda m: None),
-                           "the upscalers' fused blocks launched eagerly"),
+    "own-dense-blocks": (lambda: _own_upscaler_blocks(esrgan.RESIDUAL_DENSE, esrgan.RRDB_RECIPE),
+                         "the upscalers' dense blocks and RRDBs run their own forward launched eagerly"),
+    "own-rrdbs": (lambda: _own_upscaler_blocks(esrgan.RRDB_RECIPE),
+                  "each RRDB its own forward launched eagerly, the dense blocks in it fused"),
     "size-only-group-norm": (lambda: _swapped(costs, "GROUP_NORM_ROW_ELEMENTS", 1 << 62),
                              "GroupNorm on the kernels from 4M elements only"),
     "triton-launcher": (_triton_launcher, "replays through Triton's Python launcher, not its C launcher directly"),

@@ -211,7 +211,8 @@ class Conv3dSpec:
 
 
 def layout_of(x: torch.Tensor) -> str:
-    """'nchw' for contiguous, 'nhwc' for channels_last, 'strided' otherwise.
+    """'nchw' for contiguous, 'nhwc' for channels_last or a channel slice
+    of a channels_last tensor (``nhwc_pitch``), 'strided' otherwise.
     Tensors that are both (one channel, or 1x1 spatial) count as 'nchw'. A
     5-D one: 'ndhwc' for a channels_last_3d activation, else 'ncdhw'."""
     if x.dim() == 5:
@@ -219,9 +220,26 @@ def layout_of(x: torch.Tensor) -> str:
             else "ncdhw"
     if x.dim() != 4 or x.is_contiguous():
         return "nchw"
-    if x.is_contiguous(memory_format=torch.channels_last):
+    if x.is_contiguous(memory_format=torch.channels_last) or nhwc_pitch(x):
         return "nhwc"
     return "strided"
+
+
+def nhwc_pitch(x: torch.Tensor) -> int:
+    """P where ``x`` ([N, C, H, W]) is NHWC with its pixels P >= C elements
+    apart: the channels dense, a pixel row W*P, an image H*W*P. A dense
+    NHWC tensor has P = C; a channel slice of one (``buf[:, a:b]`` of a
+    channels_last ``buf``: a dense block's channel prefixes, read in place)
+    has P = ``buf``'s channel count. 0 for anything else. A size-1
+    dimension's stride is not looked at (PyTorch may report any)."""
+    if x.dim() != 4:
+        return 0
+    n, c, h, w = x.shape
+    sn, sc, sh, sw = x.stride()
+    p = sw if w > 1 else (sh if h > 1 else (sn if n > 1 else c))
+    if p < c or (c > 1 and sc != 1) or (h > 1 and sh != w * p) or (n > 1 and sn != h * w * p):
+        return 0
+    return p
 
 
 def suggests_channels_last(shape, stride) -> bool:
@@ -257,7 +275,9 @@ class CallDesc:
     ``graph``, whether it runs on a CUDA graph's path (only GPU time counts
     there); ``packed``, whether its weight is refreshed into a pack at every
     call; for a Conv3d call its cached frames (count, layout, dtype), its
-    output's elements, and whether autocast is on."""
+    output's elements, and whether autocast is on; ``pitch``, the pixel
+    stride of an NHWC input that is a channel slice (``nhwc_pitch``; 0 where
+    the input is dense)."""
 
     shape: tuple
     dtype: torch.dtype
@@ -279,6 +299,7 @@ class CallDesc:
     cache_dtype: Optional[torch.dtype] = None
     out_numel: int = 0
     cast: bool = False
+    pitch: int = 0
 
     @classmethod
     def of_call(cls, x, weight, bias=None, residual=None, output_padding=None, *, cache=None, epilogue: int = 0,
@@ -290,6 +311,7 @@ class CallDesc:
         # whose base address must be 16-byte aligned: a caller's ``out`` or
         # residual may be a view into a larger buffer.)
         aligned = all(t is None or t.data_ptr() % 16 == 0 for t in (x, weight, cache, residual, out))
+        pitch = nhwc_pitch(x) if x.dim() == 4 else 0
         return cls(
             shape=tuple(x.shape), dtype=x.dtype, device_type=x.device.type,
             layout=layout_of(x), needs_grad=bool(grad), weight_dtype=weight.dtype,
@@ -299,4 +321,5 @@ class CallDesc:
             residual_dtype=None if residual is None else residual.dtype,
             cache_frames=0 if cache is None else cache.shape[2], cache_layout=None if cache is None else layout_of(cache),
             cache_dtype=None if cache is None else cache.dtype, out_numel=out_numel, cast=cast,
+            pitch=pitch if pitch != x.shape[1] else 0,
         )

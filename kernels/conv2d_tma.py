@@ -48,9 +48,12 @@ Design:
     before. The router requires S to divide H and W (the view must be
     exact) and C_in a multiple of 16, so a channel block never runs from
     one column parity into the next.
+  * The input may also be a channel slice of a wider NHWC tensor (a dense
+    block's channel prefix): described with its own pixel stride, its box
+    reads the slice in place, channels past it zero-filled.
   * The epilogue's residual and output move as TMA boxes [1, BH, BW, BN]
-    of the dense NHWC tensors (the pointer epilogue moves them in the
-    wgmma accumulator's layout, 4-byte pieces per thread; boxes took
+    of the NHWC tensors, dense or channel slices (the pointer epilogue moves
+    them in the wgmma accumulator's layout, 4-byte pieces per thread; boxes took
     0.90-1.003x its time on the H200's FLUX-decoder convs, the 1x1 with a
     residual 0.90, bench/results/tma-epilogue-*.json), clipped at the image edges by the
     TMA unit. An NCHW caller's output (and residual) moves as boxes
@@ -63,6 +66,8 @@ Design:
 
 import triton
 import triton.language as tl
+
+from conv_patch.specs import nhwc_pitch
 
 from .common import epilogue_store, epilogue_values, grouped_tile, wide
 from .launch import TMA_ALIGN, block_sizes, cdiv, launch, needs_int64, next_pow2, sm_count
@@ -229,12 +234,21 @@ def tile_sizes(config, c_in, c_out, ow):
     return bm, bn, bk, bw
 
 
-def dense_nhwc(t) -> bool:
-    """``t`` ([N, C, H, W]) can be a TMA box target: dense NHWC (a band of
-    rows of a one-sample tensor is), 16-byte aligned base and pixel rows."""
-    n, c, h, w = t.shape
-    return ((c * t.element_size()) % TMA_ALIGN == 0 and t.data_ptr() % TMA_ALIGN == 0 and t.stride(1) == 1
-            and t.stride(3) == c and t.stride(2) == w * c and (n == 1 or t.stride(0) == h * w * c))
+def nhwc_box_pitch(t) -> int:
+    """The pixel stride of ``t`` ([N, C, H, W]) where it can be an NHWC TMA
+    box target: NHWC, dense or a channel slice (``nhwc_pitch``; a band of
+    rows of a one-sample tensor is too), with a 16-byte aligned base and
+    pixel stride; else 0."""
+    p = nhwc_pitch(t)
+    return p if p and (p * t.element_size()) % TMA_ALIGN == 0 and t.data_ptr() % TMA_ALIGN == 0 else 0
+
+
+def nhwc_strides(t, pitch: int) -> list:
+    """The [N, H, W, C] strides of an NHWC tensor of pixel stride
+    ``pitch``, written out: PyTorch may report any stride for a size-1
+    dimension, TMA wants every stride 16-byte aligned."""
+    h, w = t.shape[2], t.shape[3]
+    return [h * w * pitch, w * pitch, pitch, 1]
 
 
 def dense_nchw(t) -> bool:
@@ -265,8 +279,9 @@ def reads_nchw_in_place(x, w_shape, padding, stride, config) -> bool:
 
 def launch_conv2d_tma(x, w, bias, out, residual, *, stride, padding, dilation, beta, activation,
                       out_scale, config, precision, upcast, force_int64=False):
-    """Same call as the portable launchers. ``x`` is dense NHWC (logical
-    [N, C, H, W], channels_last strides), or NCHW where
+    """Same call as the portable launchers. ``x`` is NHWC (logical
+    [N, C, H, W], channels_last strides, or a channel slice of such a
+    tensor: ``nhwc_pitch``; dense at a stride > 1), or NCHW where
     ``reads_nchw_in_place`` says so, and ``w`` the [C_out, C_in, KH, KW]
     view of a co,kh,kw,ci-dense pack; the router has checked alignment and
     that the stride divides H and W."""
@@ -300,23 +315,32 @@ def launch_conv2d_tma(x, w, bias, out, residual, *, stride, padding, dilation, b
         x_desc = TensorDescriptor(x, [N, C_in, H, W], [C_in * H * W, H * W, W, 1], [1, bk, 1, bw])
         w_desc = TensorDescriptor(w, [C_out, KH * KW * C_in], [w.stride(0), 1], [bn, bk])
     else:
+        # NHWC, dense or a channel slice read in place (its pixels ``pitch``
+        # apart): channels past C_in are outside the described tensor, so a
+        # box reads them as TMA zeros, never the slice's neighbours.
+        pitch = nhwc_pitch(x)
         if strided:
+            if pitch != C_in:
+                raise ValueError("a strided TMA conv reads dense NHWC (its box folds columns into channels)")
             x_desc = TensorDescriptor(x, [N, H // sh, sh, W // sw, sw * C_in],
                                       [H * W * C_in, sh * W * C_in, W * C_in, sw * C_in, 1], [1, bh, 1, bw, bk])
         else:
-            x_desc = TensorDescriptor(x, [N, H, W, C_in], [H * W * C_in, W * C_in, C_in, 1], [1, bh, bw, bk])
+            x_desc = TensorDescriptor(x, [N, H, W, C_in], nhwc_strides(x, pitch), [1, bh, bw, bk])
         w_desc = TensorDescriptor(w, [C_out, KH * KW, C_in], [w.stride(0), C_in, 1], [bn, 1, bk])
     res = residual if residual is not None else out
     # A config may turn the TMA epilogue off ("tma_io": false) for an A/B.
     tma_io = 0
     if config.get("tma_io", True):
-        if dense_nhwc(out) and (residual is None or dense_nhwc(residual)):
-            tma_io, dims, strides, box = 1, [N, OH, OW, C_out], [OH * OW * C_out, OW * C_out, C_out, 1], [1, bh, bw, bn]
+        pitches = [nhwc_box_pitch(t) for t in (out, residual) if t is not None]
+        if all(pitches):
+            tma_io, dims, box = 1, [N, OH, OW, C_out], [1, bh, bw, bn]
+            strides = [nhwc_strides(t, p) for t, p in zip((out, residual), pitches)]
         elif bh == 1 and dense_nchw(out) and (residual is None or dense_nchw(residual)):
-            tma_io, dims, strides, box = 2, [N, C_out, OH, OW], [C_out * OH * OW, OH * OW, OW, 1], [1, bn, 1, bw]
+            tma_io, dims, box = 2, [N, C_out, OH, OW], [1, bn, 1, bw]
+            strides = [[C_out * OH * OW, OH * OW, OW, 1]] * 2
     if tma_io:
-        out_desc = TensorDescriptor(out, dims, strides, box)
-        res_desc = out_desc if residual is None else TensorDescriptor(residual, dims, strides, box)
+        out_desc = TensorDescriptor(out, dims, strides[0], box)
+        res_desc = out_desc if residual is None else TensorDescriptor(residual, dims, strides[-1], box)
     else:
         out_desc = res_desc = x_desc
     tiles = N * cdiv(OH, bh) * cdiv(OW, bw) * cdiv(C_out, bn)

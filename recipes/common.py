@@ -11,7 +11,7 @@ from conv_patch.runtime import dispatch, pack, passthrough
 from conv_patch.runtime.state import peek, state_of
 from conv_patch.routing.costs import group_norm_pays
 
-from .fuse import (Recipe, base, channels_last, conv, epilogue_activation, fused_below, group_norm, inference, is_conv,
+from .fuse import (Recipe, base, channels_last, conv, epilogue_activation, group_norm, inference, is_conv,
                    is_fused, is_group_norm, like_input, norm_is_eager, plain, register, swaps_below, upsample_conv)
 
 
@@ -110,14 +110,6 @@ def _norms_eager(x: torch.Tensor, gn: tuple) -> bool:
     return bool(channels) and norm_is_eager(x, x.numel() // max(x.shape[1], 1) * channels, groups)
 
 
-def _holds_graphs_only(m) -> bool:
-    """Whether blocks that run fused on the graph path only (an upscaler's:
-    ``Recipe.graphs_only``) are under ``m``: the stack is then host-bound
-    launched, as they are (spandrel's RRDB x4 at 256², H100: 0.92x run in
-    NHWC with its recipes, 1.00x with the convolutions alone)."""
-    return any(c.cp_recipe.graphs_only for c in fused_below(m))
-
-
 class SequentialChain(Recipe):
     """``nn.Sequential`` stacks: each conv with the ReLU/SiLU after it is one
     kernel with the activation in its epilogue; nearest x2 upsampling followed
@@ -149,9 +141,8 @@ class SequentialChain(Recipe):
         st = state_of(m)
         held = st.chain
         if held is None or held[0] != children:
-            held = st.chain = (children, chain_plan(list(children)), _has_convs(m, 3),
-                                              _group_norm_channels(m), _holds_graphs_only(m))
-        _, steps, many_convs, gn_channels, _ = held
+            held = st.chain = (children, chain_plan(list(children)), _has_convs(m, 3), _group_norm_channels(m))
+        _, steps, many_convs, gn_channels = held
         if any(kind == "upconv" and not is_conv(mod, 3, 1, 1) for kind, mod, _ in steps):
             return base(m, x)
         nhwc = many_convs and not _norms_eager(x, gn_channels)
@@ -166,12 +157,10 @@ class SequentialChain(Recipe):
         return like_input(y, x)
 
     def unfused(self, m, args, kwargs):
-        """Where the stack's GroupNorms run as PyTorch's, or it holds blocks
-        fused on the graph path only (an upscaler's, ``_holds_graphs_only``),
-        the whole stack as its own class, with the fused blocks under it as
-        theirs: measured faster on TAEF2's 256^2 and 512^2 decodes than the
-        stack run in NCHW with its recipes, and on spandrel's RRDB x4 than
-        the stack run in NHWC (docs/performance.md). Not on the graph path nor
+        """Where the stack's GroupNorms run as PyTorch's, the whole stack as
+        its own class, with the fused blocks under it as theirs: measured
+        faster on TAEF2's 256^2 and 512^2 decodes than the stack run in NCHW
+        with its recipes (docs/performance.md). Not on the graph path nor
         inside torch.compile, where host time is not the cost, nor before
         the stack's first call has made its plan."""
         st = peek(m)
@@ -179,7 +168,7 @@ class SequentialChain(Recipe):
         if held is None or kwargs or len(args) != 1 or pack.GRAPH_PATH:
             return None
         x = args[0]
-        if (not isinstance(x, torch.Tensor) or x.dim() != 4 or not (_norms_eager(x, held[3]) or held[4])
+        if (not isinstance(x, torch.Tensor) or x.dim() != 4 or not _norms_eager(x, held[3])
                 or st.graphs is not None or st.bands is not None
                 or torch.compiler.is_compiling()):
             return None

@@ -8,15 +8,19 @@ residual scale its forward holds.
 The block's own forward concatenates its input with each conv's output
 before the next conv (four ``torch.cat`` copies, 96 to 192 channels), runs
 the LeakyReLUs as passes of their own and the ``x5 * 0.2 + x`` residual as
-two more. For one image in NCHW (an upscaler's call) every channel prefix of
-a [1, nf + 4 gc, H, W] buffer is itself a dense NCHW tensor: each conv reads
-its prefix in place and writes its output, activation applied, into the
-next slice; the last conv adds the residual in its epilogue. Two forms:
-the convs ``nn.Conv2d`` with ``lrelu`` applied after conv1-4 (ESRGAN's
-new-arch, basicsr), or each conv an ``nn.Sequential`` of the conv and its
-activation, conv5's of the conv alone (the old-arch "CNA" blocks spandrel,
-and so ComfyUI, load; not ESRGAN+'s ``plus`` variant, whose extra 1x1 paths
-add after the activation).
+two more; in NCHW each cuDNN conv adds a layout copy in and out. The
+recipe keeps one NHWC buffer [N, H, W, nf + 4 gc]: every channel prefix of
+it is an NHWC channel slice the kernels read in place (the TMA kernel's
+descriptor takes the buffer's pixel stride), so each conv reads its prefix
+and writes its output, activation applied, into the next slice; the last
+conv adds the residual in its epilogue and writes the block's output in
+its input's layout. Two forms: the convs ``nn.Conv2d`` with ``lrelu``
+applied after conv1-4 (ESRGAN's new-arch, basicsr), or each conv an
+``nn.Sequential`` of the conv and its activation, conv5's of the conv alone
+(the old-arch "CNA" blocks spandrel, and so ComfyUI, load; not ESRGAN+'s
+``plus`` variant, whose extra 1x1 paths add after the activation). The
+residual-in-residual block (``RRDB``) around three of them runs them on two
+such buffers, each block's output written into the next one's.
 
 ``SRVGGNetCompact`` (Real-ESRGAN's realesr-general/animevideo nets, as
 basicsr, Real-ESRGAN and spandrel, and so ComfyUI, build it): a
@@ -37,8 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from conv_patch.activations import per_channel
-from conv_patch.runtime import pack
-from conv_patch.runtime.state import peek, state_of
+from conv_patch.runtime.state import state_of
 
 from .fuse import (Recipe, base, channels_last, conv, epilogue_activation, forward_names, global_hooks, hookless,
                    inference, inline_chain, inline_step, is_conv, like_input, named, parts, plain, register, sum_into)
@@ -84,20 +87,6 @@ def _forward_scale(cls) -> Optional[float]:
     return floats.pop() if len(floats) == 1 else None
 
 
-def graphs_only(m) -> Optional[tuple]:
-    """The dense block's ``unfused`` rule: launched eagerly, an RRDB net's
-    call is host-bound and the fused forward measured slower than the
-    block's own (its channel-prefix convs mostly on cuDNN, each with an
-    activation op and a copy into the buffer: docs/performance.md), so
-    eagerly the block runs its own forward (no swaps: nothing fused below
-    it); on the graph path (its own graphs, or a capture of a block above
-    it) the recipe runs."""
-    if pack.GRAPH_PATH or torch.compiler.is_compiling():
-        return None
-    st = peek(m)
-    return None if st is not None and st.graphs is not None else ()
-
-
 # The names a dense block's forward reads where it is ESRGAN's, basicsr's
 # or spandrel's (each conv on the concatenation of the input and the earlier
 # outputs, ``x5 * 0.2 + x``): the forward ``LeanDenseBlock`` writes out.
@@ -141,21 +130,64 @@ class LeanDenseBlock:
         return sum_into(h.mul_(RESIDUAL_SCALE) if mine else h * RESIDUAL_SCALE, True, x)
 
 
+def dense_found(m) -> Optional[tuple]:
+    """``dense_parts(m)``, kept on the block's state until a part (or a CNA
+    step's conv or activation) is replaced, added or removed."""
+    key = tuple([c for s in m.__dict__["_modules"].values()
+                 for c in ((s, *s.__dict__["_modules"].values()) if type(s) is nn.Sequential else (s,))])
+    st = state_of(m)
+    held = st.chain
+    if held is None or held[0] != key:
+        held = st.chain = (key, dense_parts(m))
+    return held[1]
+
+
+def dense_buffer(x: torch.Tensor, found: tuple) -> torch.Tensor:
+    """The [N, nf + 4 gc, H, W] NHWC buffer of a dense block on ``x``: its
+    first nf channels hold ``x``, conv k's output goes to the next gc. Every
+    channel prefix is an NHWC channel slice the kernels read in place
+    (``specs.nhwc_pitch``), whatever the batch."""
+    convs = found[0]
+    nf, gc = convs[0].in_channels, convs[0].out_channels
+    n, _, h, w = x.shape
+    buf = torch.empty((n, h, w, nf + 4 * gc), dtype=x.dtype, device=x.device).permute(0, 3, 1, 2)
+    buf[:, :nf].copy_(x)
+    return buf
+
+
+def dense_convs(found: tuple, buf: torch.Tensor, out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """A dense block's five convs on ``buf`` (``dense_buffer``): conv1-4
+    each on its channel prefix, its activated output written into the next
+    slice; conv5 on the whole buffer writes ``conv5 * 0.2 + residual`` (as
+    0.2 * (conv5 + 5 residual): one epilogue) into ``out``."""
+    convs, acts, _ = found
+    nf, gc = convs[0].in_channels, convs[0].out_channels
+    for k in range(4):
+        c0 = nf + k * gc
+        conv(convs[k], buf[:, :c0], activation=acts[k], out=buf[:, c0:c0 + gc])
+    return conv(convs[4], buf, residual=residual, beta=1.0 / RESIDUAL_SCALE, out_scale=RESIDUAL_SCALE, out=out)
+
+
+def dense_call_ok(x, found, *args, **kwargs) -> bool:
+    """Whether a dense block's call runs fused: one 4-D tensor, no autograd,
+    no hooks, not traced (under torch.compile Inductor plans the memory,
+    and the slice writes would be copies of their own)."""
+    if (args or kwargs or found is None or not isinstance(x, torch.Tensor) or x.dim() != 4
+            or torch.compiler.is_compiling()):
+        return False
+    convs, _, around = found
+    return inference(x, *convs, *around) and plain(*convs, *around)
+
+
 class ResidualDenseBlock(Recipe):
-    """conv1-4 reading channel prefixes of one buffer in place and writing
-    their activated outputs into its next slices, conv5 with the 0.2-scaled
-    residual in its epilogue: no concatenations, no activation or residual
-    passes of their own (one image, NCHW; anything else runs the block's
-    own forward, as does a traced call)."""
+    """conv1-4 reading channel prefixes of one NHWC buffer in place and
+    writing their activated outputs into its next slices, conv5 with the
+    0.2-scaled residual in its epilogue, its output in the input's layout:
+    no concatenations, no activation or residual passes of their own
+    (anything else runs the block's own forward, as does a traced call)."""
 
     name = "esrgan.ResidualDenseBlock"
-    what = ("dense-block convs on one buffer's channel prefixes, activation and 0.2 residual in the epilogues "
-            "(with cuda_graphs; launched eagerly its own forward)")
-
-    graphs_only = True
-
-    def unfused(self, m, args, kwargs):
-        return graphs_only(m)
+    what = "dense-block convs on one NHWC buffer's channel prefixes, activation and 0.2 residual in the epilogues"
 
     def lean_for(self, cls):
         """``LeanDenseBlock`` where the class's forward reads only what
@@ -167,36 +199,66 @@ class ResidualDenseBlock(Recipe):
                 and _forward_scale(getattr(type(m), "cp_base", type(m))) == RESIDUAL_SCALE)
 
     def forward(self, m, x, *args, **kwargs):
-        # The parts are the block's: kept until a part (or a CNA step's
-        # conv or activation) is replaced, added or removed.
-        key = tuple([c for s in m.__dict__["_modules"].values()
-                     for c in ((s, *s.__dict__["_modules"].values()) if type(s) is nn.Sequential else (s,))])
-        st = state_of(m)
-        held = st.chain
-        if held is None or held[0] != key:
-            held = st.chain = (key, dense_parts(m))
-        found = held[1]
-        if (args or kwargs or found is None or not isinstance(x, torch.Tensor) or x.dim() != 4 or x.shape[0] != 1
-                or not x.is_contiguous() or torch.compiler.is_compiling()):
-            # (A batch's or an NHWC buffer's channel prefixes are not dense:
-            # the convs would copy them, as the concatenations do. Under
-            # torch.compile Inductor plans the memory, and the slice writes
-            # would be copies of their own.)
+        found = dense_found(m)
+        if not dense_call_ok(x, found, *args, **kwargs):
             return base(m, x, *args, **kwargs)
-        convs, acts, around = found
-        if not inference(x, *convs, *around) or not plain(*convs, *around):
-            return base(m, x, *args, **kwargs)
-        nf, gc = convs[0].in_channels, convs[0].out_channels
-        buf = torch.empty((1, nf + 4 * gc) + tuple(x.shape[2:]), dtype=x.dtype, device=x.device)
-        buf[:, :nf].copy_(x)
-        for k in range(4):
-            c0 = nf + k * gc
-            conv(convs[k], buf[:, :c0], activation=acts[k], out=buf[:, c0:c0 + gc])
-        # x5 * 0.2 + x as 0.2 * (x5 + 5 x): one epilogue.
-        return conv(convs[4], buf, residual=x, beta=1.0 / RESIDUAL_SCALE, out_scale=RESIDUAL_SCALE)
+        return dense_convs(found, dense_buffer(x, found), torch.empty_like(x), x)
 
 
 RESIDUAL_DENSE = register(ResidualDenseBlock())
+
+# ESRGAN's and spandrel's RRDB name its dense blocks RDB1-3, basicsr's rdb1-3.
+RRDB_PARTS = (("RDB1", "RDB2", "RDB3"), ("rdb1", "rdb2", "rdb3"))
+
+
+def rrdb_blocks(m) -> Optional[tuple]:
+    """The three dense blocks of a residual-in-residual block, each one the
+    dense-block recipe takes, or None."""
+    for names in RRDB_PARTS:
+        blocks = parts(m, *names)
+        if all(b is not None for b in blocks):
+            if all(RESIDUAL_DENSE.match(b) for b in blocks):
+                return blocks
+            return None
+    return None
+
+
+def _rrdb_forward(cls) -> bool:
+    """The class's forward reads its three dense blocks and nothing else
+    (``out * 0.2 + x`` around them)."""
+    return any(forward_names(cls) == frozenset(n) for n in RRDB_PARTS)
+
+
+class ResidualInResidual(Recipe):
+    """ESRGAN's RRDB: its three dense blocks on two NHWC buffers (each
+    block's conv5 writes its output into the next block's buffer, the
+    0.2-scaled residual in the epilogue), the outer ``out * 0.2 + x`` as one
+    add into the last block's output, in the input's layout: one layout
+    copy into the first buffer, none between the blocks."""
+
+    name = "esrgan.RRDB"
+    what = "three dense blocks on two NHWC buffers, their residuals in the epilogues"
+
+    def match(self, m):
+        cls = getattr(type(m), "cp_base", type(m))
+        return (named(m, "RRDB") and rrdb_blocks(m) is not None and _rrdb_forward(cls)
+                and _forward_scale(cls) == RESIDUAL_SCALE)
+
+    def forward(self, m, x, *args, **kwargs):
+        blocks = rrdb_blocks(m)
+        found = None if blocks is None else [dense_found(b) for b in blocks]
+        if found is None or not all(dense_call_ok(x, f, *args, **kwargs) for f in found) or not plain(*blocks):
+            return base(m, x, *args, **kwargs)
+        nf = found[0][0][0].in_channels
+        a = dense_buffer(x, found[0])
+        b = torch.empty_like(a)
+        dense_convs(found[0], a, b[:, :nf], x)
+        dense_convs(found[1], b, a[:, :nf], b[:, :nf])
+        y = dense_convs(found[2], a, torch.empty_like(x), a[:, :nf])
+        return torch.add(x, y, alpha=RESIDUAL_SCALE, out=y)
+
+
+RRDB_RECIPE = register(ResidualInResidual())
 
 
 def compact_steps(m) -> Optional[tuple]:

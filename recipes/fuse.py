@@ -60,11 +60,6 @@ class Recipe:
     def forward(self, module, *args, **kwargs):
         raise NotImplementedError
 
-    # Whether the recipe's blocks run fused on the graph path only (their
-    # ``unfused`` rule: launched eagerly they are host-bound and measured
-    # slower fused); a stack holding such blocks is run unfused likewise.
-    graphs_only = False
-
     # ``unfused(module, args, kwargs)``, where a recipe defines it: for a
     # call the recipe measured slower than its block's own forward with
     # everything under it unpatched-but-for-the-convs (``recipes=False``),

@@ -669,20 +669,25 @@ def test_bench_ab_rows_and_rules(tmp_path):
     from bench import ab
     from conv_patch.recipes import esrgan
     from conv_patch.routing import costs
-    own = esrgan.graphs_only
-    rows = ab.main(["--only", "srvgg-x4", "--variants", "eager-dense-blocks", "size-only-group-norm", "--tiny",
+    from conv_patch.runtime import pack
+    rows = ab.main(["--only", "srvgg-x4", "--variants", "own-dense-blocks", "size-only-group-norm", "--tiny",
                     "--runs", "1", "--out", str(tmp_path)])
-    assert [r["variant"] for r in rows] == ["eager-dense-blocks", "size-only-group-norm"]
+    assert [r["variant"] for r in rows] == ["own-dense-blocks", "size-only-group-norm"]
     assert all(ROW_KEYS <= set(r) and r["rel_err_vs_unpatched"] < 1e-5 for r in rows)
-    assert json.loads(next(tmp_path.glob("ab-*.json")).read_text())["variants"] == ["eager-dense-blocks",
+    assert json.loads(next(tmp_path.glob("ab-*.json")).read_text())["variants"] == ["own-dense-blocks",
                                                                                  "size-only-group-norm"]
-    assert esrgan.graphs_only is own
+    assert esrgan.RESIDUAL_DENSE.unfused is None and esrgan.RRDB_RECIPE.unfused is None
     taef2_pool = (1 * 256 * 64 * 64, 4)
     with ab.VARIANTS["size-only-group-norm"][0]():
         assert not costs.group_norm_pays(*taef2_pool)
     assert costs.group_norm_pays(*taef2_pool)
-    with ab.VARIANTS["eager-dense-blocks"][0]():
-        assert esrgan.graphs_only(nn.Linear(1, 1)) is None
+    with ab.VARIANTS["own-dense-blocks"][0]():
+        assert esrgan.RESIDUAL_DENSE.unfused(nn.Linear(1, 1), (), {}) == ()
+        assert esrgan.RRDB_RECIPE.unfused(nn.Linear(1, 1), (), {}) == ()
+        with pack.graph_path():
+            assert esrgan.RRDB_RECIPE.unfused(nn.Linear(1, 1), (), {}) is None
+    with ab.VARIANTS["own-rrdbs"][0]():
+        assert esrgan.RESIDUAL_DENSE.unfused is None and esrgan.RRDB_RECIPE.unfused(nn.Linear(1, 1), (), {}) == ()
     from conv_patch.kernels import direct_launch
     from conv_patch.runtime import planner
     on = direct_launch.direct_launch_on()

@@ -1,10 +1,10 @@
-"""ESRGAN's residual dense block (recipes/esrgan.py) against the block's own
-forward in float64 (on the graph path, where the recipes run: launched
-eagerly the blocks run their own forward, measured faster there): its new-arch form (the zoo's, basicsr's) and the
-old-arch "CNA" form spandrel (and so ComfyUI) builds, one image in NCHW
-through one buffer's channel prefixes, with the block's own forward made
-to fail; a batch, an NHWC input, hooks, ESRGAN+'s ``plus`` paths and
-another residual scale stay the block's own."""
+"""ESRGAN's residual dense block and RRDB (recipes/esrgan.py) against the
+blocks' own forwards in float64: the dense block's new-arch form (the
+zoo's, basicsr's) and the old-arch "CNA" form spandrel (and so ComfyUI)
+builds, through one NHWC buffer's channel prefixes, with the block's own
+forward made to fail, batches and NHWC inputs included; hooks, ESRGAN+'s
+``plus`` paths and another residual scale stay the block's own. Real-ESRGAN's
+compact net likewise."""
 
 import copy
 
@@ -117,20 +117,37 @@ def test_the_dense_block_with_other_activations(act, device, exact_fp32, monkeyp
     assert rel_err(y, expected) <= tol
 
 
-@pytest.mark.parametrize("case", ["batch", "nhwc", "hook"])
-def test_what_the_dense_block_leaves_to_its_own_forward(case, device, exact_fp32):
+@pytest.mark.parametrize("n,nhwc", [(2, False), (1, True), (3, True)])
+def test_the_dense_block_on_batches_and_nhwc_inputs(n, nhwc, device, exact_fp32, monkeypatch):
+    """The buffer is NHWC, so a batch's and an NHWC input's channel
+    prefixes are read in place too; the output comes back in the input's
+    layout."""
     nf, gc = 12, 5
     block = perturbed(NewArchBlock(nf, gc), 4, 0.05)
     ref = copy.deepcopy(block).double()
     conv_patch.apply(block)
-    x = _input(nf, n=2 if case == "batch" else 1)
+    x = _input(nf, n=n)
     expected = ref(x.double())
     block, x, tol = _on(device, block, x)
-    if case == "nhwc":
+    if nhwc:
         x = x.contiguous(memory_format=torch.channels_last)
+    refuse_fallback(monkeypatch, esrgan)
+    with torch.no_grad(), pack.graph_path():
+        y = block(x)
+    assert rel_err(y, expected) <= tol
+    assert y.stride() == x.stride()
+
+
+def test_a_hooked_dense_block_runs_its_own_forward(device, exact_fp32):
+    nf, gc = 12, 5
+    block = perturbed(NewArchBlock(nf, gc), 4, 0.05)
+    ref = copy.deepcopy(block).double()
+    conv_patch.apply(block)
+    x = _input(nf)
+    expected = ref(x.double())
+    block, x, tol = _on(device, block, x)
     seen = []
-    if case == "hook":
-        block.conv3.register_forward_hook(lambda m, a, o: seen.append(o.shape))
+    block.conv3.register_forward_hook(lambda m, a, o: seen.append(o.shape))
     own = []
     real_base = esrgan.base
     with pytest.MonkeyPatch.context() as mp:
@@ -138,7 +155,77 @@ def test_what_the_dense_block_leaves_to_its_own_forward(case, device, exact_fp32
         with torch.no_grad(), pack.graph_path():
             y = block(x)
     assert own and rel_err(y, expected) <= tol
-    assert case != "hook" or seen == [(1, gc, 7, 9)]
+    assert seen == [(1, gc, 7, 9)]
+
+
+class BasicsrRRDB(nn.Module):
+    """basicsr's RRDB: its dense blocks named rdb1-3."""
+
+    def __init__(self, nf, gc):
+        super().__init__()
+        self.rdb1, self.rdb2, self.rdb3 = (NewArchBlock(nf, gc) for _ in range(3))
+
+    def forward(self, x):
+        out = self.rdb1(x)
+        out = self.rdb2(out)
+        out = self.rdb3(out)
+        return out * 0.2 + x
+
+
+BasicsrRRDB.__name__ = "RRDB"
+
+
+@pytest.mark.parametrize("form,n,nhwc", [("esrgan", 1, False), ("basicsr", 2, False), ("esrgan", 2, True)])
+def test_the_rrdb_against_its_own_forward(form, n, nhwc, device, exact_fp32, monkeypatch):
+    """The residual-in-residual block: its three dense blocks on two NHWC
+    buffers, never called as modules, no concatenations; its output in the
+    input's layout."""
+    from bench.zoo import RRDB
+    nf, gc = 12, 5
+    m = perturbed(RRDB(nf, gc) if form == "esrgan" else BasicsrRRDB(nf, gc), 5, 0.05)
+    ref = copy.deepcopy(m).double()
+    report = conv_patch.apply(m)
+    assert report.fused[""].startswith("esrgan.RRDB"), report.fused
+    x = _input(nf, n=n)
+    expected = ref(x.double())
+    m, x, tol = _on(device, m, x)
+    if nhwc:
+        x = x.contiguous(memory_format=torch.channels_last)
+    refuse_fallback(monkeypatch, esrgan)
+    monkeypatch.setattr(type(esrgan.RESIDUAL_DENSE), "forward", lambda *a, **k: pytest.fail("a dense block ran"))
+    cats = []
+    real_cat = torch.cat
+    monkeypatch.setattr(torch, "cat", lambda *a, **k: (cats.append(1), real_cat(*a, **k))[1])
+    with torch.no_grad(), pack.graph_path():
+        y = m(x)
+    assert not cats and rel_err(y, expected) <= tol
+    assert y.stride() == x.stride()
+
+
+def test_what_the_rrdb_leaves_to_its_own_forward(device, exact_fp32):
+    """A dense block the recipe does not take: no match; a hook on a conv
+    inside: the RRDB's own forward, its other dense blocks still fused."""
+    from bench.zoo import RRDB
+    m = perturbed(RRDB(12, 5), 8, 0.05)
+    assert esrgan.RRDB_RECIPE.match(m)
+    m.RDB2 = ResidualDenseBlock(12, 5)  # another residual scale
+    assert not esrgan.RRDB_RECIPE.match(m)
+    m = perturbed(RRDB(12, 5), 8, 0.05)
+    ref = copy.deepcopy(m).double()
+    conv_patch.apply(m)
+    x = _input(12)
+    expected = ref(x.double())
+    m, x, tol = _on(device, m, x)
+    seen = []
+    m.RDB2.conv4.register_forward_hook(lambda mod, a, o: seen.append(o.shape))
+    own = []
+    real_base = esrgan.base
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(esrgan, "base", lambda mod, *a, **k: (own.append(type(mod).cp_base.__name__),
+                                                         real_base(mod, *a, **k))[1])
+        with torch.no_grad(), pack.graph_path():
+            y = m(x)
+    assert own == ["RRDB", "ResidualDenseBlock_5C"] and seen and rel_err(y, expected) <= tol
 
 
 @pytest.mark.parametrize("block", [lambda: ResidualDenseBlock_5C(12, 5, plus=True), lambda: ResidualDenseBlock(12, 5),
@@ -247,14 +334,25 @@ def test_what_the_compact_net_leaves_to_its_own_forward(exact_fp32):
     assert net.body[1].weight.grad is not None
 
 
-def test_launched_eagerly_the_dense_block_runs_its_own_forward(device, exact_fp32, monkeypatch):
-    """Host-bound launched, the fused forward measured slower than the
-    block's own (``esrgan.graphs_only``): eagerly the recipe's forward is not
-    called; under a block's own CUDA graphs and on the graph path it is."""
-    block = perturbed(NewArchBlock(12, 5), 2, 0.05)
-    ref = copy.deepcopy(block).double()
-    conv_patch.apply(block)
-    _own_forward_eagerly_fused_on_graphs(block, type(esrgan.RESIDUAL_DENSE), _input(12), ref, device, monkeypatch)
+@pytest.mark.parametrize("which", ["dense-block", "rrdb"])
+def test_launched_eagerly_the_upscaler_blocks_run_fused(which, device, exact_fp32, monkeypatch):
+    """Launched eagerly, off the graph path, a dense block and an RRDB run
+    their recipes at every call (the NHWC buffers' channel slices read in
+    place: measured faster than their own forwards, docs/performance.md)."""
+    from bench.zoo import RRDB
+    m = perturbed(NewArchBlock(12, 5) if which == "dense-block" else RRDB(12, 5), 2, 0.05)
+    ref = copy.deepcopy(m).double()
+    conv_patch.apply(m)
+    x = _input(12)
+    expected = ref(x.double())
+    m, x, tol = _on(device, m, x)
+    recipe = type(esrgan.RESIDUAL_DENSE if which == "dense-block" else esrgan.RRDB_RECIPE)
+    calls = []
+    real = recipe.forward
+    monkeypatch.setattr(recipe, "forward", lambda self, *a, **k: (calls.append(1), real(self, *a, **k))[1])
+    with torch.no_grad():
+        outs = [m(x) for _ in range(3)]
+    assert len(calls) == 3 and all(rel_err(y, expected) <= tol for y in outs)
 
 
 def test_a_dense_block_edited_after_its_first_call_is_read_again(device, exact_fp32):
@@ -288,7 +386,6 @@ def test_launched_eagerly_the_compact_net_runs_fused(device, exact_fp32, monkeyp
     net = _compact(num_conv=4)
     ref = copy.deepcopy(net).double()
     conv_patch.apply(net)
-    assert not esrgan.COMPACT.graphs_only
     x = _input(3, n=2)
     expected = ref(x.double())
     net, x, tol = _on(device, net, x)
@@ -301,23 +398,6 @@ def test_launched_eagerly_the_compact_net_runs_fused(device, exact_fp32, monkeyp
     with torch.no_grad():
         outs = [net(x) for _ in range(3)]
     assert len(calls) == 3 and all(rel_err(y, expected) <= tol for y in outs)
-
-
-def _own_forward_eagerly_fused_on_graphs(model, recipe_cls, x, ref, device, monkeypatch):
-    """Launched eagerly ``recipe_cls.forward`` is not called and the model
-    computes its answer; on the graph path it is called (where the kernels
-    run: under the interpreter, or on the GPU)."""
-    expected = ref(x.double())
-    model, x, tol = _on(device, model, x)
-    calls = []
-    real = recipe_cls.forward
-    monkeypatch.setattr(recipe_cls, "forward", lambda self, *a, **k: (calls.append(1), real(self, *a, **k))[1])
-    with torch.no_grad():
-        y = model(x)
-    assert not calls and rel_err(y, expected) <= tol
-    with torch.no_grad(), pack.graph_path():
-        model(x)
-    assert calls
 
 
 @pytest.mark.gpu
@@ -334,11 +414,10 @@ def test_the_compact_net_under_its_cuda_graphs():
     assert all(rel_err(o, expected) <= TOL[torch.float16] * 5 for o in outs)
 
 
-def test_a_stack_holding_dense_blocks_runs_unfused_launched(device, exact_fp32, monkeypatch):
+def test_a_stack_holding_dense_blocks_runs_fused_launched(device, exact_fp32, monkeypatch):
     """spandrel's RRDB (one top-level Sequential over the dense blocks):
-    launched eagerly, once its plan is made, the stack runs as its own
-    class with the dense blocks as theirs (what ``recipes=False`` runs,
-    measured faster there); on the graph path the chain's recipe runs."""
+    launched eagerly the chain's recipe runs (in NHWC), the RRDBs' recipes
+    under it, their dense blocks never called as modules."""
     from bench import zoo
     from conv_patch.recipes import common
     net = perturbed(zoo.rrdb_spandrel(True)[0], 7, 0.05)
@@ -346,10 +425,16 @@ def test_a_stack_holding_dense_blocks_runs_unfused_launched(device, exact_fp32, 
     report = conv_patch.apply(net)
     assert report.fused[""].startswith("sequential_chain")
     x = _input(3)
-    on_device, x_on, _ = _on(device, net, x)
+    expected = ref(x.double())
+    net, x, tol = _on(device, net, x)
+    calls = []
+    real = common.SequentialChain.forward
+    monkeypatch.setattr(common.SequentialChain, "forward",
+                        lambda self, *a, **k: (calls.append(1), real(self, *a, **k))[1])
+    monkeypatch.setattr(type(esrgan.RESIDUAL_DENSE), "forward", lambda *a, **k: pytest.fail("a dense block ran"))
     with torch.no_grad():
-        on_device(x_on)  # (the stack's first call makes its plan)
-    _own_forward_eagerly_fused_on_graphs(on_device, common.SequentialChain, x, ref, device, monkeypatch)
+        outs = [net(x) for _ in range(2)]
+    assert calls and all(rel_err(y, expected) <= tol for y in outs)
 
 
 # -- lean forwards: the blocks' own forwards through fewer Python calls ------
@@ -400,10 +485,12 @@ def test_dense_blocks_written_otherwise_have_no_lean_forward():
 
 
 def test_a_patched_dense_block_runs_lean_when_launched_eagerly(device, exact_fp32, monkeypatch):
-    """A dense block that is the model and a graphs-only block: launched
-    eagerly it runs its own forward, through ``LeanDenseBlock`` (the class
-    it is passed through as, for the call), and keeps its patched class
-    between calls."""
+    """A dense block that is the model, run unfused (a rule saying so for
+    its call, as an idle block's passthrough does): launched eagerly it
+    runs its own forward, through ``LeanDenseBlock`` (the class it is
+    passed through as, for the call), and keeps its patched class between
+    calls."""
+    monkeypatch.setattr(esrgan.RESIDUAL_DENSE, "unfused", lambda m, args, kwargs: (), raising=False)
     net = perturbed(NewArchBlock(12, 5), 4, 0.05)
     ref = copy.deepcopy(net).double()
     conv_patch.apply(net)
@@ -425,6 +512,7 @@ def test_a_patched_dense_block_runs_lean_when_launched_eagerly(device, exact_fp3
 
 
 def test_a_lean_call_that_raises_gives_the_patched_class_back(device, monkeypatch):
+    monkeypatch.setattr(esrgan.RESIDUAL_DENSE, "unfused", lambda m, args, kwargs: (), raising=False)
     net = NewArchBlock(12, 5)
     conv_patch.apply(net)
     patched = type(net)

@@ -14,7 +14,7 @@ from conv_patch import PatchConfig, functional
 from conv_patch.routing import tables as config_tables
 from conv_patch.routing.registry import Route, tma_problem
 from conv_patch.routing.decide import decide
-from conv_patch.specs import CallDesc, ConvSpec
+from conv_patch.specs import CallDesc, ConvSpec, layout_of, nhwc_pitch
 from conv_patch.target import Target, target_for
 from conv_patch.ops import conv2d as conv2d_op
 from _util import poisoned, rel_err
@@ -244,13 +244,62 @@ def test_tma_reads_nchw_in_place_where_boxes_start_aligned(c_in, k, pad, w, in_p
     assert seen == [in_place, False]
 
 
+@needs_tma
+@pytest.mark.parametrize("n,h,w,tma_io", [(1, 9, 13, True), (2, 6, 10, True), (1, 7, 12, False)])
+def test_tma_reads_and_writes_channel_slices_in_place(n, h, w, tma_io, device, monkeypatch):
+    """A dense block's convs on one NHWC buffer [N, H, W, 48]: each reads a
+    channel prefix in place (its pixels 48 apart: no staging copy) and
+    writes its output into the next 8-channel slice, the last one adds a
+    residual read from the buffer's first slice. The slices it must not
+    touch stay poisoned; every output is checked against float64."""
+    from conv_patch.ops import conv2d as conv2d_op
+    seen = _record_launches(monkeypatch, device, lambda g, m: m["TMA_IO"])
+    monkeypatch.setattr(conv2d_op, "to_nhwc", lambda x: pytest.fail("a channel slice was staged"))
+    g = torch.Generator().manual_seed(h * w)
+    nf, gc, total = 16, 8, 48
+    buf = poisoned((n, total, h, w), torch.bfloat16, device, channels_last=True)
+    buf[:, :nf] = torch.randn(n, nf, h, w, generator=g).to(device, torch.bfloat16)
+    cfg = {**TMA_TILES, "tma_io": tma_io}
+    for k in range(4):
+        c0 = nf + k * gc
+        wt = (torch.randn(gc, c0, 3, 3, generator=g) * (9 * c0) ** -0.5).to(device, torch.bfloat16)
+        b = torch.randn(gc, generator=g).to(device, torch.bfloat16)
+        x = buf[:, :c0]
+        assert layout_of(x) == "nhwc" and nhwc_pitch(x) == total
+        ref = F.leaky_relu(F.conv2d(x.double().cpu(), wt.double().cpu(), b.double().cpu(), 1, 1), 0.2)
+        functional.conv2d(x, wt, b, 1, 1, activation="leaky_relu_0.2", out=buf[:, c0:c0 + gc], config=cfg)
+        assert rel_err(buf[:, c0:c0 + gc], ref) <= 1e-2
+        assert torch.isnan(buf[:, c0 + gc:].float()).all()
+    wt = (torch.randn(nf, nf + 3 * gc, 3, 3, generator=g) * (9 * 40) ** -0.5).to(device, torch.bfloat16)
+    x = buf[:, :nf + 3 * gc]
+    ref = F.conv2d(x.double().cpu(), wt.double().cpu(), None, 1, 1) + 5.0 * buf[:, :nf].double().cpu()
+    out = poisoned((n, nf, h, w), torch.bfloat16, device, channels_last=True)
+    functional.conv2d(x, wt, None, 1, 1, residual=buf[:, :nf], beta=5.0, out=out, config=cfg)
+    assert rel_err(out, ref) <= 1e-2
+    assert seen == [1 if tma_io else 0] * 5
+
+
+def test_nhwc_pitch_names_channel_slices():
+    buf = torch.empty(2, 48, 5, 7).contiguous(memory_format=torch.channels_last)
+    assert nhwc_pitch(buf) == 48 and nhwc_pitch(buf[:, 8:24]) == 48 and layout_of(buf[:, :40]) == "nhwc"
+    assert nhwc_pitch(buf[:1, :16, 2:3, :1]) == 16  # one pixel: dense, whatever its strides say
+    assert nhwc_pitch(buf[:, :16, :, :1]) == 7 * 48  # one column: its pixels a row apart
+    assert nhwc_pitch(buf[:, :, 1:4]) == 0  # rows cut: not W * 48 apart across images
+    assert nhwc_pitch(buf[:, :, :, ::2]) == 0 and layout_of(buf[:, :, :, ::2]) == "strided"
+    nchw = torch.empty(2, 48, 5, 7)
+    assert nhwc_pitch(nchw) == 0 and nhwc_pitch(nchw[:, :16]) == 0 and layout_of(nchw[:, :16]) == "strided"
+    assert layout_of(nchw[:1, :16]) == "nchw"
+    assert CallDesc.of_call(buf[:, :16], torch.empty(8, 16, 3, 3)).pitch == 48
+    assert CallDesc.of_call(buf, torch.empty(8, 48, 3, 3)).pitch == 0
+
+
 def _spec(c_in=16, c_out=16, k=3, stride=1):
     return ConvSpec.from_module(torch.nn.Conv2d(c_in, c_out, k, stride, padding=k // 2))
 
 
-def _call(shape, layout="nhwc", dtype=torch.bfloat16, aligned=True, device_type="cuda"):
+def _call(shape, layout="nhwc", dtype=torch.bfloat16, aligned=True, device_type="cuda", pitch=0):
     return CallDesc(shape=shape, dtype=dtype, device_type=device_type, layout=layout,
-                    weight_dtype=dtype, aligned16=aligned)
+                    weight_dtype=dtype, aligned16=aligned, pitch=pitch)
 
 
 SM90 = Target("sm90", True)
@@ -264,6 +313,8 @@ SM90 = Target("sm90", True)
     (_spec(), _call((1, 16, 8, 8), layout="strided"), SM90, "strided"),
     (_spec(), _call((1, 16, 8, 8), aligned=False), SM90, "aligned"),
     (_spec(), _call((1, 16, 8, 8)), Target("sm80", True), "no TMA"),
+    (_spec(), _call((1, 16, 8, 8), pitch=44), SM90, "44 channels apart"),
+    (_spec(stride=2), _call((1, 16, 8, 8), pitch=48), SM90, "channel slice"),
 ])
 def test_tma_problem_names_the_rule(spec, call, target, why):
     assert why in tma_problem(spec, call, call.shape, target)

@@ -16,7 +16,7 @@ from conv_patch.activations import activation_code, per_channel
 from conv_patch.ops.epilogue import check_residual, epilogue
 from conv_patch.ops.loader import kernels
 from conv_patch.routing.registry import Route, launcher_of
-from conv_patch.specs import ConvSpec, suggests_channels_last
+from conv_patch.specs import ConvSpec, nhwc_pitch, suggests_channels_last
 from conv_patch.target import Target, dot_precision
 
 
@@ -69,10 +69,11 @@ def run_kernel(route: Route, config: dict, target: Target, spec: ConvSpec, x: to
         out = k.empty(shape, dtype=x.dtype, device=x.device, memory_format=memory_format)
     elif unbatched:
         out = out.unsqueeze(0)
-    if route is Route.CONV2D_TMA and not nhwc(x) and not k.reads_nchw_in_place(x, w.shape, spec.pad_begin,
-                                                                              spec.stride, config):
+    if route is Route.CONV2D_TMA and not nhwc_pitch(x) and not k.reads_nchw_in_place(x, w.shape, spec.pad_begin,
+                                                                                    spec.stride, config):
         # The NHWC staging copy (see kernels/conv2d_tma.py); ``out`` was
-        # allocated above in the caller's layout and stays in it.
+        # allocated above in the caller's layout and stays in it. An NHWC
+        # channel slice is boxed in place.
         x = to_nhwc(x)
     launcher_of(route)(x, w, bias, out, residual, stride=spec.stride, padding=spec.pad_begin,
                        dilation=spec.dilation, beta=beta, activation=activation_code(activation, per_channel=True),

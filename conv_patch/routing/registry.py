@@ -54,9 +54,11 @@ def tma_problem(spec: ConvSpec, call: CallDesc, shape: tuple, target: Target) ->
             return f"stride {spec.stride} does not divide the input's {shape[2]}x{shape[3]}"
         if spec.in_channels % 16:
             return f"stride {spec.stride} with C_in={spec.in_channels}, not a multiple of 16"
+        if call.pitch:
+            return f"stride {spec.stride} on a channel slice (the strided box folds columns into channels)"
     if not call.aligned16:
         return "input, weight, residual or output not 16-byte aligned"
-    return tma_layout_problem(shape, call.layout, call.dtype.itemsize, spec.in_channels)
+    return tma_layout_problem(shape, call.layout, call.dtype.itemsize, spec.in_channels, call.pitch)
 
 
 # The largest C_out * KH * KW (the first GEMM's N) the taps route takes:
@@ -102,21 +104,25 @@ def tma_padded_problem(spec: ConvSpec, call: CallDesc, shape: tuple, target: Tar
         return f"stride {spec.stride}: the padded TMA kernel takes stride 1"
     if not call.aligned16:
         return "input, weight, residual or output not 16-byte aligned"
-    return tma_layout_problem(shape, call.layout, call.dtype.itemsize, spec.in_channels)
+    return tma_layout_problem(shape, call.layout, call.dtype.itemsize, spec.in_channels, call.pitch)
 
 
-def tma_layout_problem(shape, layout: str, elem_bytes: int, c_in: int) -> Optional[str]:
-    """Why a dense input of this shape and layout cannot be described by a TMA
+def tma_layout_problem(shape, layout: str, elem_bytes: int, c_in: int, pitch: int = 0) -> Optional[str]:
+    """Why an input of this shape and layout cannot be described by a TMA
     descriptor (plus the [C_out, KH*KW, C_in] weight pack), or None. NCHW is
     staged through one NHWC copy or, for 1x1 and Kx1 convs under one-row
     tiles, boxed in place where its rows are 16-byte aligned (see
-    kernels/conv2d_tma.py), so only the channel count matters."""
+    kernels/conv2d_tma.py), so only the channel count matters; an NHWC
+    channel slice (``pitch``: its pixel stride) is boxed in place where
+    that stride is 16-byte aligned."""
     if elem_bytes != 2:
         return "the TMA route takes fp16/bf16"
     if layout not in ("nhwc", "nchw"):
         return f"{layout} input (TMA needs dense NCHW or NHWC)"
     if (c_in * elem_bytes) % TMA_ALIGN:
         return f"C_in={c_in} is not a multiple of {TMA_ALIGN // elem_bytes} (TMA stride alignment)"
+    if (pitch * elem_bytes) % TMA_ALIGN:
+        return f"a channel slice {pitch} channels apart per pixel, not a multiple of {TMA_ALIGN // elem_bytes}"
     return None
 
 

@@ -42,6 +42,19 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def _release_cuda_memory():
+    """After each test on a GPU, the memory PyTorch's allocator keeps
+    cached goes back to the device: test workers sharing one GPU (``-n``)
+    otherwise starve each other (a 4 GiB-input test's cache held in one
+    worker made another's 2 MiB allocation fail)."""
+    yield
+    if HAS_CUDA:
+        import gc
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
 @pytest.fixture
 def device():
     return DEVICE

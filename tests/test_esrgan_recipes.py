@@ -122,20 +122,24 @@ def test_the_dense_block_on_batches_and_nhwc_inputs(n, nhwc, device, exact_fp32,
     """The buffer is NHWC, so a batch's and an NHWC input's channel
     prefixes are read in place too; the output comes back in the input's
     layout."""
-    nf, gc = 12, 5
-    block = perturbed(NewArchBlock(nf, gc), 4, 0.05)
-    ref = copy.deepcopy(block).double()
-    conv_patch.apply(block)
-    x = _input(nf, n=n)
-    expected = ref(x.double())
-    block, x, tol = _on(device, block, x)
-    if nhwc:
-        x = x.contiguous(memory_format=torch.channels_last)
+    block, x, expected, tol = _patched_on(perturbed(NewArchBlock(12, 5), 4, 0.05), n, nhwc, device)
     refuse_fallback(monkeypatch, esrgan)
-    with torch.no_grad(), pack.graph_path():
+    with torch.no_grad():
         y = block(x)
     assert rel_err(y, expected) <= tol
     assert y.stride() == x.stride()
+
+
+def _patched_on(m, n, nhwc, device):
+    """(``m`` patched, on the test device, an input of ``n`` images of 12
+    channels (NHWC where ``nhwc``), the unpatched answer in float64, the
+    tolerance)."""
+    ref = copy.deepcopy(m).double()
+    conv_patch.apply(m)
+    x = _input(12, n=n)
+    expected = ref(x.double())
+    m, x, tol = _on(device, m, x)
+    return m, x.contiguous(memory_format=torch.channels_last) if nhwc else x, expected, tol
 
 
 def test_a_hooked_dense_block_runs_its_own_forward(device, exact_fp32):
@@ -181,22 +185,15 @@ def test_the_rrdb_against_its_own_forward(form, n, nhwc, device, exact_fp32, mon
     buffers, never called as modules, no concatenations; its output in the
     input's layout."""
     from bench.zoo import RRDB
-    nf, gc = 12, 5
-    m = perturbed(RRDB(nf, gc) if form == "esrgan" else BasicsrRRDB(nf, gc), 5, 0.05)
-    ref = copy.deepcopy(m).double()
-    report = conv_patch.apply(m)
-    assert report.fused[""].startswith("esrgan.RRDB"), report.fused
-    x = _input(nf, n=n)
-    expected = ref(x.double())
-    m, x, tol = _on(device, m, x)
-    if nhwc:
-        x = x.contiguous(memory_format=torch.channels_last)
+    m = perturbed(RRDB(12, 5) if form == "esrgan" else BasicsrRRDB(12, 5), 5, 0.05)
+    m, x, expected, tol = _patched_on(m, n, nhwc, device)
+    assert type(m).cp_recipe is esrgan.RRDB_RECIPE
     refuse_fallback(monkeypatch, esrgan)
     monkeypatch.setattr(type(esrgan.RESIDUAL_DENSE), "forward", lambda *a, **k: pytest.fail("a dense block ran"))
     cats = []
     real_cat = torch.cat
     monkeypatch.setattr(torch, "cat", lambda *a, **k: (cats.append(1), real_cat(*a, **k))[1])
-    with torch.no_grad(), pack.graph_path():
+    with torch.no_grad():
         y = m(x)
     assert not cats and rel_err(y, expected) <= tol
     assert y.stride() == x.stride()

@@ -23,8 +23,8 @@ ORDER = [
     diffusers.ENCODER, diffusers.TINY_BLOCK, ldm.RESNET, ldm.ATTN, ldm.UPSAMPLE, ldm.DOWNSAMPLE, ldm.DECODER,
     ldm.ENCODER, wan.RESIDUAL, wan.COMFY_RESIDUAL, wan.ATTENTION, wan.RMS_NORM, wan.DECODER, wan.RESAMPLE,
     wan.RESIDUAL_UP, hunyuan.RESNET, ltx.RESNET, cogvideox.RESNET, mochi.RESNET, esrgan.RESIDUAL_DENSE,
-    esrgan.RRDB_RECIPE, esrgan.COMPACT, dcae.RESBLOCK, dcae.UP_BLOCK, dcae.DECODER, dcae.MULTISCALE_PROJECTION, common.SEQUENTIAL,
-    common.GROUP_NORM,
+    esrgan.RRDB_RECIPE, esrgan.COMPACT, dcae.RESBLOCK, dcae.UP_BLOCK, dcae.DECODER, dcae.MULTISCALE_PROJECTION,
+    common.SEQUENTIAL, common.GROUP_NORM,
 ]
 
 

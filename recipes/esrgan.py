@@ -223,6 +223,18 @@ def rrdb_blocks(m) -> Optional[tuple]:
     return None
 
 
+def rrdb_found(m) -> Optional[tuple]:
+    """``rrdb_blocks(m)``, kept on the block's state until a dense block is
+    replaced, added or removed (matching them is structural work a call
+    need not repeat; each block's parts are checked by ``dense_found``)."""
+    key = tuple(m.__dict__["_modules"].values())
+    st = state_of(m)
+    held = st.chain
+    if held is None or held[0] != key:
+        held = st.chain = (key, rrdb_blocks(m))
+    return held[1]
+
+
 def _rrdb_forward(cls) -> bool:
     """The class's forward reads its three dense blocks and nothing else
     (``out * 0.2 + x`` around them)."""
@@ -245,7 +257,7 @@ class ResidualInResidual(Recipe):
                 and _forward_scale(cls) == RESIDUAL_SCALE)
 
     def forward(self, m, x, *args, **kwargs):
-        blocks = rrdb_blocks(m)
+        blocks = rrdb_found(m)
         found = None if blocks is None else [dense_found(b) for b in blocks]
         if found is None or not all(dense_call_ok(x, f, *args, **kwargs) for f in found) or not plain(*blocks):
             return base(m, x, *args, **kwargs)

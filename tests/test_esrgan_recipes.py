@@ -352,6 +352,27 @@ def test_launched_eagerly_the_upscaler_blocks_run_fused(which, device, exact_fp3
     assert len(calls) == 3 and all(rel_err(y, expected) <= tol for y in outs)
 
 
+def test_an_rrdb_edited_after_its_first_call_is_read_again(device, exact_fp32):
+    """The RRDB keeps its dense blocks between calls; a block replaced since
+    (by one of another residual scale, which the recipe does not take) is
+    seen: the RRDB's own forward runs, with the new block."""
+    from bench.zoo import RRDB
+    m = perturbed(RRDB(12, 5), 3, 0.05)
+    new = perturbed(ResidualDenseBlock(12, 5), 9, 0.05)
+    ref = copy.deepcopy(m)
+    ref.RDB2 = copy.deepcopy(new)
+    ref = ref.double()
+    conv_patch.apply(m)
+    x = _input(12)
+    expected = ref(x.double())
+    m, x, tol = _on(device, m, x)
+    with torch.no_grad():
+        m(x)
+        m.RDB2 = new.to(x.device, x.dtype)
+        y = m(x)
+    assert rel_err(y, expected) <= tol
+
+
 def test_a_dense_block_edited_after_its_first_call_is_read_again(device, exact_fp32):
     """The recipe keeps the block's parts between calls (``dense_parts`` at
     every call was a tenth of its host time); a part replaced since is seen:

@@ -4,7 +4,7 @@ for), traced off the models: one
 row per (conv, input shape, layout, dtype), conv-patch against cuDNN.
 
     python -m bench.layers_zoo [--only M ...] [--layouts nchw nhwc] [--dtype fp16]
-                               [--cudnn-benchmark] [--sweep [--write-table T]] [--tiny]
+                               [--cudnn-benchmark] [--sweep [--write-table T]] [--table T] [--tiny]
 
 Default (launched): each conv as an ``nn.Conv2d`` module, unpatched against
 patched with ``conv_patch.apply`` (the route the decision takes for it as
@@ -112,7 +112,7 @@ def back_to_back_ms(fn, calls):
     return (time.perf_counter() - t) * 1e3 / calls
 
 
-def launched_row(call, count, layout, dtype, device, rounds, min_ms):
+def launched_row(call, count, layout, dtype, device, rounds, min_ms, config=None):
     spec, shape = call.spec, call.shape
     conv = module_of(spec)
     if conv is None:
@@ -126,7 +126,7 @@ def launched_row(call, count, layout, dtype, device, rounds, min_ms):
             conv.bias.copy_(torch.randn(conv.bias.shape, generator=g) * 0.1)
     base = conv.to(device, dtype).to(memory_format=fmt).eval()
     net = nn.Sequential(copy.deepcopy(base))
-    conv_patch.apply(net)
+    conv_patch.apply(net, config=config)
     ours = net[0]
     x = torch.randn(shape, generator=g).to(device, dtype).contiguous(memory_format=fmt)
     with torch.no_grad():
@@ -188,6 +188,8 @@ def main(argv=None):
                     help="with --sweep: time CUDA-graph replays (GPU time without the host's)")
     ap.add_argument("--time-limit", type=float, default=None, metavar="S",
                     help="stop starting new convs after S seconds (the rows so far are kept)")
+    ap.add_argument("--table", default=None, metavar="T",
+                    help="launched: patch with config table T (PatchConfig(table=T)) instead of the GPU's own")
     ap.add_argument("--tiny", action="store_true", help="tiny models (the logic's test on the CPU)")
     ap.add_argument("--out", default=None, help="results folder (default bench/results)")
     args = ap.parse_args(argv)
@@ -231,13 +233,15 @@ def main(argv=None):
         path = write_results("layers-zoo-sweep", rows, meta, args.out)
         print_table(rows, ["name", "baseline_ms", "ours_ms", "speedup", "best"])
     else:
+        config = conv_patch.PatchConfig(table=args.table) if args.table else None
+        meta["table"] = args.table
         t0 = time.perf_counter()
         for call, count in convs:
             if args.time_limit and time.perf_counter() - t0 > args.time_limit:
                 print(f"time limit: {len(rows)} rows timed, the rest left", flush=True)
                 break
             for layout in args.layouts:
-                r = launched_row(call, count, layout, dtype, device, args.rounds, args.min_ms)
+                r = launched_row(call, count, layout, dtype, device, args.rounds, args.min_ms, config)
                 if r is None:
                     continue
                 rows.append(r)

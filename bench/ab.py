@@ -5,7 +5,7 @@ one in one process (``zoo.interleaved``: rotated order, medians after
 warm-up).
 
     python -m bench.ab --only srvgg-x4 taef2 --variants own-dense-blocks size-only-group-norm
-                       [--table T] [--sizes 256 512] [--runs 41] [--tiny] [--out DIR]
+                       [--table T] [--sizes 256 512] [--batch 1] [--runs 41] [--tiny] [--out DIR]
 
 A variant (``VARIANTS``) changes a rule the routing or the recipes read at
 call time, set around its own calls only, so that the other models in the
@@ -18,8 +18,10 @@ and ``triton-launcher`` replays the recorded launches through Triton's
 Python launcher instead of its C launcher (``kernels/direct_launch.py``),
 ``full-path`` finds kernel plans by their full signature only
 (``planner.KERNEL_SLOTS`` off: no ``plans.KernelSlot`` on the bare path),
-and ``cudnn-grouped-convs`` leaves grouped convs to PyTorch (the DC-AE
-recipe's ``proj_in`` and ``proj_out``).
+``cudnn-grouped-convs`` leaves grouped convs to PyTorch (the DC-AE
+recipe's ``proj_in`` and ``proj_out``), and ``no-auto-graphs`` runs the
+blocks ``PatchConfig(cuda_graphs="auto")`` graphs eagerly (its bound set
+to 0 bytes: each key is captured once, then dropped).
 ``--table T`` adds a variant patched with config table ``T``
 (``PatchConfig(table=T)``) instead of the architecture's own.
 
@@ -43,7 +45,7 @@ from conv_patch.kernels import direct_launch
 from conv_patch.ops import grouped_conv
 from conv_patch.recipes import esrgan
 from conv_patch.routing import costs
-from conv_patch.runtime import pack, planner
+from conv_patch.runtime import graphs, pack, planner
 from conv_patch.runtime.state import peek
 
 from . import zoo
@@ -99,6 +101,8 @@ VARIANTS = {
                   "kernel plans found by the full signature only, not on the bare fast path"),
     "cudnn-grouped-convs": (lambda: _swapped(grouped_conv, "problem", lambda conv, x: "bench.ab: cuDNN's grouped conv"),
                             "grouped convs (DC-AE's proj_in and proj_out) on cuDNN"),
+    "no-auto-graphs": (lambda: _swapped(graphs, "AUTO_POOL_BYTES", 0),
+                       "cuda_graphs=\"auto\" keeps no graph (every capture over its bound): launched eagerly"),
 }
 
 # Default sizes of the models this benchmark was written for (else the zoo's first).
@@ -125,6 +129,7 @@ def main(argv=None):
     ap.add_argument("--variants", nargs="*", choices=sorted(VARIANTS), default=[])
     ap.add_argument("--table", default=None, help="a config table to run as a variant")
     ap.add_argument("--sizes", type=int, nargs="+", default=None)
+    ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--runs", type=int, default=41)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--tiny", action="store_true", help="tiny configs on the CPU (the tests)")
@@ -136,7 +141,7 @@ def main(argv=None):
     rows = []
     for name in args.only:
         for size in (args.sizes or _sizes(name)):
-            fields, model, inputs = zoo.load_case(name, 16 if args.tiny else size, 1, "fp32" if args.tiny else None,
+            fields, model, inputs = zoo.load_case(name, 16 if args.tiny else size, args.batch, "fp32" if args.tiny else None,
                                                   args.tiny, device, 1)
             x, kw = inputs[0]
             default = copy.deepcopy(model)

@@ -20,8 +20,10 @@ PEAK_TFLOPS = 764.0
 
 
 def resident_bytes(model) -> int:
-    """Bytes a model keeps on the GPU between calls: parameters, buffers and
-    conv-patch's weight packs."""
+    """Bytes a model keeps on the GPU between calls: parameters, buffers,
+    conv-patch's weight packs and its CUDA graphs' pools and static inputs
+    (``PatchConfig.cuda_graphs``: memory a call's high-water mark does not
+    show, the graph's activations being allocated at its capture)."""
     from conv_patch.runtime.state import peek
     seen, total = set(), 0
     for t in list(model.parameters()) + list(model.buffers()):
@@ -33,6 +35,8 @@ def resident_bytes(model) -> int:
         entry = None if st is None else st.pack
         if entry is not None:
             total += entry.buf.numel() * entry.buf.element_size()
+        if st is not None and st.graphs is not None:
+            total += st.graphs.held_bytes()
     return total
 
 

@@ -162,20 +162,30 @@ class SequentialChain(Recipe):
         faster on TAEF2's 256^2 and 512^2 decodes than the stack run in NCHW
         with its recipes (docs/performance.md). Not on the graph path nor
         inside torch.compile, where host time is not the cost, nor before
-        the stack's first call has made its plan."""
+        the stack's first call has made its plan, nor for a call its CUDA
+        graphs capture or replay (``PatchConfig.cuda_graphs``)."""
         st = peek(m)
         held = None if st is None else st.chain
         if held is None or kwargs or len(args) != 1 or pack.GRAPH_PATH:
             return None
         x = args[0]
         if (not isinstance(x, torch.Tensor) or x.dim() != 4 or not _norms_eager(x, held[3])
-                or st.graphs is not None or st.bands is not None
-                or torch.compiler.is_compiling()):
+                or st.bands is not None or torch.compiler.is_compiling()):
             return None
+        if st.graphs is not None:
+            if st.graphs.takes(args, kwargs):
+                return None
+            st.graphs.note(args, kwargs)
         return swaps_below(m, held)
 
     def upsample_convs(self, m):
         return tuple(mod for kind, mod, _ in chain_plan(list(m)) if kind == "upconv")
+
+    def auto_graphs(self, m):
+        """A stack of host-bound blocks (a TAESD decoder or encoder,
+        AutoencoderTiny's ``layers``) is host-bound itself."""
+        return any(getattr(getattr(c, "cp_recipe", None), "host_bound", False)
+                   for c in m.__dict__["_modules"].values())
 
 
 GROUP_NORM = register(GroupNormRecipe())

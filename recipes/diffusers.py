@@ -399,6 +399,10 @@ class TinyBlock(Recipe):
     def __init__(self, name, cls_names):
         self.name, self.cls_names = name, cls_names
 
+    # 64 channels or fewer at a preview's or a decode's sizes (TAEF2 at
+    # 512^2: 1.2 ms of kernels in a 3.3 ms launched call; docs/performance.md).
+    host_bound = True
+
     def lean_for(self, cls):
         """``LeanTinyBlock`` for diffusers' ``AutoencoderTinyBlock`` and
         conv-patch's TAESD ``Block`` (other copies run as themselves: their

@@ -324,6 +324,11 @@ class CompactNet(Recipe):
     name = "esrgan.SRVGGNetCompact"
     what = "conv+PReLU/ReLU/LeakyReLU epilogues, body in NHWC"
 
+    def auto_graphs(self, m):
+        # 64 channels, one conv after another at the tile's size: at the
+        # 256^2 tiles upscale loaders cut, host-bound (docs/performance.md).
+        return True
+
     def match(self, m):
         return (named(m, "SRVGGNetCompact") and compact_steps(m) is not None
                 and _compact_forward(getattr(type(m), "cp_base", type(m))))

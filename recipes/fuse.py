@@ -98,6 +98,20 @@ class Recipe:
     # the one the recipe knows). None: the block is not run in bands.
     bands = None
 
+    # Whether this recipe's blocks are bound by the host at the sizes they
+    # run (narrow convs one after another: each launch's GPU work is
+    # shorter than issuing it). A stack of them replays CUDA graphs by
+    # default (``auto_graphs``).
+    host_bound = False
+
+    def auto_graphs(self, module) -> bool:
+        """Whether ``module``, an outermost fused block, replays CUDA graphs
+        under ``PatchConfig(cuda_graphs="auto")`` (the default): blocks whose
+        eager calls are bound by the host at the sizes they run, so that
+        issuing their launches, not the GPU, sets their pace
+        (``runtime/graphs.py``)."""
+        return False
+
     def upsample_convs(self, module) -> tuple:
         """The convs this recipe runs on a nearest-x2 upsampled input as
         the four 2x2 convs of ``functional.upsample_conv2d`` (the tuner traces
@@ -142,11 +156,13 @@ class FusedBlock:
                 return passthrough.run_unfused(self, swaps, functools.partial(self.cp_own_forward, *args,
                                                                               **kwargs))
         st = peek(self)
-        if (self.cp_recipe.runs_convs and pack.ACTIVE.group is None and (st is None or st.graphs is None)
-                and not pack.GRAPH_PATH and not torch.compiler.is_compiling()):
+        if (self.cp_recipe.runs_convs and pack.ACTIVE.group is None and not pack.GRAPH_PATH
+                and not torch.compiler.is_compiling()
+                and (st is None or st.graphs is None or not st.graphs.takes(args, kwargs))):
             # The outermost fused block of this call (no group active in this
-            # thread): its convs' weight packs are refreshed together at its
-            # start (conv_patch/pack.py says why).
+            # thread), run eagerly: its convs' weight packs are refreshed
+            # together at its start (conv_patch/pack.py says why). (A graph's
+            # capture refreshes them inside the graph.)
             return pack.grouped(self, self.cp_run, args, kwargs)
         return self.cp_run(*args, **kwargs)
 

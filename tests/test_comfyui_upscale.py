@@ -88,7 +88,10 @@ def test_the_cuda_graphs_option():
     plain, _ = comfyui.patched_upscale_model(Descriptor(net, 4))
     graphed, _ = comfyui.patched_upscale_model(Descriptor(net, 4), cuda_graphs=True)
     from conv_patch.runtime.state import peek
-    assert peek(plain.model) is None or peek(plain.model).graphs is None
-    assert peek(graphed.model).graphs is not None
+    # Off: the compact net replays under cuda_graphs="auto"'s memory bound,
+    # an ESRGAN's RRDBs do not; on: every fused block, bounded by count only.
+    assert peek(plain.model).graphs.auto and not peek(graphed.model).graphs.auto
+    rrdb, _ = comfyui.patched_upscale_model(Descriptor(_seeded(_nets()["rrdb-spandrel"]), 4))
+    assert not any(peek(m) is not None and peek(m).graphs is not None for m in rrdb.model.modules())
     convs_only, report = comfyui.patched_upscale_model(Descriptor(net, 4), recipes=False, cuda_graphs=True)
     assert not report.fused  # (graphs replay fused blocks: none without recipes)

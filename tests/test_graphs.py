@@ -1,4 +1,4 @@
-"""PatchConfig(cuda_graphs=True): the graph cache's rules (conv_patch/graphs.py).
+"""PatchConfig(cuda_graphs=True / "auto"): the graph cache's rules (conv_patch/runtime/graphs.py).
 
 On the CPU the cache's logic runs against a stand-in capture whose "replay"
 re-runs the fused forward on the static inputs and copies the result into
@@ -75,13 +75,129 @@ def test_apply_installs_graphs_on_outermost_fused_blocks_and_remove_drops_them(d
 
 def test_config_is_checked():
     m = _chain("cpu")
-    for bad, err in [(dict(cuda_graphs=1), TypeError), (dict(cuda_graphs=True, max_graphs=0), ValueError),
+    for bad, err in [(dict(cuda_graphs=1), TypeError), (dict(cuda_graphs="on"), TypeError),
+                     (dict(cuda_graphs=True, max_graphs=0), ValueError),
                      (dict(cuda_graphs=True, max_graphs=True), ValueError)]:
         with pytest.raises(err):
             conv_patch.apply(m, config=conv_patch.PatchConfig(**bad))
     with pytest.raises(ValueError, match="recipes"):
         conv_patch.apply(m, config=conv_patch.PatchConfig(cuda_graphs=True), recipes=False)
     assert not any(conv_patch.is_patched(c) for c in m.modules())  # an error leaves the model as it was
+    assert conv_patch.PatchConfig().cuda_graphs == "auto"
+    assert not conv_patch.apply(_chain("cpu"), recipes=False).graphed  # "auto" without recipes: nothing fused
+
+
+def _tiny_vae():
+    diffusers = pytest.importorskip("diffusers")
+    torch.manual_seed(0)
+    return diffusers.AutoencoderTiny(encoder_block_out_channels=(8, 8, 8, 8), decoder_block_out_channels=(8, 8, 8, 8),
+                                     latent_channels=4).eval()
+
+
+def test_auto_graphs_the_host_bound_stacks_only():
+    """The default, ``cuda_graphs="auto"``: the tiny autoencoders' stacks and
+    the compact net, not a plain conv chain, a VAE decoder or a UNet; the
+    passthrough stays installed for the rest."""
+    diffusers = pytest.importorskip("diffusers")
+    dec = taesd.seeded_(taesd.decoder(latent_channels=4, channels=8)).eval()
+    report = conv_patch.apply(dec)
+    assert report.graphed == [""] and graphs.cache_of(dec).auto and report.passthrough == [""]
+    vae = _tiny_vae()
+    report = conv_patch.apply(vae)
+    assert report.graphed == ["decoder.layers"] and report.passthrough == [""]
+    assert graphs.cache_of(vae.decoder.layers).auto
+    assert all(graphs.cache_of(b) is None for b in vae.decoder.layers)  # inside the stack: none
+    explicit = _tiny_vae()
+    report = conv_patch.apply(explicit, config=conv_patch.PatchConfig(cuda_graphs=True))
+    assert "decoder.layers" in report.graphed and not graphs.cache_of(explicit.decoder.layers).auto
+    assert not report.passthrough
+    assert not conv_patch.apply(_tiny_vae(), config=conv_patch.PatchConfig(cuda_graphs=False)).graphed
+    for other in (_chain("cpu"),
+                  diffusers.AutoencoderKL(block_out_channels=(8, 16), norm_num_groups=4, layers_per_block=1,
+                                          down_block_types=("DownEncoderBlock2D",) * 2,
+                                          up_block_types=("UpDecoderBlock2D",) * 2),
+                  diffusers.UNet2DModel(block_out_channels=(8, 16), norm_num_groups=4, layers_per_block=1,
+                                        down_block_types=("DownBlock2D",) * 2, up_block_types=("UpBlock2D",) * 2)):
+        report = conv_patch.apply(other)
+        assert report.fused and not report.graphed
+
+
+class SizedCaptured(FakeCaptured):
+    """A stand-in capture whose pool is as large as its input's elements in MiB."""
+
+    def __init__(self, fn, args, kwargs):
+        super().__init__(fn, args, kwargs)
+        self.pool_bytes = args[0].numel() << 20
+
+
+def test_auto_keeps_graph_memory_within_its_bound(device, exact_fp32, fake_graphs, monkeypatch):
+    monkeypatch.setattr(graphs.GraphCache, "capture_cls", SizedCaptured)
+    monkeypatch.setattr(graphs, "AUTO_POOL_BYTES", 400 << 20)
+    dec = taesd.seeded_(taesd.decoder(latent_channels=4, channels=8)).to(device).eval()
+    ref = copy.deepcopy(dec)
+    conv_patch.apply(dec)
+    cache = graphs.cache_of(dec)
+    sizes = [(1, 4, 8, 8), (1, 4, 10, 10), (1, 4, 12, 12), (1, 4, 8, 8)]  # 256, 400, 576 MiB "pools"
+    with torch.no_grad():
+        for shape in sizes:
+            for i in range(3):
+                y = dec(_x(i, device, shape))
+                assert rel_err(y, ref(_x(i, device, shape))) <= 1e-5
+        # 8x8 captured, 10x10 captured (8x8 dropped: 656 > 400), 12x12 alone
+        # over the bound: eager; 8x8 captured again (10x10 dropped).
+        assert cache.stats["too_large"] == 1 and cache.stats["captures"] == 3
+        held = [k[2][1][2:] for k, v in cache.graphs.items() if v is not graphs._EAGER]
+        assert held == [(8, 8)]
+        before = cache.stats["replays"]
+        dec(_x(0, device, (1, 4, 12, 12)))
+        assert cache.stats["replays"] == before  # the key over the bound stays eager
+    # The bound of an explicit cuda_graphs=True: max_graphs only.
+    twin = taesd.seeded_(taesd.decoder(latent_channels=4, channels=8)).to(device).eval()
+    conv_patch.apply(twin, config=conv_patch.PatchConfig(cuda_graphs=True))
+    with torch.no_grad():
+        for shape in sizes[:3]:
+            for i in range(2):
+                twin(_x(i, device, shape))
+    assert graphs.cache_of(twin).stats["captures"] == 3 and len(graphs.cache_of(twin).graphs) == 3
+
+
+def test_auto_graphs_an_autoencoder_tiny_decode_with_the_passthrough_on(device, exact_fp32, fake_graphs):
+    """A pipeline's ``vae.decode`` under the default config: the decoder's
+    stack replays, the passthrough learns around it, the values are the
+    unpatched model's."""
+    vae = _tiny_vae().to(device)
+    ref = copy.deepcopy(vae)
+    conv_patch.apply(vae)
+    cache = graphs.cache_of(vae.decoder.layers)
+    z = _x(5, device, (1, 4, 6, 7))
+    with torch.no_grad():
+        for _ in range(5):
+            y = vae.decode(z).sample
+            assert rel_err(y, ref.decode(z).sample) <= 1e-5
+    assert cache.stats["captures"] == 1 and cache.stats["replays"] == 4
+
+
+def test_a_call_while_another_thread_replays_runs_eagerly_and_replays_count_as_work(device, exact_fp32,
+                                                                                      fake_graphs):
+    from conv_patch.work import Work
+    m = _chain(device)
+    ref = copy.deepcopy(m)
+    conv_patch.apply(m, config=conv_patch.PatchConfig(cuda_graphs=True))
+    cache = graphs.cache_of(m)
+    x = _x(2, device)
+    with torch.no_grad():
+        m(x), m(x)
+        n = Work.n
+        m(x)
+        assert Work.n > n and cache.stats["replays"] == 2  # (the capturing call replays too)
+        assert cache.lock.acquire(blocking=False)  # another thread is in the graphs
+        try:
+            eager = cache.stats["eager"]
+            y = m(x)
+        finally:
+            cache.lock.release()
+        assert cache.stats["eager"] == eager + 1 and cache.stats["replays"] == 2
+        assert rel_err(y, ref(x)) <= 1e-5
 
 
 def test_second_call_captures_then_replays_fresh_outputs(device, exact_fp32, fake_graphs):
@@ -91,7 +207,7 @@ def test_second_call_captures_then_replays_fresh_outputs(device, exact_fp32, fak
     cache = graphs.cache_of(m)
     with torch.no_grad():
         outs = [m(_x(i, device)) for i in range(4)]
-        assert cache.stats == {"captures": 1, "replays": 3, "eager": 1}
+        assert cache.stats == {"captures": 1, "replays": 3, "eager": 1, "too_large": 0}
         for i, y in enumerate(outs):  # each result kept its own values: no aliasing of static outputs
             assert rel_err(y, ref(_x(i, device))) <= 1e-5
         assert outs[2].data_ptr() != outs[3].data_ptr()
@@ -239,6 +355,36 @@ def test_graphed_taesd_decoder_recaptures_when_moved(same_upsample_form):
     # One recapture for the move; the stable call after it clears the count
     # of consecutive changes (graphs are only given up on for streaming).
     assert cache.stats["captures"] == 2 and cache.recaptures == 0 and cache.disabled is None
+
+
+@pytest.mark.gpu
+def test_auto_graphs_a_taesd_decoder_within_its_bound_on_any_stream(same_upsample_form):
+    """The default config on a GPU: a TAESD decoder captures at its second
+    call, its pool is measured and within the bound, and a replay on another
+    stream waits for the last one's outputs before it overwrites the static
+    input."""
+    dec = taesd.seeded_(taesd.decoder(16, 32)).to("cuda", torch.float16).eval()
+    eager = copy.deepcopy(dec)
+    conv_patch.apply(eager, config=conv_patch.PatchConfig(cuda_graphs=False))
+    assert conv_patch.apply(dec).graphed == [""]
+    xs = [torch.randn(1, 16, 24, 20, device="cuda", dtype=torch.float16) for _ in range(4)]
+    with torch.no_grad():
+        ys = [dec(x) for x in xs]
+        cache = graphs.cache_of(dec)
+        assert cache.auto and cache.stats["captures"] == 1 and cache.stats["replays"] == 3
+        (entry,) = cache.graphs.values()
+        assert 0 < entry.pool_bytes <= graphs.auto_pool_bytes(xs[0].device)
+        for x, y in zip(xs, ys):
+            assert rel_err(y, eager(x)) <= 2e-3
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            first = dec(xs[0])
+            second = dec(xs[1])  # same static input, its copy ordered after the first's clone
+        torch.cuda.current_stream().wait_stream(side)
+        third = dec(xs[2])  # back on the default stream: waits for the side stream's last replay
+        assert rel_err(first, eager(xs[0])) <= 2e-3 and rel_err(second, eager(xs[1])) <= 2e-3
+        assert rel_err(third, eager(xs[2])) <= 2e-3
 
 
 def test_capture_is_preceded_by_a_warm_up_call_down_the_capture_path(monkeypatch):

@@ -24,6 +24,8 @@ from conv_patch.runtime.wrappers import (PatchedConvMixin, causal_conv3d_problem
                                          safe_conv3d_problem, wrapper_class_for)
 
 FilterFn = Callable[[nn.Module, str], bool]
+# PatchConfig.cuda_graphs: graphs where the recipe says the block is host-bound.
+AUTO = "auto"
 
 
 @dataclass
@@ -33,12 +35,17 @@ class PatchConfig:
     ``table``: a kernel config table (dict, or path to a JSON file in the
     ``configs/`` schema) used instead of the GPU architecture's own table.
 
-    ``cuda_graphs``: replay each outermost fused block (a VAE's encoder and
-    decoder, a TAESD stack) from a CUDA graph per input shape, captured on
-    the second call with that shape; it takes the host's launch cost out of
-    a decode. Each cached graph holds the memory of that call's activations;
-    ``max_graphs`` bounds them per block. ``conv_patch/graphs.py`` lists
-    what invalidates a graph and what runs eagerly. Needs ``recipes``.
+    ``cuda_graphs``: ``True`` replays each outermost fused block (a VAE's
+    encoder and decoder, a TAESD stack) from a CUDA graph per input shape,
+    captured on the second call with that shape; it takes the host's launch
+    cost out of a decode. Each cached graph holds the memory of that call's
+    activations; ``max_graphs`` bounds them per block.
+    ``conv_patch/runtime/graphs.py`` lists what invalidates a graph and what
+    runs eagerly. Needs ``recipes``. ``"auto"`` (the default) does so for
+    the blocks whose eager calls are bound by the host at the sizes they
+    run (``Recipe.auto_graphs``: the tiny autoencoders' stacks and
+    Real-ESRGAN's compact net), keeping at most a 32nd of the GPU's memory
+    (at most 1 GiB) of graphs per block; ``False`` never.
 
     ``max_activation_gib``: the activation memory a VAE decode or encode
     may use; where the plain forward's estimate exceeds it, the recognised
@@ -52,11 +59,11 @@ class PatchConfig:
     convs and fused blocks do no work of conv-patch's own (PyTorch's route
     and norms, as a UNet at its usual sizes), and run those as their own
     classes from then on, at the unpatched model's host cost
-    (``conv_patch/passthrough.py``). Not with ``cuda_graphs``.
+    (``conv_patch/passthrough.py``). Not with ``cuda_graphs=True``.
     """
 
     table: Optional[Union[dict, str, os.PathLike]] = None
-    cuda_graphs: bool = False
+    cuda_graphs: Union[bool, str] = "auto"
     max_graphs: int = 4
     max_activation_gib: Optional[float] = None
     passthrough: bool = True
@@ -216,7 +223,7 @@ def apply(model, *, filter_fn: Optional[FilterFn] = None,
     table = None
     if config is not None and config.table is not None:
         table = tables.load_user_table(config.table)
-    graphs = config is not None and _graph_option(config, recipes)
+    graphs = _graph_option(config, recipes)
     budget = _budget_option(config)
 
     report = PatchReport()
@@ -240,14 +247,17 @@ def apply(model, *, filter_fn: Optional[FilterFn] = None,
         for _, module, recipe in fusions:
             if recipe.bands is not None:
                 state_of(module).bands = BandHook(budget)
-    if _passthrough_option(config) and not graphs:
+    if _passthrough_option(config) and graphs is not True:
         for prefix, m in targets:
             if passthrough.install(m):
                 report.passthrough.append(prefix.rstrip("."))
     if graphs:
         from conv_patch.runtime import graphs as cg
+        auto = graphs == AUTO
         for fqn, module in cg.outermost(targets, rc.is_fused):
-            cg.install(module, config.max_graphs)
+            if auto and not module.cp_recipe.auto_graphs(module):
+                continue
+            cg.install(module, (config or PatchConfig()).max_graphs, auto)
             report.graphed.append(fqn)
     return report
 
@@ -267,14 +277,19 @@ def _passthrough_option(config: Optional[PatchConfig]) -> bool:
     return config.passthrough
 
 
-def _graph_option(config: PatchConfig, recipes: bool) -> bool:
-    if not isinstance(config.cuda_graphs, bool):
-        raise TypeError(f"PatchConfig.cuda_graphs must be a bool, got {config.cuda_graphs!r}")
+def _graph_option(config: Optional[PatchConfig], recipes: bool) -> Union[bool, str]:
+    """True, False or ``AUTO``: which fused blocks replay CUDA graphs."""
+    if config is None:
+        return AUTO if recipes else False
+    v = config.cuda_graphs
+    if not isinstance(v, bool) and v != AUTO:
+        raise TypeError(f"PatchConfig.cuda_graphs must be True, False or {AUTO!r}, got {v!r}")
     if isinstance(config.max_graphs, bool) or not isinstance(config.max_graphs, int) or config.max_graphs < 1:
         raise ValueError(f"PatchConfig.max_graphs must be an int >= 1, got {config.max_graphs!r}")
-    if config.cuda_graphs and not recipes:
+    if v is True and not recipes:
         raise ValueError("PatchConfig(cuda_graphs=True) graphs the fused blocks; it needs recipes=True")
-    return config.cuda_graphs
+    # ("auto" without recipes: no fused block, nothing to graph.)
+    return v if recipes else False
 
 
 def remove(model, _only: Optional[set] = None) -> List[str]:

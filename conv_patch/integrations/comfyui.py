@@ -305,13 +305,13 @@ def patched_upscale_model(model, recipes: bool = True, cuda_graphs: bool = False
     descriptor, or any object whose ``model`` property is the network),
     which is left as it was; see the comment above for how. A model the node
     patched before is patched again from its original network, never a
-    second layer. ``cuda_graphs`` (with ``recipes``): the fused blocks
-    replay CUDA graphs per tile shape (``PatchConfig(cuda_graphs=True)``),
-    where the ESRGAN recipes run (launched eagerly an upscaler's calls are
-    host-bound and its fused blocks run their own forward:
-    recipes/esrgan.py). Off by default: each graph keeps its call's
-    activations, and ComfyUI's tiles come in up to four shapes (inside,
-    right and bottom edges, corner), gigabytes for an fp32 ESRGAN at 512²."""
+    second layer. ``cuda_graphs`` (with ``recipes``): every fused block
+    (each RRDB, a compact net) replays a CUDA graph per tile shape
+    (``PatchConfig(cuda_graphs=True)``). Off, the default: only a compact
+    net does, within ``cuda_graphs="auto"``'s memory bound
+    (``runtime/graphs.py``); each graph keeps its call's activations, and
+    ComfyUI's tiles come in up to four shapes (inside, right and bottom
+    edges, corner), gigabytes for an fp32 ESRGAN at 512²."""
     net = getattr(model, "model", None)
     if not isinstance(net, nn.Module):
         raise ValueError(f"Conv Patch Upscale Model: expected an upscale model with a `model` network, "
@@ -352,10 +352,10 @@ class ConvPatchUpscaleModel:
                                     "tooltip": "fuse activations, residuals and concatenations around the "
                                                "convolutions of the net's blocks (off: convolutions only)"}),
             "cuda_graphs": ("BOOLEAN", {"default": False,
-                                        "tooltip": "replay the fused blocks from a CUDA graph per tile shape, "
-                                                   "where the ESRGAN dense blocks' fusions run (the compact "
-                                                   "nets' run either way; needs recipes; keeps each tile "
-                                                   "shape's activations in GPU memory)"}),
+                                        "tooltip": "replay every fused block (each ESRGAN RRDB) from a CUDA "
+                                                   "graph per tile shape; needs recipes; keeps each tile "
+                                                   "shape's activations in GPU memory (off: only a compact "
+                                                   "net does, within a 32nd of the GPU's memory)"}),
         }}
 
     def patch(self, upscale_model, recipes=True, cuda_graphs=False):

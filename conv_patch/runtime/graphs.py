@@ -1,10 +1,15 @@
-"""CUDA-graph replay of a patched model's outermost fused blocks, opt-in with
-``conv_patch.apply(model, config=PatchConfig(cuda_graphs=True))``.
+"""CUDA-graph replay of a patched model's outermost fused blocks:
+``PatchConfig(cuda_graphs=True)`` for every such block, and by default
+(``cuda_graphs="auto"``) for the blocks whose recipe says their eager call
+is bound by the host (``Recipe.auto_graphs``: the tiny autoencoders' stacks,
+Real-ESRGAN's compact net), within a memory bound.
 
 Why: a FLUX VAE decode at 1024^2 issues some 400 kernel launches and their
 Python. On the H200 issuing them takes as long as the GPU takes to run them
 (~20 ms), so an eager decode is host-bound and its time moves with the host
-CPU (bench/README.md). A captured graph is replayed with one launch.
+CPU (bench/README.md). A captured graph is replayed with one launch. A tiny
+decoder is host-bound at every size a preview or a decode uses (TAEF2 at
+512^2: 1.2 ms of GPU kernels in a 3.3 ms launched call).
 
 What a user can rely on:
 
@@ -28,17 +33,24 @@ What a user can rely on:
 * Each graph keeps a private memory pool as large as the call's peak
   activations while it is cached: at most ``max_graphs`` keys per module,
   the least recently used dropped first. ``conv_patch.remove`` drops them all.
+  Under ``"auto"`` the pools a module keeps are also bounded in bytes
+  (``auto_pool_bytes``: a 32nd of the GPU's memory, at most 1 GiB: 256 MiB
+  on an 8 GiB card, 768 MiB on a 24 GiB one): a capture whose pool alone is larger is dropped and its key runs
+  eagerly, and older graphs are dropped to keep the sum within the bound.
 * What cannot be graphed runs the fused forward as without graphs: tensors
   not on a CUDA device, a call autograd would record, tracing under
   torch.compile, a call made while another graph is being captured (the
   caller's own capture then records the launches), arguments that are not
   hashable, outputs that are not tensors or tuples/lists of tensors. A
   capture that fails is reported once as a warning; its key runs eagerly.
-* Not thread-safe: one module's graphs are replayed by one thread at a time.
+* Threads: a call made while another thread replays the same module's graph
+  runs eagerly; a replay on another stream than the last one waits for the
+  last one's outputs to be copied out first (the static buffers are shared).
 """
 
 from __future__ import annotations
 
+import threading
 import warnings
 from collections import OrderedDict
 from typing import Any, Callable, Optional
@@ -48,9 +60,15 @@ from torch import nn
 
 from conv_patch.runtime import pack
 from conv_patch.runtime.state import peek, state_of
+from conv_patch.work import Work
 
 MAX_RECAPTURES = 3
 DEFAULT_MAX_GRAPHS = 4
+# The bound on the graph pools one module keeps under cuda_graphs="auto":
+# these bytes, or the GPU's memory over AUTO_POOL_SHARE where that is less
+# (a consumer card holding a UNet as well keeps its room).
+AUTO_POOL_BYTES = 1 << 30
+AUTO_POOL_SHARE = 32
 # Keys seen once, remembered so a second call captures; bounded so that a
 # stream of one-off shapes does not grow it.
 _SEEN_LIMIT = 64
@@ -76,14 +94,17 @@ def signature(module: nn.Module) -> list:
     every call, so it is kept to what is cheap to read: 130-200 us for a
     FLUX decoder's 134 modules on a 2-core CPU, 170 us on the H200's host
     (backward hooks are left out: a call autograd records is never
-    graphed)."""
+    graphed). The module's own hooks are left out: they run outside the
+    graph."""
     from torch.nn.modules import module as mm
     sig = [bool(mm._global_forward_hooks or mm._global_forward_pre_hooks)]
     add = sig.append
     for m in _walk(module, []):
         add(m.__class__)
         add(m.training)
-        add(bool(m._forward_hooks or m._forward_pre_hooks))
+        # (The module's own hooks run around the replay, not in it: a
+        # passthrough watch hooking it for a call changes nothing inside.)
+        add(m is not module and bool(m._forward_hooks or m._forward_pre_hooks))
         for t in m._parameters.values():
             add(None if t is None else t.data_ptr())
         for t in m._buffers.values():
@@ -138,9 +159,24 @@ def _graphable_out(out) -> bool:
     return type(out) in (tuple, list) and all(isinstance(t, torch.Tensor) for t in out)
 
 
+def auto_pool_bytes(device: torch.device) -> int:
+    """The bytes of graph pools one module keeps under ``cuda_graphs="auto"``
+    on ``device``."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    return min(AUTO_POOL_BYTES, total // AUTO_POOL_SHARE)
+
+
 class Captured:
     """One captured call: static inputs the arguments are copied into, the
-    graph, its static outputs."""
+    graph, its static outputs, and the bytes its private pool reserved
+    (``pool_bytes``)."""
+
+    pool_bytes = 0
+    # Recorded after a replay's outputs are copied out, on its stream: a
+    # replay on another stream waits for it before it overwrites the
+    # static buffers.
+    done = None
+    stream = None
 
     def __init__(self, fn: Callable, args: tuple, kwargs: dict):
         self.static = [pack.persistent(torch.empty_strided, t.shape, t.stride(), dtype=t.dtype, device=t.device)
@@ -154,19 +190,40 @@ class Captured:
             # launch inside the capture invalidated TAEF2's on the H200.
             fn(*sargs, **skwargs)
         self.graph = torch.cuda.CUDAGraph()
+        device = next((t.device for t in self.static if t.is_cuda), None)
         # thread_local: another thread's CUDA work (a UI's preview) neither
         # breaks this capture nor is recorded in it.
         with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+            # Read inside: entering empties PyTorch's cache of free blocks,
+            # which would hide the pool's growth (an allocator statistic, no
+            # CUDA call).
+            before = 0 if device is None else torch.cuda.memory_reserved(device)
             self.out = fn(*sargs, **skwargs)
+        if device is not None:
+            # The private pool's segments (the call's activations and
+            # outputs): what keeping this graph costs the device.
+            self.pool_bytes = max(0, torch.cuda.memory_reserved(device) - before)
+            self.stream = torch.cuda.current_stream(device)
+            self.done = torch.cuda.Event()
 
     def _copy_in(self, args, kwargs):
         for s, t in zip(self.static, _tensors(args, kwargs)):
             s.copy_(t)
 
     def __call__(self, args: tuple, kwargs: dict):
+        cuda = self.done is not None
+        if cuda:
+            stream = torch.cuda.current_stream(self.stream.device)
+            if stream != self.stream:
+                stream.wait_event(self.done)
+                self.stream = stream
         self._copy_in(args, kwargs)
         self.graph.replay()
-        return _clone_out(self.out)
+        Work.n += 1  # conv-patch's own work (runtime.passthrough reads it)
+        out = _clone_out(self.out)
+        if cuda:
+            self.done.record()
+        return out
 
 
 def _tensors(args, kwargs):
@@ -184,36 +241,80 @@ class GraphCache:
 
     capture_cls = Captured
 
-    def __init__(self, max_graphs: int = DEFAULT_MAX_GRAPHS):
+    def __init__(self, max_graphs: int = DEFAULT_MAX_GRAPHS, auto: bool = False):
         self.max_graphs = int(max_graphs)
+        # cuda_graphs="auto": the pools kept are bounded in bytes too
+        # (auto_pool_bytes of the device captured on).
+        self.auto = bool(auto)
         self.graphs: "OrderedDict[tuple, Any]" = OrderedDict()
         self.seen: "OrderedDict[tuple, None]" = OrderedDict()
         self.sig: Optional[list] = None
         self.recaptures = 0
         self.disabled: Optional[str] = None
-        self.stats = {"captures": 0, "replays": 0, "eager": 0}
+        self.stats = {"captures": 0, "replays": 0, "eager": 0, "too_large": 0}
+        self.lock = threading.Lock()
 
     def __reduce__(self):
         # Graphs belong to this process and these tensors: a copy or an
         # unpickled model starts without any.
-        return (GraphCache, (self.max_graphs,))
+        return (GraphCache, (self.max_graphs, self.auto))
 
     def clear(self) -> None:
         self.graphs.clear()
         self.seen.clear()
+
+    def held_bytes(self) -> int:
+        """Device bytes the kept graphs hold between calls: their pools and
+        static inputs."""
+        return sum(v.pool_bytes + sum(t.numel() * t.element_size() for t in v.static)
+                   for v in self.graphs.values() if v is not _EAGER)
 
     def _disable(self, why: str) -> None:
         self.disabled = why
         self.clear()
         warnings.warn(f"conv-patch: CUDA graphs off for this module: {why}", RuntimeWarning, stacklevel=4)
 
+    def takes(self, args: tuple, kwargs: dict) -> bool:
+        """Whether this call is captured or replayed: its key was graphed,
+        or seen once before. (Asked before the call; a call that turns out
+        not to be graphed runs eagerly.)"""
+        if self.disabled is not None or torch.compiler.is_compiling() or _capturing():
+            return False
+        key = call_key(args, kwargs)
+        if key is None:
+            return False
+        entry = self.graphs.get(key)
+        return entry is not _EAGER if entry is not None else key in self.seen
+
+    def note(self, args: tuple, kwargs: dict) -> None:
+        """A call that runs some other way (a recipe's ``unfused`` rule)
+        but would be graphed: its key counts as seen, so that the next call
+        with it captures."""
+        if self.disabled is None and not torch.compiler.is_compiling() and not _capturing():
+            key = call_key(args, kwargs)
+            if key is not None and key not in self.graphs:
+                self._note(key)
+
+    def _note(self, key: tuple) -> None:
+        self.seen[key] = None
+        while len(self.seen) > _SEEN_LIMIT:
+            self.seen.popitem(last=False)
+
     def __call__(self, module: nn.Module, fn: Callable, args: tuple, kwargs: dict):
         key = None
         if self.disabled is None and not torch.compiler.is_compiling() and not _capturing():
             key = call_key(args, kwargs)
-        if key is None:
+        if key is None or not self.lock.acquire(blocking=False):
+            # (Locked: another thread is in this module's graphs; its static
+            # buffers are not this call's to write.)
             self.stats["eager"] += 1
             return fn(*args, **kwargs)
+        try:
+            return self._call(module, fn, key, args, kwargs)
+        finally:
+            self.lock.release()
+
+    def _call(self, module: nn.Module, fn: Callable, key: tuple, args: tuple, kwargs: dict):
         if torch.is_grad_enabled() and (any(t.requires_grad for t in _tensors(args, kwargs))
                                         or _params_need_grad(module)):
             self.stats["eager"] += 1
@@ -239,9 +340,7 @@ class GraphCache:
         entry = self.graphs.get(key)
         if entry is None:
             if key not in self.seen:
-                self.seen[key] = None
-                while len(self.seen) > _SEEN_LIMIT:
-                    self.seen.popitem(last=False)
+                self._note(key)
                 self.stats["eager"] += 1
                 return fn(*args, **kwargs)
             entry = self._capture(fn, key, args, kwargs)
@@ -261,13 +360,29 @@ class GraphCache:
             warnings.warn(f"conv-patch: CUDA graph capture failed, this input shape runs eagerly: "
                           f"{type(e).__name__}: {e}", RuntimeWarning, stacklevel=4)
             entry = _EAGER
+        bound = self._pool_bound(entry)
+        if bound is not None and entry.pool_bytes > bound:
+            # Under "auto" a graph larger than the bound is not kept: this
+            # key runs eagerly, as without graphs.
+            self.stats["too_large"] += 1
+            entry = _EAGER
         self.stats["captures"] += entry is not _EAGER
         self.seen.pop(key, None)
         self.graphs[key] = entry
-        while sum(v is not _EAGER for v in self.graphs.values()) > self.max_graphs:
-            old = next(k for k, v in self.graphs.items() if v is not _EAGER)
+        held = [v for v in self.graphs.values() if v is not _EAGER]
+        while held and (len(held) > self.max_graphs
+                        or (bound is not None and sum(v.pool_bytes for v in held) > bound)):
+            old = next(k for k, v in self.graphs.items() if v is held[0])
             del self.graphs[old]
+            held.pop(0)
         return entry
+
+    def _pool_bound(self, entry) -> Optional[int]:
+        """The bytes of pools this module may keep (None: any)."""
+        if not self.auto or entry is _EAGER:
+            return None
+        device = next((t.device for t in entry.static if t.is_cuda), None)
+        return AUTO_POOL_BYTES if device is None else auto_pool_bytes(device)
 
 
 def outermost(modules, is_candidate: Callable[[nn.Module], bool]):
@@ -287,10 +402,10 @@ def outermost(modules, is_candidate: Callable[[nn.Module], bool]):
     return out
 
 
-def install(module: nn.Module, max_graphs: int) -> None:
+def install(module: nn.Module, max_graphs: int, auto: bool = False) -> None:
     st = state_of(module)
     if st.graphs is None:
-        st.graphs = GraphCache(max_graphs)
+        st.graphs = GraphCache(max_graphs, auto)
 
 
 def uninstall(module: nn.Module) -> None:

@@ -15,7 +15,7 @@ knows the block's forward (recipes/dcae.py)."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 from torch import nn
@@ -45,20 +45,26 @@ def form(conv: nn.Module) -> Optional[str]:
 
 def conv_problem(conv: nn.Module) -> Optional[str]:
     """Why the kernels take no call of ``conv``, or None."""
+    return _checked(conv)[1]
+
+
+def _checked(conv: nn.Module) -> Tuple[Optional[str], Optional[str]]:
+    """(``form(conv)``, ``conv_problem(conv)``), the form asked once."""
     if type(conv) is not nn.Conv2d:
-        return f"{type(conv).__name__} is not an nn.Conv2d"
-    if form(conv) is None:
-        return "not a grouped 1x1 conv (stride 1, no padding) nor a depthwise conv with numeric padding"
+        return None, f"{type(conv).__name__} is not an nn.Conv2d"
+    kind = form(conv)
+    if kind is None:
+        return None, "not a grouped 1x1 conv (stride 1, no padding) nor a depthwise conv with numeric padding"
     w = conv.__dict__["_parameters"].get("weight")
     if w is None or w.shape != (conv.out_channels, conv.in_channels // conv.groups, *conv.kernel_size) \
             or not w.is_contiguous():
-        return "the weight is not the conv's own dense parameter"
-    return None
+        return kind, "the weight is not the conv's own dense parameter"
+    return kind, None
 
 
 def problem(conv: nn.Module, x) -> Optional[str]:
     """Why the kernels do not take ``conv(x)``, or None where they do."""
-    why = conv_problem(conv)
+    kind, why = _checked(conv)
     if why is not None:
         return why
     w, b = conv.weight, conv.bias
@@ -70,7 +76,7 @@ def problem(conv: nn.Module, x) -> Optional[str]:
         return "no kernels on this device"
     if not x.is_contiguous(memory_format=torch.channels_last):
         return "the input is not channels-last"
-    if form(conv) == DEPTHWISE and conv.kernel_size[0] * conv.kernel_size[1] < DEPTHWISE_MIN_TAPS:
+    if kind == DEPTHWISE and conv.kernel_size[0] * conv.kernel_size[1] < DEPTHWISE_MIN_TAPS:
         return f"a depthwise conv of fewer than {DEPTHWISE_MIN_TAPS} taps: cuDNN's is as fast"
     if needs_grad(x, w, b):
         return "autograd"

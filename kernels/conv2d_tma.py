@@ -259,18 +259,42 @@ def dense_nchw(t) -> bool:
             and t.stride(2) == w and t.stride(1) == h * w and (n == 1 or t.stride(0) == c * h * w))
 
 
-def reads_nchw_in_place(x, w_shape, padding, stride, config) -> bool:
+def flat_plane(x, w_shape, padding, stride, out, residual) -> bool:
+    """A 1x1 conv at stride 1 without padding whose input, output and
+    residual are dense NCHW: each output pixel reads the input pixel at its
+    own index, so the [N, C, H, W] planes are read and written as one pixel
+    row [N, C, 1, H*W] (``plane_row``), and a one-row tile covers BLOCK_M
+    pixels of the plane however narrow its rows (a UNet's 1x1 shortcuts
+    and projections at 8x8-64x64)."""
+    if tuple(stride) != (1, 1) or tuple(padding) != (0, 0) or tuple(w_shape[2:]) != (1, 1) or out is None:
+        return False
+    n, _, h, w = x.shape
+    return (h > 1 and out.shape[2:] == x.shape[2:] and all(t.is_contiguous() for t in (x, out))
+            and (residual is None or residual.is_contiguous()))
+
+
+def plane_row(t):
+    """``t`` [N, C, H, W], dense NCHW, as the one-row view [N, C, 1, H*W]."""
+    n, c, h, w = t.shape
+    return t.view(n, c, 1, h * w)
+
+
+def reads_nchw_in_place(x, w_shape, padding, stride, config, out=None, residual=None) -> bool:
     """The kernel reads this NCHW input ``x`` in place, as boxes [1, BK, 1,
     BW] of the NCHW tensor, instead of through the NHWC staging copy: a conv
     with one column tap and no column padding (1x1, Kx1) at stride 1, whose
-    tile is one pixel row, on a dense NCHW input with 16-byte aligned rows.
-    Then every box starts at an output tile's first column, aligned; with a
-    column tap or padding it would start at ``ow0 - pw + kw``, which a TMA
-    box cannot (the module docstring). A config may turn it off
-    (``"nchw_in_place": false``) for an A/B."""
+    tile is one pixel row, on a dense NCHW input with 16-byte aligned rows
+    (a 1x1 conv's whole plane as one row where ``flat_plane``: the call's
+    ``out`` and ``residual`` decide that too). Then every box starts at an
+    output tile's first column, aligned; with a column tap or padding it
+    would start at ``ow0 - pw + kw``, which a TMA box cannot (the module
+    docstring). A config may turn it off (``"nchw_in_place": false``) for
+    an A/B."""
     if not config.get("nchw_in_place", True) or tuple(stride) != (1, 1):
         return False
     c_out, c_in, _, kw = w_shape
+    if flat_plane(x, w_shape, padding, stride, out, residual):
+        x = plane_row(x)
     if kw != 1 or padding[1] != 0 or not dense_nchw(x):
         return False
     bm, _, _, bw = tile_sizes(config, c_in, c_out, x.shape[3])
@@ -287,6 +311,12 @@ def launch_conv2d_tma(x, w, bias, out, residual, *, stride, padding, dilation, b
     that the stride divides H and W."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
+    if config.get("nchw_in_place", True) and flat_plane(x, w.shape, padding, stride, out, residual):
+        launch_conv2d_tma(plane_row(x), w, bias, plane_row(out), None if residual is None else plane_row(residual),
+                          stride=stride, padding=padding, dilation=dilation, beta=beta, activation=activation,
+                          out_scale=out_scale, config=config, precision=precision, upcast=upcast,
+                          force_int64=force_int64)
+        return out
     N, C_in, H, W = x.shape
     C_out, _, KH, KW = w.shape
     OH, OW = out.shape[2], out.shape[3]
@@ -310,7 +340,7 @@ def launch_conv2d_tma(x, w, bias, out, residual, *, stride, padding, dilation, b
         warps = 4
     # Dense strides written out: PyTorch may report any stride for a size-1
     # dimension, TMA wants every stride 16-byte aligned.
-    x_nchw = reads_nchw_in_place(x, w.shape, padding, stride, config)
+    x_nchw = reads_nchw_in_place(x, w.shape, padding, stride, config, out, residual)
     if x_nchw:
         x_desc = TensorDescriptor(x, [N, C_in, H, W], [C_in * H * W, H * W, W, 1], [1, bk, 1, bw])
         w_desc = TensorDescriptor(w, [C_out, KH * KW * C_in], [w.stride(0), 1], [bn, bk])

@@ -211,7 +211,8 @@ def test_tma_nchw_output_boxes_equal_the_pointer_epilogue(n, w, with_res, io, de
     (40, (3, 1), (1, 0), 72, True),    # row taps (edge rows zero-filled), C_in not a multiple of BLOCK_K
     (48, (1, 1), (0, 0), 36, False),   # 72-byte rows, not 16-byte aligned: staged
     (48, (1, 3), (0, 1), 40, False),   # column taps start off the tile's first column: staged
-    (48, (1, 1), (0, 0), 20, False),   # BLOCK_W narrows to 32, two-row tiles: staged
+    (48, (1, 1), (0, 0), 20, False),   # 40-byte rows, a 200-byte plane: staged
+    (48, (1, 1), (0, 0), 24, True),    # 48-byte rows (BLOCK_W would narrow to 32): the 5x24 plane as one row
 ])
 def test_tma_reads_nchw_in_place_where_boxes_start_aligned(c_in, k, pad, w, in_place, device, monkeypatch):
     """A 1x1 (or Kx1) conv of an NCHW input under one-row tiles reads the
@@ -242,6 +243,33 @@ def test_tma_reads_nchw_in_place_where_boxes_start_aligned(c_in, k, pad, w, in_p
     else:  # the transposed GEMM may round its K=16 steps in another order
         assert rel_err(outs[0], outs[1].double().cpu()) <= 1e-3
     assert seen == [in_place, False]
+
+
+@needs_tma
+def test_a_1x1_convs_plane_is_one_row_only_where_input_output_and_residual_are_nchw(device, monkeypatch):
+    """``flat_plane``: an NCHW 1x1 conv into an NCHW output reads and writes
+    its 5x24 planes as rows of 120 pixels, boxed in place; into a
+    channels_last output (or with a channels_last residual) the planes are
+    not one row, the 24-pixel rows narrow BLOCK_W and the input is staged.
+    Every case against float64, nothing written outside the output."""
+    seen = _record_launches(monkeypatch, device, lambda g, m: m["X_NCHW"])
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(2, 40, 5, 24, generator=g).to(device, torch.bfloat16)
+    wt = (torch.randn(24, 40, 1, 1, generator=g) / 7).to(device, torch.bfloat16)
+    b = torch.randn(24, generator=g).to(device, torch.bfloat16)
+    r = torch.randn(2, 24, 5, 24, generator=g).to(device, torch.bfloat16)
+    ref = F.relu(F.conv2d(x.double().cpu(), wt.double().cpu(), b.double().cpu()) - 0.25 * r.double().cpu())
+    cases = [(torch.contiguous_format, torch.contiguous_format, True),
+             (torch.channels_last, torch.contiguous_format, False),
+             (torch.contiguous_format, torch.channels_last, False)]
+    for out_fmt, res_fmt, flat in cases:
+        big = poisoned((3, 24, 5, 24), torch.bfloat16, device).contiguous(memory_format=out_fmt)
+        out = big[:2]
+        functional.conv2d(x, wt, b, residual=r.contiguous(memory_format=res_fmt), beta=-0.25, activation="relu",
+                          out=out, config={**TMA_ROW, "persistent": 0})
+        assert torch.isnan(big[2:].float()).all()
+        assert rel_err(out, ref) <= 1e-2
+        assert seen.pop() is flat and not seen
 
 
 @needs_tma

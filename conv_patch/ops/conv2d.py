@@ -69,8 +69,8 @@ def run_kernel(route: Route, config: dict, target: Target, spec: ConvSpec, x: to
         out = k.empty(shape, dtype=x.dtype, device=x.device, memory_format=memory_format)
     elif unbatched:
         out = out.unsqueeze(0)
-    if route is Route.CONV2D_TMA and not nhwc_pitch(x) and not k.reads_nchw_in_place(x, w.shape, spec.pad_begin,
-                                                                                    spec.stride, config):
+    if route is Route.CONV2D_TMA and not nhwc_pitch(x) and not k.reads_nchw_in_place(
+            x, w.shape, spec.pad_begin, spec.stride, config, out, residual):
         # The NHWC staging copy (see kernels/conv2d_tma.py); ``out`` was
         # allocated above in the caller's layout and stays in it. An NHWC
         # channel slice is boxed in place.

@@ -270,7 +270,7 @@ def flat_plane(x, w_shape, padding, stride, out, residual) -> bool:
         return False
     n, _, h, w = x.shape
     return (h > 1 and out.shape[2:] == x.shape[2:] and all(t.is_contiguous() for t in (x, out))
-            and (residual is None or residual.is_contiguous()))
+            and (residual is None or (residual.shape == out.shape and residual.is_contiguous())))
 
 
 def plane_row(t):

@@ -275,7 +275,7 @@ REGISTRY: Tuple[RouteEntry, ...] = (
     RouteEntry(Route.CONV_TRANSPOSE2D_IGEMM, "conv_transpose2d", "igemm",
                'portable implicit-GEMM conv_transpose2d (gather form, split by output phase): stride, padding, output_padding, dilation; groups=1, zero padding; same layouts, dtypes and epilogue as conv2d',
                "conv_transpose2d.launch_conv_transpose2d"),
-    RouteEntry(Route.CONV2D_TMA, "conv2d", "tma", 'Hopper (sm90+) conv2d: TMA tensor descriptors (their zero fill is the padding) feeding wgmma, multi-stage pipeline; stride 1, kernels larger than 1x1, any padding and dilation; fp16/bf16; C_in a multiple of 8; NHWC read in place, NCHW through one NHWC staging copy (output written NCHW directly), except 1x1 and Kx1 convs without column padding under one-pixel-row tiles, whose NCHW input is read in place; same fused epilogue as the portable kernels',
+    RouteEntry(Route.CONV2D_TMA, "conv2d", "tma", 'Hopper (sm90+) conv2d: TMA tensor descriptors (their zero fill is the padding) feeding wgmma, multi-stage pipeline; stride 1, kernels larger than 1x1, any padding and dilation; fp16/bf16; C_in a multiple of 8; NHWC read in place, NCHW through one NHWC staging copy (output written NCHW directly), except 1x1 and Kx1 convs without column padding under one-pixel-row tiles, whose NCHW input is read in place (the dense NCHW plane of a 1x1 conv as one row); same fused epilogue as the portable kernels',
                "conv2d_tma.launch_conv2d_tma", tma_problem, candidates=tuple(TMA_CANDIDATES),
                interpreter=tuple(c for c in INTERPRETER_CANDIDATES if c["route"] == "tma"),
                # The NHWC staging copy, except where NCHW is read in place.

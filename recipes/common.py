@@ -182,8 +182,8 @@ class SequentialChain(Recipe):
         return tuple(mod for kind, mod, _ in chain_plan(list(m)) if kind == "upconv")
 
     def auto_graphs(self, m):
-        """A stack of host-bound blocks (a TAESD decoder or encoder,
-        AutoencoderTiny's ``layers``) is host-bound itself."""
+        """A stack of host-bound blocks (a TAESD decoder, AutoencoderTiny's
+        decoder ``layers``) is host-bound itself."""
         return any(getattr(getattr(c, "cp_recipe", None), "host_bound", False)
                    for c in m.__dict__["_modules"].values())
 

@@ -188,7 +188,9 @@ def test_bench_zoo_rows(tmp_path):
     doc = _result(tmp_path, "zoo")
     assert [r["model"] for r in doc["rows"]] == ["taef2"] and len(rows) == 1
     for r in doc["rows"]:
-        assert ROW_KEYS | {"graph_ms", "graph_speedup", "host_ms", "noise", "routes"} <= set(r)
+        assert ROW_KEYS | {"graph_ms", "graph_speedup", "host_ms", "noise", "routes", "first_call_s",
+                           "second_call_s"} <= set(r)
+        assert r["first_call_s"] > 0 and r["second_call_s"] > 0
         lo, hi = r["speedup_round_iqr"]
         assert 0 < lo <= hi and r["noise_iqr"][0] <= 1.0 <= r["noise_iqr"][1] and r["runs"] == 1
         assert r["speedup"] == pytest.approx(r["baseline_ms"] / r["ours_ms"])

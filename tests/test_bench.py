@@ -701,3 +701,7 @@ def test_bench_ab_rows_and_rules(tmp_path):
     with ab.VARIANTS["cudnn-grouped-convs"][0]():
         assert grouped_conv.problem(conv, None) is not None
     assert grouped_conv.problem(conv, None) == "the input is not a 4-D tensor of the conv's channels"
+    from conv_patch.runtime import graphs
+    with ab.VARIANTS["no-auto-graphs"][0]():
+        assert graphs.AUTO_POOL_BYTES == 0
+    assert graphs.AUTO_POOL_BYTES == 1 << 30

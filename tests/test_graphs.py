@@ -56,6 +56,11 @@ def _chain(device, seed=0):
                          nn.Conv2d(6, 3, 1)).to(device).eval()
 
 
+def _hw(key):
+    """The height and width of a graph key's first tensor."""
+    return next(e for e in key if isinstance(e, tuple) and e[:1] == ("T",))[1][2:]
+
+
 def _x(seed, device, shape=(1, 3, 6, 7)):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(device)
 
@@ -146,7 +151,7 @@ def test_auto_keeps_graph_memory_within_its_bound(device, exact_fp32, fake_graph
         # 8x8 captured, 10x10 captured (8x8 dropped: 656 > 400), 12x12 alone
         # over the bound: eager; 8x8 captured again (10x10 dropped).
         assert cache.stats["too_large"] == 1 and cache.stats["captures"] == 3
-        held = [k[2][1][2:] for k, v in cache.graphs.items() if v is not graphs._EAGER]
+        held = [_hw(k) for k, v in cache.graphs.items() if v is not graphs._EAGER]
         assert held == [(8, 8)]
         before = cache.stats["replays"]
         dec(_x(0, device, (1, 4, 12, 12)))
@@ -224,7 +229,7 @@ def test_lru_bound_and_what_runs_eagerly(device, exact_fp32, fake_graphs):
             for _ in range(2):
                 m(_x(0, device, (1, 3, hw, hw)))
     assert cache.stats["captures"] == 3 and len(cache.graphs) == 2
-    assert [k[2][1][2:] for k in cache.graphs] == [(7, 7), (6, 6)]  # 5x5, least recently used, dropped
+    assert [_hw(k) for k in cache.graphs] == [(7, 7), (6, 6)]  # 5x5, least recently used, dropped
     before = dict(cache.stats)
     for _ in range(2):
         m(_x(0, device, (1, 3, 6, 6)))  # grad mode on and the weights require grad: autograd records it
@@ -273,6 +278,22 @@ def test_failed_capture_warns_once_and_runs_eagerly(device, exact_fp32, fake_gra
             warnings.simplefilter("error")
             assert torch.equal(m(x), y)
     assert graphs.cache_of(m).stats["captures"] == 0
+
+
+def test_a_key_holds_autocast_and_tf32(fake_graphs, monkeypatch):
+    """A call under autocast, or with the fp32 convs' TF32 switch flipped,
+    is another key: its launches are not the recorded ones."""
+    from conv_patch.target import conv_tf32
+    x = torch.zeros(1, 3, 4, 4)
+    with conv_tf32(False):
+        plain = graphs.call_key((x,), {})
+        assert graphs.call_key((x,), {}) == plain
+    with conv_tf32(True):
+        assert graphs.call_key((x,), {}) != plain
+    with conv_tf32(False):
+        monkeypatch.setattr(torch, "is_autocast_enabled", lambda *a: True)
+        monkeypatch.setattr(torch, "get_autocast_dtype", lambda *a: torch.bfloat16)
+        assert graphs.call_key((x,), {}) != plain
 
 
 def test_unhashable_arguments_and_cpu_tensors_are_not_graphed(device, exact_fp32):

@@ -14,8 +14,9 @@ decoder is host-bound at every size a preview or a decode uses (TAEF2 at
 What a user can rely on:
 
 * A call is captured the second time its key is seen: the tensors' shapes,
-  strides, dtypes and devices, the other arguments, and the grad and
-  inference modes. A one-off call (one image at an odd size) runs eagerly
+  strides, dtypes and devices, the other arguments, the grad and inference
+  modes, autocast and the fp32 convolutions' TF32 switch. It is captured and
+  replayed on its tensors' GPU, whichever device is current. A one-off call (one image at an odd size) runs eagerly
   and costs no capture.
 * A replay returns fresh tensors (cloned from the graph's static outputs):
   the next call does not overwrite a result the caller holds.
@@ -50,6 +51,7 @@ What a user can rely on:
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import warnings
 from collections import OrderedDict
@@ -60,6 +62,7 @@ from torch import nn
 
 from conv_patch.runtime import pack
 from conv_patch.runtime.state import peek, state_of
+from conv_patch.target import conv_tf32_enabled
 from conv_patch.work import Work
 
 MAX_RECAPTURES = 3
@@ -122,8 +125,13 @@ def _tensor_key(t: torch.Tensor) -> tuple:
 
 def call_key(args: tuple, kwargs: dict) -> Optional[tuple]:
     """The graph key of a call, or None when it cannot be graphed (an
-    argument that is neither a tensor nor hashable, a tensor not on CUDA)."""
-    key = [torch.is_grad_enabled(), torch.is_inference_mode_enabled()]
+    argument that is neither a tensor nor hashable, a tensor not on CUDA).
+    Besides the arguments, what the recorded launches depend on that a call
+    may change: grad and inference modes, autocast (its dtype where on) and
+    the fp32 convolutions' TF32 switch (the routes' precision)."""
+    key = [torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
+           torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None,
+           conv_tf32_enabled()]
     for v in (*args, *(kwargs[k] for k in sorted(kwargs))):
         if isinstance(v, torch.Tensor):
             if not _device_ok(v):
@@ -177,53 +185,68 @@ class Captured:
     # static buffers.
     done = None
     stream = None
+    device = None
 
     def __init__(self, fn: Callable, args: tuple, kwargs: dict):
         self.static = [pack.persistent(torch.empty_strided, t.shape, t.stride(), dtype=t.dtype, device=t.device)
                        for t in _tensors(args, kwargs)]
         self._copy_in(args, kwargs)
         sargs, skwargs = _substitute(args, kwargs, iter(self.static))
-        with pack.graph_path():
-            # One eager call down the capture's own path first (the pack
-            # kernel, the upsample always folded): every kernel the capture
-            # records is then compiled and loaded. A Triton kernel's first
-            # launch inside the capture invalidated TAEF2's on the H200.
-            fn(*sargs, **skwargs)
-        self.graph = torch.cuda.CUDAGraph()
-        device = next((t.device for t in self.static if t.is_cuda), None)
-        # thread_local: another thread's CUDA work (a UI's preview) neither
-        # breaks this capture nor is recorded in it.
-        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
-            # Read inside: entering empties PyTorch's cache of free blocks,
-            # which would hide the pool's growth (an allocator statistic, no
-            # CUDA call).
-            before = 0 if device is None else torch.cuda.memory_reserved(device)
-            self.out = fn(*sargs, **skwargs)
-        if device is not None:
-            # The private pool's segments (the call's activations and
-            # outputs): what keeping this graph costs the device.
-            self.pool_bytes = max(0, torch.cuda.memory_reserved(device) - before)
-            self.stream = torch.cuda.current_stream(device)
-            self.done = torch.cuda.Event()
+        device = self.device = next((t.device for t in self.static if t.is_cuda), None)
+        # On the tensors' GPU, whichever is current: the capture records the
+        # current device's stream.
+        with _on(device):
+            with pack.graph_path():
+                # One eager call down the capture's own path first (the pack
+                # kernel, the upsample always folded): every kernel the
+                # capture records is then compiled and loaded. A Triton
+                # kernel's first launch inside the capture invalidated
+                # TAEF2's on the H200.
+                fn(*sargs, **skwargs)
+            self.graph = torch.cuda.CUDAGraph()
+            # thread_local: another thread's CUDA work (a UI's preview)
+            # neither breaks this capture nor is recorded in it.
+            with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+                # Read inside: entering empties PyTorch's cache of free
+                # blocks, which would hide the pool's growth (an allocator
+                # statistic, no CUDA call).
+                before = 0 if device is None else torch.cuda.memory_reserved(device)
+                self.out = fn(*sargs, **skwargs)
+            if device is not None:
+                # The private pool's segments (the call's activations and
+                # outputs): what keeping this graph costs the device.
+                self.pool_bytes = max(0, torch.cuda.memory_reserved(device) - before)
+                self.stream = torch.cuda.current_stream(device)
+                self.done = torch.cuda.Event()
 
     def _copy_in(self, args, kwargs):
         for s, t in zip(self.static, _tensors(args, kwargs)):
             s.copy_(t)
 
     def __call__(self, args: tuple, kwargs: dict):
-        cuda = self.done is not None
-        if cuda:
-            stream = torch.cuda.current_stream(self.stream.device)
+        if self.done is None:
+            return self._replay(args, kwargs)
+        with _on(self.device):
+            stream = torch.cuda.current_stream()
             if stream != self.stream:
                 stream.wait_event(self.done)
                 self.stream = stream
+            out = self._replay(args, kwargs)
+            self.done.record()
+        return out
+
+    def _replay(self, args, kwargs):
         self._copy_in(args, kwargs)
         self.graph.replay()
         Work.n += 1  # conv-patch's own work (runtime.passthrough reads it)
-        out = _clone_out(self.out)
-        if cuda:
-            self.done.record()
-        return out
+        return _clone_out(self.out)
+
+
+def _on(device: Optional[torch.device]):
+    """``torch.cuda.device(device)`` where that is not the current device."""
+    if device is None or device.index is None or device.index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)
 
 
 def _tensors(args, kwargs):

@@ -259,6 +259,12 @@ def test_weight_changes_recapture_and_a_streaming_module_stops_being_graphed(dev
         with pytest.warns(RuntimeWarning, match="CUDA graphs off"):
             y = m(x)
         assert cache.disabled and not cache.graphs
+        # Under "auto" (which nobody asked for) the same stop is silent.
+        quiet = graphs.GraphCache(auto=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            quiet._disable("streamed")
+        assert quiet.disabled == "streamed"
         unpatched = conv_patch.remove(m) and m
         assert rel_err(y, unpatched(x)) <= 1e-5
 

@@ -30,7 +30,8 @@ What a user can rely on:
   anywhere below. The module's graphs are then dropped and recaptured. A
   module whose signature changes at more than ``MAX_RECAPTURES`` calls in a
   row (weights streamed in per call, as low-VRAM offloading does) stops being
-  graphed and runs eagerly, with one warning.
+  graphed and runs eagerly, with one warning (none under ``"auto"``, which
+  nobody asked for: ``GraphCache.disabled`` says why).
 * Each graph keeps a private memory pool as large as the call's peak
   activations while it is cached: at most ``max_graphs`` keys per module,
   the least recently used dropped first. ``conv_patch.remove`` drops them all.
@@ -295,7 +296,10 @@ class GraphCache:
     def _disable(self, why: str) -> None:
         self.disabled = why
         self.clear()
-        warnings.warn(f"conv-patch: CUDA graphs off for this module: {why}", RuntimeWarning, stacklevel=4)
+        if not self.auto:
+            # (Under "auto" nobody asked for graphs: the module runs as it
+            # would without them, and ``disabled`` says why.)
+            warnings.warn(f"conv-patch: CUDA graphs off for this module: {why}", RuntimeWarning, stacklevel=4)
 
     def takes(self, args: tuple, kwargs: dict) -> bool:
         """Whether this call is captured or replayed: its key was graphed,
@@ -381,7 +385,9 @@ class GraphCache:
                 entry = _EAGER
         except Exception as e:  # noqa: BLE001 - a failed capture is reported and that key runs eagerly
             warnings.warn(f"conv-patch: CUDA graph capture failed, this input shape runs eagerly: "
-                          f"{type(e).__name__}: {e}", RuntimeWarning, stacklevel=4)
+                          f"{type(e).__name__}: {e}"
+                          + (" (PatchConfig(cuda_graphs=False) turns graphs off)" if self.auto else ""),
+                          RuntimeWarning, stacklevel=4)
             entry = _EAGER
         bound = self._pool_bound(entry)
         if bound is not None and entry.pool_bytes > bound:

@@ -162,8 +162,8 @@ class SequentialChain(Recipe):
         faster on TAEF2's 256^2 and 512^2 decodes than the stack run in NCHW
         with its recipes (docs/performance.md). Not on the graph path nor
         inside torch.compile, where host time is not the cost, nor before
-        the stack's first call has made its plan, nor for a call its CUDA
-        graphs capture or replay (``PatchConfig.cuda_graphs``)."""
+        the stack's first call has made its plan (nor, ``FusedBlock``'s
+        rule, for a call its CUDA graphs capture or replay)."""
         st = peek(m)
         held = None if st is None else st.chain
         if held is None or kwargs or len(args) != 1 or pack.GRAPH_PATH:
@@ -172,10 +172,6 @@ class SequentialChain(Recipe):
         if (not isinstance(x, torch.Tensor) or x.dim() != 4 or not _norms_eager(x, held[3])
                 or st.bands is not None or torch.compiler.is_compiling()):
             return None
-        if st.graphs is not None:
-            if st.graphs.takes(args, kwargs):
-                return None
-            st.graphs.note(args, kwargs)
         return swaps_below(m, held)
 
     def upsample_convs(self, m):

@@ -95,8 +95,9 @@ class ResnetBlock2D(Recipe):
         save GPU time from 4M elements, add host time there, and the
         recipe's conv steps run PyTorch's convolutions through more Python:
         measured slower than the block's own forward
-        (docs/performance.md). On the graph path, in a block replaying its
-        own graphs and under torch.compile host time is not the cost: there
+        (docs/performance.md). On the graph path, in a call its own graphs
+        capture or replay (``FusedBlock``'s rule) and under torch.compile
+        host time is not the cost: there
         the recipe runs, as it does on the CPU (the interpreter's tests) and
         in a VAE's blocks (no time embedding)."""
         temb = args[1] if len(args) > 1 else kwargs.get("temb")
@@ -105,7 +106,7 @@ class ResnetBlock2D(Recipe):
                 or torch.compiler.is_compiling()):
             return None
         st = peek(m)
-        if st is not None and (st.graphs is not None or st.bands is not None):
+        if st is not None and st.bands is not None:
             return None
         return swaps_below(m, tuple(m._modules.values()))
 

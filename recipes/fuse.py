@@ -65,7 +65,8 @@ class Recipe:
     # everything under it unpatched-but-for-the-convs (``recipes=False``),
     # the class swaps that make it so (``passthrough.own_class_swaps``);
     # None for a call the recipe runs. Asked at every call of the block,
-    # before its pack group is refreshed.
+    # before its pack group is refreshed, except the calls its CUDA graphs
+    # capture or replay (``FusedBlock.forward`` asks them first).
     unfused = None
 
     # ``lean``, where a recipe defines it: a mixin whose ``forward``
@@ -144,10 +145,17 @@ class FusedBlock:
         if watch is not None and watch.observes(self):
             # A passthrough watch is learning which fused blocks do work.
             return watch.observe(self, args, kwargs)
+        st = peek(self)
+        graphs = None if st is None else st.graphs
+        # A call its CUDA graphs capture or replay (PatchConfig.cuda_graphs)
+        # runs the recipe inside the graph: no ``unfused`` rule, no group.
+        graphed = graphs is not None and graphs.takes(args, kwargs)
         unfused = self.cp_recipe.unfused
-        if unfused is not None:
+        if unfused is not None and not graphed:
             swaps = unfused(self, args, kwargs)
             if swaps is not None:
+                if graphs is not None:
+                    graphs.note(args, kwargs)  # (its next call with these arguments captures)
                 if not swaps and watch is None:
                     # Nothing fused below to swap, no watch to tell: the
                     # block's own forward, without run_unfused's frames (a
@@ -155,10 +163,8 @@ class FusedBlock:
                     return self.cp_idle_forward(*args, **kwargs)
                 return passthrough.run_unfused(self, swaps, functools.partial(self.cp_own_forward, *args,
                                                                               **kwargs))
-        st = peek(self)
-        if (self.cp_recipe.runs_convs and pack.ACTIVE.group is None and not pack.GRAPH_PATH
-                and not torch.compiler.is_compiling()
-                and (st is None or st.graphs is None or not st.graphs.takes(args, kwargs))):
+        if (self.cp_recipe.runs_convs and not graphed and pack.ACTIVE.group is None and not pack.GRAPH_PATH
+                and not torch.compiler.is_compiling()):
             # The outermost fused block of this call (no group active in this
             # thread), run eagerly: its convs' weight packs are refreshed
             # together at its start (conv_patch/pack.py says why). (A graph's

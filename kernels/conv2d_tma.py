@@ -259,17 +259,17 @@ def dense_nchw(t) -> bool:
             and t.stride(2) == w and t.stride(1) == h * w and (n == 1 or t.stride(0) == c * h * w))
 
 
-def flat_plane(x, w_shape, padding, stride, out, residual) -> bool:
+def flat_plane(x, w_shape, padding, stride, config, out, residual) -> bool:
     """A 1x1 conv at stride 1 without padding whose input, output and
     residual are dense NCHW: each output pixel reads the input pixel at its
     own index, so the [N, C, H, W] planes are read and written as one pixel
     row [N, C, 1, H*W] (``plane_row``), and a one-row tile covers BLOCK_M
     pixels of the plane however narrow its rows (a UNet's 1x1 shortcuts
-    and projections at 8x8-64x64)."""
-    if tuple(stride) != (1, 1) or tuple(padding) != (0, 0) or tuple(w_shape[2:]) != (1, 1) or out is None:
+    and projections at 8x8-64x64). Off with the config's ``nchw_in_place``."""
+    if (not config.get("nchw_in_place", True) or tuple(stride) != (1, 1) or tuple(padding) != (0, 0)
+            or tuple(w_shape[2:]) != (1, 1) or out is None):
         return False
-    n, _, h, w = x.shape
-    return (h > 1 and out.shape[2:] == x.shape[2:] and all(t.is_contiguous() for t in (x, out))
+    return (x.shape[2] > 1 and out.shape[2:] == x.shape[2:] and all(t.is_contiguous() for t in (x, out))
             and (residual is None or (residual.shape == out.shape and residual.is_contiguous())))
 
 
@@ -293,7 +293,7 @@ def reads_nchw_in_place(x, w_shape, padding, stride, config, out=None, residual=
     if not config.get("nchw_in_place", True) or tuple(stride) != (1, 1):
         return False
     c_out, c_in, _, kw = w_shape
-    if flat_plane(x, w_shape, padding, stride, out, residual):
+    if flat_plane(x, w_shape, padding, stride, config, out, residual):
         x = plane_row(x)
     if kw != 1 or padding[1] != 0 or not dense_nchw(x):
         return False
@@ -311,7 +311,7 @@ def launch_conv2d_tma(x, w, bias, out, residual, *, stride, padding, dilation, b
     that the stride divides H and W."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    if config.get("nchw_in_place", True) and flat_plane(x, w.shape, padding, stride, out, residual):
+    if flat_plane(x, w.shape, padding, stride, config, out, residual):
         launch_conv2d_tma(plane_row(x), w, bias, plane_row(out), None if residual is None else plane_row(residual),
                           stride=stride, padding=padding, dilation=dilation, beta=beta, activation=activation,
                           out_scale=out_scale, config=config, precision=precision, upcast=upcast,

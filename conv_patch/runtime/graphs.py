@@ -305,9 +305,7 @@ class GraphCache:
         """Whether this call is captured or replayed: its key was graphed,
         or seen once before. (Asked before the call; a call that turns out
         not to be graphed runs eagerly.)"""
-        if self.disabled is not None or torch.compiler.is_compiling() or _capturing():
-            return False
-        key = call_key(args, kwargs)
+        key = self._key(args, kwargs)
         if key is None:
             return False
         entry = self.graphs.get(key)
@@ -317,10 +315,16 @@ class GraphCache:
         """A call that runs some other way (a recipe's ``unfused`` rule)
         but would be graphed: its key counts as seen, so that the next call
         with it captures."""
-        if self.disabled is None and not torch.compiler.is_compiling() and not _capturing():
-            key = call_key(args, kwargs)
-            if key is not None and key not in self.graphs:
-                self._note(key)
+        key = self._key(args, kwargs)
+        if key is not None and key not in self.graphs:
+            self._note(key)
+
+    def _key(self, args: tuple, kwargs: dict) -> Optional[tuple]:
+        """The call's key, or None where this cache takes no call now (given
+        up, traced, or inside another capture)."""
+        if self.disabled is not None or torch.compiler.is_compiling() or _capturing():
+            return None
+        return call_key(args, kwargs)
 
     def _note(self, key: tuple) -> None:
         self.seen[key] = None
@@ -328,9 +332,7 @@ class GraphCache:
             self.seen.popitem(last=False)
 
     def __call__(self, module: nn.Module, fn: Callable, args: tuple, kwargs: dict):
-        key = None
-        if self.disabled is None and not torch.compiler.is_compiling() and not _capturing():
-            key = call_key(args, kwargs)
+        key = self._key(args, kwargs)
         if key is None or not self.lock.acquire(blocking=False):
             # (Locked: another thread is in this module's graphs; its static
             # buffers are not this call's to write.)
@@ -410,8 +412,7 @@ class GraphCache:
         """The bytes of pools this module may keep (None: any)."""
         if not self.auto or entry is _EAGER:
             return None
-        device = next((t.device for t in entry.static if t.is_cuda), None)
-        return AUTO_POOL_BYTES if device is None else auto_pool_bytes(device)
+        return AUTO_POOL_BYTES if entry.device is None else auto_pool_bytes(entry.device)
 
 
 def outermost(modules, is_candidate: Callable[[nn.Module], bool]):

@@ -158,8 +158,7 @@ class FusedBlock:
                     graphs.note(args, kwargs)  # (its next call with these arguments captures)
                 if not swaps and watch is None:
                     # Nothing fused below to swap, no watch to tell: the
-                    # block's own forward, without run_unfused's frames (a
-                    # graphs-only block's every eager call).
+                    # block's own forward, without run_unfused's frames.
                     return self.cp_idle_forward(*args, **kwargs)
                 return passthrough.run_unfused(self, swaps, functools.partial(self.cp_own_forward, *args,
                                                                               **kwargs))
@@ -299,8 +298,8 @@ def written_out(cls: type, method: str, params: tuple, module: str) -> bool:
 
 def forward_names(cls) -> frozenset:
     """The names ``cls.forward`` reads (``co_names``), by which a recipe
-    tells a forward it wrote its own from; cached per function (a
-    graphs-only block's eager call asks at every call)."""
+    tells a forward it wrote its own from; cached per function (rules
+    asked at every call of a block read it)."""
     fn = getattr(cls, "forward", None)
     names = _FORWARD_NAMES.get(fn)
     if names is None:

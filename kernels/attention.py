@@ -35,13 +35,13 @@ grids); the torch-facing layer is ``conv_patch.functional.attention``.
 import triton
 import triton.language as tl
 
-from .common import grouped_tile
+from .common import ATTENTION_EXTENTS, grouped_tile
 from .launch import cdiv, launch, sm_count
 
 LOG2E = 1.4426950408889634
 
 
-@triton.jit
+@triton.jit(do_not_specialize=ATTENTION_EXTENTS)
 def attention_scores_kernel(q_desc, k_desc, e_desc, mx_ptr, sm_ptr, R, M, D, stride_p, scale_log2,
                             UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                             BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
@@ -74,7 +74,7 @@ def attention_scores_kernel(q_desc, k_desc, e_desc, mx_ptr, sm_ptr, R, M, D, str
     tl.store(sm_ptr + part, tl.sum(e, axis=1), mask=ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=ATTENTION_EXTENTS)
 def attention_combine_kernel(mx_ptr, sm_ptr, R, T, stride_p, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr):
     """Row maximum M and sum L from a block of rows' partials, then each
     tile's weight ``exp(m_t - M) / L`` written over ``m_t``."""
@@ -103,7 +103,7 @@ def attention_combine_kernel(mx_ptr, sm_ptr, R, T, stride_p, BLOCK_R: tl.constex
         tl.store(mx_ptr + at * stride_p + rows[None, :], tl.exp2(m_t - m_row[None, :]) * inv[None, :], mask=msk)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=ATTENTION_EXTENTS)
 def attention_pv_kernel(e_desc, v_desc, w_ptr, out_ptr, R, M, DV, stride_p, so_r, so_c, so_s, split_steps,
                         UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr):

@@ -27,6 +27,27 @@ refuse_top_level(__name__)
 # this one first).
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
+# Triton compiles a kernel once per specialisation of its integer arguments
+# (whether each is 1, whether it divides by 16): left as they are, a batch of
+# 2 after a batch of 1, or a 104-row latent after a 128-row one, compiles
+# every kernel of the call again, seconds each with a cold cache. The
+# kernels name the extents that move with a call's batch and resolution in
+# ``do_not_specialize`` where nothing needs their divisibility, so a new
+# batch or resolution launches what is compiled:
+# * the TMA kernels (and the padded route's staging copy): boxes bound their
+#   loads, and their pointer epilogue stores along the channels, whose counts
+#   and strides stay specialised;
+# * the pointer kernels, the batch only: their loads along a pixel row are
+#   vectorised by the rows' divisibility, which the batch does not change.
+BATCH_EXTENTS = ("N",)
+TMA_2D_EXTENTS = ("N", "H", "W", "OH", "OW")
+TMA_PADDED_EXTENTS = ("N", "HP", "WP", "OH", "OW")
+TMA_3D_EXTENTS = ("N", "T", "H", "W", "Tc", "OD", "OH", "OW")
+PAD_EXTENTS = ("H", "W", "HP", "WP")
+# * attention: its rows and columns are a VAE mid-block's pixels (TMA boxes,
+#   and stores along the head's channels).
+ATTENTION_EXTENTS = ("R", "M", "T", "split_steps")
+
 # Activation codes: conv_patch/activations.py's table, which the eager fallback reads too.
 ACT_RELU = tl.constexpr(CODES["relu"])
 ACT_SILU = tl.constexpr(CODES["silu"])

@@ -10,11 +10,11 @@ The torch-facing wrapper lives in ``conv_patch.functional``.
 import triton
 import triton.language as tl
 
-from .common import accumulate_tap, epilogue_store, output_tile
+from .common import BATCH_EXTENTS, accumulate_tap, epilogue_store, output_tile
 from .launch import cdiv, run_conv_kernel
 
 
-@triton.jit
+@triton.jit(do_not_specialize=BATCH_EXTENTS)
 def conv2d_fwd_kernel(
     x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr,
     N, C_in, H, W, C_out, OH, OW,

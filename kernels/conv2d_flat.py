@@ -17,11 +17,11 @@ Layer 1: ``conv2d_flat_kernel`` (the portable kernels' signature); layer 2:
 import triton
 import triton.language as tl
 
-from .common import epilogue_store, mma, output_tile, wide
+from .common import BATCH_EXTENTS, epilogue_store, mma, output_tile, wide
 from .launch import cdiv, run_conv_kernel
 
 
-@triton.jit
+@triton.jit(do_not_specialize=BATCH_EXTENTS)
 def conv2d_flat_kernel(
     x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr,
     N, C_in, H, W, C_out, OH, OW,

@@ -69,7 +69,7 @@ import triton.language as tl
 
 from conv_patch.specs import nhwc_pitch
 
-from .common import epilogue_store, epilogue_values, grouped_tile, wide
+from .common import TMA_2D_EXTENTS, epilogue_store, epilogue_values, grouped_tile, wide
 from .launch import TMA_ALIGN, block_sizes, cdiv, launch, needs_int64, next_pow2, sm_count
 
 
@@ -190,7 +190,7 @@ def conv_tile(tile, x_desc, w_desc, bias_ptr, res_ptr, out_ptr, res_desc, out_de
                        beta, out_scale, HAS_BIAS, HAS_RES, ACT, IDX64)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=TMA_2D_EXTENTS)
 def conv2d_tma_kernel(
     x_desc, w_desc, bias_ptr, res_ptr, out_ptr, res_desc, out_desc,
     N, C_in, H, W, C_out, OH, OW,

@@ -40,7 +40,7 @@ Stride 1 only (the launcher's caller checks it: ``registry.tma_padded_problem``)
 import triton
 import triton.language as tl
 
-from .common import epilogue_store, grouped_tile, wide
+from .common import TMA_PADDED_EXTENTS, epilogue_store, grouped_tile, wide
 from .launch import MIN_DOT_BLOCK, cdiv, launch, needs_int64, sm_count, split_block_sizes
 from .layout import launch_pad_nhwc
 
@@ -98,7 +98,7 @@ def padded_tile(tile, x_desc, w_desc, w2_desc, bias_ptr, res_ptr, out_ptr,
                        beta, out_scale, HAS_BIAS, HAS_RES, ACT, IDX64)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=TMA_PADDED_EXTENTS)
 def conv2d_tma_padded_kernel(
     x_desc, w_desc, w2_desc, bias_ptr, res_ptr, out_ptr,
     N, C_in, HP, WP, C_out, OH, OW,

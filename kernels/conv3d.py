@@ -23,7 +23,7 @@ padding only decides the output size, which the caller passes in.
 import triton
 import triton.language as tl
 
-from .common import accumulate_tap, epilogue_store, output_tile, wide
+from .common import BATCH_EXTENTS, accumulate_tap, epilogue_store, output_tile, wide
 from .launch import cdiv, conv_meta, empty, launch
 
 
@@ -47,7 +47,7 @@ def accumulate_frame(acc, src_ptr, w_ptr, src_row, ok, ih0, iw0, H, W, C_in,
     return acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=BATCH_EXTENTS)
 def conv3d_fwd_kernel(
     x_ptr, c_ptr, w_ptr, bias_ptr, res_ptr, out_ptr,
     N, C_in, T, H, W, Tc, C_out, OD, OH, OW,

@@ -37,7 +37,7 @@ Design (the 2-D TMA kernel's, kernels/conv2d_tma.py, one axis up):
 import triton
 import triton.language as tl
 
-from .common import epilogue_store, grouped_tile, wide
+from .common import TMA_3D_EXTENTS, epilogue_store, grouped_tile, wide
 from .launch import MIN_DOT_BLOCK, cdiv, launch, needs_int64, next_pow2, split_block_sizes
 
 
@@ -86,7 +86,7 @@ def frames_reduction(acc, acc2, desc, t0, n, base, ka, kb, oh0, ow0, n0, w_desc,
     return acc, acc2
 
 
-@triton.jit
+@triton.jit(do_not_specialize=TMA_3D_EXTENTS)
 def conv3d_tma_kernel(
     x_desc, c_desc, w_desc, w2_desc, bias_ptr, res_ptr, out_ptr,
     N, C_in, T, H, W, Tc, C_out, OD, OH, OW,

@@ -14,11 +14,11 @@ as in conv2d.py; the epilogue is the shared one.
 import triton
 import triton.language as tl
 
-from .common import accumulate_tap, epilogue_store, grouped_tile, wide
+from .common import BATCH_EXTENTS, accumulate_tap, epilogue_store, grouped_tile, wide
 from .launch import cdiv, run_conv_kernel
 
 
-@triton.jit
+@triton.jit(do_not_specialize=BATCH_EXTENTS)
 def conv_transpose2d_fwd_kernel(
     x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr,
     N, C_in, H, W, C_out, OH, OW,

@@ -16,7 +16,7 @@ out, the border written in the same pass.
 import triton
 import triton.language as tl
 
-from .common import INTERPRET  # noqa: F401  (fixed before this module's decorations)
+from .common import INTERPRET, PAD_EXTENTS  # noqa: F401  (INTERPRET: fixed before this module's decorations)
 from .launch import cdiv, empty, launch
 
 
@@ -45,7 +45,7 @@ def launch_nchw_to_nhwc(x, out, block_c=64, block_p=64):
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=PAD_EXTENTS)
 def pad_nhwc_kernel(x_ptr, y_ptr, C, H, W, HP, WP, PT, PL, sxn, sxc, sxh, sxw,
                     X_NHWC: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_P: tl.constexpr):
     """y[n, r, c, :] = x[n, :, r - PT, c - PL] inside the image, 0 in the

@@ -99,6 +99,48 @@ def test_new_resolution_compiles_nothing():
     assert sum(_compiled_variants(k) for k in KERNELS.values()) == before
 
 
+# Fixed tiles (a table may pick another config per size, a new compile of
+# its own): what is tested is the extents alone.
+FIXED_TILES = {
+    "tma": {"route": "tma", "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "BLOCK_W": 16, "GROUP_M": 8,
+            "num_warps": 4, "num_stages": 3},
+    "tma_padded": {"route": "tma_padded", "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8,
+                   "num_warps": 4, "num_stages": 3},
+    "igemm": {"route": "igemm", "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8,
+              "num_warps": 4, "num_stages": 3},
+}
+
+
+@pytest.mark.parametrize("route", sorted(FIXED_TILES))
+def test_new_batch_or_size_compiles_nothing(route):
+    """A batch of 2 or 3 after a batch of 1 launches what the first call
+    compiled, and on the TMA routes so do sizes of any divisibility (a
+    104x152 latent after a 64x64 one): the kernels leave those extents
+    unspecialised (kernels/common.py). The pointer kernel keeps its rows'
+    divisibility (its loads along a row are vectorised by it)."""
+    from _util import conv_kernels
+    from conv_patch.kernels import layout
+    kernels = list(conv_kernels().values()) + [layout.pad_nhwc_kernel]
+    cfg = FIXED_TILES[route]
+    g = torch.Generator().manual_seed(5)
+    w = (torch.randn(64, 32, 3, 3, generator=g) / 17).to("cuda", torch.bfloat16)
+
+    def call(n, h, wd):
+        x = torch.randn(n, 32, h, wd, generator=g).to("cuda", torch.bfloat16)
+        x = x.contiguous(memory_format=torch.channels_last)
+        y = functional.conv2d(x, w, None, 1, 1, config=cfg)
+        assert rel_err(y, F.conv2d(x.double(), w.double(), padding=1)) <= 1e-2
+
+    call(1, 64, 64)
+    before = sum(_compiled_variants(k) for k in kernels)
+    sizes = [(2, 64, 64), (3, 64, 80)]
+    if route != "igemm":
+        sizes += [(1, 104, 152), (2, 90, 90), (1, 37, 50)]
+    for n, h, wd in sizes:
+        call(n, h, wd)
+    assert sum(_compiled_variants(k) for k in kernels) == before
+
+
 def test_tf32_follows_pytorch():
     """fp32 with TF32 allowed is as accurate as cuDNN's TF32 (rounded, not
     truncated, operands); with it off, exact."""

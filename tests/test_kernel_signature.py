@@ -53,3 +53,32 @@ def test_only_switches_and_tiles_are_constexpr(name):
     shape_args = (PADDED_SHAPE_ARGS if name == "conv2d_tma_padded"
                   else SHAPE_ARGS | EXTRA_SHAPE_ARGS.get(name, POINTER_SHAPE_ARGS))
     assert shape_args <= set(params) and not (shape_args & constexpr)
+
+
+# The extents that move with a call's batch and resolution, per kernel, that
+# Triton must not specialise (kernels/common.py): each specialisation is a
+# compile of its own. The channel counts and the strides stay specialised.
+UNSPECIALISED = {
+    "conv2d": {"N"}, "conv_transpose2d": {"N"}, "conv2d_flat": {"N"}, "conv3d": {"N"},
+    "conv2d_tma": {"N", "H", "W", "OH", "OW"},
+    "conv2d_tma_padded": {"N", "HP", "WP", "OH", "OW"},
+    "conv3d_tma": {"N", "T", "H", "W", "Tc", "OD", "OH", "OW"},
+}
+
+
+def test_batch_and_size_extents_are_not_specialised():
+    """Read from the compiled (not interpreted) kernels, in a process without
+    the interpreter: which arguments Triton specialises on their value."""
+    import json
+    import os
+    import subprocess
+    import sys
+    code = ("import json, sys; sys.path.insert(0, 'tests'); from _util import conv_kernels; "
+            "print(json.dumps({n: [p.name for p in k.params if not p.is_constexpr and p.do_not_specialize] "
+            "for n, k in conv_kernels().items()}))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = {n: set(v) for n, v in json.loads(r.stdout.strip().splitlines()[-1]).items()}
+    assert got == UNSPECIALISED

@@ -47,6 +47,10 @@ PAD_EXTENTS = ("H", "W", "HP", "WP")
 # * attention: its rows and columns are a VAE mid-block's pixels (TMA boxes,
 #   and stores along the head's channels).
 ATTENTION_EXTENTS = ("R", "M", "T", "split_steps")
+# * GroupNorm on NHWC: loads along the channels; the partials' merge reads
+#   strided triples. (The NCHW passes read along the pixels: specialised.)
+GROUP_NORM_NHWC_EXTENTS = ("HW", "CHUNK", "SPLITS", "TILES")
+GROUP_NORM_FINALIZE_EXTENTS = ("S", "psn", "pss", "psc")
 
 # Activation codes: conv_patch/activations.py's table, which the eager fallback reads too.
 ACT_RELU = tl.constexpr(CODES["relu"])

@@ -31,7 +31,7 @@ helpers (``merge_moments``, ``combine_moments``) for all of them.
 import triton
 import triton.language as tl
 
-from .common import activate
+from .common import GROUP_NORM_FINALIZE_EXTENTS, GROUP_NORM_NHWC_EXTENTS, activate
 from .launch import cdiv, empty, launch, next_pow2
 
 
@@ -83,7 +83,7 @@ def group_norm_stats_kernel(x_ptr, part_ptr, GROUP_SIZE, CHUNK, SPLITS, BLOCK: t
     tl.store(out + 2, m2)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=GROUP_NORM_NHWC_EXTENTS)
 def group_norm_stats_nhwc_kernel(x_ptr, ib_ptr, part_ptr, C, HW, CHUNK, SPLITS, G, Cg,
                                  BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_G: tl.constexpr,
                                  BLOCK_R: tl.constexpr, CG_POW2: tl.constexpr, HAS_IB: tl.constexpr):
@@ -158,7 +158,7 @@ def group_norm_stats_nhwc_kernel(x_ptr, ib_ptr, part_ptr, C, HW, CHUNK, SPLITS, 
     tl.store(out + 2, g_m2, mask=g_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=GROUP_NORM_FINALIZE_EXTENTS)
 def group_norm_finalize_kernel(part_ptr, w_ptr, b_ptr, ib_ptr, ss_ptr, G, Cg, S,
                                psn, pss, psc, eps, HAS_AFFINE: tl.constexpr, HAS_IB: tl.constexpr,
                                BLOCK: tl.constexpr, BLOCK_CG: tl.constexpr):
@@ -211,7 +211,7 @@ def modulate(v, m_ptr, a_ptr, offs, ok, HAS_MOD: tl.constexpr):
     return v
 
 
-@triton.jit
+@triton.jit(do_not_specialize=GROUP_NORM_NHWC_EXTENTS)
 def group_norm_apply_nhwc_kernel(x_ptr, y_ptr, ss_ptr, m_ptr, a_ptr, C, HW, TILES, ACT: tl.constexpr,
                                  HAS_MOD: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
     # A [BLOCK_P pixels, C] slab of one sample: the per-channel scale and

@@ -51,6 +51,10 @@ ATTENTION_EXTENTS = ("R", "M", "T", "split_steps")
 #   strided triples. (The NCHW passes read along the pixels: specialised.)
 GROUP_NORM_NHWC_EXTENTS = ("HW", "CHUNK", "SPLITS", "TILES")
 GROUP_NORM_FINALIZE_EXTENTS = ("S", "psn", "pss", "psc")
+# * the channels-last depthwise and grouped 1x1 kernels: loads along the
+#   channels, a mask per pixel row.
+DEPTHWISE_EXTENTS = ("H", "W", "OH", "OW", "P_TILES")
+GROUPED_POINTWISE_EXTENTS = ("M",)
 
 # Activation codes: conv_patch/activations.py's table, which the eager fallback reads too.
 ACT_RELU = tl.constexpr(CODES["relu"])

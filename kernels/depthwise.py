@@ -19,10 +19,11 @@ Numerics: fp32 accumulation, rounded once to the output's dtype.
 import triton
 import triton.language as tl
 
+from .common import DEPTHWISE_EXTENTS
 from .launch import cdiv, launch, needs_int64
 
 
-@triton.jit
+@triton.jit(do_not_specialize=DEPTHWISE_EXTENTS)
 def depthwise_kernel(x_ptr, w_ptr, b_ptr, out_ptr, C, H, W, OH, OW, P_TILES, KH, KW, sh, sw, ph, pw, dh, dw,
                      sxn, sxh, sxw, son, soh, sow, HAS_BIAS: tl.constexpr, IDX64: tl.constexpr,
                      BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):

@@ -20,11 +20,11 @@ it, as the implicit-GEMM kernels), rounded once to the output's dtype.
 import triton
 import triton.language as tl
 
-from .common import mma
+from .common import GROUPED_POINTWISE_EXTENTS, mma
 from .launch import cdiv, launch, needs_int64, next_pow2, MIN_DOT_BLOCK
 
 
-@triton.jit
+@triton.jit(do_not_specialize=GROUPED_POINTWISE_EXTENTS)
 def grouped_pointwise_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, CG_IN, CG_OUT, N_TILES, sxm, swo, som,
                              HAS_BIAS: tl.constexpr, IDX64: tl.constexpr, UPCAST: tl.constexpr,
                              PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,

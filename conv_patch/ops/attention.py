@@ -150,7 +150,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional
         rows = max(1, min(n, FUSED_ATTENTION_BLOCK_BYTES // (m_pad * q.element_size())))
         t = kern.attention_partial_columns(m, config)
         e = torch.empty((rows, m_pad), dtype=q.dtype, device=q.device)
-        mx = torch.empty((t, rows), dtype=torch.float32, device=q.device)
+        # The partials' row stride a multiple of 16 whatever ``rows``: the
+        # kernels are specialised on it (a new size would compile them again).
+        mx = torch.empty((t, -(-rows // 16) * 16), dtype=torch.float32, device=q.device)
         sm = torch.empty_like(mx)
         for b in range(q3.shape[0]):
             qb, kb, vb = _tma_rows(q3[b]), _tma_rows(k3[b]), _tma_rows(v3[b])

@@ -25,3 +25,20 @@ def test_a_child_that_fails_leaves_an_error(tmp_path, monkeypatch):
     monkeypatch.setattr(first_call, "child_rows", lambda *a, **k: (None, "child process exited with 1 and no row"))
     (row,) = first_call.main(["--tiny", "--only", "taef2", "--out", str(tmp_path)])
     assert row["error"].startswith("unpatched: child process exited") and "checks" not in row
+
+
+def test_tiny_new_shapes_rows(tmp_path):
+    """bench.new_shapes on the CPU: one row per shape, in order, each naming
+    the shapes called before it; the unpatched first call as the baseline;
+    nothing compiled under the interpreter."""
+    from bench import new_shapes
+    assert new_shapes.parse_shape("832x1216:2") == ((832, 1216), 2) and new_shapes.parse_shape("16") == (16, 1)
+    rows = new_shapes.main(["--tiny", "--model", "flux-vae-decode", "--dtype", "fp32", "--shapes", "16", "16:2",
+                            "12x20", "--out", str(tmp_path)])
+    assert [r["shape"] for r in rows] == ["16x16 b1", "16x16 b2", "12x20 b1"]
+    assert [r["after"] for r in rows] == [[], ["16x16 b1"], ["16x16 b1", "16x16 b2"]]
+    for r in rows:
+        assert r["baseline"] == new_shapes.BASELINE and r["compiles"] == 0 and r["compiled_kernels"] == {}
+        assert r["ours_ms"] > 0 and r["baseline_ms"] > 0 and r["first_call_s"] == r["ours_ms"] / 1e3
+    (doc,) = [json.loads(p.read_text()) for p in tmp_path.glob("new-shapes-flux-vae-decode-*.json")]
+    assert doc["rows"] == rows and doc["cache"] == "as found"

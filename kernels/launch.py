@@ -204,10 +204,53 @@ def _hooked(hook) -> bool:
     return hook is not None and bool(getattr(hook, "calls", True))
 
 
+# -- compiling ahead ---------------------------------------------------------------
+# Inside ``compile_ahead`` (``conv_patch.warmup``'s first pass) a launch
+# compiles its kernel on a worker thread and launches nothing: Triton's
+# AsyncCompileMode, whose compiles run side by side (LLVM and ptxas, most of
+# a compile, run without the GIL), and leaving it waits for them all. What
+# such a pass computes is garbage and what it planned must be forgotten
+# (``conv_patch.api.warmup``); what it leaves is Triton's compiled kernels.
+_AHEAD = threading.local()
+
+
+def compiling_ahead() -> bool:
+    return getattr(_AHEAD, "on", False)
+
+
+@contextlib.contextmanager
+def compile_ahead(workers: int):
+    """Launches inside compile on ``workers`` threads instead (see above);
+    yields whether they do (False where this Triton has no async compiles)."""
+    try:
+        from triton.runtime._async_compile import AsyncCompileMode
+    except ImportError:
+        yield False
+        return
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="conv-patch-compile") as pool:
+        # A compile that fails is left to the real call's launch, which
+        # raises it where the plans handle failures.
+        with AsyncCompileMode(pool, ignore_errors=True):
+            _AHEAD.on = True
+            try:
+                yield True
+            finally:
+                _AHEAD.on = False
+
+
+def compile_only(kernel, grid, args, meta):
+    """The launch of a pass compiling ahead: the kernel compiled for these
+    arguments, nothing run."""
+    kernel.warmup(*args, grid=grid, **meta)
+
+
 def launch(kernel, grid, *args, **meta):
     """``kernel[grid](*args, **meta)``, from the cache of compiled kernels
     where the call's signature was seen before (see above)."""
     Work.n += 1
+    if getattr(_AHEAD, "on", False):
+        return compile_only(kernel, grid, args, meta)
     if not _fast_launch_on():
         compiled = kernel[grid](*args, **meta)
         _record(kernel, grid, args, meta, None, None)

@@ -20,6 +20,15 @@ def test_tiny_first_call_rows(tmp_path):
     assert doc["rows"] == rows and "torch" in doc
 
 
+def test_tiny_first_call_ahead(tmp_path):
+    """--ahead: a fourth process whose first call is conv_patch.warmup's."""
+    from bench import first_call
+    (row,) = first_call.main(["--tiny", "--ahead", "--only", "taef2", "--out", str(tmp_path)])
+    assert "error" not in row, row.get("error")
+    assert isinstance(row["ahead_s"], float) and isinstance(row["ahead_over_s"], float)
+    assert "ahead_compile_s" in row  # (None on the CPU: no pass compiles there)
+
+
 def test_a_child_that_fails_leaves_an_error(tmp_path, monkeypatch):
     from bench import first_call
     monkeypatch.setattr(first_call, "child_rows", lambda *a, **k: (None, "child process exited with 1 and no row"))

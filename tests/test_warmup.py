@@ -27,6 +27,8 @@ def test_warmup_builds_ahead_and_later_calls_build_nothing(device, exact_fp32):
     assert len(report.seconds) == 3 and all(s > 0 for s in report.seconds)
     assert report.plans_built[0] >= 3 and report.plans_built[1:] == [0, 0], report.plans_built
     assert "3 calls" in str(report)
+    # On a GPU the pass compiling ahead ran first (and nothing it planned was kept: y below).
+    assert (report.compile_ahead_s is not None) == (device.type == "cuda")
     before = BuildCount.total
     with torch.no_grad():  # the user's call, in another mode: served by what warmup built
         y = net(x)
@@ -49,3 +51,80 @@ def test_warmup_takes_any_callable_and_keyword_arguments(device, exact_fp32):
     assert seen == [0.5, 0.5] and len(report.plans_built) == 2 and report.plans_built[0] > 0
     with pytest.raises(ValueError, match="at least one call"):
         conv_patch.warmup(net, torch.randn(1, 3, 6, 6, device=device), calls=0)
+
+
+class _NoAsync:
+    """Stands in for Triton's AsyncCompileMode on the CPU (nothing compiles
+    under the interpreter): the pass's logic is what is tested."""
+
+    def __init__(self, executor, ignore_errors=False):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _forced_pass(monkeypatch):
+    """The compiling pass forced on the CPU: its launches recorded by name
+    instead of compiled."""
+    import triton.runtime._async_compile as async_compile
+    from conv_patch.api import warmup as warmup_mod
+    from conv_patch.kernels import launch as kernel_launch
+    compiled = []
+    monkeypatch.setattr(async_compile, "AsyncCompileMode", _NoAsync)
+    monkeypatch.setattr(kernel_launch, "compile_only", lambda kernel, grid, args, meta: compiled.append(kernel))
+    monkeypatch.setattr(warmup_mod, "_on_gpu", lambda *a: True)
+    return compiled, kernel_launch
+
+
+def test_compile_ahead_pass_keeps_no_plan(device, exact_fp32, monkeypatch):
+    """The pass compiling ahead launches nothing, and nothing it planned is
+    used after it: the calls after it build their plans afresh and compute
+    the unpatched model's answer (a plan kept from the pass would replay no
+    launch and return unwritten memory)."""
+    if device.type != "cpu":
+        pytest.skip("the pass is forced on the CPU; test_gpu runs it for real")
+    compiled, kernel_launch = _forced_pass(monkeypatch)
+    net = _net(device)
+    x = torch.randn(2, 3, 9, 7, device=device)
+    with torch.no_grad():
+        ref = net(x)
+    conv_patch.apply(net)
+    report = conv_patch.warmup(net, x, calls=2)
+    if not compiled:
+        pytest.skip("no kernel takes these convs here")
+    assert report.compile_ahead_s is not None and "compiled ahead" in str(report)
+    assert report.plans_built[0] >= 3 and report.plans_built[1] == 0
+    assert not kernel_launch.compiling_ahead()
+    with torch.no_grad():
+        assert rel_err(net(x), ref) <= 1e-5
+    # A bound method is followed to its module; compile_workers=0 turns the pass off.
+    n = len(compiled)
+    assert conv_patch.warmup(net.forward, x, calls=1, compile_workers=0).compile_ahead_s is None and len(compiled) == n
+
+
+def test_compile_ahead_pass_that_raises_forgets_and_ends(device, monkeypatch):
+    if device.type != "cpu":
+        pytest.skip("the pass is forced on the CPU")
+    compiled, kernel_launch = _forced_pass(monkeypatch)
+    net = _net(device)
+    conv_patch.apply(net)
+    calls = []
+
+    class Boom(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = net
+
+        def forward(self, x):
+            calls.append(kernel_launch.compiling_ahead())
+            self.net(x)
+            raise RuntimeError("boom")
+    with pytest.raises(RuntimeError, match="boom"):
+        conv_patch.warmup(Boom(), torch.randn(1, 3, 6, 6, device=device))
+    assert calls == [True] and not kernel_launch.compiling_ahead()
+    from conv_patch.runtime.state import peek
+    assert all(peek(m) is None or peek(m).plans is None for m in net.modules())

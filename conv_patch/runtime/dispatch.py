@@ -33,7 +33,7 @@ from conv_patch.routing import costs
 from conv_patch.routing.decide import decide
 from conv_patch.runtime import pack, passthrough, planner
 from conv_patch.runtime.plans import UNREGISTERED, KernelSlot, building, conv_key, cudnn_weight, eager, tensor_sig
-from conv_patch.runtime.state import STATE, State, state_of
+from conv_patch.runtime.state import STATE, State, peek, state_of
 from conv_patch.specs import ConvSpec
 from conv_patch.target import target_for
 
@@ -182,6 +182,25 @@ def _site(key, make):
             _SITES.clear()
         site = _SITES[key] = make()
     return site
+
+
+def forget(modules) -> None:
+    """Forget everything calls built or learned on ``modules`` and on every
+    call site and norm site (``State.forget``, the modules' graph caches and
+    learned passthrough signatures): the next call plans afresh, as a first
+    call. For a pass whose launches compiled and ran nothing
+    (``kernels.launch.compile_ahead``): its plans replay no launches."""
+    for m in modules:
+        st = peek(m)
+        if st is None:
+            continue
+        st.forget()
+        if st.graphs is not None:
+            st.graphs.clear()
+        if st.passthrough is not None:
+            st.passthrough.plans.clear()
+    _SITES.clear()
+    passthrough.changed()
 
 
 def sites() -> dict:

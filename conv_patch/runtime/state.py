@@ -58,6 +58,14 @@ class State:
         Conv3d gate, the spec."""
         self.plans = self.bare = self.subpixel = self.gate = self.spec = None
 
+    def forget(self) -> None:
+        """Drop every cache, keeping the options: what the calls so far
+        built or learned, none of which may be used again (a pass whose
+        launches only compiled: ``conv_patch.warmup``)."""
+        for name in self.__slots__:
+            if name not in self.OPTIONS:
+                object.__setattr__(self, name, None)
+
     def drop_block(self) -> None:
         """Drop everything a fused block kept (``recipes.unfuse``)."""
         self.plans = self.norm_plan = self.chain = self.packs = self.own_swaps = None

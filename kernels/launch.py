@@ -208,14 +208,18 @@ def _hooked(hook) -> bool:
 # Inside ``compile_ahead`` (``conv_patch.warmup``'s first pass) a launch
 # compiles its kernel on a worker thread and launches nothing: Triton's
 # AsyncCompileMode, whose compiles run side by side (LLVM and ptxas, most of
-# a compile, run without the GIL), and leaving it waits for them all. What
-# such a pass computes is garbage and what it planned must be forgotten
-# (``conv_patch.api.warmup``); what it leaves is Triton's compiled kernels.
+# a compile, run without the GIL), and leaving it waits for them all. Then
+# each kernel's launcher is made and its binary loaded, side by side too: on
+# a cold cache the launcher is a C module built by the host compiler, which a
+# first launch would do one kernel at a time (an SD VAE decode's 16
+# launchers, 3 s). What such a pass computes is garbage and what it planned
+# must be forgotten (``conv_patch.api.warmup``); what it leaves is Triton's
+# compiled and loaded kernels.
 _AHEAD = threading.local()
 
 
 def compiling_ahead() -> bool:
-    return getattr(_AHEAD, "on", False)
+    return getattr(_AHEAD, "pending", None) is not None
 
 
 @contextlib.contextmanager
@@ -228,28 +232,44 @@ def compile_ahead(workers: int):
         yield False
         return
     from concurrent.futures import ThreadPoolExecutor
+    pending = []
     with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="conv-patch-compile") as pool:
         # A compile that fails is left to the real call's launch, which
         # raises it where the plans handle failures.
         with AsyncCompileMode(pool, ignore_errors=True):
-            _AHEAD.on = True
+            _AHEAD.pending = pending
             try:
                 yield True
             finally:
-                _AHEAD.on = False
+                _AHEAD.pending = None
+        list(pool.map(_load, pending))
+
+
+def _load(item) -> None:
+    """Make a compiled kernel's launcher and load it on its GPU (what its
+    first launch would do); a failure is left to that launch."""
+    kernel, device = item
+    try:
+        compiled = kernel.result(True) if hasattr(kernel, "result") else kernel
+        if compiled is not None:
+            import torch
+            with torch.cuda.device(device):
+                compiled.run  # (the property loads it: Triton's lazy handles)
+    except Exception:  # noqa: BLE001 - the real launch raises it where the plans handle failures
+        pass
 
 
 def compile_only(kernel, grid, args, meta):
     """The launch of a pass compiling ahead: the kernel compiled for these
     arguments, nothing run."""
-    kernel.warmup(*args, grid=grid, **meta)
+    _AHEAD.pending.append((kernel.warmup(*args, grid=grid, **meta), _triton()[1].active.get_current_device()))
 
 
 def launch(kernel, grid, *args, **meta):
     """``kernel[grid](*args, **meta)``, from the cache of compiled kernels
     where the call's signature was seen before (see above)."""
     Work.n += 1
-    if getattr(_AHEAD, "on", False):
+    if getattr(_AHEAD, "pending", None) is not None:
         return compile_only(kernel, grid, args, meta)
     if not _fast_launch_on():
         compiled = kernel[grid](*args, **meta)

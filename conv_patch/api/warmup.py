@@ -14,7 +14,8 @@ another signature, warmed by another ``warmup``.
 Before those calls, on a GPU, one pass compiles ahead: the model is called
 once with every Triton launch turned into a compile on a worker thread
 (``kernels.launch.compile_ahead``), so the kernels the call needs compile
-side by side rather than one after another as the launches reach them
+(and their launchers are built and loaded) side by side rather than one
+after another as the launches reach them
 (``compile_workers`` threads, default the CPU count up to 16; 0 turns the
 pass off). That pass's outputs are garbage and nothing it planned is kept
 (``dispatch.forget`` on the model's modules and every call site); the calls

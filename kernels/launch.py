@@ -211,8 +211,8 @@ def _hooked(hook) -> bool:
 # a compile, run without the GIL), and leaving it waits for them all. Then
 # each kernel's launcher is made and its binary loaded, side by side too: on
 # a cold cache the launcher is a C module built by the host compiler, which a
-# first launch would do one kernel at a time (an SD VAE decode's 16
-# launchers, 3 s). What such a pass computes is garbage and what it planned
+# first launch would do one kernel at a time (docs/performance.md, thirty-
+# fourth session). What such a pass computes is garbage and what it planned
 # must be forgotten (``conv_patch.api.warmup``); what it leaves is Triton's
 # compiled and loaded kernels.
 _AHEAD = threading.local()

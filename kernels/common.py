@@ -55,6 +55,9 @@ GROUP_NORM_FINALIZE_EXTENTS = ("S", "psn", "pss", "psc")
 #   channels, a mask per pixel row.
 DEPTHWISE_EXTENTS = ("H", "W", "OH", "OW", "P_TILES")
 GROUPED_POINTWISE_EXTENTS = ("M",)
+# * the epilogue pass after cuDNN: channels-last outputs only
+#   (ops.epilogue), stored along the channels.
+EPILOGUE_EXTENTS = ("HW", "W", "TILES")
 
 # Activation codes: conv_patch/activations.py's table, which the eager fallback reads too.
 ACT_RELU = tl.constexpr(CODES["relu"])

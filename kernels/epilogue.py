@@ -18,11 +18,11 @@ stride being 1 in the NHWC tensors this is launched for.
 import triton
 import triton.language as tl
 
-from .common import epilogue_store, wide
+from .common import EPILOGUE_EXTENTS, epilogue_store, wide
 from .launch import cdiv, launch, needs_int64, next_pow2
 
 
-@triton.jit
+@triton.jit(do_not_specialize=EPILOGUE_EXTENTS)
 def epilogue_kernel(y_ptr, bias_ptr, res_ptr, out_ptr, C, HW, W, TILES,
                     syn, syc, syh, syw, srn, src, srh, srw, son, soc, soh, sow,
                     beta, out_scale, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, ACT: tl.constexpr,

@@ -250,6 +250,12 @@ def group_norm_apply_nchw_kernel(x_ptr, y_ptr, ss_ptr, m_ptr, a_ptr, HW, ACT: tl
     tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=ok)
 
 
+# The partials the finalize pass merges a step: fixed, not sized to the
+# split count, which moves with the batch and resolution (a tile of its own
+# would compile the pass again for each); it loops over more.
+FINALIZE_BLOCK = 256
+
+
 def launch_group_norm(x, out, groups, weight, bias, eps, activation, channels_last, block, stats_block,
                       target_programs, input_bias=None, modulation=None):
     """``x``/``out`` dense [N, C, H, W] in the same layout (``channels_last``
@@ -325,7 +331,7 @@ def launch_group_norm_stats(x, groups, weight, bias, eps, channels_last, stats_b
            part, weight if weight is not None else x, bias if bias is not None else x,
            input_bias if input_bias is not None else x, scale_shift,
            groups, Cg, splits, psn, pss, psc, float(eps), HAS_AFFINE=weight is not None,
-           HAS_IB=input_bias is not None, BLOCK=min(1024, next_pow2(splits)), BLOCK_CG=next_pow2(Cg))
+           HAS_IB=input_bias is not None, BLOCK=FINALIZE_BLOCK, BLOCK_CG=next_pow2(Cg))
     return scale_shift
 
 

@@ -141,6 +141,32 @@ def test_new_batch_or_size_compiles_nothing(route):
     assert sum(_compiled_variants(k) for k in kernels) == before
 
 
+def test_nhwc_group_norm_new_batch_or_size_compiles_nothing():
+    """The channels-last GroupNorm passes (statistics, merge, apply with
+    SiLU) at a batch of 2 and sizes of any divisibility after 1x64x64:
+    nothing compiled anew (kernels/common.py; the merge's step is fixed)."""
+    from conv_patch.kernels import group_norm as gn_kernels
+    from conv_patch.ops.group_norm import group_norm
+    kernels = [gn_kernels.group_norm_stats_nhwc_kernel, gn_kernels.group_norm_finalize_kernel,
+               gn_kernels.group_norm_apply_nhwc_kernel]
+    g = torch.Generator().manual_seed(6)
+    w, b = torch.randn(64, generator=g).cuda(), torch.randn(64, generator=g).cuda()
+
+    def call(n, h, wd):
+        x = (torch.randn(n, 64, h, wd, generator=g) * 3 + 1).to("cuda", torch.bfloat16)
+        x = x.contiguous(memory_format=torch.channels_last)
+        y = group_norm(x, 32, w.to(x.dtype), b.to(x.dtype), 1e-6, "silu")
+        ref = F.silu(F.group_norm(x.double(), 32, w.double(), b.double(), 1e-6))
+        assert rel_err(y, ref) <= 1e-2
+
+    call(1, 64, 64)
+    before = sum(_compiled_variants(k) for k in kernels)
+    assert before >= len(kernels)  # (the kernels ran: no PyTorch fallback)
+    for n, h, wd in ((2, 64, 64), (1, 104, 152), (3, 90, 90), (1, 37, 50)):
+        call(n, h, wd)
+    assert sum(_compiled_variants(k) for k in kernels) == before
+
+
 def test_tf32_follows_pytorch():
     """fp32 with TF32 allowed is as accurate as cuDNN's TF32 (rounded, not
     truncated, operands); with it off, exact."""

@@ -68,12 +68,14 @@ UNSPECIALISED = {
     "group_norm_stats_nhwc": {"HW", "CHUNK", "SPLITS"}, "group_norm_apply_nhwc": {"HW", "TILES"},
     "group_norm_finalize": {"S", "psn", "pss", "psc"},
     "depthwise": {"H", "W", "OH", "OW", "P_TILES"}, "grouped_pointwise": {"M"},
+    "epilogue": {"HW", "W", "TILES"},
     # Along the pixels of NCHW: their divisibility vectorises the loads.
     "group_norm_stats": set(), "group_norm_apply_nchw": set(), "nchw_to_nhwc": set(),
 }
 OTHER_KERNELS = ("from conv_patch.kernels import attention as a, depthwise as d, group_norm as g, "
                  "grouped_pointwise as gp, layout as l; "
-                 "ks.update(depthwise=d.depthwise_kernel, grouped_pointwise=gp.grouped_pointwise_kernel, pad_nhwc=l.pad_nhwc_kernel, nchw_to_nhwc=l.nchw_to_nhwc_kernel, "
+                 "from conv_patch.kernels import epilogue as ep; "
+                 "ks.update(epilogue=ep.epilogue_kernel, depthwise=d.depthwise_kernel, grouped_pointwise=gp.grouped_pointwise_kernel, pad_nhwc=l.pad_nhwc_kernel, nchw_to_nhwc=l.nchw_to_nhwc_kernel, "
                  "attention_scores=a.attention_scores_kernel, attention_combine=a.attention_combine_kernel, "
                  "attention_pv=a.attention_pv_kernel, group_norm_stats=g.group_norm_stats_kernel, "
                  "group_norm_stats_nhwc=g.group_norm_stats_nhwc_kernel, "

@@ -128,3 +128,29 @@ def test_compile_ahead_pass_that_raises_forgets_and_ends(device, monkeypatch):
     assert calls == [True] and not kernel_launch.compiling_ahead()
     from conv_patch.runtime.state import peek
     assert all(peek(m) is None or peek(m).plans is None for m in net.modules())
+
+
+@pytest.mark.parametrize("model", ["flux-vae-decode", "taef2", "dc-ae-decode"])
+def test_compile_ahead_pass_on_fused_blocks_keeps_no_plan(model, device, exact_fp32, monkeypatch):
+    """The same on the recipes' fused blocks (a VAE decoder, a TAESD stack,
+    DC-AE's blocks), whose caches are the block's own (stack plans, pack
+    groups, norm sites, folded upsamples): after the pass, the model's
+    answer is the unpatched one's, at the shape of the pass and another."""
+    if device.type != "cpu":
+        pytest.skip("the pass is forced on the CPU")
+    pytest.importorskip("diffusers")
+    from bench import zoo
+    compiled, _ = _forced_pass(monkeypatch)
+    fields, net, inputs = zoo.load_case(model, 16, 1, "fp32", True, device, n_inputs=1)
+    (args, kw), = inputs
+    (args2, kw2), = zoo.inputs_for(zoo.MODELS[model][0](True)[1], 24, 1, device, torch.float32, n=1)
+    with torch.no_grad():
+        refs = [net(*args, **kw), net(*args2, **kw2)]
+    report = conv_patch.apply(net)
+    assert report.fused, "no fused block: the test would not test the recipes"
+    conv_patch.warmup(net, *args, calls=1, **kw)
+    if not compiled:
+        pytest.skip("no kernel takes these convs here")
+    with torch.no_grad():
+        for (a, k), ref in zip(((args, kw), (args2, kw2)), refs):
+            assert rel_err(net(*a, **k), ref) <= 1e-5

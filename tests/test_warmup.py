@@ -111,6 +111,9 @@ def test_compile_ahead_pass_that_raises_forgets_and_ends(device, monkeypatch):
         pytest.skip("the pass is forced on the CPU")
     compiled, kernel_launch = _forced_pass(monkeypatch)
     net = _net(device)
+    x = torch.randn(1, 3, 6, 6, device=device)
+    with torch.no_grad():
+        ref = net(x)
     conv_patch.apply(net)
     calls = []
 
@@ -123,11 +126,12 @@ def test_compile_ahead_pass_that_raises_forgets_and_ends(device, monkeypatch):
             calls.append(kernel_launch.compiling_ahead())
             self.net(x)
             raise RuntimeError("boom")
-    with pytest.raises(RuntimeError, match="boom"):
-        conv_patch.warmup(Boom(), torch.randn(1, 3, 6, 6, device=device))
-    assert calls == [True] and not kernel_launch.compiling_ahead()
-    from conv_patch.runtime.state import peek
-    assert all(peek(m) is None or peek(m).plans is None for m in net.modules())
+    # The pass's failure is a warning (it only saves time); the real call raises.
+    with pytest.warns(RuntimeWarning, match="compiling ahead failed"), pytest.raises(RuntimeError, match="boom"):
+        conv_patch.warmup(Boom(), x)
+    assert calls == [True, False] and not kernel_launch.compiling_ahead()
+    with torch.no_grad():  # nothing the failed pass planned is replayed
+        assert rel_err(net(x), ref) <= 1e-5
 
 
 @pytest.mark.parametrize("model", ["flux-vae-decode", "taef2", "dc-ae-decode"])

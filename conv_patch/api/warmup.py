@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional
 
@@ -73,10 +74,15 @@ def compile_ahead(model: Callable, args: tuple, kwargs: dict, workers: int) -> O
         return None
     from conv_patch.ops.loader import kernels
     t0 = time.perf_counter()
+    on = False
     try:
         with torch.inference_mode(), kernels().compile_ahead(workers) as on:
             if on:
                 model(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 - the pass only saves time: the calls after it compile as they go
+        warnings.warn(f"conv-patch: compiling ahead failed ({type(e).__name__}: {e}); the warm-up calls compile "
+                      "as they go", RuntimeWarning, stacklevel=3)
+        on = False
     finally:
         dispatch.forget(modules)
     if torch.cuda.is_available():

@@ -19,7 +19,8 @@ after another as the launches reach them
 (``compile_workers`` threads, default the CPU count up to 16; 0 turns the
 pass off). That pass's outputs are garbage and nothing it planned is kept
 (``dispatch.forget`` on the model's modules and every call site); the calls
-after it plan as first calls do, with their kernels compiled.
+after it plan as first calls do, with their kernels compiled. A pass that
+raises is a warning: it only saves time.
 """
 
 from __future__ import annotations

@@ -23,12 +23,11 @@ import argparse
 import copy
 import os
 import tempfile
-import time
 
 import torch
 
 from . import zoo
-from .common import bench_device, print_table, sync, write_results
+from .common import bench_device, launched_call, print_table, write_results
 
 BASELINE = "unpatched, its first call at this shape"
 TABLE = ["name", "baseline_ms", "ours_ms", "second_ms", "compiles"]
@@ -56,14 +55,6 @@ class Compiles:
         knobs.runtime.jit_post_compile_hook = lambda **kw: self.names.append(kw["fn"].name)
 
 
-def _timed(fn):
-    sync()
-    t0 = time.perf_counter()
-    fn()
-    sync()
-    return (time.perf_counter() - t0) * 1e3
-
-
 def run(model_name: str, shapes: list, dtype_name, tiny: bool, device) -> list:
     import conv_patch
     build, default_dtype = zoo.MODELS[model_name]
@@ -81,11 +72,11 @@ def run(model_name: str, shapes: list, dtype_name, tiny: bool, device) -> list:
     with torch.inference_mode():
         for size, batch in shapes:
             (args, kw), = zoo.inputs_for(make, size, batch, device, dtype, n=1)
-            base_ms = _timed(lambda: unpatched(*args, **kw))
+            base_ms = launched_call(lambda: unpatched(*args, **kw), device)[1]
             before = len(compiles.names)
-            ours_ms = _timed(lambda: model(*args, **kw))
+            ours_ms = launched_call(lambda: model(*args, **kw), device)[1]
             new = compiles.names[before:]
-            second_ms = _timed(lambda: model(*args, **kw))
+            second_ms = launched_call(lambda: model(*args, **kw), device)[1]
             shape = f"{zoo.size_name(size)} b{batch}"
             rows.append({"name": f"{model_name} {shape} {dtype_label}", "model": model_name, "shape": shape,
                          "after": list(done), "baseline": BASELINE, "baseline_ms": base_ms, "ours_ms": ours_ms,

@@ -85,6 +85,18 @@ def _compiled_variants(kernel):
     return sum(len(c) for c in kernel.cache.values())
 
 
+def _compiles_nothing_after(kernels, call, first, later) -> int:
+    """``call(*first)``, then ``call(*shape)`` for each of ``later``: none
+    of the later calls compiles a variant of ``kernels``. Returns the
+    variants compiled by then."""
+    call(*first)
+    before = sum(_compiled_variants(k) for k in kernels)
+    for shape in later:
+        call(*shape)
+    assert sum(_compiled_variants(k) for k in kernels) == before
+    return before
+
+
 def test_new_resolution_compiles_nothing():
     """Shapes are runtime arguments: resolutions of the same divisibility
     (multiples of 16) in the same M-bucket of the table (16384 < M <= 65536)
@@ -92,11 +104,10 @@ def test_new_resolution_compiles_nothing():
     from _util import conv_kernels
     KERNELS = conv_kernels()
     w = torch.randn(64, 32, 3, 3, device="cuda", dtype=torch.bfloat16)
-    functional.conv2d(torch.randn(1, 32, 144, 144, device="cuda", dtype=torch.bfloat16), w, padding=1)
-    before = sum(_compiled_variants(k) for k in KERNELS.values())
-    for hw in (160, 176, 208, 240):
-        functional.conv2d(torch.randn(1, 32, hw, hw, device="cuda", dtype=torch.bfloat16), w, padding=1)
-    assert sum(_compiled_variants(k) for k in KERNELS.values()) == before
+    _compiles_nothing_after(
+        KERNELS.values(),
+        lambda hw: functional.conv2d(torch.randn(1, 32, hw, hw, device="cuda", dtype=torch.bfloat16), w, padding=1),
+        (144,), [(hw,) for hw in (160, 176, 208, 240)])
 
 
 # Fixed tiles (a table may pick another config per size, a new compile of
@@ -131,14 +142,10 @@ def test_new_batch_or_size_compiles_nothing(route):
         y = functional.conv2d(x, w, None, 1, 1, config=cfg)
         assert rel_err(y, F.conv2d(x.double(), w.double(), padding=1)) <= 1e-2
 
-    call(1, 64, 64)
-    before = sum(_compiled_variants(k) for k in kernels)
     sizes = [(2, 64, 64), (3, 64, 80)]
     if route != "igemm":
         sizes += [(1, 104, 152), (2, 90, 90), (1, 37, 50)]
-    for n, h, wd in sizes:
-        call(n, h, wd)
-    assert sum(_compiled_variants(k) for k in kernels) == before
+    _compiles_nothing_after(kernels, call, (1, 64, 64), sizes)
 
 
 def test_nhwc_group_norm_new_batch_or_size_compiles_nothing():
@@ -159,12 +166,9 @@ def test_nhwc_group_norm_new_batch_or_size_compiles_nothing():
         ref = F.silu(F.group_norm(x.double(), 32, w.double(), b.double(), 1e-6))
         assert rel_err(y, ref) <= 1e-2
 
-    call(1, 64, 64)
-    before = sum(_compiled_variants(k) for k in kernels)
-    assert before >= len(kernels)  # (the kernels ran: no PyTorch fallback)
-    for n, h, wd in ((2, 64, 64), (1, 104, 152), (3, 90, 90), (1, 37, 50)):
-        call(n, h, wd)
-    assert sum(_compiled_variants(k) for k in kernels) == before
+    compiled = _compiles_nothing_after(kernels, call, (1, 64, 64), [(2, 64, 64), (1, 104, 152), (3, 90, 90),
+                                                                    (1, 37, 50)])
+    assert compiled >= len(kernels)  # (the kernels ran: no PyTorch fallback)
 
 
 def test_tf32_follows_pytorch():

@@ -67,9 +67,12 @@ class _NoAsync:
         return False
 
 
-def _forced_pass(monkeypatch):
+def _forced_pass(monkeypatch, device):
     """The compiling pass forced on the CPU: its launches recorded by name
-    instead of compiled."""
+    instead of compiled (skipped on a GPU, where test_gpu runs it for
+    real)."""
+    if device.type != "cpu":
+        pytest.skip("the pass is forced on the CPU")
     import triton.runtime._async_compile as async_compile
     from conv_patch.api import warmup as warmup_mod
     from conv_patch.kernels import launch as kernel_launch
@@ -80,19 +83,23 @@ def _forced_pass(monkeypatch):
     return compiled, kernel_launch
 
 
+def _patched_net(device, shape):
+    """``_net`` patched, an input of ``shape`` and the unpatched answer."""
+    net = _net(device)
+    x = torch.randn(*shape, device=device)
+    with torch.no_grad():
+        ref = net(x)
+    conv_patch.apply(net)
+    return net, x, ref
+
+
 def test_compile_ahead_pass_keeps_no_plan(device, exact_fp32, monkeypatch):
     """The pass compiling ahead launches nothing, and nothing it planned is
     used after it: the calls after it build their plans afresh and compute
     the unpatched model's answer (a plan kept from the pass would replay no
     launch and return unwritten memory)."""
-    if device.type != "cpu":
-        pytest.skip("the pass is forced on the CPU; test_gpu runs it for real")
-    compiled, kernel_launch = _forced_pass(monkeypatch)
-    net = _net(device)
-    x = torch.randn(2, 3, 9, 7, device=device)
-    with torch.no_grad():
-        ref = net(x)
-    conv_patch.apply(net)
+    compiled, kernel_launch = _forced_pass(monkeypatch, device)
+    net, x, ref = _patched_net(device, (2, 3, 9, 7))
     report = conv_patch.warmup(net, x, calls=2)
     if not compiled:
         pytest.skip("no kernel takes these convs here")
@@ -107,14 +114,8 @@ def test_compile_ahead_pass_keeps_no_plan(device, exact_fp32, monkeypatch):
 
 
 def test_compile_ahead_pass_that_raises_forgets_and_ends(device, monkeypatch):
-    if device.type != "cpu":
-        pytest.skip("the pass is forced on the CPU")
-    compiled, kernel_launch = _forced_pass(monkeypatch)
-    net = _net(device)
-    x = torch.randn(1, 3, 6, 6, device=device)
-    with torch.no_grad():
-        ref = net(x)
-    conv_patch.apply(net)
+    compiled, kernel_launch = _forced_pass(monkeypatch, device)
+    net, x, ref = _patched_net(device, (1, 3, 6, 6))
     calls = []
 
     class Boom(nn.Module):
@@ -140,11 +141,9 @@ def test_compile_ahead_pass_on_fused_blocks_keeps_no_plan(model, device, exact_f
     DC-AE's blocks), whose caches are the block's own (stack plans, pack
     groups, norm sites, folded upsamples): after the pass, the model's
     answer is the unpatched one's, at the shape of the pass and another."""
-    if device.type != "cpu":
-        pytest.skip("the pass is forced on the CPU")
     pytest.importorskip("diffusers")
     from bench import zoo
-    compiled, _ = _forced_pass(monkeypatch)
+    compiled, _ = _forced_pass(monkeypatch, device)
     fields, net, inputs = zoo.load_case(model, 16, 1, "fp32", True, device, n_inputs=1)
     (args, kw), = inputs
     (args2, kw2), = zoo.inputs_for(zoo.MODELS[model][0](True)[1], 24, 1, device, torch.float32, n=1)

@@ -222,27 +222,56 @@ def compiling_ahead() -> bool:
     return getattr(_AHEAD, "pending", None) is not None
 
 
+class AheadProgress:
+    """What a pass compiling ahead has done so far, read from another
+    thread (a progress line): ``counts()`` is (kernels finished, kernels
+    submitted); ``loading`` turns True once the pass's call has returned and
+    the launchers are being made."""
+
+    def __init__(self, pending: list):
+        self.pending = pending
+        self.loaded = 0
+        self.loading = False
+
+    def counts(self) -> tuple:
+        items = list(self.pending)
+        if self.loading:
+            return self.loaded, len(items)
+        return sum(1 for kernel, _ in items if _finished(kernel)), len(items)
+
+
+def _finished(kernel) -> bool:
+    """Whether a compile ahead has ended (a kernel already compiled in this
+    process comes back compiled, not as a future)."""
+    future = kernel.__dict__.get("future") if hasattr(kernel, "__dict__") else None
+    return future is None or future.done()
+
+
 @contextlib.contextmanager
 def compile_ahead(workers: int):
     """Launches inside compile on ``workers`` threads instead (see above);
-    yields whether they do (False where this Triton has no async compiles)."""
+    yields an ``AheadProgress`` (None where this Triton has no async
+    compiles: launches inside then run as usual)."""
     try:
         from triton.runtime._async_compile import AsyncCompileMode
     except ImportError:
-        yield False
+        yield None
         return
     from concurrent.futures import ThreadPoolExecutor
     pending = []
+    progress = AheadProgress(pending)
     with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="conv-patch-compile") as pool:
         # A compile that fails is left to the real call's launch, which
         # raises it where the plans handle failures.
         with AsyncCompileMode(pool, ignore_errors=True):
             _AHEAD.pending = pending
             try:
-                yield True
+                yield progress
             finally:
                 _AHEAD.pending = None
-        list(pool.map(_load, pending))
+        progress.loading = True
+        for _ in pool.map(_load, pending):
+            progress.loaded += 1
 
 
 def _load(item) -> None:

@@ -157,3 +157,183 @@ def test_compile_ahead_pass_on_fused_blocks_keeps_no_plan(model, device, exact_f
     with torch.no_grad():
         for (a, k), ref in zip(((args, kw), (args2, kw2)), refs):
             assert rel_err(net(*a, **k), ref) <= 1e-5
+
+
+# -- compiling ahead at a patched model's first call (PatchConfig.compile_ahead) --
+class _Noise(nn.Module):
+    def forward(self, x):
+        return x + torch.randn_like(x)
+
+
+class _ArgsNet(nn.Module):
+    """Two convs and the arguments a pass must not be seen through: a
+    cache list the call appends to, a generator it draws from, a dict it
+    pops from."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1, self.c2 = nn.Conv2d(3, 6, 3, padding=1), nn.Conv2d(6, 5, 3, padding=1)
+
+    def forward(self, x, cache=None, generator=None, opts=None):
+        y = self.c2(torch.nn.functional.silu(self.c1(x)))
+        if cache is not None:
+            cache.append(y)
+        if generator is not None:
+            y = y + torch.randn(y.shape, generator=generator, device=y.device)
+        if opts is not None:
+            y = y * opts.pop("scale", 1.0)
+        return y
+
+
+def test_first_call_compiles_ahead_once_and_leaves_the_random_numbers(device, exact_fp32, monkeypatch):
+    """``apply`` hooks the model to compile its first call's kernels ahead:
+    the pass runs once, at that call, and the call draws the random numbers
+    the unpatched one would (the pass's draws are put back)."""
+    from conv_patch.api.warmup import first_pass_pending
+    compiled, _ = _forced_pass(monkeypatch, device)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 6, 3, padding=1), _Noise(), nn.Conv2d(6, 5, 3, padding=1)).to(device).eval()
+    x = torch.randn(2, 3, 9, 7, device=device)
+    with torch.no_grad():
+        torch.manual_seed(1)
+        ref = net(x)
+        report = conv_patch.apply(net)
+        assert report.compile_ahead == [""] and first_pass_pending(net)
+        torch.manual_seed(1)
+        y = net(x)
+        if not compiled:
+            pytest.skip("no kernel takes these convs here")
+        n = len(compiled)
+        assert rel_err(y, ref) <= 1e-5
+        assert not first_pass_pending(net)
+        torch.manual_seed(1)
+        assert rel_err(net(x), ref) <= 1e-5 and len(compiled) == n
+
+
+@pytest.mark.parametrize("case", ["hook", "list", "generator", "grad"])
+def test_first_call_not_compiled_ahead_where_the_pass_could_be_seen(case, device, exact_fp32, monkeypatch):
+    """No pass where someone would see the model called twice: a forward
+    hook, a list the call appends to, a generator it draws from, autograd.
+    The hook is gone all the same."""
+    from conv_patch.api.warmup import first_pass_pending
+    compiled, _ = _forced_pass(monkeypatch, device)
+    torch.manual_seed(0)
+    net = _ArgsNet().to(device).eval()
+    conv_patch.apply(net)
+    x = torch.randn(1, 3, 8, 7, device=device)
+    seen, kw = [], {}
+    if case == "hook":
+        net.c1.register_forward_hook(lambda m, i, o: seen.append(o))
+    elif case == "list":
+        kw["cache"] = seen
+    elif case == "generator":
+        kw["generator"] = torch.Generator(device).manual_seed(0)
+    with torch.set_grad_enabled(case == "grad"):
+        net(x, **kw)
+        assert compiled == [] and not first_pass_pending(net)
+    if case in ("hook", "list"):
+        assert len(seen) == 1
+
+
+def test_first_call_pass_gets_its_own_dicts(device, exact_fp32, monkeypatch):
+    """A dict argument the call changes is copied for the pass: the call
+    sees it as the user passed it."""
+    compiled, _ = _forced_pass(monkeypatch, device)
+    torch.manual_seed(0)
+    net = _ArgsNet().to(device).eval()
+    x = torch.randn(1, 3, 8, 7, device=device)
+    with torch.no_grad():
+        ref = net(x, opts={"scale": 3.0})
+        conv_patch.apply(net)
+        opts = {"scale": 3.0}
+        y = net(x, opts=opts)
+    if not compiled:
+        pytest.skip("no kernel takes these convs here")
+    assert opts == {} and rel_err(y, ref) <= 1e-5
+
+
+def test_first_call_hooks_what_compiles_ahead_and_only_that():
+    """Hooked: the patched model and the VAE parts its decode and encode
+    call; not a model with Conv3d layers, not with compile_ahead=False, and
+    remove() takes the hooks off."""
+    from conv_patch.api.warmup import first_pass_pending
+    net = _net(torch.device("cpu"))
+    assert conv_patch.apply(net, config=conv_patch.PatchConfig(compile_ahead=False)).compile_ahead == []
+    assert not first_pass_pending(net)
+    conv_patch.remove(net)
+    assert conv_patch.apply(net).compile_ahead == [""] and first_pass_pending(net)
+    conv_patch.remove(net)
+    assert not first_pass_pending(net)
+    video = nn.Sequential(nn.Conv3d(3, 4, 3, padding=1))
+    assert conv_patch.apply(video).compile_ahead == [] and not first_pass_pending(video)
+    with pytest.raises(TypeError, match="compile_ahead"):
+        conv_patch.apply(_net(torch.device("cpu")), config=conv_patch.PatchConfig(compile_ahead="yes"))
+
+
+def test_first_decode_compiles_the_decoder_ahead(device, exact_fp32, monkeypatch):
+    """``vae.decode(z)`` reaches the decoder, not the VAE's forward: the
+    decoder's hook compiles ahead at the first decode, the encoder keeps its
+    own for its first call, and the decode is the unpatched one's."""
+    pytest.importorskip("diffusers")
+    from bench import zoo
+    from conv_patch.api.warmup import first_pass_pending
+    compiled, _ = _forced_pass(monkeypatch, device)
+    torch.manual_seed(0)
+    vae = zoo.kl_vae(4, True).to(device).eval()
+    z = torch.randn(1, 4, 6, 5, device=device)
+    with torch.no_grad():
+        ref = vae.decode(z).sample
+        conv_patch.apply(vae)
+        assert first_pass_pending(vae) and first_pass_pending(vae.decoder) and first_pass_pending(vae.encoder)
+        y = vae.decode(z).sample
+    if not compiled:
+        pytest.skip("no kernel takes these convs here")
+    assert not first_pass_pending(vae.decoder) and first_pass_pending(vae.encoder) and first_pass_pending(vae)
+    assert rel_err(y, ref) <= 1e-5
+
+
+def test_progress_line_of_a_long_pass(monkeypatch, capsys):
+    """A pass still compiling after COMPILE_NOTICE_S says what and how far,
+    and at its end how long it took; a short one says nothing."""
+    from conv_patch.api import warmup as warmup_mod
+
+    class Progress:
+        loading = False
+
+        def counts(self):
+            return 1, 3
+    monkeypatch.setattr(warmup_mod, "COMPILE_NOTICE_S", 0.0)
+    line = warmup_mod._ProgressLine(Progress(), "Decoder on (1, 4, 8, 8)", 4)
+    import time
+    deadline = time.time() + 5
+    while not line.shown and time.time() < deadline:
+        time.sleep(0.01)
+    line.close()
+    err = capsys.readouterr().err
+    assert "compiling kernels for Decoder on (1, 4, 8, 8) ahead of its first call: 1/3 (4 threads" in err
+    assert "3 kernels for Decoder on (1, 4, 8, 8) compiled ahead in" in err
+    monkeypatch.setattr(warmup_mod, "COMPILE_NOTICE_S", 60.0)
+    warmup_mod._ProgressLine(Progress(), "X", 1).close()
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.gpu
+def test_first_call_compiles_ahead_on_the_gpu(monkeypatch):
+    """On a GPU the hook's pass compiles for real (Triton's async compiles):
+    it runs once, at the first call, whose answer is the unpatched one's."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from conv_patch.api import warmup as warmup_mod
+    passes, real = [], warmup_mod.compile_ahead
+    monkeypatch.setattr(warmup_mod, "compile_ahead", lambda *a, **k: passes.append(real(*a, **k)) or passes[-1])
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(64, 64, 3, padding=1), nn.SiLU(), nn.Conv2d(64, 32, 3, padding=1))
+    net = net.to("cuda", torch.float16).eval()
+    x = torch.randn(1, 64, 96, 80, device="cuda", dtype=torch.float16)
+    with torch.no_grad():
+        ref = net.float()(x.float())
+        net.half()
+        conv_patch.apply(net)
+        y = net(x)
+        assert len(passes) == 1 and passes[0] is not None
+        assert rel_err(y, ref) <= 1e-2 and rel_err(net(x), ref) <= 1e-2 and len(passes) == 1

@@ -14,6 +14,7 @@ from typing import Callable, Dict, List, Optional, Union
 from torch import nn
 from torch.nn.utils import parametrize
 
+from conv_patch.api import warmup as first_pass
 from conv_patch.routing import tables
 from conv_patch.runtime import passthrough
 from conv_patch.routing.decide import static_route
@@ -60,6 +61,16 @@ class PatchConfig:
     and norms, as a UNet at its usual sizes), and run those as their own
     classes from then on, at the unpatched model's host cost
     (``conv_patch/passthrough.py``). Not with ``cuda_graphs=True``.
+
+    ``compile_ahead``: before the patched model's first call in the process
+    (and its VAE decoder's and encoder's), one pass compiles the kernels
+    that call needs side by side on worker threads, rather than one after
+    another as its launches reach them: seconds instead of tens of seconds
+    on a cold kernel cache (``conv_patch.warmup``'s pass, made at that
+    call). Only where nobody can tell the model was called once more
+    (``conv_patch/api/warmup.py`` lists what rules it out: forward hooks,
+    list or generator arguments, autograd, ...); models with Conv3d layers
+    are not hooked (``conv_patch.warmup`` compiles theirs on request).
     """
 
     table: Optional[Union[dict, str, os.PathLike]] = None
@@ -67,6 +78,7 @@ class PatchConfig:
     max_graphs: int = 4
     max_activation_gib: Optional[float] = None
     passthrough: bool = True
+    compile_ahead: bool = True
 
 
 @dataclass
@@ -82,6 +94,8 @@ class PatchReport:
     graphed: List[str] = field(default_factory=list)
     # The models hooked to pass through what does no work (PatchConfig.passthrough).
     passthrough: List[str] = field(default_factory=list)
+    # The models hooked to compile ahead at their first call (PatchConfig.compile_ahead).
+    compile_ahead: List[str] = field(default_factory=list)
     # Where no kernel runs on this machine (no usable GPU) or they run only
     # under the Triton interpreter: what the patched model runs here.
     here: str = ""
@@ -95,6 +109,8 @@ class PatchReport:
         lines += [f"  graphed  {fqn or '<root>'}: CUDA graph per input shape" for fqn in self.graphed]
         lines += [f"  passthrough {fqn or '<root>'}: what does no kernel work at a call signature runs "
                   f"unpatched (learned on its second call)" for fqn in self.passthrough]
+        lines += [f"  compile ahead {fqn or '<root>'}: its first call's kernels compiled side by side before it"
+                  for fqn in self.compile_ahead]
         lines += [f"  patched  {fqn or '<root>'}: {what}" for fqn, what in self.patched.items()]
         lines += [f"  skipped  {fqn or '<root>'}: {why}" for fqn, why in self.skipped.items()]
         return "\n".join(lines)
@@ -225,6 +241,7 @@ def apply(model, *, filter_fn: Optional[FilterFn] = None,
         table = tables.load_user_table(config.table)
     graphs = _graph_option(config, recipes)
     budget = _budget_option(config)
+    watch, ahead = _bool_option(config, "passthrough"), _bool_option(config, "compile_ahead")
 
     report = PatchReport()
     here = default_target()
@@ -247,10 +264,14 @@ def apply(model, *, filter_fn: Optional[FilterFn] = None,
         for _, module, recipe in fusions:
             if recipe.bands is not None:
                 state_of(module).bands = BandHook(budget)
-    if _passthrough_option(config) and graphs is not True:
+    if watch and graphs is not True:
         for prefix, m in targets:
             if passthrough.install(m):
                 report.passthrough.append(prefix.rstrip("."))
+    if ahead:
+        for prefix, m in targets:
+            if passthrough.outermost_components(m) and first_pass.install_first_pass(m):
+                report.compile_ahead.append(prefix.rstrip("."))
     if graphs:
         from conv_patch.runtime import graphs as cg
         auto = graphs == AUTO
@@ -269,12 +290,13 @@ def _budget_option(config: Optional[PatchConfig]) -> Optional[float]:
     return None if v is None else float(v)
 
 
-def _passthrough_option(config: Optional[PatchConfig]) -> bool:
+def _bool_option(config: Optional[PatchConfig], name: str) -> bool:
     if config is None:
         return True
-    if not isinstance(config.passthrough, bool):
-        raise TypeError(f"PatchConfig.passthrough must be a bool, got {config.passthrough!r}")
-    return config.passthrough
+    v = getattr(config, name)
+    if not isinstance(v, bool):
+        raise TypeError(f"PatchConfig.{name} must be a bool, got {v!r}")
+    return v
 
 
 def _graph_option(config: Optional[PatchConfig], recipes: bool) -> Union[bool, str]:
@@ -308,6 +330,7 @@ def remove(model, _only: Optional[set] = None) -> List[str]:
                 parent._modules[name] = child.unwrap()
                 restored.append(prefix + fqn)
         passthrough.uninstall(m)
+        first_pass.uninstall_first_pass(m)
         if _only is not None and passthrough.outermost_components(m):
             passthrough.install(m)  # what an enclosing apply() patched stays, its signatures forgotten
     return restored

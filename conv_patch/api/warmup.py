@@ -26,6 +26,8 @@ raises is a warning: it only saves time.
 from __future__ import annotations
 
 import os
+import sys
+import threading
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -34,11 +36,14 @@ from typing import Callable, List, Optional
 import torch
 from torch import nn
 
-from conv_patch.runtime import dispatch
-from conv_patch.runtime.plans import BuildCount
+from conv_patch.runtime import dispatch, passthrough
+from conv_patch.runtime.plans import COMPILE_NOTICE_S, BuildCount
 
 # Compile threads at most: each holds a compiler's memory (hundreds of MB).
 MAX_COMPILE_WORKERS = 16
+# A pass still compiling after COMPILE_NOTICE_S says so on stderr, and then
+# how far it is every this many seconds (in place on a terminal).
+PROGRESS_EVERY_S = 10.0
 
 
 @dataclass
@@ -66,29 +71,98 @@ def _on_gpu(modules, args, kwargs) -> bool:
     return any(t.is_cuda for t in tensors)
 
 
-def compile_ahead(model: Callable, args: tuple, kwargs: dict, workers: int) -> Optional[float]:
+def default_workers() -> int:
+    """Compile threads of a pass: the CPU count, at most ``MAX_COMPILE_WORKERS``."""
+    return min(MAX_COMPILE_WORKERS, os.cpu_count() or 1)
+
+
+def compile_ahead(model: Callable, args: tuple, kwargs: dict, workers: int, what: Optional[str] = None
+                  ) -> Optional[float]:
     """The compiling pass (module docstring): its wall time, or None where
     it does not run (no GPU tensor, a callable whose modules are unknown, a
-    Triton without async compiles)."""
+    Triton without async compiles). ``what`` names the call in the progress
+    line that a pass still compiling after ``COMPILE_NOTICE_S`` writes."""
     modules = _modules_of(model)
     if modules is None or workers < 1 or not _on_gpu(modules, args, kwargs):
         return None
     from conv_patch.ops.loader import kernels
     t0 = time.perf_counter()
-    on = False
+    progress = line = None
     try:
-        with torch.inference_mode(), kernels().compile_ahead(workers) as on:
-            if on:
+        with torch.inference_mode(), kernels().compile_ahead(workers) as progress:
+            if progress is not None:
+                line = _ProgressLine(progress, what or type(modules[0]).__name__, workers)
+                _PASS.active = True
                 model(*args, **kwargs)
     except Exception as e:  # noqa: BLE001 - the pass only saves time: the calls after it compile as they go
-        warnings.warn(f"conv-patch: compiling ahead failed ({type(e).__name__}: {e}); the warm-up calls compile "
+        warnings.warn(f"conv-patch: compiling ahead failed ({type(e).__name__}: {e}); the calls after it compile "
                       "as they go", RuntimeWarning, stacklevel=3)
-        on = False
+        progress = None
     finally:
+        _PASS.active = False
+        if line is not None:
+            line.close()  # (after the compiles and loads the pass's end waited for)
         dispatch.forget(modules)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    return time.perf_counter() - t0 if on else None
+    return time.perf_counter() - t0 if progress is not None else None
+
+
+class _ProgressLine:
+    """While a pass runs and waits for its compiles: after
+    ``COMPILE_NOTICE_S`` a line on stderr says what is compiling and how far
+    it is (rewritten in place on a terminal, a line every
+    ``PROGRESS_EVERY_S`` otherwise), and at ``close`` how long it took.
+    Nothing where the pass ends sooner (a warm cache)."""
+
+    def __init__(self, progress, what: str, workers: int):
+        self.progress, self.what, self.workers = progress, what, workers
+        self.done = threading.Event()
+        self.shown = False
+        self.t0 = time.perf_counter()
+        self.thread = threading.Thread(target=self._run, name="conv-patch-progress", daemon=True)
+        self.thread.start()
+
+    def _line(self) -> str:
+        finished, total = self.progress.counts()
+        stage = "loading" if self.progress.loading else "compiling"
+        return (f"conv-patch: {stage} kernels for {self.what} ahead of its first call: {finished}/{total} "
+                f"({self.workers} threads, {time.perf_counter() - self.t0:.0f} s; cached for later processes)")
+
+    def _run(self) -> None:
+        if self.done.wait(COMPILE_NOTICE_S):
+            return
+        tty = _stderr_is_tty()
+        self.shown = True
+        while True:
+            _write(self._line(), tty)
+            if self.done.wait(0.5 if tty else PROGRESS_EVERY_S):
+                return
+
+    def close(self) -> None:
+        self.done.set()
+        self.thread.join()
+        if self.shown:
+            _write(f"conv-patch: {self.progress.counts()[1]} kernels for {self.what} compiled ahead in "
+                   f"{time.perf_counter() - self.t0:.1f} s", _stderr_is_tty(), last=True)
+
+
+def _stderr_is_tty() -> bool:
+    try:
+        return sys.stderr.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+def _write(text: str, tty: bool, last: bool = False) -> None:
+    try:
+        if tty:
+            sys.stderr.write("\r\x1b[K" + text + ("\n" if last else ""))
+        else:
+            sys.stderr.write(text + "\n")
+        sys.stderr.flush()
+    except (AttributeError, ValueError, OSError):
+        pass
 
 
 def warmup(model: Callable, *args, calls: int = 3, compile_workers: Optional[int] = None,
@@ -102,7 +176,7 @@ def warmup(model: Callable, *args, calls: int = 3, compile_workers: Optional[int
     if calls < 1:
         raise ValueError(f"calls={calls}: at least one call")
     if compile_workers is None:
-        compile_workers = min(MAX_COMPILE_WORKERS, os.cpu_count() or 1)
+        compile_workers = default_workers()
     report = WarmupReport()
     report.compile_ahead_s = compile_ahead(model, args, kwargs, compile_workers)
     with torch.inference_mode():
@@ -115,3 +189,124 @@ def warmup(model: Callable, *args, calls: int = 3, compile_workers: Optional[int
             report.seconds.append(time.perf_counter() - t0)
             report.plans_built.append(BuildCount.total - before)
     return report
+
+
+# -- compiling ahead at a patched model's first call ------------------------------
+# ``apply`` hooks each patched model, and the decoder and encoder that a VAE's
+# ``decode`` and ``encode`` call (``passthrough.entries``), to run the pass
+# above once, just before its first call in this process
+# (``PatchConfig.compile_ahead``): on a cold kernel cache that call would
+# otherwise compile its kernels one after another as its launches reach them
+# (docs/performance.md, thirty-fifth session). The hook takes itself off at
+# that call. The pass calls the model once more than the user did, so it runs
+# only where nobody can tell (``first_pass_problem``): no forward hooks of
+# anyone else's on the model's modules and no global ones (they would see the
+# pass's garbage), no accelerate hooks, no attention processor from outside
+# diffusers (it may keep what it sees), no list or generator among the
+# arguments (a cache the call appends to, as Wan's decoder's; random numbers
+# the call would draw), no autograd. Dicts are copied for the pass, and the
+# RNG states of the CPU and the call's GPUs are put back after it. Models with
+# Conv3d layers are not hooked: video decoders carry caches from call to call
+# in their own attributes. Elsewhere ``warmup`` compiles ahead on request.
+class _Pass(threading.local):
+    active = False  # a compiling pass is calling the model in this thread
+
+
+_PASS = _Pass()
+
+
+def install_first_pass(model: nn.Module) -> bool:
+    """Hook ``model`` and its ``passthrough.entries`` to compile ahead
+    before their first call (above); whether it is hooked (not a model with
+    Conv3d layers)."""
+    if any(isinstance(m, nn.Conv3d) for m in model.modules()):
+        return False
+    for m in (model, *passthrough.entries(model)):
+        if not first_pass_pending(m):
+            m.register_forward_pre_hook(first_call, with_kwargs=True, prepend=True)
+    return True
+
+
+def first_pass_pending(m: nn.Module) -> bool:
+    """Whether ``m`` still carries the hook compiling ahead at its first call."""
+    return any(h is first_call for h in m._forward_pre_hooks.values())
+
+
+def uninstall_first_pass(model: nn.Module) -> None:
+    for m in (model, *passthrough.entries(model)):
+        for k in [k for k, h in m._forward_pre_hooks.items() if h is first_call]:
+            del m._forward_pre_hooks[k]
+            m._forward_pre_hooks_with_kwargs.pop(k, None)
+
+
+def first_call(module, args, kwargs):
+    """The forward pre-hook: take itself off and, where nobody can tell
+    (``first_pass_problem``), compile this call's kernels ahead."""
+    if torch.compiler.is_compiling():
+        return None
+    uninstall_first_pass(module)
+    if _PASS.active:
+        return None  # (called inside a pass: its kernels compile in that one)
+    if first_pass_problem(module, args, kwargs) is not None:
+        return None
+    devices = sorted({v.device.index or 0 for v in (*args, *kwargs.values())
+                      if isinstance(v, torch.Tensor) and v.is_cuda})
+    with torch.random.fork_rng(devices=devices):
+        compile_ahead(module, _copied(args), _copied(kwargs), default_workers(), what=_describe(module, args))
+    return None
+
+
+# (Seen by ``passthrough.other_hooks`` as none of anyone else's: a module
+# that carries it runs as it would without it.)
+first_call.cp_transparent = True
+
+
+def first_pass_problem(module: nn.Module, args: tuple, kwargs: dict) -> Optional[str]:
+    """Why a pass before ``module``'s first call could be seen by someone
+    (above), or None."""
+    if not _on_gpu([module], args, kwargs):
+        return "no CUDA tensor in the call"
+    if torch.is_grad_enabled() and any(p.requires_grad for p in module.parameters()):
+        return "autograd"
+    from conv_patch.recipes.fuse import global_hooks
+    if global_hooks():
+        return "global forward hooks"
+    for name, m in module.named_modules():
+        if passthrough.other_hooks(m):
+            return f"forward hooks on {name or 'the model'}"
+        if getattr(m, "_hf_hook", None) is not None:
+            return f"accelerate hooks on {name or 'the model'}"
+        proc = m.__dict__.get("processor")
+        if proc is not None and not type(proc).__module__.startswith(("diffusers.", "conv_patch.")):
+            return f"attention processor {type(proc).__qualname__} on {name}"
+    for v in (*args, *kwargs.values()):
+        problem = _argument_problem(v)
+        if problem is not None:
+            return problem
+    return None
+
+
+def _argument_problem(v, depth: int = 0) -> Optional[str]:
+    if v is None or isinstance(v, (torch.Tensor, bool, int, float, str, torch.dtype, torch.device)):
+        return None
+    if isinstance(v, (tuple, dict)) and depth < 4:
+        for item in (v.values() if isinstance(v, dict) else v):
+            problem = _argument_problem(item, depth + 1)
+            if problem is not None:
+                return problem
+        return None
+    return f"an argument of type {type(v).__name__}"
+
+
+def _copied(v):
+    """``v`` with its dicts copied (the pass's own, should the call change them)."""
+    if isinstance(v, dict):
+        return {k: _copied(x) for k, x in v.items()}
+    if isinstance(v, tuple):
+        return tuple(_copied(x) for x in v)
+    return v
+
+
+def _describe(module: nn.Module, args: tuple) -> str:
+    shape = next((tuple(v.shape) for v in args if isinstance(v, torch.Tensor)), None)
+    return type(module).__name__ + ("" if shape is None else f" on {shape}")

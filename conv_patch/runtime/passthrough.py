@@ -395,10 +395,11 @@ def _hooked(model: nn.Module) -> bool:
 
 
 def other_hooks(m: nn.Module) -> bool:
-    """Whether ``m`` carries forward hooks besides the passthrough's (which
-    expect nothing of how the module runs)."""
-    return (any(h is not _enter for h in m._forward_pre_hooks.values())
-            or any(h is not _exit for h in m._forward_hooks.values()))
+    """Whether ``m`` carries forward hooks besides the passthrough's and
+    others of conv-patch's that expect nothing of how the module runs
+    (marked ``cp_transparent``: the hook compiling ahead at a first call)."""
+    return (any(h is not _enter and not getattr(h, "cp_transparent", False) for h in m._forward_pre_hooks.values())
+            or any(h is not _exit and not getattr(h, "cp_transparent", False) for h in m._forward_hooks.values()))
 
 
 def uninstall(model: nn.Module) -> None:

@@ -1,22 +1,24 @@
 """The first call of a zoo model in a fresh process, unpatched against
 patched, with a cold kernel cache and a warm one (issue 46's cold start).
 
-    python -m bench.first_call [--set quick|full|untuned] [--only NAME ...] [--tiny] [--out DIR] [--child-timeout S]
+    python -m bench.first_call [--set quick|full|untuned] [--only NAME ...] [--off] [--tiny] [--out DIR]
+                               [--child-timeout S]
 
 Per zoo case three fresh processes, each timing one first call from the
 model built on the device to its finished output (synchronised): the
 unpatched model (``baseline_s``); the patched one with an empty Triton cache
-(``cold_s``: conv-patch's kernels compile in it); the patched one again with
-the cache the cold process left (``warm_s``: what a user's second session
-pays). Each process also times the model's second call (``*_second_s``).
-Rows carry ``first_call_s`` (the cold one), ``cold_over_s`` / ``warm_over_s``
-(over the unpatched first call) and ``checks``: the issue's bars, cold at
-most 5 s and warm at most 1 s over the unpatched first call. ``--ahead``
-adds a fourth process, patched with an empty cache again, whose first call
-is ``conv_patch.warmup(model, *args, calls=1)`` (its kernels compiled ahead
-side by side; ``ahead_s``, ``ahead_compile_s``: the compiling pass alone). A child that
-dies or passes ``--child-timeout`` leaves the row's ``error``. ``--tiny``
-runs the zoo's tiny configs on the CPU (the tests).
+(``cold_s``: conv-patch's kernels compile in it, ahead of the call where
+``PatchConfig.compile_ahead`` can); the patched one again with the cache the
+cold process left (``warm_s``: what a user's second session pays). Each
+process also times the model's second call (``*_second_s``). Rows carry
+``first_call_s`` (the cold one), ``cold_over_s`` / ``warm_over_s`` (over the
+unpatched first call) and ``checks``: the issue's bars, cold at most 5 s and
+warm at most 1 s over the unpatched first call. ``--off`` adds a fourth
+process, patched with ``PatchConfig(compile_ahead=False)`` and an empty
+cache again (``off_s``: the kernels compiled one after another as the call
+reaches them). A child that dies or passes ``--child-timeout`` leaves the
+row's ``error``. ``--tiny`` runs the zoo's tiny configs on the CPU (the
+tests).
 """
 
 from __future__ import annotations
@@ -37,28 +39,27 @@ from .common import bench_device, child_rows, print_table, sync, write_results
 BASELINE = "unpatched first call, fresh process"
 # The issue's bars: seconds over the unpatched first call.
 COLD_OVER_S, WARM_OVER_S = 5.0, 1.0
-VARIANTS = ("unpatched", "cold", "warm", "ahead")
-TABLE = ["name", "baseline_s", "cold_s", "warm_s", "ahead_s", "cold_over_s", "warm_over_s", "error"]
+VARIANTS = ("unpatched", "cold", "warm", "off")
+TABLE = ["name", "baseline_s", "cold_s", "warm_s", "off_s", "cold_over_s", "warm_over_s", "error"]
 
 
-def first_calls(name, size, batch, dtype_name, patched: bool, tiny: bool, device, ahead: bool = False) -> dict:
+def first_calls(name, size, batch, dtype_name, patched: bool, tiny: bool, device, ahead: bool = True) -> dict:
     """This process's first and second call of one zoo case (patched or not;
-    ``ahead``: the first call made by ``conv_patch.warmup``)."""
+    ``ahead``: ``PatchConfig.compile_ahead``)."""
     fields, model, inputs = zoo.load_case(name, size, batch, dtype_name, tiny, device, n_inputs=1)
     (args, kw), = inputs
+    report = None
     if patched:
-        conv_patch.apply(model)
-    times, extra = [], {}
+        report = conv_patch.apply(model, config=conv_patch.PatchConfig(compile_ahead=ahead))
+    times = []
     with torch.inference_mode():
         for i in range(2):
             sync()
             t0 = time.perf_counter()
-            if ahead and i == 0:
-                extra["compile_s"] = conv_patch.warmup(model, *args, calls=1, **kw).compile_ahead_s
-            else:
-                model(*args, **kw)
+            model(*args, **kw)
             sync()
             times.append(time.perf_counter() - t0)
+    extra = {} if report is None else {"compiled_ahead": bool(report.compile_ahead)}
     return {**fields, "first_s": times[0], "second_s": times[1], **extra}
 
 
@@ -70,10 +71,10 @@ def _row(case, args) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench-first-call-", ignore_cleanup_errors=True) as tmp:
         env = {"TRITON_CACHE_DIR": str(Path(tmp) / "triton")}
         for variant in VARIANTS:
-            if variant == "ahead":
-                if not args.ahead:
+            if variant == "off":
+                if not args.off:
                     continue
-                env = {"TRITON_CACHE_DIR": str(Path(tmp) / "triton-ahead")}
+                env = {"TRITON_CACHE_DIR": str(Path(tmp) / "triton-off")}
             rows, error = child_rows("bench.first_call", argv + ["--variant", variant], env, args.child_timeout)
             if error:
                 errors.append(f"{variant}: {error}")
@@ -81,8 +82,8 @@ def _row(case, args) -> dict:
             (got,), key = rows, ("baseline" if variant == "unpatched" else variant)
             row.update({k: v for k, v in got.items() if k in ("name", "model", "size", "batch", "dtype")})
             row[f"{key}_s"], row[f"{key}_second_s"] = got["first_s"], got["second_s"]
-            if "compile_s" in got:
-                row[f"{key}_compile_s"] = got["compile_s"]
+            if variant == "cold":
+                row["compiled_ahead"] = got.get("compiled_ahead")
     row.setdefault("name", f"{name} {zoo.size_name(size)} b{batch} {dt or ''}".strip())
     row["baseline"] = BASELINE
     if errors:
@@ -94,8 +95,8 @@ def _row(case, args) -> dict:
         if "warm_s" in row:
             row["warm_over_s"] = row["warm_s"] - row["baseline_s"]
             row["checks"]["warm_within_1s"] = row["warm_over_s"] <= WARM_OVER_S
-        if "ahead_s" in row:
-            row["ahead_over_s"] = row["ahead_s"] - row["baseline_s"]
+        if "off_s" in row:
+            row["off_over_s"] = row["off_s"] - row["baseline_s"]
     return row
 
 
@@ -103,7 +104,7 @@ def _child_main(args) -> None:
     size = json.loads(args.size)
     size = tuple(size) if isinstance(size, list) else size
     row = first_calls(args.only[0], size, args.batch, args.dtype or None, args.variant != "unpatched", args.tiny,
-                      bench_device(), ahead=args.variant == "ahead")
+                      bench_device(), ahead=args.variant != "off")
     Path(args.row_out).write_text(json.dumps([row]) + "\n")
 
 
@@ -112,7 +113,7 @@ def main(argv=None):
     zoo.case_args(ap, "first-call")
     ap.add_argument("--set", choices=("quick", "full", "untuned"), default="quick")
     ap.add_argument("--child-timeout", type=float, default=None, help="seconds a child may run")
-    ap.add_argument("--ahead", action="store_true", help="also a cold first call made by conv_patch.warmup")
+    ap.add_argument("--off", action="store_true", help="also a cold first call with PatchConfig(compile_ahead=False)")
     # A child's own arguments (one case, one variant).
     for flag, kw in (("--child", {"action": "store_true"}), ("--variant", {"choices": VARIANTS}),
                      ("--size", {}), ("--batch", {"type": int}), ("--dtype", {}), ("--row-out", {})):

@@ -20,13 +20,14 @@ def test_tiny_first_call_rows(tmp_path):
     assert doc["rows"] == rows and "torch" in doc
 
 
-def test_tiny_first_call_ahead(tmp_path):
-    """--ahead: a fourth process whose first call is conv_patch.warmup's."""
+def test_tiny_first_call_off(tmp_path):
+    """--off: a fourth process patched with PatchConfig(compile_ahead=False);
+    the cold one says whether its model was hooked to compile ahead."""
     from bench import first_call
-    (row,) = first_call.main(["--tiny", "--ahead", "--only", "taef2", "--out", str(tmp_path)])
+    (row,) = first_call.main(["--tiny", "--off", "--only", "taef2", "--out", str(tmp_path)])
     assert "error" not in row, row.get("error")
-    assert isinstance(row["ahead_s"], float) and isinstance(row["ahead_over_s"], float)
-    assert "ahead_compile_s" in row  # (None on the CPU: no pass compiles there)
+    assert isinstance(row["off_s"], float) and isinstance(row["off_over_s"], float)
+    assert row["compiled_ahead"] is True
 
 
 def test_a_child_that_fails_leaves_an_error(tmp_path, monkeypatch):

@@ -210,11 +210,11 @@ def test_first_call_compiles_ahead_once_and_leaves_the_random_numbers(device, ex
         assert rel_err(net(x), ref) <= 1e-5 and len(compiled) == n
 
 
-@pytest.mark.parametrize("case", ["hook", "list", "generator", "grad"])
+@pytest.mark.parametrize("case", ["hook", "list", "generator", "grad", "train"])
 def test_first_call_not_compiled_ahead_where_the_pass_could_be_seen(case, device, exact_fp32, monkeypatch):
     """No pass where someone would see the model called twice: a forward
-    hook, a list the call appends to, a generator it draws from, autograd.
-    The hook is gone all the same."""
+    hook, a list the call appends to, a generator it draws from, autograd,
+    a module in training mode. The hook is gone all the same."""
     from conv_patch.api.warmup import first_pass_pending
     compiled, _ = _forced_pass(monkeypatch, device)
     torch.manual_seed(0)
@@ -228,6 +228,8 @@ def test_first_call_not_compiled_ahead_where_the_pass_could_be_seen(case, device
         kw["cache"] = seen
     elif case == "generator":
         kw["generator"] = torch.Generator(device).manual_seed(0)
+    elif case == "train":
+        net.c2.train()
     with torch.set_grad_enabled(case == "grad"):
         net(x, **kw)
         assert compiled == [] and not first_pass_pending(net)

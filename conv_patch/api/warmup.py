@@ -201,7 +201,7 @@ def warmup(model: Callable, *args, calls: int = 3, compile_workers: Optional[int
 # that call. The pass calls the model once more than the user did, so it runs
 # only where nobody can tell (``first_pass_problem``): no forward hooks of
 # anyone else's on the model's modules and no global ones (they would see the
-# pass's garbage), no accelerate hooks, no attention processor from outside
+# pass's garbage), no module in training mode, no accelerate hooks, no attention processor from outside
 # diffusers (it may keep what it sees), no list or generator among the
 # arguments (a cache the call appends to, as Wan's decoder's; random numbers
 # the call would draw), no autograd. Dicts are copied for the pass, and the
@@ -272,6 +272,8 @@ def first_pass_problem(module: nn.Module, args: tuple, kwargs: dict) -> Optional
     if global_hooks():
         return "global forward hooks"
     for name, m in module.named_modules():
+        if m.training:
+            return f"{name or 'the model'} in training mode (a batch norm's statistics would see the pass)"
         if passthrough.other_hooks(m):
             return f"forward hooks on {name or 'the model'}"
         if getattr(m, "_hf_hook", None) is not None:

@@ -234,10 +234,11 @@ class AheadProgress:
         self.loading = False
 
     def counts(self) -> tuple:
-        items = list(self.pending)
+        # (A kernel launched several times is one compile: one object.)
+        kernels = list({id(kernel): kernel for kernel, _ in list(self.pending)}.values())
         if self.loading:
-            return self.loaded, len(items)
-        return sum(1 for kernel, _ in items if _finished(kernel)), len(items)
+            return min(self.loaded, len(kernels)), len(kernels)
+        return sum(1 for kernel in kernels if _finished(kernel)), len(kernels)
 
 
 def _finished(kernel) -> bool:
@@ -270,7 +271,8 @@ def compile_ahead(workers: int):
             finally:
                 _AHEAD.pending = None
         progress.loading = True
-        for _ in pool.map(_load, pending):
+        unique = list({id(item[0]): item for item in pending}.values())
+        for _ in pool.map(_load, unique):
             progress.loaded += 1
 
 

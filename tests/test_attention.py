@@ -159,7 +159,7 @@ def test_diffusers_attention_fused_matches_unpatched(device, exact_fp32, channel
         x = x.contiguous(memory_format=torch.channels_last)
     with torch.no_grad():
         ref = m(x)
-        assert conv_patch.apply(m).fused[""].startswith("diffusers.Attention")
+        assert conv_patch.apply(m, config=conv_patch.PatchConfig(compile_ahead=False)).fused[""].startswith("diffusers.Attention")
         calls = []
         orig = functional.attention
         try:

@@ -339,3 +339,43 @@ def test_first_call_compiles_ahead_on_the_gpu(monkeypatch):
         y = net(x)
         assert len(passes) == 1 and passes[0] is not None
         assert rel_err(y, ref) <= 1e-2 and rel_err(net(x), ref) <= 1e-2 and len(passes) == 1
+
+
+def test_compile_ahead_pass_covers_the_second_call(device, exact_fp32, monkeypatch):
+    """A fused block's second call at a signature refreshes its convs'
+    weight packs in one grouped launch that the first call does not make:
+    the pass calls the model twice, so that kernel is compiled too."""
+    pytest.importorskip("diffusers")
+    from bench import zoo
+    compiled, _ = _forced_pass(monkeypatch, device)
+    fields, net, inputs = zoo.load_case("sd-vae-decode", 16, 1, "fp32", True, device, n_inputs=1)
+    (args, kw), = inputs
+    with torch.no_grad():
+        ref = net(*args, **kw)
+    conv_patch.apply(net)
+    conv_patch.warmup(net, *args, calls=1, **kw)
+    if not compiled:
+        pytest.skip("no kernel takes these convs here")
+    names = {getattr(getattr(k, "fn", k), "__name__", str(k)) for k in compiled}
+    assert "grouped_weight_pack_kernel" in names, names
+    with torch.no_grad():
+        for _ in range(2):
+            assert rel_err(net(*args, **kw), ref) <= 1e-5
+
+
+def test_no_graph_is_captured_or_noted_in_a_pass():
+    """A call inside a pass compiling ahead is neither captured nor counted
+    as seen by a block's CUDA graphs: the user's second call captures, as
+    without the pass."""
+    from conv_patch.kernels import launch as kernel_launch
+    from conv_patch.runtime.graphs import GraphCache
+    cache = GraphCache()  # (keyed here by plain arguments: a CPU tensor has no graph)
+    cache.note((3,), {})
+    assert cache.takes((3,), {})
+    kernel_launch._AHEAD.pending = []
+    try:
+        assert not cache.takes((3,), {})
+        cache.note((5,), {})
+    finally:
+        kernel_launch._AHEAD.pending = None
+    assert cache.takes((3,), {}) and not cache.takes((5,), {})

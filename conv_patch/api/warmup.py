@@ -12,7 +12,9 @@ signature then starts at steady state; another resolution or batch is
 another signature, warmed by another ``warmup``.
 
 Before those calls, on a GPU, one pass compiles ahead: the model is called
-once with every Triton launch turned into a compile on a worker thread
+twice (a first call's kernels and what a later call adds: a fused block's
+grouped weight-pack refresh) with every Triton launch turned into a compile
+on a worker thread
 (``kernels.launch.compile_ahead``), so the kernels the call needs compile
 (and their launchers are built and loaded) side by side rather than one
 after another as the launches reach them
@@ -93,7 +95,12 @@ def compile_ahead(model: Callable, args: tuple, kwargs: dict, workers: int, what
             if progress is not None:
                 line = _ProgressLine(progress, what or type(modules[0]).__name__, workers)
                 _PASS.active = True
-                model(*args, **kwargs)
+                # Twice: a call at a signature seen before launches what the
+                # first does not (a fused block's grouped weight-pack
+                # refresh), and the user's second call should find that
+                # compiled too. (No CUDA graph is captured in a pass.)
+                for _ in range(2):
+                    model(*_copied(args), **_copied(kwargs))
     except Exception as e:  # noqa: BLE001 - the pass only saves time: the calls after it compile as they go
         warnings.warn(f"conv-patch: compiling ahead failed ({type(e).__name__}: {e}); the calls after it compile "
                       "as they go", RuntimeWarning, stacklevel=3)
@@ -198,7 +205,7 @@ def warmup(model: Callable, *args, calls: int = 3, compile_workers: Optional[int
 # (``PatchConfig.compile_ahead``): on a cold kernel cache that call would
 # otherwise compile its kernels one after another as its launches reach them
 # (docs/performance.md, thirty-fifth session). The hook takes itself off at
-# that call. The pass calls the model once more than the user did, so it runs
+# that call. The pass calls the model twice more than the user did, so it runs
 # only where nobody can tell (``first_pass_problem``): no forward hooks of
 # anyone else's on the model's modules and no global ones (they would see the
 # pass's garbage), no module in training mode, no accelerate hooks, no attention processor from outside
@@ -252,7 +259,7 @@ def first_call(module, args, kwargs):
     devices = sorted({v.device.index or 0 for v in (*args, *kwargs.values())
                       if isinstance(v, torch.Tensor) and v.is_cuda})
     with torch.random.fork_rng(devices=devices):
-        compile_ahead(module, _copied(args), _copied(kwargs), default_workers(), what=_describe(module, args))
+        compile_ahead(module, args, kwargs, default_workers(), what=_describe(module, args))
     return None
 
 

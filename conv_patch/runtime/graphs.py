@@ -61,6 +61,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from conv_patch.ops.loader import kernels
 from conv_patch.runtime import pack
 from conv_patch.runtime.state import peek, state_of
 from conv_patch.target import conv_tf32_enabled
@@ -323,6 +324,10 @@ class GraphCache:
         """The call's key, or None where this cache takes no call now (given
         up, traced, or inside another capture)."""
         if self.disabled is not None or torch.compiler.is_compiling() or _capturing():
+            return None
+        if kernels().compiling_ahead():
+            # (A pass compiling ahead launches nothing: no graph of it, and
+            # its calls count for nothing: the user's second call captures.)
             return None
         return call_key(args, kwargs)
 

@@ -208,10 +208,10 @@ def warmup(model: Callable, *args, calls: int = 3, compile_workers: Optional[int
 # that call. The pass calls the model twice more than the user did, so it runs
 # only where nobody can tell (``first_pass_problem``): no forward hooks of
 # anyone else's on the model's modules and no global ones (they would see the
-# pass's garbage), no module in training mode, no accelerate hooks, no attention processor from outside
-# diffusers (it may keep what it sees), no list or generator among the
-# arguments (a cache the call appends to, as Wan's decoder's; random numbers
-# the call would draw), no autograd. Dicts are copied for the pass, and the
+# pass's garbage), no module in training mode, no accelerate hooks, no
+# attention processor from outside diffusers (it may keep what it sees), no
+# list or generator among the arguments (a cache the call appends to, as
+# Wan's decoder's; random numbers the call would draw), no autograd. Dicts are copied for the pass, and the
 # RNG states of the CPU and the call's GPUs are put back after it. Models with
 # Conv3d layers are not hooked: video decoders carry caches from call to call
 # in their own attributes. Elsewhere ``warmup`` compiles ahead on request.
@@ -256,9 +256,7 @@ def first_call(module, args, kwargs):
         return None  # (called inside a pass: its kernels compile in that one)
     if first_pass_problem(module, args, kwargs) is not None:
         return None
-    devices = sorted({v.device.index or 0 for v in (*args, *kwargs.values())
-                      if isinstance(v, torch.Tensor) and v.is_cuda})
-    with torch.random.fork_rng(devices=devices):
+    with torch.random.fork_rng(devices=_cuda_devices(module, args, kwargs)):
         compile_ahead(module, args, kwargs, default_workers(), what=_describe(module, args))
     return None
 
@@ -314,6 +312,16 @@ def _copied(v):
     if isinstance(v, tuple):
         return tuple(_copied(x) for x in v)
     return v
+
+
+def _cuda_devices(module: nn.Module, args: tuple, kwargs: dict) -> list:
+    """The GPUs a call may draw random numbers on: its tensors' and its
+    first parameter's."""
+    tensors = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]
+    first = next(module.parameters(), None)
+    tensors += [] if first is None else [first]
+    return sorted({torch.cuda.current_device() if t.device.index is None else t.device.index
+                   for t in tensors if t.is_cuda})
 
 
 def _describe(module: nn.Module, args: tuple) -> str:

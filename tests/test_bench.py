@@ -707,3 +707,16 @@ def test_bench_ab_rows_and_rules(tmp_path):
     with ab.VARIANTS["no-auto-graphs"][0]():
         assert graphs.AUTO_POOL_BYTES == 0
     assert graphs.AUTO_POOL_BYTES == 1 << 30
+
+
+def test_bench_video_first_call_compiled_ahead(tmp_path, exact_fp32):
+    """bench.video --compile-ahead --tiny: the patched first call made by
+    conv_patch.warmup on vae.decode (no pass runs on the CPU: its time is
+    None), the decode as the unpatched one's."""
+    pytest.importorskip("diffusers")
+    from bench import video
+    video.main(["--tiny", "--model", "wan2.1", "--runs", "1", "--warmup", "0", "--compile-ahead",
+                "--out", str(tmp_path)])
+    (row,) = _result(tmp_path, "video-wan2.1")["rows"]
+    assert row["first_call_s"] > 0 and "first_call_compile_s" in row and row["first_call_compile_s"] is None
+    assert row["rel_err_vs_unpatched"] < 1e-5

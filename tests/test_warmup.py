@@ -372,10 +372,13 @@ def test_no_graph_is_captured_or_noted_in_a_pass():
     cache = GraphCache()  # (keyed here by plain arguments: a CPU tensor has no graph)
     cache.note((3,), {})
     assert cache.takes((3,), {})
+    eager = cache.stats["eager"]
     kernel_launch._AHEAD.pending = []
     try:
         assert not cache.takes((3,), {})
         cache.note((5,), {})
+        assert cache(nn.Identity(), lambda v: v + 1, (5,), {}) == 6 and cache.stats["eager"] == eager
     finally:
         kernel_launch._AHEAD.pending = None
     assert cache.takes((3,), {}) and not cache.takes((5,), {})
+    assert cache(nn.Identity(), lambda v: v + 1, (5,), {}) == 6 and cache.stats["eager"] == eager + 1

@@ -337,6 +337,8 @@ class GraphCache:
             self.seen.popitem(last=False)
 
     def __call__(self, module: nn.Module, fn: Callable, args: tuple, kwargs: dict):
+        if kernels().compiling_ahead():
+            return fn(*args, **kwargs)  # (a pass's call: not the user's, not counted)
         key = self._key(args, kwargs)
         if key is None or not self.lock.acquire(blocking=False):
             # (Locked: another thread is in this module's graphs; its static

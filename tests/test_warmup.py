@@ -382,3 +382,32 @@ def test_no_graph_is_captured_or_noted_in_a_pass():
         kernel_launch._AHEAD.pending = None
     assert cache.takes((3,), {}) and not cache.takes((5,), {})
     assert cache(nn.Identity(), lambda v: v + 1, (5,), {}) == 6 and cache.stats["eager"] == eager + 1
+
+
+def test_one_pass_for_a_vae_forward_or_a_warmup(device, exact_fp32, monkeypatch):
+    """``vae(x)`` (encode, then decode) compiles ahead once, at the VAE's
+    hook, which takes the decoder's and encoder's off too; ``warmup``'s
+    pass reaches the model's hook inside it, which comes off without a
+    pass of its own."""
+    pytest.importorskip("diffusers")
+    from bench import zoo
+    from conv_patch.api import warmup as warmup_mod
+    compiled, _ = _forced_pass(monkeypatch, device)
+    passes, real = [], warmup_mod.compile_ahead
+    monkeypatch.setattr(warmup_mod, "compile_ahead", lambda m, *a, **k: passes.append(type(m).__name__) or real(m, *a, **k))
+    torch.manual_seed(0)
+    vae = zoo.kl_vae(4, True).to(device).eval()
+    x = torch.randn(1, 3, 16, 12, device=device)
+    with torch.no_grad():
+        ref = vae(x).sample
+        conv_patch.apply(vae)
+        y = vae(x).sample
+    assert passes == ["AutoencoderKL"]
+    assert not any(warmup_mod.first_pass_pending(m) for m in (vae, vae.decoder, vae.encoder))
+    if compiled:
+        assert rel_err(y, ref) <= 1e-5
+    # warmup's own pass reaches the hook inside it: one pass, not two.
+    net, x, _ = _patched_net(device, (1, 3, 8, 8))
+    passes.clear()
+    conv_patch.warmup(net, x, calls=1)
+    assert len(passes) == 1 and not warmup_mod.first_pass_pending(net)

@@ -94,7 +94,6 @@ def compile_ahead(model: Callable, args: tuple, kwargs: dict, workers: int, what
         with torch.inference_mode(), kernels().compile_ahead(workers) as progress:
             if progress is not None:
                 line = _ProgressLine(progress, what or type(modules[0]).__name__, workers)
-                _PASS.active = True
                 # Twice: a call at a signature seen before launches what the
                 # first does not (a fused block's grouped weight-pack
                 # refresh), and the user's second call should find that
@@ -106,7 +105,6 @@ def compile_ahead(model: Callable, args: tuple, kwargs: dict, workers: int, what
                       "as they go", RuntimeWarning, stacklevel=3)
         progress = None
     finally:
-        _PASS.active = False
         if line is not None:
             line.close()  # (after the compiles and loads the pass's end waited for)
         dispatch.forget(modules)
@@ -215,13 +213,6 @@ def warmup(model: Callable, *args, calls: int = 3, compile_workers: Optional[int
 # RNG states of the CPU and the call's GPUs are put back after it. Models with
 # Conv3d layers are not hooked: video decoders carry caches from call to call
 # in their own attributes. Elsewhere ``warmup`` compiles ahead on request.
-class _Pass(threading.local):
-    active = False  # a compiling pass is calling the model in this thread
-
-
-_PASS = _Pass()
-
-
 def install_first_pass(model: nn.Module) -> bool:
     """Hook ``model`` and its ``passthrough.entries`` to compile ahead
     before their first call (above); whether it is hooked (not a model with
@@ -252,10 +243,11 @@ def first_call(module, args, kwargs):
     if torch.compiler.is_compiling():
         return None
     uninstall_first_pass(module)
-    if _PASS.active:
-        return None  # (called inside a pass: its kernels compile in that one)
     if first_pass_problem(module, args, kwargs) is not None:
         return None
+    from conv_patch.ops.loader import kernels
+    if kernels().compiling_ahead():
+        return None  # (called inside a pass: its kernels compile in that one)
     with torch.random.fork_rng(devices=_cuda_devices(module, args, kwargs)):
         compile_ahead(module, args, kwargs, default_workers(), what=_describe(module, args))
     return None

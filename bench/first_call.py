@@ -53,7 +53,7 @@ def first_calls(name, size, batch, dtype_name, patched: bool, tiny: bool, device
         report = conv_patch.apply(model, config=conv_patch.PatchConfig(compile_ahead=ahead))
     times = []
     with torch.inference_mode():
-        for i in range(2):
+        for _ in range(2):
             sync()
             t0 = time.perf_counter()
             model(*args, **kw)

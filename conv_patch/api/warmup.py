@@ -67,10 +67,14 @@ def _modules_of(model) -> Optional[List[nn.Module]]:
     return list(owner.modules()) if isinstance(owner, nn.Module) else None
 
 
-def _on_gpu(modules, args, kwargs) -> bool:
+def _call_tensors(modules, args, kwargs) -> list:
+    """A call's tensor arguments and the parameters of its (first) module."""
     tensors = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]
-    tensors += [p for m in modules[:1] for p in m.parameters()]
-    return any(t.is_cuda for t in tensors)
+    return tensors + [p for m in modules[:1] for p in m.parameters()]
+
+
+def _on_gpu(modules, args, kwargs) -> bool:
+    return any(t.is_cuda for t in _call_tensors(modules, args, kwargs))
 
 
 def default_workers() -> int:
@@ -209,10 +213,11 @@ def warmup(model: Callable, *args, calls: int = 3, compile_workers: Optional[int
 # pass's garbage), no module in training mode, no accelerate hooks, no
 # attention processor from outside diffusers (it may keep what it sees), no
 # list or generator among the arguments (a cache the call appends to, as
-# Wan's decoder's; random numbers the call would draw), no autograd. Dicts are copied for the pass, and the
-# RNG states of the CPU and the call's GPUs are put back after it. Models with
-# Conv3d layers are not hooked: video decoders carry caches from call to call
-# in their own attributes. Elsewhere ``warmup`` compiles ahead on request.
+# Wan's decoder's; random numbers the call would draw), no autograd. Dicts
+# are copied for the pass, and the RNG states of the CPU and the call's GPUs
+# are put back after it. Models with Conv3d layers are not hooked: video
+# decoders carry caches from call to call in their own attributes. Elsewhere
+# ``warmup`` compiles ahead on request.
 def install_first_pass(model: nn.Module) -> bool:
     """Hook ``model`` and its ``passthrough.entries`` to compile ahead
     before their first call (above); whether it is hooked (not a model with
@@ -227,14 +232,12 @@ def install_first_pass(model: nn.Module) -> bool:
 
 def first_pass_pending(m: nn.Module) -> bool:
     """Whether ``m`` still carries the hook compiling ahead at its first call."""
-    return any(h is first_call for h in m._forward_pre_hooks.values())
+    return passthrough.carries_hook(m, first_call)
 
 
 def uninstall_first_pass(model: nn.Module) -> None:
     for m in (model, *passthrough.entries(model)):
-        for k in [k for k, h in m._forward_pre_hooks.items() if h is first_call]:
-            del m._forward_pre_hooks[k]
-            m._forward_pre_hooks_with_kwargs.pop(k, None)
+        passthrough.drop_hooks(m, first_call)
 
 
 def first_call(module, args, kwargs):
@@ -308,12 +311,9 @@ def _copied(v):
 
 def _cuda_devices(module: nn.Module, args: tuple, kwargs: dict) -> list:
     """The GPUs a call may draw random numbers on: its tensors' and its
-    first parameter's."""
-    tensors = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]
-    first = next(module.parameters(), None)
-    tensors += [] if first is None else [first]
+    parameters'."""
     return sorted({torch.cuda.current_device() if t.device.index is None else t.device.index
-                   for t in tensors if t.is_cuda})
+                   for t in _call_tensors([module], args, kwargs) if t.is_cuda})
 
 
 def _describe(module: nn.Module, args: tuple) -> str:

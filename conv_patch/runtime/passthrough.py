@@ -391,7 +391,23 @@ def install(model: nn.Module) -> bool:
 
 
 def _hooked(model: nn.Module) -> bool:
-    return any(h is _enter for h in model._forward_pre_hooks.values())
+    return carries_hook(model, _enter)
+
+
+def carries_hook(m: nn.Module, fn) -> bool:
+    """Whether ``fn`` is one of ``m``'s forward pre-hooks."""
+    return any(h is fn for h in m._forward_pre_hooks.values())
+
+
+def drop_hooks(m: nn.Module, *fns) -> None:
+    """Take ``fns`` off ``m``'s forward hooks and pre-hooks (with their
+    kwargs and always-called flags)."""
+    for hooks in (m._forward_pre_hooks, m._forward_hooks):
+        for k in [k for k, h in hooks.items() if any(h is fn for fn in fns)]:
+            del hooks[k]
+            m._forward_hooks_with_kwargs.pop(k, None)
+            m._forward_pre_hooks_with_kwargs.pop(k, None)
+            m._forward_hooks_always_called.pop(k, None)
 
 
 def other_hooks(m: nn.Module) -> bool:
@@ -409,12 +425,7 @@ def uninstall(model: nn.Module) -> None:
         st = peek(m)
         if st is not None:
             st.passthrough = None
-        for hooks in (m._forward_pre_hooks, m._forward_hooks):
-            for k in [k for k, h in hooks.items() if h is _enter or h is _exit]:
-                del hooks[k]
-                m._forward_hooks_with_kwargs.pop(k, None)
-                m._forward_pre_hooks_with_kwargs.pop(k, None)
-                m._forward_hooks_always_called.pop(k, None)
+        drop_hooks(m, _enter, _exit)
 
 
 def learned(model: nn.Module) -> List[tuple]:

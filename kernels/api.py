@@ -17,7 +17,8 @@ from .epilogue import launch_epilogue
 from .group_norm import (launch_group_norm, launch_group_norm_apply, launch_group_norm_partials,
                                            launch_group_norm_stats)
 from .grouped_pointwise import launch_grouped_pointwise
-from .launch import AheadProgress, Program, Unrecordable, compile_ahead, compiling_ahead, empty, recording
+from .launch import (AheadProgress, Program, Unrecordable, compile_ahead, compiling_ahead, empty, hash_triton,
+                     recording)
 from .layout import launch_nchw_to_nhwc
 from .rms_norm import launch_rms_norm
 from .softmax import launch_softmax_rows
@@ -25,7 +26,7 @@ from .weight_prep import (grouped_pack_args, launch_grouped_weight_pack, launch_
                                             launch_weight_pack)
 
 __all__ = ["INTERPRET", "AheadProgress", "Program", "Unrecordable", "attention_partial_columns", "compile_ahead",
-           "compiling_ahead", "empty",
+           "compiling_ahead", "empty", "hash_triton",
            "grouped_pack_args", "launch_attention_block", "launch_depthwise", "launch_epilogue",
            "launch_grouped_pointwise", "launch_group_norm",
            "launch_group_norm_apply", "launch_group_norm_partials", "launch_group_norm_stats",

@@ -265,11 +265,11 @@ def compile_ahead(workers: int):
         # A compile that fails is left to the real call's launch, which
         # raises it where the plans handle failures.
         with AsyncCompileMode(pool, ignore_errors=True):
-            _AHEAD.pending = pending
+            _AHEAD.pending, _AHEAD.seen = pending, set()
             try:
                 yield progress
             finally:
-                _AHEAD.pending = None
+                _AHEAD.pending = _AHEAD.seen = None
         progress.loading = True
         unique = list({id(item[0]): item for item in pending}.values())
         for _ in pool.map(_load, unique):
@@ -290,10 +290,49 @@ def _load(item) -> None:
         pass
 
 
+def hash_triton() -> None:
+    """Triton's own compile-cache key computed now (a hash of its compiler's
+    sources and library, done once per process before the first kernel is
+    compiled or loaded: 0.35 s of a warm-cache first call on the H100's
+    host, docs/performance.md). Reading and hashing the files release the
+    GIL, so on a thread it overlaps the caller's work. Nothing where this
+    Triton keeps it elsewhere."""
+    try:
+        from triton.runtime.cache import triton_key
+    except ImportError:
+        return
+    try:
+        triton_key()
+    except Exception:  # noqa: BLE001 - the first compile computes it again and raises there
+        pass
+
+
 def compile_only(kernel, grid, args, meta):
     """The launch of a pass compiling ahead: the kernel compiled for these
     arguments, nothing run."""
     _AHEAD.pending.append((kernel.warmup(*args, grid=grid, **meta), _triton()[1].active.get_current_device()))
+
+
+def _ahead_launch(kernel, grid, args, meta):
+    """A launch inside ``compile_ahead``: ``compile_only``, once per launch
+    signature of the pass. Asking Triton again for a signature it was given
+    costs a hash of the kernel's source (its compile cache key), about a
+    millisecond with the GIL held, and a model launches one signature many
+    times (an ESRGAN net's 23 RRDBs: 374 launches in a pass, 11 kernels).
+    The signature is the fast path's key, finer than Triton's
+    specialisation (integers by value), so a kernel a later launch needs is
+    never left out."""
+    akey = arg_key(args)
+    if akey is not None:
+        # (The device by the arguments': asking the driver needs a GPU, and a
+        # pass is forced on the CPU by the tests.)
+        device = next((getattr(a, "base", a).device for a in args
+                       if isinstance(getattr(a, "base", a), Tensor)), None)
+        sig = (kernel, device, akey, tuple(meta.items()))
+        if sig in _AHEAD.seen:
+            return None
+        _AHEAD.seen.add(sig)
+    return compile_only(kernel, grid, args, meta)
 
 
 def launch(kernel, grid, *args, **meta):
@@ -301,7 +340,7 @@ def launch(kernel, grid, *args, **meta):
     where the call's signature was seen before (see above)."""
     Work.n += 1
     if getattr(_AHEAD, "pending", None) is not None:
-        return compile_only(kernel, grid, args, meta)
+        return _ahead_launch(kernel, grid, args, meta)
     if not _fast_launch_on():
         compiled = kernel[grid](*args, **meta)
         _record(kernel, grid, args, meta, None, None)

@@ -113,6 +113,25 @@ def test_compile_ahead_pass_keeps_no_plan(device, exact_fp32, monkeypatch):
     assert conv_patch.warmup(net.forward, x, calls=1, compile_workers=0).compile_ahead_s is None and len(compiled) == n
 
 
+def test_compile_ahead_pass_compiles_each_launch_signature_once(device, exact_fp32, monkeypatch):
+    """A pass asks Triton for each launch signature once: a model launching
+    one kernel many times with the same signature (an ESRGAN net's RRDBs)
+    would otherwise pay a hash of the kernel's source per launch. Another
+    shape is another signature, compiled too."""
+    compiled, _ = _forced_pass(monkeypatch, device)
+    torch.manual_seed(0)
+    net = nn.Sequential(*[nn.Conv2d(8, 8, 3, padding=1) for _ in range(4)]).to(device).eval()
+    x = torch.randn(1, 8, 7, 9, device=device)
+    conv_patch.apply(net, config=conv_patch.PatchConfig(compile_ahead=False))
+    conv_patch.warmup(net, x, calls=1)
+    if not compiled:
+        pytest.skip("no kernel takes these convs here")
+    # Four convs, two calls of the pass: one signature, compiled once.
+    assert len(compiled) == 1, compiled
+    conv_patch.warmup(net, torch.randn(1, 8, 11, 9, device=device), calls=1)
+    assert len(compiled) == 2 and compiled[0] is compiled[1]
+
+
 def test_compile_ahead_pass_that_raises_forgets_and_ends(device, monkeypatch):
     compiled, kernel_launch = _forced_pass(monkeypatch, device)
     net, x, ref = _patched_net(device, (1, 3, 6, 6))
@@ -411,3 +430,21 @@ def test_one_pass_for_a_vae_forward_or_a_warmup(device, exact_fp32, monkeypatch)
     passes.clear()
     conv_patch.warmup(net, x, calls=1)
     assert len(passes) == 1 and not warmup_mod.first_pass_pending(net)
+
+
+def test_kernels_load_in_background_once(monkeypatch):
+    """``apply`` on a GPU machine starts one daemon thread that imports the
+    kernels and computes Triton's cache key, which a first call's first
+    kernel would otherwise wait for; not on a machine without CUDA."""
+    from conv_patch.ops import loader
+    from triton.runtime.cache import triton_key
+    monkeypatch.setattr(loader, "_BACKGROUND", [])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    conv_patch.apply(_net(torch.device("cpu")))
+    assert loader._BACKGROUND == []
+    triton_key.cache_clear()
+    loader.load_in_background()
+    loader.load_in_background()
+    assert len(loader._BACKGROUND) == 1
+    loader._BACKGROUND[0].join(60)
+    assert triton_key.cache_info().currsize == 1 and loader._KERNELS

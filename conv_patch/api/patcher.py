@@ -11,10 +11,12 @@ import os
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Union
 
+import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
 from conv_patch.api import warmup as first_pass
+from conv_patch.ops.loader import load_in_background
 from conv_patch.routing import tables
 from conv_patch.runtime import passthrough
 from conv_patch.routing.decide import static_route
@@ -272,6 +274,8 @@ def apply(model, *, filter_fn: Optional[FilterFn] = None,
         for prefix, m in targets:
             if passthrough.outermost_components(m) and first_pass.install_first_pass(m):
                 report.compile_ahead.append(prefix.rstrip("."))
+        if plan and torch.cuda.is_available():
+            load_in_background()
     if graphs:
         from conv_patch.runtime import graphs as cg
         auto = graphs == AUTO

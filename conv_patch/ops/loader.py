@@ -11,7 +11,10 @@ warns once and remembers it).
 
 from __future__ import annotations
 
+import threading
+
 _KERNELS = []
+_BACKGROUND = []
 
 
 def kernels():
@@ -19,6 +22,26 @@ def kernels():
         from conv_patch.kernels import api
         _KERNELS.append(api)
     return _KERNELS[0]
+
+
+def load_in_background() -> None:
+    """``kernels()`` imported and Triton's cache key computed
+    (``hash_triton``) on a daemon thread, once per process: what a patched
+    model's first call on a GPU would otherwise wait for before its first
+    kernel (``apply`` starts it). An import the caller makes meanwhile waits
+    for the thread's, as two imports of one module do."""
+    if _BACKGROUND:
+        return
+    thread = threading.Thread(target=_load, name="conv-patch-load", daemon=True)
+    _BACKGROUND.append(thread)
+    thread.start()
+
+
+def _load() -> None:
+    try:
+        kernels().hash_triton()
+    except Exception:  # noqa: BLE001 - the first launch imports again and raises where it is handled
+        pass
 
 
 def kernel_errors() -> tuple:

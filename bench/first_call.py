@@ -10,7 +10,9 @@ unpatched model (``baseline_s``); the patched one with an empty Triton cache
 (``cold_s``: conv-patch's kernels compile in it, ahead of the call where
 ``PatchConfig.compile_ahead`` can); the patched one again with the cache the
 cold process left (``warm_s``: what a user's second session pays). Each
-process also times the model's second call (``*_second_s``). Rows carry
+process also times the model's second and third calls (``*_second_s``,
+``*_third_s``: a later call may still compile, a CUDA graph's capture at
+the second, a call whose arguments differ). Rows carry
 ``first_call_s`` (the cold one), ``cold_over_s`` / ``warm_over_s`` (over the
 unpatched first call) and ``checks``: the issue's bars, cold at most 5 s and
 warm at most 1 s over the unpatched first call. ``--off`` adds a fourth
@@ -44,7 +46,7 @@ TABLE = ["name", "baseline_s", "cold_s", "warm_s", "off_s", "cold_over_s", "warm
 
 
 def first_calls(name, size, batch, dtype_name, patched: bool, tiny: bool, device, ahead: bool = True) -> dict:
-    """This process's first and second call of one zoo case (patched or not;
+    """This process's first three calls of one zoo case (patched or not;
     ``ahead``: ``PatchConfig.compile_ahead``)."""
     fields, model, inputs = zoo.load_case(name, size, batch, dtype_name, tiny, device, n_inputs=1)
     (args, kw), = inputs
@@ -53,14 +55,14 @@ def first_calls(name, size, batch, dtype_name, patched: bool, tiny: bool, device
         report = conv_patch.apply(model, config=conv_patch.PatchConfig(compile_ahead=ahead))
     times = []
     with torch.inference_mode():
-        for _ in range(2):
+        for _ in range(3):
             sync()
             t0 = time.perf_counter()
             model(*args, **kw)
             sync()
             times.append(time.perf_counter() - t0)
     extra = {} if report is None else {"compiled_ahead": bool(report.compile_ahead)}
-    return {**fields, "first_s": times[0], "second_s": times[1], **extra}
+    return {**fields, "first_s": times[0], "second_s": times[1], "third_s": times[2], **extra}
 
 
 def _row(case, args) -> dict:
@@ -82,6 +84,7 @@ def _row(case, args) -> dict:
             (got,), key = rows, ("baseline" if variant == "unpatched" else variant)
             row.update({k: v for k, v in got.items() if k in ("name", "model", "size", "batch", "dtype")})
             row[f"{key}_s"], row[f"{key}_second_s"] = got["first_s"], got["second_s"]
+            row[f"{key}_third_s"] = got.get("third_s")
             if variant == "cold":
                 row["compiled_ahead"] = got.get("compiled_ahead")
     row.setdefault("name", f"{name} {zoo.size_name(size)} b{batch} {dt or ''}".strip())

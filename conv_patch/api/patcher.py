@@ -69,7 +69,7 @@ class PatchConfig:
     that call needs side by side on worker threads, rather than one after
     another as its launches reach them: seconds instead of tens of seconds
     on a cold kernel cache (``conv_patch.warmup``'s pass, made at that
-    call). Only where nobody can tell the model was called twice more
+    call). Only where nobody can tell the model was called three times more
     (``conv_patch/api/warmup.py`` lists what rules it out: forward hooks,
     list or generator arguments, autograd, ...); models with Conv3d layers
     are not hooked (``conv_patch.warmup`` compiles theirs on request).

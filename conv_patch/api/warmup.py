@@ -12,8 +12,9 @@ signature then starts at steady state; another resolution or batch is
 another signature, warmed by another ``warmup``.
 
 Before those calls, on a GPU, one pass compiles ahead: the model is called
-twice (a first call's kernels and what a later call adds: a fused block's
-grouped weight-pack refresh) with every Triton launch turned into a compile
+three times (a first call's kernels and what later calls add: a fused
+block's grouped weight-pack refresh, the layouts passthrough's idle parts
+hand on, ``PASS_CALLS``) with every Triton launch turned into a compile
 on a worker thread
 (``kernels.launch.compile_ahead``), so the kernels the call needs compile
 (and their launchers are built and loaded) side by side rather than one
@@ -41,6 +42,13 @@ from torch import nn
 from conv_patch.runtime import dispatch, passthrough
 from conv_patch.runtime.plans import COMPILE_NOTICE_S, BuildCount
 
+# The calls of a pass: the first builds the plans; the second launches a fused
+# block's grouped weight-pack refresh and is the one passthrough watches; the
+# third is the first with passthrough's idle components on their own classes,
+# whose outputs reach the busy parts in the unpatched modules' layouts (other
+# strides: other kernel specialisations; a Wan 2.1 decode's third call
+# compiled for 4 s on a cold cache, docs/performance.md).
+PASS_CALLS = 3
 # Compile threads at most: each holds a compiler's memory (hundreds of MB).
 MAX_COMPILE_WORKERS = 16
 # A pass still compiling after COMPILE_NOTICE_S says so on stderr, and then
@@ -98,11 +106,10 @@ def compile_ahead(model: Callable, args: tuple, kwargs: dict, workers: int, what
         with torch.inference_mode(), kernels().compile_ahead(workers) as progress:
             if progress is not None:
                 line = _ProgressLine(progress, what or type(modules[0]).__name__, workers)
-                # Twice: a call at a signature seen before launches what the
-                # first does not (a fused block's grouped weight-pack
-                # refresh), and the user's second call should find that
-                # compiled too. (No CUDA graph is captured in a pass.)
-                for _ in range(2):
+                # PASS_CALLS times: later calls at a signature launch what
+                # the first does not, and the user's should find it compiled
+                # (no CUDA graph is captured in a pass).
+                for _ in range(PASS_CALLS):
                     model(*_copied(args), **_copied(kwargs))
     except Exception as e:  # noqa: BLE001 - the pass only saves time: the calls after it compile as they go
         warnings.warn(f"conv-patch: compiling ahead failed ({type(e).__name__}: {e}); the calls after it compile "
@@ -207,7 +214,7 @@ def warmup(model: Callable, *args, calls: int = 3, compile_workers: Optional[int
 # (``PatchConfig.compile_ahead``): on a cold kernel cache that call would
 # otherwise compile its kernels one after another as its launches reach them
 # (docs/performance.md, thirty-fifth session). The hook takes itself off at
-# that call. The pass calls the model twice more than the user did, so it runs
+# that call. The pass calls the model three times more than the user did, so it runs
 # only where nobody can tell (``first_pass_problem``): no forward hooks of
 # anyone else's on the model's modules and no global ones (they would see the
 # pass's garbage), no module in training mode, no accelerate hooks, no

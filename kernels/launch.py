@@ -293,10 +293,10 @@ def _load(item) -> None:
 def hash_triton() -> None:
     """Triton's own compile-cache key computed now (a hash of its compiler's
     sources and library, done once per process before the first kernel is
-    compiled or loaded: 0.35 s of a warm-cache first call on the H100's
-    host, docs/performance.md). Reading and hashing the files release the
-    GIL, so on a thread it overlaps the caller's work. Nothing where this
-    Triton keeps it elsewhere."""
+    compiled or loaded: a large share of a warm-cache first call,
+    docs/performance.md). Reading and hashing the files release the GIL, so
+    on a thread it overlaps the caller's work. Nothing where this Triton
+    keeps it elsewhere."""
     try:
         from triton.runtime.cache import triton_key
     except ImportError:
@@ -318,7 +318,7 @@ def _ahead_launch(kernel, grid, args, meta):
     signature of the pass. Asking Triton again for a signature it was given
     costs a hash of the kernel's source (its compile cache key), about a
     millisecond with the GIL held, and a model launches one signature many
-    times (an ESRGAN net's 23 RRDBs: 374 launches in a pass, 11 kernels).
+    times (a net of repeated blocks).
     The signature is the fast path's key, finer than Triton's
     specialisation (integers by value), so a kernel a later launch needs is
     never left out."""

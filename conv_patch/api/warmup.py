@@ -46,8 +46,8 @@ from conv_patch.runtime.plans import COMPILE_NOTICE_S, BuildCount
 # block's grouped weight-pack refresh and is the one passthrough watches; the
 # third is the first with passthrough's idle components on their own classes,
 # whose outputs reach the busy parts in the unpatched modules' layouts (other
-# strides: other kernel specialisations; a Wan 2.1 decode's third call
-# compiled for 4 s on a cold cache, docs/performance.md).
+# strides: other kernel specialisations; docs/performance.md, thirty-sixth
+# session).
 PASS_CALLS = 3
 # Compile threads at most: each holds a compiler's memory (hundreds of MB).
 MAX_COMPILE_WORKERS = 16

@@ -99,8 +99,9 @@ def compile_ahead(model: Callable, args: tuple, kwargs: dict, workers: int, what
     modules = _modules_of(model)
     if modules is None or workers < 1 or not _on_gpu(modules, args, kwargs):
         return None
-    from conv_patch.ops.loader import kernels
+    from conv_patch.ops.loader import kernels, wait_for_background
     t0 = time.perf_counter()
+    wait_for_background()
     progress = line = None
     try:
         with torch.inference_mode(), kernels().compile_ahead(workers) as progress:

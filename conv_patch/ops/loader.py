@@ -37,6 +37,15 @@ def load_in_background() -> None:
     thread.start()
 
 
+def wait_for_background(timeout: float = 60.0) -> None:
+    """Wait for ``load_in_background``'s thread where it still runs: a
+    thread that asks Triton for a kernel meanwhile would hash Triton's
+    library a second time beside it (its key is cached only once
+    computed), so the compiling pass waits for the one under way instead."""
+    if _BACKGROUND and _BACKGROUND[0].is_alive() and _BACKGROUND[0] is not threading.current_thread():
+        _BACKGROUND[0].join(timeout)
+
+
 def _load() -> None:
     try:
         kernels().hash_triton()

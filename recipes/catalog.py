@@ -70,7 +70,31 @@ def unfuse(module: nn.Module) -> None:
             st.drop_block()
 
 
-__all__ = ["ORDER", "REGISTRY", "FusedBlock", "Recipe", "recipe_for", "plan", "fuse", "unfuse", "is_fused"]
+__all__ = ["ORDER", "REGISTRY", "FusedBlock", "Recipe", "recipe_for", "plan", "fuse", "unfuse", "is_fused",
+           "pass_methods", "pass_inputs"]
+
+# The families whose video VAEs compile ahead at their first decode / encode
+# (the compiling pass, ``conv_patch.warmup``), and what input their pass takes.
+PASS_FAMILIES = (wan,)
+
+
+def pass_methods(model: nn.Module) -> tuple:
+    """The methods of ``model`` (a video VAE) hooked to compile ahead at
+    their first call: () for a family without a pass of its own."""
+    for family in PASS_FAMILIES:
+        names = family.pass_methods(model)
+        if names:
+            return names
+    return ()
+
+
+def pass_inputs(model: nn.Module, method: str, args: tuple, kwargs: dict) -> tuple:
+    """(args, kwargs) the compiling pass of ``model.<method>`` calls it with:
+    the family's (a video VAE's clip cut short), else the call's own."""
+    for family in PASS_FAMILIES:
+        if method in family.pass_methods(model):
+            return family.pass_inputs(model, method, args, kwargs)
+    return args, kwargs
 
 
 def upsample_convs(model: nn.Module) -> set:

@@ -275,8 +275,9 @@ def test_first_call_pass_gets_its_own_dicts(device, exact_fp32, monkeypatch):
 
 def test_first_call_hooks_what_compiles_ahead_and_only_that():
     """Hooked: the patched model and the VAE parts its decode and encode
-    call; not a model with Conv3d layers, not with compile_ahead=False, and
-    remove() takes the hooks off."""
+    call; not a model with Conv3d layers whose family has no pass of its own
+    (a Wan VAE's methods are: test_wan_vae_pass_takes_the_clip_cut_short),
+    not with compile_ahead=False, and remove() takes the hooks off."""
     from conv_patch.api.warmup import first_pass_pending
     net = _net(torch.device("cpu"))
     assert conv_patch.apply(net, config=conv_patch.PatchConfig(compile_ahead=False)).compile_ahead == []
@@ -473,14 +474,22 @@ def test_compile_ahead_pass_covers_the_swapped_call(device, exact_fp32, monkeypa
     specialisations (on a GPU a Wan 2.1 decode's third call compiled for
     4 s on a cold cache). The pass calls the model as often, so every
     launch of the calls after it was compiled in it. Here a tiny Wan VAE
-    with its 2-D convs on PyTorch's route, as a GPU's tables send them."""
+    with its 2-D convs on PyTorch's route, as a GPU's tables send them,
+    hooked by ``apply`` at its ``decode``: the first decode's pass runs on
+    the clip cut to its first three latent frames (of five), whose shapes
+    every later frame repeats (with two frames it misses 7 launches), and
+    the decodes compute the unpatched VAE's answer. (The cut keeps the
+    clip's length modulo 2 here, not 16: at these sizes the integers of
+    the convs over the whole clip then agree in their divisibility by 16.)"""
     pytest.importorskip("diffusers")
     from triton.runtime.interpreter import InterpretedFunction
     from bench import video
+    from conv_patch.api.warmup import FirstMethodCall
+    from conv_patch.recipes import catalog, wan
     from conv_patch.routing.decide import fallback
     from conv_patch.runtime import planner
     _, kernel_launch = _forced_pass(monkeypatch, device)
-    ahead, launched = set(), set()
+    ahead, launched, cut = set(), set(), []
     monkeypatch.setattr(kernel_launch, "compile_only",
                         lambda kernel, grid, args, meta: ahead.add(_launch_key(kernel, args, meta)))
     run = InterpretedFunction.run
@@ -495,13 +504,58 @@ def test_compile_ahead_pass_covers_the_swapped_call(device, exact_fp32, monkeypa
         d, spec = decide(m, call, weight, bias, graph)
         return (fallback("PyTorch's route, as on a GPU") if len(spec.kernel) == 2 else d), spec
     monkeypatch.setattr(planner, "decide_call", decide_2d_on_pytorch)
+    pass_inputs = catalog.pass_inputs
+
+    def cutting(*a):
+        out = pass_inputs(*a)
+        cut.append(tuple(out[0][0].shape))
+        return out
+    monkeypatch.setattr(catalog, "pass_inputs", cutting)
+    monkeypatch.setattr(wan, "PASS_FRAMES_MODULUS", 2)
     vae = video.build_vae("wan2.1", True, device, torch.float32)
     z = video.latents(vae, 9, 16, 16, device, torch.float32)
-    conv_patch.apply(vae)
-    conv_patch.warmup(vae.decode, z, calls=1)
-    assert ahead
-    launched.clear()
     with torch.no_grad():
-        for _ in range(3):
+        ref = vae.decode(z).sample
+    assert conv_patch.apply(vae).compile_ahead == [""]
+    assert isinstance(vae.__dict__.get("decode"), FirstMethodCall)
+    with torch.no_grad():
+        y = vae.decode(z).sample
+        assert cut == [(*z.shape[:2], wan.PASS_LATENT_FRAMES, *z.shape[3:])] and z.shape[2] == 5 and ahead
+        assert "decode" not in vae.__dict__ and isinstance(vae.__dict__.get("encode"), FirstMethodCall)
+        assert rel_err(y, ref) <= 1e-5
+        for _ in range(2):
             vae.decode(z)
     assert launched and launched <= ahead, len(launched - ahead)
+
+
+def test_wan_vae_pass_takes_the_clip_cut_short():
+    """A Wan VAE's decode and encode compile ahead on the clip's first
+    frames (``recipes.wan.pass_inputs``): three latent frames and as many
+    more as keep the length modulo 16 (Triton's divisibility
+    specialisation), stored as the caller's clip; a short clip whole; any
+    other model's call as it is. ``remove`` takes the methods' hooks off."""
+    pytest.importorskip("diffusers")
+    from bench import video
+    from conv_patch.api.warmup import FirstMethodCall, first_pass_pending
+    from conv_patch.recipes import catalog, wan
+    assert [wan.pass_latent_frames(t) for t in (1, 3, 4, 18, 19, 20, 21, 40)] == [1, 3, 4, 18, 3, 4, 5, 8]
+    vae = video.build_vae("wan2.1", True, torch.device("cpu"), torch.float32)
+    assert catalog.pass_methods(vae) == ("decode", "encode")
+    z = torch.randn(1, 4, 21, 2, 3)
+    (cut,), kw = catalog.pass_inputs(vae, "decode", (z,), {"return_dict": False})
+    assert cut.shape == (1, 4, 5, 2, 3) and cut.is_contiguous() and torch.equal(cut, z[:, :, :5]) and kw == {
+        "return_dict": False}
+    args, kw = catalog.pass_inputs(vae, "decode", (), {"z": z})
+    assert args == () and kw["z"].shape[2] == 5
+    x = torch.randn(1, 3, 81, 4, 4).contiguous(memory_format=torch.channels_last_3d)
+    (cut,), _ = catalog.pass_inputs(vae, "encode", (x,), {})
+    assert cut.shape[2] == 17 and cut.is_contiguous(memory_format=torch.channels_last_3d)
+    short = torch.randn(1, 4, 3, 2, 3)
+    assert catalog.pass_inputs(vae, "decode", (short,), {})[0][0] is short
+    net = _net(torch.device("cpu"))
+    assert catalog.pass_methods(net) == () and catalog.pass_inputs(net, "decode", (z,), {})[0][0] is z
+    conv_patch.apply(vae)
+    assert all(isinstance(vae.__dict__.get(n), FirstMethodCall) for n in ("decode", "encode"))
+    assert vae.decode.__self__ is vae and vae.decode.__name__ == "decode" and first_pass_pending(vae)
+    conv_patch.remove(vae)
+    assert "decode" not in vae.__dict__ and "encode" not in vae.__dict__ and not first_pass_pending(vae)

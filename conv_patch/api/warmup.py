@@ -99,6 +99,10 @@ def compile_ahead(model: Callable, args: tuple, kwargs: dict, workers: int, what
     modules = _modules_of(model)
     if modules is None or workers < 1 or not _on_gpu(modules, args, kwargs):
         return None
+    owner, method = getattr(model, "__self__", None), getattr(model, "__name__", None)
+    if isinstance(owner, nn.Module) and isinstance(method, str):
+        from conv_patch.recipes import catalog
+        args, kwargs = catalog.pass_inputs(owner, method, args, kwargs)
     from conv_patch.ops.loader import kernels, wait_for_background
     t0 = time.perf_counter()
     wait_for_background()
@@ -223,15 +227,24 @@ def warmup(model: Callable, *args, calls: int = 3, compile_workers: Optional[int
 # list or generator among the arguments (a cache the call appends to, as
 # Wan's decoder's; random numbers the call would draw), no autograd. Dicts
 # are copied for the pass, and the RNG states of the CPU and the call's GPUs
-# are put back after it. Models with Conv3d layers are not hooked: video
-# decoders carry caches from call to call in their own attributes. Elsewhere
-# ``warmup`` compiles ahead on request.
+# are put back after it. A model with Conv3d layers is a video model whose
+# decoder is called once per latent frame with the VAE's cache lists: it is
+# hooked at the methods its family names (``recipes.catalog.pass_methods``: a
+# Wan VAE's ``decode`` and ``encode``, as ``FirstMethodCall``), whose pass
+# takes the clip cut to a few frames (``catalog.pass_inputs``), and not at
+# all where its family has none. Elsewhere ``warmup`` compiles ahead on
+# request.
 def install_first_pass(model: nn.Module) -> bool:
-    """Hook ``model`` and its ``passthrough.entries`` to compile ahead
-    before their first call (above); whether it is hooked (not a model with
-    Conv3d layers)."""
+    """Hook ``model`` and its ``passthrough.entries`` (a video model: the
+    methods its family names) to compile ahead before their first call
+    (above); whether it is hooked."""
     if any(isinstance(m, nn.Conv3d) for m in model.modules()):
-        return False
+        from conv_patch.recipes import catalog
+        methods = catalog.pass_methods(model)
+        for name in methods:
+            if not isinstance(model.__dict__.get(name), FirstMethodCall):
+                model.__dict__[name] = FirstMethodCall(model, name)
+        return bool(methods)
     for m in (model, *passthrough.entries(model)):
         if not first_pass_pending(m):
             m.register_forward_pre_hook(first_call, with_kwargs=True, prepend=True)
@@ -239,13 +252,44 @@ def install_first_pass(model: nn.Module) -> bool:
 
 
 def first_pass_pending(m: nn.Module) -> bool:
-    """Whether ``m`` still carries the hook compiling ahead at its first call."""
-    return passthrough.carries_hook(m, first_call)
+    """Whether ``m`` still carries the hook compiling ahead at its first
+    call (or a method of it, ``FirstMethodCall``)."""
+    return passthrough.carries_hook(m, first_call) or any(isinstance(v, FirstMethodCall) for v in m.__dict__.values())
 
 
 def uninstall_first_pass(model: nn.Module) -> None:
     for m in (model, *passthrough.entries(model)):
         passthrough.drop_hooks(m, first_call)
+    for name in [k for k, v in model.__dict__.items() if isinstance(v, FirstMethodCall)]:
+        del model.__dict__[name]
+
+
+class FirstMethodCall:
+    """``model.<name>`` (a video VAE's ``decode``) until its first call: an
+    instance attribute in front of the class's method, which at that call
+    takes itself off and, where nobody can tell (``first_pass_problem``),
+    compiles the call's kernels ahead on the input the family's pass takes,
+    then makes the call. It looks like the bound method it stands for
+    (``__self__``, ``__name__``), so ``warmup(vae.decode, z)`` before the
+    first call compiles ahead as after it."""
+
+    def __init__(self, model: nn.Module, name: str):
+        self.__self__, self.__name__ = model, name
+
+    def __call__(self, *args, **kwargs):
+        model, name = self.__self__, self.__name__
+        method = getattr(type(model), name).__get__(model)
+        if torch.compiler.is_compiling():
+            return method(*args, **kwargs)
+        if model.__dict__.get(name) is self:
+            del model.__dict__[name]
+        if first_pass_problem(model, args, kwargs) is None:
+            from conv_patch.ops.loader import kernels
+            if not kernels().compiling_ahead():
+                with torch.random.fork_rng(devices=_cuda_devices(model, args, kwargs)):
+                    compile_ahead(method, args, kwargs, default_workers(),
+                                  what=f"{type(model).__name__}.{name}{_shape_of(args)}")
+        return method(*args, **kwargs)
 
 
 def first_call(module, args, kwargs):
@@ -325,5 +369,9 @@ def _cuda_devices(module: nn.Module, args: tuple, kwargs: dict) -> list:
 
 
 def _describe(module: nn.Module, args: tuple) -> str:
+    return type(module).__name__ + _shape_of(args)
+
+
+def _shape_of(args: tuple) -> str:
     shape = next((tuple(v.shape) for v in args if isinstance(v, torch.Tensor)), None)
-    return type(module).__name__ + ("" if shape is None else f" on {shape}")
+    return "" if shape is None else f" on {shape}"

@@ -541,3 +541,38 @@ def test_a_patched_vae_that_ran_deep_copies(exact_fp32):
     assert all(state_of(m).norm_plan is None and not state_of(m).plans for m in twin.modules())
     with torch.no_grad():
         assert rel_err(twin.decode(z).sample, want) <= TOL[torch.float32]
+
+
+class WanVAE(nn.Module):
+    """ComfyUI's WanVAE contract at its entry: ``decode(z)`` clears the
+    caches, then runs the decoder one latent frame at a time."""
+
+    def __init__(self, z, dims):
+        super().__init__()
+        self.decoder = Decoder3d(z, dims)
+        self.slots = sum(isinstance(m, nn.Conv3d) for m in self.decoder.modules())
+
+    def decode(self, z):
+        self._feat_map = [None] * self.slots
+        frames = []
+        for i in range(z.shape[2]):
+            frames.append(self.decoder(z[:, :, i:i + 1], self._feat_map, [0], i == 0))
+        self._feat_map = None
+        return torch.cat(frames, 2)
+
+
+def test_comfy_style_wan_vae_compiles_ahead_at_its_first_decode(exact_fp32):
+    """``apply`` hooks a ComfyUI-style WanVAE's ``decode`` (it has no
+    ``encode``) to compile ahead at its first call; on the CPU no pass runs
+    and the hook is gone after that call, whose frames are the unpatched
+    VAE's."""
+    from conv_patch.api.warmup import FirstMethodCall, first_pass_pending
+    from conv_patch.recipes import catalog
+    vae = _seeded(WanVAE(4, (8, 8, 4)), 12)
+    ref = copy.deepcopy(vae)
+    assert catalog.pass_methods(vae) == ("decode",)
+    assert conv_patch.apply(vae).compile_ahead == [""] and isinstance(vae.__dict__.get("decode"), FirstMethodCall)
+    z = torch.randn(1, 4, 3, 3, 5, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        y, want = vae.decode(z), ref.decode(z)
+    assert not first_pass_pending(vae) and y.shape == want.shape and rel_err(y, want) <= TOL[torch.float32]

@@ -2,6 +2,8 @@
 kernels compiled), so that the user's next call at that signature builds
 nothing; another signature is built on its own call."""
 
+import contextlib
+
 import pytest
 import torch
 from torch import nn
@@ -561,3 +563,39 @@ def test_wan_vae_pass_takes_the_clip_cut_short():
     assert vae.decode.__self__ is vae and vae.decode.__name__ == "decode" and first_pass_pending(vae)
     conv_patch.remove(vae)
     assert "decode" not in vae.__dict__ and "encode" not in vae.__dict__ and not first_pass_pending(vae)
+
+
+def test_compile_ahead_pass_runs_a_graphed_block_down_the_capture_path(device, exact_fp32, monkeypatch):
+    """A block that CUDA graphs would capture at the user's second call
+    compiles the capture's kernels in the pass: once per call key, the
+    pass's call of the block runs down the capture's own path too
+    (``pack.graph_path``, as the capture's warm-up), not at every pass
+    call; a cache given up takes no such call. (On a cold cache TAEF2's
+    second call compiled for 3.4-5 s on an H200 without it.)"""
+    from conv_patch.runtime import graphs, pack
+    _forced_pass(monkeypatch, device)
+    monkeypatch.setattr(graphs, "call_key", lambda args, kwargs: tuple(tuple(t.shape) for t in args))
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 6, 3, padding=1), nn.ReLU(), nn.Conv2d(6, 6, 3, padding=1), nn.ReLU(),
+                        nn.Conv2d(6, 5, 3, padding=1)).to(device).eval()
+    conv_patch.apply(net, config=conv_patch.PatchConfig(compile_ahead=False))
+    graphs.install(net, 4, auto=True)
+    calls, graph_calls = [], []
+    graph_path = pack.graph_path
+
+    @contextlib.contextmanager
+    def counted():
+        graph_calls.append(len(calls))
+        with graph_path():
+            yield
+    monkeypatch.setattr(pack, "graph_path", counted)
+    model = lambda x: calls.append(x) or net(x)  # noqa: E731
+    model.__self__ = net
+    x = torch.randn(1, 3, 9, 7, device=device)
+    from conv_patch.api.warmup import PASS_CALLS, compile_ahead
+    compile_ahead(model, (x,), {}, 2)
+    assert len(calls) == PASS_CALLS and graph_calls == [1] and not pack.GRAPH_PATH
+    calls.clear(), graph_calls.clear()
+    graphs.cache_of(net).disabled = "given up"
+    compile_ahead(model, (x,), {}, 2)
+    assert len(calls) == PASS_CALLS and graph_calls == []

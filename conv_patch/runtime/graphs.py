@@ -278,6 +278,8 @@ class GraphCache:
         self.disabled: Optional[str] = None
         self.stats = {"captures": 0, "replays": 0, "eager": 0, "too_large": 0}
         self.lock = threading.Lock()
+        # The keys a compiling pass ran down the capture's path (``_ahead``).
+        self.ahead: set = set()
 
     def __reduce__(self):
         # Graphs belong to this process and these tensors: a copy or an
@@ -287,6 +289,7 @@ class GraphCache:
     def clear(self) -> None:
         self.graphs.clear()
         self.seen.clear()
+        self.ahead.clear()
 
     def held_bytes(self) -> int:
         """Device bytes the kept graphs hold between calls: their pools and
@@ -338,7 +341,9 @@ class GraphCache:
 
     def __call__(self, module: nn.Module, fn: Callable, args: tuple, kwargs: dict):
         if kernels().compiling_ahead():
-            return fn(*args, **kwargs)  # (a pass's call: not the user's, not counted)
+            # (A pass's call: not the user's, not counted.)
+            self._ahead(fn, args, kwargs)
+            return fn(*args, **kwargs)
         key = self._key(args, kwargs)
         if key is None or not self.lock.acquire(blocking=False):
             # (Locked: another thread is in this module's graphs; its static
@@ -349,6 +354,21 @@ class GraphCache:
             return self._call(module, fn, key, args, kwargs)
         finally:
             self.lock.release()
+
+    def _ahead(self, fn: Callable, args: tuple, kwargs: dict) -> None:
+        """In a compiling pass, once per key this cache could capture: the
+        call down the capture's own path too (``pack.graph_path``, as
+        ``Captured``'s warm-up runs it: the pack kernel, the upsample always
+        folded), so that the kernels the capture records compile in the
+        pass and not at the user's second call, which captures."""
+        if self.disabled is not None or torch.compiler.is_compiling() or _capturing():
+            return
+        key = call_key(args, kwargs)
+        if key is None or key in self.ahead:
+            return
+        self.ahead.add(key)
+        with pack.graph_path():
+            fn(*args, **kwargs)
 
     def _call(self, module: nn.Module, fn: Callable, key: tuple, args: tuple, kwargs: dict):
         if torch.is_grad_enabled() and (any(t.requires_grad for t in _tensors(args, kwargs))

@@ -283,12 +283,7 @@ class FirstMethodCall:
             return method(*args, **kwargs)
         if model.__dict__.get(name) is self:
             del model.__dict__[name]
-        if first_pass_problem(model, args, kwargs) is None:
-            from conv_patch.ops.loader import kernels
-            if not kernels().compiling_ahead():
-                with torch.random.fork_rng(devices=_cuda_devices(model, args, kwargs)):
-                    compile_ahead(method, args, kwargs, default_workers(),
-                                  what=f"{type(model).__name__}.{name}{_shape_of(args)}")
+        _first_pass(model, method, args, kwargs, f"{type(model).__name__}.{name}{_shape_of(args)}")
         return method(*args, **kwargs)
 
 
@@ -298,14 +293,21 @@ def first_call(module, args, kwargs):
     if torch.compiler.is_compiling():
         return None
     uninstall_first_pass(module)
+    _first_pass(module, module, args, kwargs, _describe(module, args))
+    return None
+
+
+def _first_pass(module: nn.Module, fn: Callable, args: tuple, kwargs: dict, what: str) -> None:
+    """The pass before ``module``'s first call (``fn``: the module or its
+    method), where nobody can tell (``first_pass_problem``) and no pass is
+    under way."""
     if first_pass_problem(module, args, kwargs) is not None:
-        return None
+        return
     from conv_patch.ops.loader import kernels
     if kernels().compiling_ahead():
-        return None  # (called inside a pass: its kernels compile in that one)
+        return  # (called inside a pass: its kernels compile in that one)
     with torch.random.fork_rng(devices=_cuda_devices(module, args, kwargs)):
-        compile_ahead(module, args, kwargs, default_workers(), what=_describe(module, args))
-    return None
+        compile_ahead(fn, args, kwargs, default_workers(), what=what)
 
 
 # (Seen by ``passthrough.other_hooks`` as none of anyone else's: a module

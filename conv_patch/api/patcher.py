@@ -71,8 +71,10 @@ class PatchConfig:
     on a cold kernel cache (``conv_patch.warmup``'s pass, made at that
     call). Only where nobody can tell the model was called three times more
     (``conv_patch/api/warmup.py`` lists what rules it out: forward hooks,
-    list or generator arguments, autograd, ...); models with Conv3d layers
-    are not hooked (``conv_patch.warmup`` compiles theirs on request).
+    list or generator arguments, autograd, ...). A model with Conv3d layers
+    is hooked only where its family names the methods to hook (a Wan VAE's
+    ``decode`` and ``encode``, whose pass runs on the clip's first frames);
+    ``conv_patch.warmup`` compiles other video models' kernels on request.
     """
 
     table: Optional[Union[dict, str, os.PathLike]] = None

@@ -323,10 +323,15 @@ class GraphCache:
         if key is not None and key not in self.graphs:
             self._note(key)
 
+    def _refuses(self) -> bool:
+        """This cache takes no call now: given up, traced, or inside another
+        capture."""
+        return self.disabled is not None or torch.compiler.is_compiling() or _capturing()
+
     def _key(self, args: tuple, kwargs: dict) -> Optional[tuple]:
-        """The call's key, or None where this cache takes no call now (given
-        up, traced, or inside another capture)."""
-        if self.disabled is not None or torch.compiler.is_compiling() or _capturing():
+        """The call's key, or None where this cache takes no call now
+        (``_refuses``, or a pass compiling ahead)."""
+        if self._refuses():
             return None
         if kernels().compiling_ahead():
             # (A pass compiling ahead launches nothing: no graph of it, and
@@ -361,7 +366,7 @@ class GraphCache:
         ``Captured``'s warm-up runs it: the pack kernel, the upsample always
         folded), so that the kernels the capture records compile in the
         pass and not at the user's second call, which captures."""
-        if self.disabled is not None or torch.compiler.is_compiling() or _capturing():
+        if self._refuses():
             return
         key = call_key(args, kwargs)
         if key is None or key in self.ahead:

@@ -140,9 +140,10 @@ def latents(vae, frames: int, height: int, width: int, device, dtype):
 def model_row(vae, z, runs: int, warmup: int, device, compile_ahead: bool = False) -> dict:
     """The decode row; ``compile_ahead``: the patched model's first call is
     ``conv_patch.warmup(vae.decode, z, calls=1)`` (its kernels compiled
-    side by side first, as a Wan VAE's first decode does by itself; other
-    video VAEs are not hooked to), its time ``first_call_s`` and the pass
-    alone ``first_call_compile_s``."""
+    side by side first, as the first decode of every VAE here does by
+    itself), its time ``first_call_s`` and the pass alone
+    ``first_call_compile_s``. Without it ``first_call_s`` is the hooked
+    first decode's."""
     import conv_patch
     patched = copy.deepcopy(vae)
     report = conv_patch.apply(patched)

@@ -13,7 +13,7 @@ from typing import List, Tuple
 
 from torch import nn
 
-from . import cogvideox, common, dcae, diffusers, esrgan, hunyuan, ldm, ltx, mochi, transformer2d, wan  # noqa: F401  (registration)
+from . import cogvideox, common, dcae, diffusers, esrgan, hunyuan, ldm, ltx, mochi, transformer2d, video_pass, wan  # noqa: F401  (registration)
 from .fuse import REGISTRY, FusedBlock, Recipe, fused_class, is_fused
 from conv_patch.runtime.state import peek
 
@@ -74,8 +74,9 @@ __all__ = ["ORDER", "REGISTRY", "FusedBlock", "Recipe", "recipe_for", "plan", "f
            "pass_methods", "pass_inputs"]
 
 # The families whose video VAEs compile ahead at their first decode / encode
-# (the compiling pass, ``conv_patch.warmup``), and what input their pass takes.
-PASS_FAMILIES = (wan,)
+# (the compiling pass, ``conv_patch.warmup``), and what input their pass takes
+# (``video_pass``: the clip cut short).
+PASS_FAMILIES = (wan, *video_pass.FAMILIES)
 
 
 def pass_methods(model: nn.Module) -> tuple:

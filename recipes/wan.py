@@ -37,6 +37,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from . import video_pass
 from .fuse import (Recipe, attention, base, causal_conv3d, conv, dropout_is_identity, from_tokens, inference,
                    is_conv, is_silu, parts, plain, register, rms_norm, rms_norm_params, to_tokens)
 from conv_patch.routing import tables
@@ -450,21 +451,17 @@ RESIDUAL_UP = register(ResidualUpBlock())
 # without cached frames, the second with one (its predecessor had one frame),
 # and every later one as the third, with two. So the pass that compiles a
 # call's kernels ahead (``conv_patch.warmup``) launches all of them on the
-# clip's first PASS_LATENT_FRAMES latent frames, or a few more: Triton
-# specialises an integer argument on its divisibility by 16, and the convs over
-# the whole clip (``post_quant_conv``) take the clip's length, so the cut keeps
-# it modulo PASS_FRAMES_MODULUS. A decode pass costs a few frames' host time,
-# not the whole clip's.
+# clip's first PASS_LATENT_FRAMES latent frames, or a few more, as
+# ``video_pass`` cuts every video family's clip: the convs over the whole
+# clip (``post_quant_conv``) take its length, kept modulo 16. A decode pass
+# costs a few frames' host time, not the whole clip's.
 PASS_LATENT_FRAMES = 3
-PASS_FRAMES_MODULUS = 16
 TIME_DOWN = 4  # frames per latent frame after the first
 
 
 def pass_latent_frames(t: int) -> int:
     """The latent frames a pass keeps of a clip of ``t``."""
-    if t <= PASS_LATENT_FRAMES:
-        return t
-    return PASS_LATENT_FRAMES + (t - PASS_LATENT_FRAMES) % PASS_FRAMES_MODULUS
+    return video_pass.pass_frames(t, PASS_LATENT_FRAMES)
 
 
 def is_wan_vae(vae: nn.Module) -> bool:
@@ -483,25 +480,12 @@ def pass_methods(vae: nn.Module) -> tuple:
 
 def pass_inputs(vae: nn.Module, method: str, args: tuple, kwargs: dict) -> tuple:
     """(args, kwargs) for the pass of ``vae.<method>(*args, **kwargs)``: the
-    clip (the first argument, [B, C, T, H, W]) cut to its first
-    ``pass_latent_frames`` latent frames (to encode: the frames that encode
-    to them), stored as the caller's is (a view would give the convs other
-    strides)."""
-    if args:
-        clip, rest, name = args[0], args[1:], None
-    else:
-        name = next((k for k in ("z", "x") if k in kwargs), None)
-        clip, rest = kwargs.get(name), ()
-    if not isinstance(clip, torch.Tensor) or clip.dim() != 5:
+    clip cut to its first ``pass_latent_frames`` latent frames (to encode:
+    the frames that encode to them; ``video_pass.cut_clip``)."""
+    clip, _ = video_pass.clip_argument(args, kwargs)
+    if clip is None:
         return args, kwargs
     t = clip.shape[2]
     keep = pass_latent_frames(t) if method == "decode" else \
         1 + TIME_DOWN * (pass_latent_frames(1 + (t - 1) // TIME_DOWN) - 1)
-    if keep >= t:
-        return args, kwargs
-    fmt = torch.channels_last_3d if clip.is_contiguous(memory_format=torch.channels_last_3d) \
-        and not clip.is_contiguous() else torch.contiguous_format
-    cut = clip[:, :, :keep].contiguous(memory_format=fmt)
-    if name is None:
-        return (cut, *rest), kwargs
-    return args, {**kwargs, name: cut}
+    return video_pass.cut_clip(args, kwargs, keep)

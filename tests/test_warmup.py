@@ -489,7 +489,7 @@ def test_compile_ahead_pass_covers_the_swapped_call(device, exact_fp32, monkeypa
     from triton.runtime.interpreter import InterpretedFunction
     from bench import video
     from conv_patch.api.warmup import FirstMethodCall
-    from conv_patch.recipes import catalog, wan
+    from conv_patch.recipes import catalog, video_pass, wan
     from conv_patch.routing.decide import fallback
     from conv_patch.runtime import planner
     _, kernel_launch = _forced_pass(monkeypatch, device)
@@ -515,7 +515,7 @@ def test_compile_ahead_pass_covers_the_swapped_call(device, exact_fp32, monkeypa
         cut.append(tuple(out[0][0].shape))
         return out
     monkeypatch.setattr(catalog, "pass_inputs", cutting)
-    monkeypatch.setattr(wan, "PASS_FRAMES_MODULUS", 2)
+    monkeypatch.setattr(video_pass, "PASS_FRAMES_MODULUS", 2)
     vae = video.build_vae("wan2.1", True, device, torch.float32)
     z = video.latents(vae, 9, 16, 16, device, torch.float32)
     with torch.no_grad():
@@ -563,6 +563,69 @@ def test_wan_vae_pass_takes_the_clip_cut_short():
     assert vae.decode.__self__ is vae and vae.decode.__name__ == "decode" and first_pass_pending(vae)
     conv_patch.remove(vae)
     assert "decode" not in vae.__dict__ and "encode" not in vae.__dict__ and not first_pass_pending(vae)
+
+
+# (model, latent frames, the VAE's settings, the frames the pass keeps, whether as a view)
+VIDEO_PASSES = [
+    ("cogvideox", 11, {}, 7, True),  # frame batches of 2, the remainder in the first
+    ("cogvideox", 10, {"use_tiling": True, "tile_latent_min_height": 2, "tile_latent_min_width": 2,
+                       "tile_overlap_factor_height": 0.5, "tile_overlap_factor_width": 0.5}, 6, True),
+    ("mochi", 11, {"use_framewise_decoding": True}, 7, True),  # batches of 2, the remainder last
+    ("mochi", 20, {}, 4, False),  # the whole clip (the modulus 2 here, as below)
+    ("hunyuan-video", 14, {}, 11, True),  # temporal tiles of 5 latent frames, 3 apart
+    ("hunyuan-video", 20, {"use_framewise_decoding": False}, 4, False),
+    ("ltx-video", 20, {}, 4, False),
+    ("ltx-video", 8, {"use_framewise_decoding": True}, 5, True),  # tiles of 3, 1 apart
+]
+
+
+@pytest.mark.parametrize("model, t, settings, keep, view", VIDEO_PASSES,
+                         ids=[f"{m}-{t}-{'-'.join(s)[:24] or 'default'}" for m, t, s, _, _ in VIDEO_PASSES])
+def test_video_vae_pass_covers_the_decode(model, t, settings, keep, view, device, exact_fp32, monkeypatch):
+    """A CogVideoX, Mochi, HunyuanVideo or LTX-Video VAE is hooked at its
+    ``decode``, whose first call compiles ahead on the clip cut short
+    (``recipes.video_pass``): every launch of the decodes after it was
+    compiled in the pass. A batched or tiled decode's pass takes a view of
+    the clip's first frames (its slices are the full clip's, strides and
+    all); a whole-clip decode's a copy of as many frames as keep the length
+    modulo 16 (2 here, as in the Wan test above). The kernels are not run:
+    the launches' arguments are what is compared (the decodes' answers are
+    the family tests')."""
+    pytest.importorskip("diffusers")
+    from triton.runtime.interpreter import InterpretedFunction
+    from bench import video
+    from conv_patch.api.warmup import FirstMethodCall
+    from conv_patch.recipes import catalog, video_pass
+    _, kernel_launch = _forced_pass(monkeypatch, device)
+    ahead, launched, cut = set(), set(), []
+    monkeypatch.setattr(kernel_launch, "compile_only",
+                        lambda kernel, grid, args, meta: ahead.add(_launch_key(kernel, args, meta)))
+    monkeypatch.setattr(InterpretedFunction, "run",
+                        lambda self, *args, grid, warmup, **kw: launched.add(_launch_key(self, args, kw)))
+    pass_inputs = catalog.pass_inputs
+
+    def cutting(*a):
+        out = pass_inputs(*a)
+        cut.append(out[0][0])
+        return out
+    monkeypatch.setattr(catalog, "pass_inputs", cutting)
+    monkeypatch.setattr(video_pass, "PASS_FRAMES_MODULUS", 2)
+    vae = video.build_vae(model, True, device, torch.float32)
+    for k, v in settings.items():
+        setattr(vae, k, v)
+    z = torch.randn(1, vae.config.latent_channels, t, 4, 4, device=device)
+    assert catalog.pass_methods(vae) == ("decode",)
+    conv_patch.apply(vae)
+    assert isinstance(vae.__dict__.get("decode"), FirstMethodCall)
+    with torch.no_grad():
+        vae.decode(z)
+        assert len(cut) == 1 and cut[0].shape[2] == keep < t, [c.shape for c in cut]
+        # A batched decode's cut is a view of the clip (its strides), a whole clip's a dense copy.
+        assert (cut[0].stride() == z.stride()) == view and (cut[0].data_ptr() == z.data_ptr()) == view
+        assert "decode" not in vae.__dict__ and ahead
+        for _ in range(2):
+            vae.decode(z)
+    assert launched and launched <= ahead, len(launched - ahead)
 
 
 def test_compile_ahead_pass_runs_a_graphed_block_down_the_capture_path(device, exact_fp32, monkeypatch):

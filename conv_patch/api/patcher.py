@@ -73,7 +73,8 @@ class PatchConfig:
     (``conv_patch/api/warmup.py`` lists what rules it out: forward hooks,
     list or generator arguments, autograd, ...). A model with Conv3d layers
     is hooked only where its family names the methods to hook (a Wan VAE's
-    ``decode`` and ``encode``, whose pass runs on the clip's first frames);
+    ``decode`` and ``encode``; diffusers' CogVideoX, Mochi, HunyuanVideo and
+    LTX-Video VAEs' ``decode``), whose pass runs on the clip's first frames;
     ``conv_patch.warmup`` compiles other video models' kernels on request.
     """
 

@@ -230,7 +230,8 @@ def warmup(model: Callable, *args, calls: int = 3, compile_workers: Optional[int
 # are put back after it. A model with Conv3d layers is a video model whose
 # decoder is called once per latent frame with the VAE's cache lists: it is
 # hooked at the methods its family names (``recipes.catalog.pass_methods``: a
-# Wan VAE's ``decode`` and ``encode``, as ``FirstMethodCall``), whose pass
+# Wan VAE's ``decode`` and ``encode``, the other diffusers video VAEs'
+# ``decode``, as ``FirstMethodCall``), whose pass
 # takes the clip cut to a few frames (``catalog.pass_inputs``), and not at
 # all where its family has none. Elsewhere ``warmup`` compiles ahead on
 # request.

@@ -9,7 +9,7 @@ frames concatenated, ``F.pad``, cuDNN's conv3d).
 
     python -m bench.video [--model wan2.1] [--frames F --height H --width W] [--runs 3]
                           [--layers] [--write-table configs/sm90.json] [--profile N] [--block-peaks]
-                          [--flops] [--tiny]
+                          [--flops] [--compile-ahead | --no-ahead] [--tiny]
 
 Model rows: ``baseline_ms`` (unpatched, launched eagerly), ``ours_ms``
 (patched), ``speedup``, ``peak_gib`` / ``baseline_peak_gib``
@@ -137,16 +137,18 @@ def latents(vae, frames: int, height: int, width: int, device, dtype):
     return torch.randn(shape, generator=g).to(device=device, dtype=dtype)
 
 
-def model_row(vae, z, runs: int, warmup: int, device, compile_ahead: bool = False) -> dict:
+def model_row(vae, z, runs: int, warmup: int, device, compile_ahead: bool = False, ahead: bool = True) -> dict:
     """The decode row; ``compile_ahead``: the patched model's first call is
     ``conv_patch.warmup(vae.decode, z, calls=1)`` (its kernels compiled
     side by side first, as the first decode of every VAE here does by
     itself), its time ``first_call_s`` and the pass alone
     ``first_call_compile_s``. Without it ``first_call_s`` is the hooked
-    first decode's."""
+    first decode's; ``ahead=False`` patches with
+    ``PatchConfig(compile_ahead=False)`` (nothing hooked: the first decode
+    compiles as its launches reach the kernels)."""
     import conv_patch
     patched = copy.deepcopy(vae)
-    report = conv_patch.apply(patched)
+    report = conv_patch.apply(patched, config=conv_patch.PatchConfig(compile_ahead=ahead))
     variants = {"unpatched": vae, "patched": patched}
     times = {k: [] for k in variants}
     peaks = {}
@@ -376,6 +378,8 @@ def main(argv=None):
                     help="also count the decode's arithmetic (meta device) and its time at the bf16 peak")
     ap.add_argument("--compile-ahead", action="store_true",
                     help="the patched first call is conv_patch.warmup(vae.decode, z, calls=1)")
+    ap.add_argument("--no-ahead", action="store_true",
+                    help="patch with PatchConfig(compile_ahead=False): the first decode compiles as it goes")
     ap.add_argument("--tiny", action="store_true", help="a tiny config on the CPU (the tests)")
     ap.add_argument("--out", default=None, help="results folder (default bench/results)")
     ap.add_argument("--name", default=None, help="result file stem (default video-<model>)")
@@ -413,7 +417,7 @@ def main(argv=None):
 
     if not args.no_decode:
         rows.append(model_row(vae, latents(vae, args.frames, args.height, args.width, device, dtype), args.runs,
-                              args.warmup, device, compile_ahead=args.compile_ahead))
+                              args.warmup, device, compile_ahead=args.compile_ahead, ahead=not args.no_ahead))
         print(f"{rows[0]['name']}: unpatched {rows[0]['baseline_ms']:.1f} ms, patched {rows[0]['ours_ms']:.1f} "
               f"ms (x{rows[0]['speedup']:.2f}), peak {rows[0]['peak_gib']} / {rows[0]['baseline_peak_gib']} GiB",
               flush=True)

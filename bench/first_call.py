@@ -15,10 +15,11 @@ process also times the model's second and third calls (``*_second_s``,
 the second, a call whose arguments differ). Rows carry
 ``first_call_s`` (the cold one), ``cold_over_s`` / ``warm_over_s`` (over the
 unpatched first call) and ``checks``: the issue's bars, cold at most 5 s and
-warm at most 1 s over the unpatched first call. ``--off`` adds a fourth
-process, patched with ``PatchConfig(compile_ahead=False)`` and an empty
-cache again (``off_s``: the kernels compiled one after another as the call
-reaches them). A child that dies or passes ``--child-timeout`` leaves the
+warm at most 1 s over the unpatched first call. ``--off`` adds two
+processes patched with ``PatchConfig(compile_ahead=False)``: one on the warm
+cache (``warm_off_s``: what the pass costs where there is nothing left to
+compile) and one on an empty cache again (``off_s``: the kernels compiled
+one after another as the call reaches them). A child that dies or passes ``--child-timeout`` leaves the
 row's ``error``. ``--tiny`` runs the zoo's tiny configs on the CPU (the
 tests).
 """
@@ -41,8 +42,8 @@ from .common import bench_device, child_rows, print_table, sync, write_results
 BASELINE = "unpatched first call, fresh process"
 # The issue's bars: seconds over the unpatched first call.
 COLD_OVER_S, WARM_OVER_S = 5.0, 1.0
-VARIANTS = ("unpatched", "cold", "warm", "off")
-TABLE = ["name", "baseline_s", "cold_s", "warm_s", "off_s", "cold_over_s", "warm_over_s", "error"]
+VARIANTS = ("unpatched", "cold", "warm", "warm_off", "off")
+TABLE = ["name", "baseline_s", "cold_s", "warm_s", "warm_off_s", "off_s", "cold_over_s", "warm_over_s", "error"]
 
 
 def first_calls(name, size, batch, dtype_name, patched: bool, tiny: bool, device, ahead: bool = True) -> dict:
@@ -73,9 +74,9 @@ def _row(case, args) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench-first-call-", ignore_cleanup_errors=True) as tmp:
         env = {"TRITON_CACHE_DIR": str(Path(tmp) / "triton")}
         for variant in VARIANTS:
+            if variant in ("off", "warm_off") and not args.off:
+                continue
             if variant == "off":
-                if not args.off:
-                    continue
                 env = {"TRITON_CACHE_DIR": str(Path(tmp) / "triton-off")}
             rows, error = child_rows("bench.first_call", argv + ["--variant", variant], env, args.child_timeout)
             if error:
@@ -98,8 +99,9 @@ def _row(case, args) -> dict:
         if "warm_s" in row:
             row["warm_over_s"] = row["warm_s"] - row["baseline_s"]
             row["checks"]["warm_within_1s"] = row["warm_over_s"] <= WARM_OVER_S
-        if "off_s" in row:
-            row["off_over_s"] = row["off_s"] - row["baseline_s"]
+        for k in ("off", "warm_off"):
+            if f"{k}_s" in row:
+                row[f"{k}_over_s"] = row[f"{k}_s"] - row["baseline_s"]
     return row
 
 
@@ -107,7 +109,7 @@ def _child_main(args) -> None:
     size = json.loads(args.size)
     size = tuple(size) if isinstance(size, list) else size
     row = first_calls(args.only[0], size, args.batch, args.dtype or None, args.variant != "unpatched", args.tiny,
-                      bench_device(), ahead=args.variant != "off")
+                      bench_device(), ahead=args.variant not in ("off", "warm_off"))
     Path(args.row_out).write_text(json.dumps([row]) + "\n")
 
 
@@ -116,7 +118,8 @@ def main(argv=None):
     zoo.case_args(ap, "first-call")
     ap.add_argument("--set", choices=("quick", "full", "untuned"), default="quick")
     ap.add_argument("--child-timeout", type=float, default=None, help="seconds a child may run")
-    ap.add_argument("--off", action="store_true", help="also a cold first call with PatchConfig(compile_ahead=False)")
+    ap.add_argument("--off", action="store_true",
+                    help="also first calls with PatchConfig(compile_ahead=False), on the warm cache and a cold one")
     # A child's own arguments (one case, one variant).
     for flag, kw in (("--child", {"action": "store_true"}), ("--variant", {"choices": VARIANTS}),
                      ("--size", {}), ("--batch", {"type": int}), ("--dtype", {}), ("--row-out", {})):

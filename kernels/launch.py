@@ -231,6 +231,7 @@ class AheadProgress:
     def __init__(self, pending: list):
         self.pending = pending
         self.loaded = 0
+        self.failed = 0  # kernels whose compile or load failed (their launches will raise)
         self.loading = False
 
     def counts(self) -> tuple:
@@ -272,22 +273,26 @@ def compile_ahead(workers: int):
                 _AHEAD.pending = _AHEAD.seen = None
         progress.loading = True
         unique = list({id(item[0]): item for item in pending}.values())
-        for _ in pool.map(_load, unique):
+        for ok in pool.map(_load, unique):
             progress.loaded += 1
+            progress.failed += not ok
 
 
-def _load(item) -> None:
+def _load(item) -> bool:
     """Make a compiled kernel's launcher and load it on its GPU (what its
-    first launch would do); a failure is left to that launch."""
+    first launch would do); whether it could. A failure is left to that
+    launch."""
     kernel, device = item
     try:
         compiled = kernel.result(True) if hasattr(kernel, "result") else kernel
-        if compiled is not None:
-            import torch
-            with torch.cuda.device(device):
-                compiled.run  # (the property loads it: Triton's lazy handles)
+        if compiled is None:
+            return False
+        import torch
+        with torch.cuda.device(device):
+            compiled.run  # (the property loads it: Triton's lazy handles)
+        return True
     except Exception:  # noqa: BLE001 - the real launch raises it where the plans handle failures
-        pass
+        return False
 
 
 def hash_triton() -> None:

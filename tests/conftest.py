@@ -43,6 +43,16 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True)
+def _own_pass_marks(tmp_path_factory, monkeypatch):
+    """Each test's compiling passes mark a folder of its own
+    (``api/pass_marks``): a mark left by another test, or by a run before,
+    would skip a pass a test expects."""
+    from conv_patch.api import pass_marks
+    d = tmp_path_factory.mktemp("triton-cache")
+    monkeypatch.setattr(pass_marks, "cache_dir", lambda: d)
+
+
+@pytest.fixture(autouse=True)
 def _release_cuda_memory():
     """After each test on a GPU, the memory PyTorch's allocator keeps
     cached goes back to the device: test workers sharing one GPU (``-n``)

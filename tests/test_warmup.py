@@ -231,6 +231,65 @@ def test_first_call_compiles_ahead_once_and_leaves_the_random_numbers(device, ex
         assert rel_err(net(x), ref) <= 1e-5 and len(compiled) == n
 
 
+def test_pass_key_names_the_model_the_call_and_the_code(monkeypatch):
+    """A pass's mark is keyed on what decides the call's kernels: the same
+    for the same model built again (a later process's) and the same call,
+    another for another shape, dtype, stride, argument value, module class
+    or ``CONV_PATCH_*`` setting; none for an argument it cannot describe."""
+    from conv_patch.api import pass_marks
+    x = torch.randn(2, 3, 9, 7)
+
+    def key(net=None, *args, **kwargs):
+        return pass_marks.pass_key(net or _net(torch.device("cpu")), "forward", args or (x,), kwargs)
+    k = key()
+    assert k is not None and key() == k and len(k) == 64
+    rebuilt = nn.Sequential(*_net(torch.device("cpu"))[:3], nn.ConvTranspose2d(5, 4, 4, 2, 1))
+    assert key(rebuilt) == k  # (other weights, the same classes and shapes)
+    others = [key(None, torch.randn(2, 3, 9, 8)), key(None, x.half()), key(None, x.transpose(2, 3)),
+              key(None, x, scale=0.5), key(_net(torch.device("cpu")).half()),
+              key(nn.Sequential(*_net(torch.device("cpu"))[:3], nn.ConvTranspose2d(5, 4, 3, 2, 1)))]
+    assert len({k, *others}) == len(others) + 1
+    monkeypatch.setenv("CONV_PATCH_SHARED", "/elsewhere")
+    assert key() != k
+    assert key(None, x, cb=object()) is None and not pass_marks.marked(None)
+
+
+def test_first_call_skips_a_pass_marked_before(device, exact_fp32, monkeypatch):
+    """A pass that compiled and loaded every kernel marks its call in the
+    kernel cache's folder; a later first call of the same model and input
+    (another process's: here a model built again) makes no pass and
+    computes as before. A pass where a kernel failed leaves no mark."""
+    from conv_patch.api import pass_marks
+    from conv_patch.kernels import launch as kernel_launch
+    compiled, _ = _forced_pass(monkeypatch, device)
+    x = torch.randn(2, 3, 9, 7, device=device)
+    net, ref = _net(device), None
+    with torch.no_grad():
+        ref = net(x)
+        conv_patch.apply(net)
+        key = pass_marks.pass_key(net, "forward", (x,), {})
+        assert not pass_marks.marked(key)
+        net(x)
+        if not compiled:
+            pytest.skip("no kernel takes these convs here")
+        assert pass_marks.marked(key) and (pass_marks.cache_dir() / pass_marks.MARKS_DIR / key).is_file()
+        n = len(compiled)
+        again = _net(device)
+        conv_patch.apply(again)
+        assert rel_err(again(x), ref) <= 1e-5 and len(compiled) == n  # no pass
+        # A kernel that failed to compile or load: no mark, the next first call passes again.
+        class Failing(kernel_launch.AheadProgress):
+            def __init__(self, pending):
+                super().__init__(pending)
+                self.failed = 1
+        monkeypatch.setattr(kernel_launch, "AheadProgress", Failing)
+        y = torch.randn(1, 3, 5, 6, device=device)
+        third = _net(device)
+        conv_patch.apply(third)
+        third(y)
+        assert len(compiled) > n and not pass_marks.marked(pass_marks.pass_key(third, "forward", (y,), {}))
+
+
 @pytest.mark.parametrize("case", ["hook", "list", "generator", "grad", "train"])
 def test_first_call_not_compiled_ahead_where_the_pass_could_be_seen(case, device, exact_fp32, monkeypatch):
     """No pass where someone would see the model called twice: a forward

@@ -23,7 +23,10 @@ after another as the launches reach them
 pass off). That pass's outputs are garbage and nothing it planned is kept
 (``dispatch.forget`` on the model's modules and every call site); the calls
 after it plan as first calls do, with their kernels compiled. A pass that
-raises is a warning: it only saves time.
+raises is a warning: it only saves time. A pass that compiled and loaded
+every kernel leaves a mark in Triton's cache directory (``pass_marks``): a
+later process's first call of the same model and input, whose kernels are
+all in that cache, makes no pass before it.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from typing import Callable, List, Optional
 import torch
 from torch import nn
 
+from conv_patch.api import pass_marks
 from conv_patch.runtime import dispatch, passthrough
 from conv_patch.runtime.plans import COMPILE_NOTICE_S, BuildCount
 
@@ -90,17 +94,21 @@ def default_workers() -> int:
     return min(MAX_COMPILE_WORKERS, os.cpu_count() or 1)
 
 
-def compile_ahead(model: Callable, args: tuple, kwargs: dict, workers: int, what: Optional[str] = None
-                  ) -> Optional[float]:
+def compile_ahead(model: Callable, args: tuple, kwargs: dict, workers: int, what: Optional[str] = None,
+                  key: Optional[str] = None) -> Optional[float]:
     """The compiling pass (module docstring): its wall time, or None where
     it does not run (no GPU tensor, a callable whose modules are unknown, a
     Triton without async compiles). ``what`` names the call in the progress
-    line that a pass still compiling after ``COMPILE_NOTICE_S`` writes."""
+    line that a pass still compiling after ``COMPILE_NOTICE_S`` writes. A
+    pass that compiled and loaded every kernel leaves its mark
+    (``pass_marks``; ``key``: the call's, where the caller has it)."""
     modules = _modules_of(model)
     if modules is None or workers < 1 or not _on_gpu(modules, args, kwargs):
         return None
-    owner, method = getattr(model, "__self__", None), getattr(model, "__name__", None)
-    if isinstance(owner, nn.Module) and isinstance(method, str):
+    owner, method = _owner_method(model)
+    if key is None:
+        key = _pass_key(owner, method, args, kwargs)
+    if method != "forward":
         from conv_patch.recipes import catalog
         args, kwargs = catalog.pass_inputs(owner, method, args, kwargs)
     from conv_patch.ops.loader import kernels, wait_for_background
@@ -126,7 +134,25 @@ def compile_ahead(model: Callable, args: tuple, kwargs: dict, workers: int, what
         dispatch.forget(modules)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    return time.perf_counter() - t0 if progress is not None else None
+    if progress is None:
+        return None
+    if not progress.failed:
+        pass_marks.mark(key)
+    return time.perf_counter() - t0
+
+
+def _owner_method(model) -> tuple:
+    """(the module, the method's name) of a module or a bound method of one."""
+    if isinstance(model, nn.Module):
+        return model, "forward"
+    return model.__self__, model.__name__
+
+
+def _pass_key(owner: nn.Module, method: str, args: tuple, kwargs: dict) -> Optional[str]:
+    try:
+        return pass_marks.pass_key(owner, method, args, kwargs)
+    except Exception:  # noqa: BLE001 - no mark: the pass runs as it would without marks
+        return None
 
 
 class _ProgressLine:
@@ -304,11 +330,18 @@ def _first_pass(module: nn.Module, fn: Callable, args: tuple, kwargs: dict, what
     under way."""
     if first_pass_problem(module, args, kwargs) is not None:
         return
-    from conv_patch.ops.loader import kernels
+    from conv_patch.ops.loader import kernels, wait_for_background
     if kernels().compiling_ahead():
         return  # (called inside a pass: its kernels compile in that one)
+    key = _pass_key(*_owner_method(fn), args, kwargs)
+    if pass_marks.marked(key):
+        # A pass of this call compiled every kernel into the cache already:
+        # the call loads them. (The background load of Triton's key first,
+        # which the call's first kernel would otherwise compute beside it.)
+        wait_for_background()
+        return
     with torch.random.fork_rng(devices=_cuda_devices(module, args, kwargs)):
-        compile_ahead(fn, args, kwargs, default_workers(), what=what)
+        compile_ahead(fn, args, kwargs, default_workers(), what=what, key=key)
 
 
 # (Seen by ``passthrough.other_hooks`` as none of anyone else's: a module

@@ -38,6 +38,10 @@ from typing import Callable, Optional, Tuple
 import torch
 from torch import nn
 
+from conv_patch.checkout import refuse_top_level
+
+refuse_top_level(__name__)
+
 PASS_FRAMES_MODULUS = 16
 # Frames of a whole-clip decode the pass keeps at least: the first latent
 # frame is the causal convs' special case (padded, or up-sampled apart), so

@@ -45,10 +45,11 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _own_pass_marks(tmp_path_factory, monkeypatch):
     """Each test's compiling passes mark a folder of its own
-    (``api/pass_marks``): a mark left by another test, or by a run before,
-    would skip a pass a test expects."""
+    (``api/pass_marks``, made at the first mark): a mark left by another
+    test, or by a run before, would skip a pass a test expects."""
+    import uuid
     from conv_patch.api import pass_marks
-    d = tmp_path_factory.mktemp("triton-cache")
+    d = tmp_path_factory.getbasetemp() / f"triton-cache-{uuid.uuid4().hex}"
     monkeypatch.setattr(pass_marks, "cache_dir", lambda: d)
 
 

@@ -101,8 +101,8 @@ def pass_key(module: nn.Module, method: str, args: tuple, kwargs: dict) -> Optio
     h.update(_code().encode())
     env = sorted((k, v) for k, v in os.environ.items() if k.startswith(("CONV_PATCH_", "TRITON_")))
     h.update(repr(env).encode())
-    devices = sorted({t.device.index or 0 for t in (*args, *kwargs.values())
-                      if isinstance(t, torch.Tensor) and t.is_cuda})
+    devices = sorted({torch.cuda.current_device() if t.device.index is None else t.device.index
+                      for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor) and t.is_cuda})
     h.update(repr([(torch.cuda.get_device_name(i), torch.cuda.get_device_capability(i)) for i in devices]).encode())
     for name, m in module.named_modules():
         h.update(f"{name}:{type(m).__module__}.{type(m).__qualname__}".encode())

@@ -74,28 +74,27 @@ def _tensor(t: torch.Tensor) -> str:
     return f"T{tuple(t.shape)}{t.dtype}{t.stride()}{t.device.type}{t.data_ptr() % 16 == 0}"
 
 
-def _argument(v, depth: int = 0) -> Optional[str]:
+def describe_argument(v, containers: tuple = (tuple, list, dict), depth: int = 0) -> str:
+    """A call argument as the key sees it (module docstring), walking the
+    ``containers`` to ``MAX_DEPTH``; ``TypeError`` naming what cannot be
+    described. (Also the pass's own check of its arguments, ``warmup``.)"""
     if isinstance(v, torch.Tensor):
         return _tensor(v)
     if v is None or isinstance(v, (bool, int, float, str, torch.dtype, torch.device)):
         return f"{type(v).__name__}:{v!r}"
-    if isinstance(v, (tuple, list, dict)) and depth < MAX_DEPTH:
+    if isinstance(v, containers) and depth < MAX_DEPTH:
         items = v.items() if isinstance(v, dict) else enumerate(v)
-        parts = []
-        for k, x in items:
-            d = _argument(x, depth + 1)
-            if d is None:
-                return None
-            parts.append(f"{k!r}={d}")
-        return f"{type(v).__name__}({','.join(parts)})"
-    return None
+        return f"{type(v).__name__}({','.join(f'{k!r}={describe_argument(x, containers, depth + 1)}' for k, x in items)})"
+    raise TypeError(f"an argument of type {type(v).__name__}")
 
 
 def pass_key(module: nn.Module, method: str, args: tuple, kwargs: dict) -> Optional[str]:
     """The mark's key of a pass before ``module.<method>(*args, **kwargs)``
     (module docstring); None where an argument cannot be described."""
-    call = _argument((args, kwargs))
-    if call is None:
+    try:
+        call = ";".join([*map(describe_argument, args),
+                         *(f"{k}={describe_argument(v)}" for k, v in kwargs.items())])
+    except TypeError:
         return None
     h = hashlib.sha256()
     h.update(_code().encode())

@@ -369,23 +369,13 @@ def first_pass_problem(module: nn.Module, args: tuple, kwargs: dict) -> Optional
         proc = m.__dict__.get("processor")
         if proc is not None and not type(proc).__module__.startswith(("diffusers.", "conv_patch.")):
             return f"attention processor {type(proc).__qualname__} on {name}"
-    for v in (*args, *kwargs.values()):
-        problem = _argument_problem(v)
-        if problem is not None:
-            return problem
+    try:
+        # (Lists refused: a call may change them, and the pass would see to it.)
+        for v in (*args, *kwargs.values()):
+            pass_marks.describe_argument(v, containers=(tuple, dict))
+    except TypeError as e:
+        return str(e)
     return None
-
-
-def _argument_problem(v, depth: int = 0) -> Optional[str]:
-    if v is None or isinstance(v, (torch.Tensor, bool, int, float, str, torch.dtype, torch.device)):
-        return None
-    if isinstance(v, (tuple, dict)) and depth < 4:
-        for item in (v.values() if isinstance(v, dict) else v):
-            problem = _argument_problem(item, depth + 1)
-            if problem is not None:
-                return problem
-        return None
-    return f"an argument of type {type(v).__name__}"
 
 
 def _copied(v):

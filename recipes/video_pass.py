@@ -1,6 +1,6 @@
-"""The clip a video VAE's compiling pass decodes: the caller's, cut short.
+"""The clip a video VAE's compiling pass decodes or encodes: the caller's, cut short.
 
-A video VAE's first patched decode compiles its kernels ahead, in one pass
+A video VAE's first patched decode (or encode) compiles its kernels ahead, in one pass
 over the call (``conv_patch.warmup``, hooked by ``apply`` at the methods
 ``recipes.catalog.pass_methods`` names). The pass calls the method three
 times; over the whole clip that would cost three decodes of host time and
@@ -16,17 +16,20 @@ How the clip is cut depends on what reaches the kernels:
   its length in every size and stride, and Triton specialises an integer
   argument on its divisibility by 16. Those are the length times a constant
   plus another, so the pass keeps the length modulo ``PASS_FRAMES_MODULUS``,
-  in a clip stored as the caller's (a view would have other strides).
-* A decode in frame batches or temporal tiles (CogVideoX; Mochi framewise;
-  HunyuanVideo and LTX-Video past a tile) hands its decoder slices of the
-  clip. The pass takes a view of the clip's first frames: its slices are the
+  in a clip stored as the caller's (a view would have other strides). An
+  encoder over the whole clip divides the length at each temporal stage, so
+  its pass keeps the clip's frames modulo ``PASS_FRAMES_MODULUS`` times the
+  compression ratio, from the ``1 + 2 * ratio`` frames of three latent ones.
+* A decode or encode in frame batches or temporal tiles (CogVideoX; Mochi's
+  decode framewise; HunyuanVideo and LTX-Video past a tile) hands its
+  decoder or encoder slices of the clip. The pass takes a view of the clip's first frames: its slices are the
   full clip's first ones, strides and addresses alike, and the length is
   kept modulo the batch or stride, so the last slice has the size it has.
 
 Wan's rule is its own (``recipes.wan``: one latent frame at a time over a
 whole-clip ``post_quant_conv``); this module holds the shared cut and the
 rules of diffusers' CogVideoX, Mochi, HunyuanVideo and LTX-Video VAEs
-(their ``decode``).
+(their ``decode`` and ``encode``).
 """
 
 from __future__ import annotations
@@ -102,61 +105,88 @@ def _int(vae: nn.Module, name: str) -> Optional[int]:
 Rule = Optional[Tuple[int, int, bool]]
 
 
-def _frame_batches(vae: nn.Module, t: int) -> Rule:
-    """CogVideoX, Mochi framewise: batches of ``num_latent_frames_batch_size``
-    latent frames, each with the cached frames of the one before (CogVideoX
-    adds the remainder to its first, Mochi leaves it last): three batches
-    and the remainder."""
-    b = _int(vae, "num_latent_frames_batch_size")
+def _frame_batches(vae: nn.Module, t: int, size: str = "num_latent_frames_batch_size") -> Rule:
+    """CogVideoX, Mochi framewise: batches of ``size`` frames (latent ones
+    to decode, the clip's to encode), each with the cached frames of the one
+    before (CogVideoX adds the remainder to its first, Mochi leaves it
+    last): three batches and the remainder."""
+    b = _int(vae, size)
     return None if b is None else (3 * b + t % b, b, False)
 
 
-def _temporal_tiles(vae: nn.Module, t: int) -> Rule:
+def _whole_clip(vae: nn.Module, t: int, encode: bool) -> Rule:
+    """A whole-clip call: three latent frames, or to encode the
+    ``1 + 2 * ratio`` frames that encode to them, with the length kept
+    modulo 16 at every temporal stage of the encoder (modulo ``16 * ratio``
+    in the clip's frames)."""
+    if not encode:
+        return WHOLE_CLIP_FRAMES, 1, True
+    cr = _int(vae, "temporal_compression_ratio")
+    return None if cr is None else (1 + (WHOLE_CLIP_FRAMES - 1) * cr, PASS_FRAMES_MODULUS * cr, True)
+
+
+def _temporal_tiles(vae: nn.Module, t: int, encode: bool = False, flag: Optional[str] = None) -> Rule:
     """HunyuanVideo, LTX-Video: whole clips up to a tile's length, else
-    (``use_framewise_decoding``) overlapping tiles of that length plus one
-    frame, a stride apart: the first, two more, then the clip's last ones,
-    shorter (the length modulo the stride)."""
+    (the ``flag``: ``use_framewise_decoding`` / ``_encoding``) overlapping
+    tiles of that length plus one frame, a stride apart: the first, two
+    more, then the clip's last ones, shorter (the length modulo the stride).
+    A decode's tiles are of latent frames, an encode's of the clip's."""
     cr = _int(vae, "temporal_compression_ratio")
     tile, stride = (_int(vae, k) for k in ("tile_sample_min_num_frames", "tile_sample_stride_num_frames"))
     if None in (cr, tile, stride) or stride < cr:
         return None  # (a stride of no latent frame: the decode's own loop would not move)
-    tile, stride = tile // cr, stride // cr
-    if getattr(vae, "use_framewise_decoding", False) and t > tile:
+    if not encode:
+        tile, stride = tile // cr, stride // cr
+    flag = flag or ("use_framewise_encoding" if encode else "use_framewise_decoding")
+    if getattr(vae, flag, False) and t > tile:
         return tile + 1 + 2 * stride, stride, False
-    return WHOLE_CLIP_FRAMES, 1, True
+    return _whole_clip(vae, t, encode)
 
 
-def _mochi(vae: nn.Module, t: int) -> Rule:
-    if getattr(vae, "use_framewise_decoding", False):
+def _cogvideox(vae: nn.Module, t: int, encode: bool) -> Rule:
+    return _frame_batches(vae, t, "num_sample_frames_batch_size" if encode else "num_latent_frames_batch_size")
+
+
+def _mochi(vae: nn.Module, t: int, encode: bool) -> Rule:
+    # (Its encode has no framewise path: diffusers raises there.)
+    if getattr(vae, "use_framewise_decoding", False) and not encode:
         return _frame_batches(vae, t)
-    return WHOLE_CLIP_FRAMES, 1, True
+    return _whole_clip(vae, t, encode)
+
+
+def _ltx(vae: nn.Module, t: int, encode: bool) -> Rule:
+    # (diffusers' LTX-Video encode tiles in time by the decoding flag.)
+    return _temporal_tiles(vae, t, encode, "use_framewise_decoding")
 
 
 @dataclass(frozen=True)
 class ClipPass:
-    """The pass of one family's ``decode``: its classes (diffusers' names,
-    matched along the MRO) and its rule for a clip of ``t`` latent frames
-    (``Rule``)."""
+    """The pass of one family's ``decode`` and ``encode``: its classes
+    (diffusers' names, matched along the MRO) and its rule for a clip of
+    ``t`` frames (``Rule``; ``frames(vae, t, encode)``: latent frames to
+    decode, the clip's to encode)."""
     classes: tuple
     frames: Callable
 
     def pass_methods(self, vae: nn.Module) -> tuple:
-        return ("decode",) if _is(vae, self.classes) and callable(getattr(type(vae), "decode", None)) else ()
+        if not _is(vae, self.classes):
+            return ()
+        return tuple(m for m in ("decode", "encode") if callable(getattr(type(vae), m, None)))
 
     def pass_inputs(self, vae: nn.Module, method: str, args: tuple, kwargs: dict) -> tuple:
         clip, _ = clip_argument(args, kwargs)
-        if clip is None or method != "decode":
+        if clip is None or method not in ("decode", "encode"):
             return args, kwargs
         t = clip.shape[2]
-        rule = self.frames(vae, t)
+        rule = self.frames(vae, t, method == "encode")
         if rule is None:
             return args, kwargs
         minimum, period, whole = rule
         return cut_clip(args, kwargs, pass_frames(t, minimum, period, whole), view=not whole)
 
 
-COGVIDEOX = ClipPass(("AutoencoderKLCogVideoX",), _frame_batches)
+COGVIDEOX = ClipPass(("AutoencoderKLCogVideoX",), _cogvideox)
 MOCHI = ClipPass(("AutoencoderKLMochi",), _mochi)
 HUNYUAN_VIDEO = ClipPass(("AutoencoderKLHunyuanVideo",), _temporal_tiles)
-LTX_VIDEO = ClipPass(("AutoencoderKLLTXVideo",), _temporal_tiles)
+LTX_VIDEO = ClipPass(("AutoencoderKLLTXVideo",), _ltx)
 FAMILIES = (COGVIDEOX, MOCHI, HUNYUAN_VIDEO, LTX_VIDEO)

@@ -624,32 +624,41 @@ def test_wan_vae_pass_takes_the_clip_cut_short():
     assert "decode" not in vae.__dict__ and "encode" not in vae.__dict__ and not first_pass_pending(vae)
 
 
-# (model, latent frames, the VAE's settings, the frames the pass keeps, whether as a view)
+# (model, method, frames (latent ones to decode), the VAE's settings, the
+# frames the pass keeps, whether as a view)
 VIDEO_PASSES = [
-    ("cogvideox", 11, {}, 7, True),  # frame batches of 2, the remainder in the first
-    ("cogvideox", 10, {"use_tiling": True, "tile_latent_min_height": 2, "tile_latent_min_width": 2,
-                       "tile_overlap_factor_height": 0.5, "tile_overlap_factor_width": 0.5}, 6, True),
-    ("mochi", 11, {"use_framewise_decoding": True}, 7, True),  # batches of 2, the remainder last
-    ("mochi", 20, {}, 4, False),  # the whole clip (the modulus 2 here, as below)
-    ("hunyuan-video", 14, {}, 11, True),  # temporal tiles of 5 latent frames, 3 apart
-    ("hunyuan-video", 20, {"use_framewise_decoding": False}, 4, False),
-    ("ltx-video", 20, {}, 4, False),
-    ("ltx-video", 8, {"use_framewise_decoding": True}, 5, True),  # tiles of 3, 1 apart
+    ("cogvideox", "decode", 11, {}, 7, True),  # frame batches of 2, the remainder in the first
+    ("cogvideox", "decode", 10, {"use_tiling": True, "tile_latent_min_height": 2, "tile_latent_min_width": 2,
+                                 "tile_overlap_factor_height": 0.5, "tile_overlap_factor_width": 0.5}, 6, True),
+    ("mochi", "decode", 11, {"use_framewise_decoding": True}, 7, True),  # batches of 2, the remainder last
+    ("mochi", "decode", 20, {}, 4, False),  # the whole clip (the modulus 2 here, as below)
+    ("hunyuan-video", "decode", 14, {}, 11, True),  # temporal tiles of 5 latent frames, 3 apart
+    ("hunyuan-video", "decode", 20, {"use_framewise_decoding": False}, 4, False),
+    ("ltx-video", "decode", 20, {}, 4, False),
+    ("ltx-video", "decode", 8, {"use_framewise_decoding": True}, 5, True),  # tiles of 3, 1 apart
+    ("cogvideox", "encode", 41, {}, 25, True),  # batches of 8 frames, the remainder in the first
+    ("mochi", "encode", 37, {}, 13, False),  # whole: 1 + 2 * 6 frames, the length modulo 2 * 6
+    ("hunyuan-video", "encode", 29, {"tile_sample_min_num_frames": 8, "tile_sample_stride_num_frames": 4}, 17, True),
+    ("hunyuan-video", "encode", 21, {"use_framewise_encoding": False}, 13, False),  # 1 + 2 * 4, modulo 8
+    ("ltx-video", "encode", 41, {}, 25, False),  # 1 + 2 * 8, modulo 16
+    # (Its encode tiles in time by the decoding flag.)
+    ("ltx-video", "encode", 41, {"use_framewise_decoding": True, "tile_sample_min_num_frames": 8,
+                                 "tile_sample_stride_num_frames": 8}, 25, True),
 ]
 
 
-@pytest.mark.parametrize("model, t, settings, keep, view", VIDEO_PASSES,
-                         ids=[f"{m}-{t}-{'-'.join(s)[:24] or 'default'}" for m, t, s, _, _ in VIDEO_PASSES])
-def test_video_vae_pass_covers_the_decode(model, t, settings, keep, view, device, exact_fp32, monkeypatch):
+@pytest.mark.parametrize("model, method, t, settings, keep, view", VIDEO_PASSES,
+                         ids=[f"{m}-{k}-{t}-{'-'.join(s)[:24] or 'default'}" for m, k, t, s, _, _ in VIDEO_PASSES])
+def test_video_vae_pass_covers_the_call(model, method, t, settings, keep, view, device, exact_fp32, monkeypatch):
     """A CogVideoX, Mochi, HunyuanVideo or LTX-Video VAE is hooked at its
-    ``decode``, whose first call compiles ahead on the clip cut short
-    (``recipes.video_pass``): every launch of the decodes after it was
-    compiled in the pass. A batched or tiled decode's pass takes a view of
+    ``decode`` and ``encode``, whose first calls compile ahead on the clip
+    cut short (``recipes.video_pass``): every launch of the calls after it
+    was compiled in the pass. A batched or tiled call's pass takes a view of
     the clip's first frames (its slices are the full clip's, strides and
-    all); a whole-clip decode's a copy of as many frames as keep the length
-    modulo 16 (2 here, as in the Wan test above). The kernels are not run:
-    the launches' arguments are what is compared (the decodes' answers are
-    the family tests')."""
+    all); a whole-clip call's a copy of as many frames as keep the length
+    modulo 16 (2 here, as in the Wan test above) at every temporal stage. The
+    kernels are not run: the launches' arguments are what is compared (the
+    decodes' answers are the family tests')."""
     pytest.importorskip("diffusers")
     from triton.runtime.interpreter import InterpretedFunction
     from bench import video
@@ -672,18 +681,26 @@ def test_video_vae_pass_covers_the_decode(model, t, settings, keep, view, device
     vae = video.build_vae(model, True, device, torch.float32)
     for k, v in settings.items():
         setattr(vae, k, v)
-    z = torch.randn(1, vae.config.latent_channels, t, 4, 4, device=device)
-    assert catalog.pass_methods(vae) == ("decode",)
+    if method == "decode":
+        clip = torch.randn(1, vae.config.latent_channels, t, 4, 4, device=device)
+    else:
+        # Frames that encode to 2x4 latent pixels: the last stage's sizes
+        # are then divisible by 16 as its frame count is by 2, the modulus.
+        with torch.no_grad():
+            size = vae.decode(torch.zeros(1, vae.config.latent_channels, 1, 2, 4)).sample.shape[-2:]
+        clip = torch.randn(1, 3, t, *size, device=device)
+    assert catalog.pass_methods(vae) == ("decode", "encode")
     conv_patch.apply(vae)
-    assert isinstance(vae.__dict__.get("decode"), FirstMethodCall)
+    assert isinstance(vae.__dict__.get(method), FirstMethodCall)
+    call = getattr(vae, method)
     with torch.no_grad():
-        vae.decode(z)
+        call(clip)
         assert len(cut) == 1 and cut[0].shape[2] == keep < t, [c.shape for c in cut]
-        # A batched decode's cut is a view of the clip (its strides), a whole clip's a dense copy.
-        assert (cut[0].stride() == z.stride()) == view and (cut[0].data_ptr() == z.data_ptr()) == view
-        assert "decode" not in vae.__dict__ and ahead
+        # A batched call's cut is a view of the clip (its strides), a whole clip's a dense copy.
+        assert (cut[0].stride() == clip.stride()) == view and (cut[0].data_ptr() == clip.data_ptr()) == view
+        assert method not in vae.__dict__ and ahead
         for _ in range(2):
-            vae.decode(z)
+            getattr(vae, method)(clip)
     assert launched and launched <= ahead, len(launched - ahead)
 
 

@@ -135,29 +135,39 @@ class SizedCaptured(FakeCaptured):
         self.pool_bytes = args[0].numel() << 20
 
 
+def _short_taesd_decoder(device) -> nn.Sequential:
+    """A TAESD decoder's stack cut to one block a level (a host-bound stack,
+    graphed under "auto", in a fifth of the interpreter's time)."""
+    c = 8
+    return taesd.seeded_(nn.Sequential(
+        taesd.Clamp(), taesd.conv3(4, c), nn.ReLU(), taesd.Block(c, c, True),
+        nn.Upsample(scale_factor=2), taesd.conv3(c, c, bias=False), taesd.Block(c, c), taesd.conv3(c, 3),
+    )).to(device).eval()
+
+
 def test_auto_keeps_graph_memory_within_its_bound(device, exact_fp32, fake_graphs, monkeypatch):
     monkeypatch.setattr(graphs.GraphCache, "capture_cls", SizedCaptured)
-    monkeypatch.setattr(graphs, "AUTO_POOL_BYTES", 400 << 20)
-    dec = taesd.seeded_(taesd.decoder(latent_channels=4, channels=8)).to(device).eval()
+    monkeypatch.setattr(graphs, "AUTO_POOL_BYTES", 36 << 20)
+    dec = _short_taesd_decoder(device)
     ref = copy.deepcopy(dec)
     conv_patch.apply(dec)
     cache = graphs.cache_of(dec)
-    sizes = [(1, 4, 8, 8), (1, 4, 10, 10), (1, 4, 12, 12), (1, 4, 8, 8)]  # 256, 400, 576 MiB "pools"
+    sizes = [(1, 4, 2, 2), (1, 4, 3, 3), (1, 4, 4, 4), (1, 4, 2, 2)]  # 16, 36, 64 MiB "pools"
     with torch.no_grad():
         for shape in sizes:
             for i in range(3):
                 y = dec(_x(i, device, shape))
                 assert rel_err(y, ref(_x(i, device, shape))) <= 1e-5
-        # 8x8 captured, 10x10 captured (8x8 dropped: 656 > 400), 12x12 alone
-        # over the bound: eager; 8x8 captured again (10x10 dropped).
+        # 2x2 captured, 3x3 captured (2x2 dropped: 52 > 36), 4x4 alone over
+        # the bound: eager; 2x2 captured again (3x3 dropped).
         assert cache.stats["too_large"] == 1 and cache.stats["captures"] == 3
         held = [_hw(k) for k, v in cache.graphs.items() if v is not graphs._EAGER]
-        assert held == [(8, 8)]
+        assert held == [(2, 2)]
         before = cache.stats["replays"]
-        dec(_x(0, device, (1, 4, 12, 12)))
+        dec(_x(0, device, (1, 4, 4, 4)))
         assert cache.stats["replays"] == before  # the key over the bound stays eager
     # The bound of an explicit cuda_graphs=True: max_graphs only.
-    twin = taesd.seeded_(taesd.decoder(latent_channels=4, channels=8)).to(device).eval()
+    twin = _short_taesd_decoder(device)
     conv_patch.apply(twin, config=conv_patch.PatchConfig(cuda_graphs=True))
     with torch.no_grad():
         for shape in sizes[:3]:

@@ -74,7 +74,7 @@ class PatchConfig:
     list or generator arguments, autograd, ...). A model with Conv3d layers
     is hooked only where its family names the methods to hook (a Wan VAE's
     ``decode`` and ``encode``; diffusers' CogVideoX, Mochi, HunyuanVideo and
-    LTX-Video VAEs' ``decode``), whose pass runs on the clip's first frames;
+    LTX-Video VAEs' too), whose pass runs on the clip's first frames;
     ``conv_patch.warmup`` compiles other video models' kernels on request.
     """
 

@@ -1,8 +1,9 @@
-"""The clip a video VAE's compiling pass decodes or encodes: the caller's, cut short.
+"""The clip a video VAE's compiling pass decodes or encodes: the caller's,
+cut short.
 
-A video VAE's first patched decode (or encode) compiles its kernels ahead, in one pass
-over the call (``conv_patch.warmup``, hooked by ``apply`` at the methods
-``recipes.catalog.pass_methods`` names). The pass calls the method three
+A video VAE's first patched decode (or encode) compiles its kernels ahead,
+in one pass over the call (``conv_patch.warmup``, hooked by ``apply`` at the
+methods ``recipes.catalog.pass_methods`` names). The pass calls the method three
 times; over the whole clip that would cost three decodes of host time and
 PyTorch work before the user's own, so it takes the clip's first latent
 frames: enough that every distinct call the full decode makes is made (the
@@ -22,9 +23,10 @@ How the clip is cut depends on what reaches the kernels:
   compression ratio, from the ``1 + 2 * ratio`` frames of three latent ones.
 * A decode or encode in frame batches or temporal tiles (CogVideoX; Mochi's
   decode framewise; HunyuanVideo and LTX-Video past a tile) hands its
-  decoder or encoder slices of the clip. The pass takes a view of the clip's first frames: its slices are the
-  full clip's first ones, strides and addresses alike, and the length is
-  kept modulo the batch or stride, so the last slice has the size it has.
+  decoder or encoder slices of the clip. The pass takes a view of the
+  clip's first frames: its slices are the full clip's first ones, strides
+  and addresses alike, and the length is kept modulo the batch or stride,
+  so the last slice has the size it has.
 
 Wan's rule is its own (``recipes.wan``: one latent frame at a time over a
 whole-clip ``post_quant_conv``); this module holds the shared cut and the

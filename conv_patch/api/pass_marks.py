@@ -84,7 +84,8 @@ def describe_argument(v, containers: tuple = (tuple, list, dict), depth: int = 0
         return f"{type(v).__name__}:{v!r}"
     if isinstance(v, containers) and depth < MAX_DEPTH:
         items = v.items() if isinstance(v, dict) else enumerate(v)
-        return f"{type(v).__name__}({','.join(f'{k!r}={describe_argument(x, containers, depth + 1)}' for k, x in items)})"
+        inner = ",".join(f"{k!r}={describe_argument(x, containers, depth + 1)}" for k, x in items)
+        return f"{type(v).__name__}({inner})"
     raise TypeError(f"an argument of type {type(v).__name__}")
 
 

@@ -89,6 +89,13 @@ def describe_argument(v, containers: tuple = (tuple, list, dict), depth: int = 0
     raise TypeError(f"an argument of type {type(v).__name__}")
 
 
+def cuda_indices(tensors) -> list:
+    """The indices of the GPUs ``tensors`` are on (a tensor on ``cuda``
+    without an index: the current device's), sorted."""
+    return sorted({torch.cuda.current_device() if t.device.index is None else t.device.index
+                   for t in tensors if t.is_cuda})
+
+
 def pass_key(module: nn.Module, method: str, args: tuple, kwargs: dict) -> Optional[str]:
     """The mark's key of a pass before ``module.<method>(*args, **kwargs)``
     (module docstring); None where an argument cannot be described."""
@@ -101,8 +108,7 @@ def pass_key(module: nn.Module, method: str, args: tuple, kwargs: dict) -> Optio
     h.update(_code().encode())
     env = sorted((k, v) for k, v in os.environ.items() if k.startswith(("CONV_PATCH_", "TRITON_")))
     h.update(repr(env).encode())
-    devices = sorted({torch.cuda.current_device() if t.device.index is None else t.device.index
-                      for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor) and t.is_cuda})
+    devices = cuda_indices([t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)])
     h.update(repr([(torch.cuda.get_device_name(i), torch.cuda.get_device_capability(i)) for i in devices]).encode())
     for name, m in module.named_modules():
         h.update(f"{name}:{type(m).__module__}.{type(m).__qualname__}".encode())

@@ -390,8 +390,7 @@ def _copied(v):
 def _cuda_devices(module: nn.Module, args: tuple, kwargs: dict) -> list:
     """The GPUs a call may draw random numbers on: its tensors' and its
     parameters'."""
-    return sorted({torch.cuda.current_device() if t.device.index is None else t.device.index
-                   for t in _call_tensors([module], args, kwargs) if t.is_cuda})
+    return pass_marks.cuda_indices(_call_tensors([module], args, kwargs))
 
 
 def _describe(module: nn.Module, args: tuple) -> str:

@@ -65,6 +65,33 @@ def test_a_slow_first_call_says_what_is_compiling(device, exact_fp32, monkeypatc
         assert "(1, 6, 5, 11)" in err
 
 
+def test_build_notices_start_no_thread_per_build(device, monkeypatch, capsys):
+    """Every build's notice is watched by one thread for the process, not a
+    thread per build (a first call builds hundreds of plans): many quick
+    builds start at most that one thread and print nothing; a slow one
+    after them still prints its line once, and a build nested in it none."""
+    import threading
+    import time
+    from conv_patch.runtime import plans
+    if device.type == "cpu" and not plans.interpreter_enabled():
+        pytest.skip("no notice where nothing compiles")
+    monkeypatch.setattr(plans, "COMPILE_NOTICE_S", 0.3)
+    starts = []
+    real_start = threading.Thread.start
+    monkeypatch.setattr(threading.Thread, "start", lambda self: starts.append(self.name) or real_start(self))
+    x = torch.zeros(1, device=device)
+    for _ in range(50):
+        with plans.building(x, lambda: "quick"):
+            pass
+    with plans.building(x, lambda: "slow"):
+        with plans.building(x, lambda: "nested"):
+            time.sleep(0.8)
+    time.sleep(0.1)
+    assert len(starts) <= 1, starts
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "compiling kernels for slow" in err
+
+
 def test_one_plan_per_signature_and_replayed_launches(device, exact_fp32, monkeypatch):
     net, twin = _net(device)
     conv = net[0]

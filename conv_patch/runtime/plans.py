@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
+import os
 import sys
 import threading
 import time
@@ -89,26 +90,71 @@ def _notice(what, started):
           "far; cached for later calls and processes)", file=sys.stderr, flush=True)
 
 
+class _NoticeWatch:
+    """The thread behind ``building``'s notice: one daemon thread for the
+    process, woken at a build's start and at its deadline (builds run one
+    at a time, under ``BUILD_LOCK``, so there is one build to watch). A
+    ``threading.Timer`` per build started a thread for each of them: a
+    first call builds hundreds of plans (RRDB x4: 351), and starting a
+    thread costs about a millisecond of host time."""
+
+    def __init__(self):
+        self.cond = threading.Condition(threading.Lock())
+        self.current = None  # (token, what, started, deadline) of the build under way, until noticed or done
+        self.token = 0
+        self.pid = None  # the process whose thread runs (a forked child starts its own)
+
+    def start(self, what) -> int:
+        now = time.perf_counter()
+        with self.cond:
+            self.token += 1
+            self.current = (self.token, what, now, now + COMPILE_NOTICE_S)
+            if self.pid != os.getpid():
+                self.pid = os.getpid()
+                threading.Thread(target=self._run, name="conv-patch-build-notice", daemon=True).start()
+            self.cond.notify()
+            return self.token
+
+    def done(self, token: int) -> None:
+        with self.cond:
+            if self.current is not None and self.current[0] == token:
+                self.current = None
+
+    def _run(self) -> None:
+        while True:
+            with self.cond:
+                while self.current is None:
+                    self.cond.wait()
+                token, what, started, deadline = self.current
+                left = deadline - time.perf_counter()
+                if left > 0:
+                    self.cond.wait(left)  # (then look again: done, another build, or due)
+                    continue
+                self.current = None  # (noticed once)
+            _notice(what, started)
+
+
+_WATCH = _NoticeWatch()
+
+
 @contextlib.contextmanager
 def building(x, what):
     """``BUILD_LOCK`` held for one plan build; where it can compile kernels
     (``x`` on a GPU, or under the interpreter) and is the thread's outermost
     build, a line naming ``what()`` once it passes ``COMPILE_NOTICE_S``."""
     with BUILD_LOCK:
-        timer = None
+        token = None
         if _BUILD.depth == 0:
             BuildCount.total += 1
             if x.is_cuda or interpreter_enabled():
-                timer = threading.Timer(COMPILE_NOTICE_S, _notice, (what, time.perf_counter()))
-                timer.daemon = True
-                timer.start()
+                token = _WATCH.start(what)
         _BUILD.depth += 1
         try:
             yield
         finally:
             _BUILD.depth -= 1
-            if timer is not None:
-                timer.cancel()
+            if token is not None:
+                _WATCH.done(token)
 
 UNREGISTERED = fallback("weight or bias is not a registered Parameter (parametrized, or a buffer)")
 

@@ -18,6 +18,8 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from conv_patch.buffers import persistent
+
 
 def _gelu_tanh(y):
     return F.gelu(y, approximate="tanh")
@@ -115,7 +117,7 @@ class ChannelSlopes:
         # column: a buffer a biased call wrote is not reused for that.)
         key = (channels, device, bias is None, dtype)
         if held is None or held[0] != key:
-            held = self._buf = (key, torch.zeros((channels, 2), dtype=dtype, device=device))
+            held = self._buf = (key, persistent(torch.zeros, (channels, 2), dtype=dtype, device=device))
         buf = held[1]
         if bias is None:
             buf[:, 1].copy_(slopes.expand(channels))

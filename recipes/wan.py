@@ -40,8 +40,8 @@ from torch import nn
 from . import video_pass
 from .fuse import (Recipe, attention, base, causal_conv3d, conv, dropout_is_identity, from_tokens, inference,
                    is_conv, is_silu, parts, plain, register, rms_norm, rms_norm_params, to_tokens)
+from conv_patch.buffers import persistent
 from conv_patch.routing import tables
-from conv_patch.runtime import pack
 from conv_patch.runtime.state import state_of
 from conv_patch.runtime.wrappers import causal_conv3d_problem
 from conv_patch.specs import HALF_DTYPES, layout_of
@@ -382,7 +382,7 @@ def dup_index(dup, device) -> torch.Tensor:
     if held is None or held.device != device:
         f = dup.factor_t * dup.factor_s * dup.factor_s
         o = torch.arange(dup.out_channels) * f
-        held = pack.persistent(lambda: ((o[None, :] + torch.arange(f)[:, None]) // dup.repeats).to(device))
+        held = persistent(lambda: ((o[None, :] + torch.arange(f)[:, None]) // dup.repeats).to(device))
         st.dup_index = held
     return held
 

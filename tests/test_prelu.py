@@ -117,6 +117,26 @@ def test_params_buffer_is_one_write_in_the_shared_dtype(bias_dtype, device, exac
     assert rel_err(y, ref) <= TOL[torch.float16] and torch.equal(y, y2)
 
 
+@pytest.mark.parametrize("bias", [True, False])
+def test_params_buffer_made_in_inference_mode_is_written_outside_it(bias, device):
+    """The buffer is kept across calls, and the first of them may run in
+    inference mode (a compiling pass runs there before a user's first call
+    under ``no_grad``): made there as an inference tensor, the next call's
+    refresh in place raised outside inference mode. Each call writes the
+    values it reads."""
+    g = torch.Generator().manual_seed(5)
+    prelu = _prelu(7, g).to(device)
+    b = randn(g, 7, device=device) if bias else None
+    act = ChannelSlopes(prelu)
+    with torch.inference_mode():
+        act.params(b, 7, prelu.weight.device)
+    with torch.no_grad():
+        prelu.weight.mul_(-2.0)
+        buf = act.params(b, 7, prelu.weight.device)
+    assert torch.equal(buf[:, 1], prelu.weight.detach())
+    assert torch.equal(buf[:, 0], b if bias else torch.zeros_like(buf[:, 0]))
+
+
 def test_replayed_plan_reads_slopes_and_bias_edited_in_place(device, exact_fp32):
     """The second call replays the recorded launches: the (bias, slope)
     buffer is rewritten at every call, so in-place edits (``.data`` writes

@@ -25,7 +25,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from conv_patch.runtime.pack import persistent
+from conv_patch.buffers import persistent
 
 GIB = float(1 << 30)
 # A free buffer serves a request up to this many times smaller (a band of a

@@ -22,6 +22,7 @@ from typing import Optional
 import torch
 
 from conv_patch.activations import eager_epilogue
+from conv_patch.buffers import persistent
 from conv_patch.call import Call
 from conv_patch.ops import conv2d as conv2d_op
 from conv_patch.ops import group_norm as group_norm_op
@@ -282,7 +283,7 @@ def upsample_conv_with(m, weight, bias, x, residual=None, activation="none"):
     if held is None or held[0] != key:
         # The buffer, and per parity its 2x2 weight (a view of the buffer)
         # and call site: the same from call to call while the buffer is.
-        subs = pack.persistent(torch.empty, (2, 2, c_out, 2, 2, c_in), dtype=weight.dtype, device=weight.device)
+        subs = persistent(torch.empty, (2, 2, c_out, 2, 2, c_in), dtype=weight.dtype, device=weight.device)
         spec = ConvSpec(False, c_in, c_out, (2, 2), (1, 1), (1, 1), (0, 0), (0, 0), (0, 0), 1, "zeros",
                         bias is not None)
         parities = [(a, b, parity_weight(subs, a, b)) for a, b in PARITIES]

@@ -61,6 +61,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from conv_patch.buffers import persistent
 from conv_patch.ops.loader import kernels
 from conv_patch.runtime import pack
 from conv_patch.runtime.state import peek, state_of
@@ -190,7 +191,7 @@ class Captured:
     device = None
 
     def __init__(self, fn: Callable, args: tuple, kwargs: dict):
-        self.static = [pack.persistent(torch.empty_strided, t.shape, t.stride(), dtype=t.dtype, device=t.device)
+        self.static = [persistent(torch.empty_strided, t.shape, t.stride(), dtype=t.dtype, device=t.device)
                        for t in _tensors(args, kwargs)]
         self._copy_in(args, kwargs)
         sargs, skwargs = _substitute(args, kwargs, iter(self.static))

@@ -55,6 +55,7 @@ from typing import Optional
 
 import torch
 
+from conv_patch.buffers import persistent
 from conv_patch.ops.loader import kernels
 from conv_patch.routing.registry import Route
 from conv_patch.runtime.state import STATE, peek, state_of
@@ -129,17 +130,6 @@ def is_kernel_layout(w: torch.Tensor) -> bool:
 def pack_key(weight: torch.Tensor) -> tuple:
     return (weight.data_ptr(), weight.device, tuple(weight.shape), weight.stride(),
             weight.dtype, PACK_LAYOUT)
-
-
-def persistent(make, *args, **kwargs):
-    """``make(*args, **kwargs)``, a tensor conv-patch keeps across calls (a
-    weight pack, a folded upsample weight, a staging buffer, a graph's
-    static input), made outside inference mode whatever mode this call runs
-    in. Made inside it, it would be an inference tensor, which a later call
-    outside inference mode may read but not write: the next refresh in place
-    would raise. A normal tensor may be written in every mode."""
-    with torch.inference_mode(False):
-        return make(*args, **kwargs)
 
 
 def _allocate(view: torch.Tensor) -> torch.Tensor:

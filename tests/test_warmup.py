@@ -254,6 +254,54 @@ def test_pass_key_names_the_model_the_call_and_the_code(monkeypatch):
     assert key(None, x, cb=object()) is None and not pass_marks.marked(None)
 
 
+def test_another_threads_call_waits_for_the_first_pass(device, monkeypatch):
+    """While one thread's first call compiles ahead, another thread's call
+    of the model waits for that pass to end (the pass's plans, launches
+    compiled and none run, are the modules' until it forgets them), and
+    makes no pass of its own; the pass's own calls pass the hook by."""
+    import threading
+    import time
+    from conv_patch.api import warmup as warmup_mod
+    # (A model without convs: two threads' interpreted kernels at once
+    # would trip the Triton interpreter, which is not thread-safe.)
+    net = nn.Sequential(nn.Linear(11, 5)).to(device).eval()
+    assert warmup_mod.install_first_pass(net) and warmup_mod.first_pass_pending(net)
+    events = []
+
+    def slow_pass(fn, args, kwargs, workers, what=None, key=None):
+        events.append(("pass start", threading.current_thread().name))
+        fn(*args, **kwargs)  # (a pass's own call: through the hook, no second pass)
+        time.sleep(0.5)
+        events.append(("pass end", threading.current_thread().name))
+
+    # (On the CPU too: the pass made to run, compiling nothing.)
+    monkeypatch.setattr(warmup_mod, "first_pass_problem", lambda *a: None)
+    monkeypatch.setattr(warmup_mod, "compile_ahead", slow_pass)
+    x = torch.randn(1, 3, 9, 11, device=device)
+
+    def first():
+        with torch.no_grad():
+            net(x)
+
+    def second():
+        while not events:  # (after the first call's hook)
+            time.sleep(0.01)
+        with torch.no_grad():
+            events.append(("second call", threading.current_thread().name))
+            net(x)
+            events.append(("second done", threading.current_thread().name))
+
+    threads = [threading.Thread(target=first, name="a"), threading.Thread(target=second, name="b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    order = [e for e, _ in events]
+    assert order.count("pass start") == 1 and events[0] == ("pass start", "a"), events
+    assert order.index("second done") > order.index("pass end"), events
+    assert not warmup_mod.first_pass_pending(net)
+
+
 def test_first_call_skips_a_pass_marked_before(device, exact_fp32, monkeypatch):
     """A pass that compiled and loaded every kernel marks its call in the
     kernel cache's folder; a later first call of the same model and input

@@ -306,21 +306,40 @@ class FirstMethodCall:
     def __call__(self, *args, **kwargs):
         model, name = self.__self__, self.__name__
         method = getattr(type(model), name).__get__(model)
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or getattr(_PASS, "on", False):
             return method(*args, **kwargs)
-        if model.__dict__.get(name) is self:
-            del model.__dict__[name]
-        _first_pass(model, method, args, kwargs, f"{type(model).__name__}.{name}{_shape_of(args)}")
+        with PASS_LOCK:
+            if model.__dict__.get(name) is self:  # (else another thread's pass ran while this one waited)
+                try:
+                    _first_pass(model, method, args, kwargs, f"{type(model).__name__}.{name}{_shape_of(args)}")
+                finally:
+                    if model.__dict__.get(name) is self:
+                        del model.__dict__[name]
         return method(*args, **kwargs)
 
 
+# One pass at a time, and no other thread's call of a hooked model while it
+# runs: the pass's plans (launches compiled, none run) live in the modules'
+# shared state until its end forgets them, and another thread's call would
+# replay them and compute nothing. A call that finds the hook waits here;
+# the hook comes off once the pass has ended. (``_PASS.on``: the pass's own
+# calls, in its thread, pass the hooks by.)
+PASS_LOCK = threading.RLock()
+_PASS = threading.local()
+
+
 def first_call(module, args, kwargs):
-    """The forward pre-hook: take itself off and, where nobody can tell
-    (``first_pass_problem``), compile this call's kernels ahead."""
-    if torch.compiler.is_compiling():
+    """The forward pre-hook: where nobody can tell
+    (``first_pass_problem``), compile this call's kernels ahead; then take
+    itself off."""
+    if torch.compiler.is_compiling() or getattr(_PASS, "on", False):
         return None
-    uninstall_first_pass(module)
-    _first_pass(module, module, args, kwargs, _describe(module, args))
+    with PASS_LOCK:
+        if first_pass_pending(module):  # (else another thread's pass ran while this one waited)
+            try:
+                _first_pass(module, module, args, kwargs, _describe(module, args))
+            finally:
+                uninstall_first_pass(module)
     return None
 
 
@@ -340,8 +359,12 @@ def _first_pass(module: nn.Module, fn: Callable, args: tuple, kwargs: dict, what
         # which the call's first kernel would otherwise compute beside it.)
         wait_for_background()
         return
-    with torch.random.fork_rng(devices=_cuda_devices(module, args, kwargs)):
-        compile_ahead(fn, args, kwargs, default_workers(), what=what, key=key)
+    _PASS.on = True
+    try:
+        with torch.random.fork_rng(devices=_cuda_devices(module, args, kwargs)):
+            compile_ahead(fn, args, kwargs, default_workers(), what=what, key=key)
+    finally:
+        _PASS.on = False
 
 
 # (Seen by ``passthrough.other_hooks`` as none of anyone else's: a module

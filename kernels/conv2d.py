@@ -52,9 +52,10 @@ def conv2d_fwd_kernel(
 def launch_conv2d(x, w, bias, out, residual, **kw):
     """``w`` is the [C_out, C_in, KH, KW] weight (the module's own or a pack;
     only the strides differ)."""
-    M = x.shape[0] * out.shape[2] * out.shape[3]
+    pixels = out.shape[2] * out.shape[3]
+    M = x.shape[0] * pixels
     c_out = w.shape[0]
     return run_conv_kernel(
         conv2d_fwd_kernel,
         lambda bm, bn: (cdiv(M, bm) * cdiv(c_out, bn),),
-        x, w, bias, out, residual, **kw)
+        x, w, bias, out, residual, pixels=pixels, **kw)

@@ -68,9 +68,10 @@ def conv2d_flat_kernel(
 
 def launch_conv2d_flat(x, w, bias, out, residual, **kw):
     """Same call as ``launch_conv2d``; BLOCK_K is narrowed to C_in*KH*KW."""
-    M = x.shape[0] * out.shape[2] * out.shape[3]
+    pixels = out.shape[2] * out.shape[3]
+    M = x.shape[0] * pixels
     c_out = w.shape[0]
     return run_conv_kernel(
         conv2d_flat_kernel,
         lambda bm, bn: (cdiv(M, bm) * cdiv(c_out, bn),),
-        x, w, bias, out, residual, reduction=w.shape[1] * w.shape[2] * w.shape[3], **kw)
+        x, w, bias, out, residual, pixels=pixels, reduction=w.shape[1] * w.shape[2] * w.shape[3], **kw)

@@ -89,4 +89,4 @@ def launch_conv_transpose2d(x, w, bias, out, residual, **kw):
     return run_conv_kernel(
         conv_transpose2d_fwd_kernel,
         lambda bm, bn: (cdiv(m_max, bm) * cdiv(c_out, bn), sh * sw),
-        x, w, bias, out, residual, **kw)
+        x, w, bias, out, residual, pixels=m_max // x.shape[0], **kw)

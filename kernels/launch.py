@@ -86,12 +86,42 @@ def split_block_sizes(config, c_in, c_out):
     return bm, bn, (bn2 if bn2 and c_out > bn else 0), bk
 
 
+_INTERPRETED: list = []
+
+
+def interpreted() -> bool:
+    """``common.INTERPRET``, read at the first launch (by then the kernel
+    being launched has imported ``common``): not at this module's import,
+    which may come before the test set-up sets TRITON_INTERPRET (pytest
+    imports the runtime for its warning filter first)."""
+    if not _INTERPRETED:
+        from .common import INTERPRET
+        _INTERPRETED.append(INTERPRET)
+    return _INTERPRETED[0]
+
+
+def interpreter_block_m(bm: int, pixels) -> int:
+    """BLOCK_M under the interpreter for images of ``pixels`` output pixels
+    (GEMM rows) each: the table's tile narrowed to next_pow2(pixels), where
+    smaller. There a program's masked-off rows cost interpreted work too,
+    and most images in the tests are far smaller than the table's tile.
+    Per image, not per launch, so a launch's constexprs do not follow its
+    batch, as on a GPU they do not: a compile-ahead pass over a clip's first
+    frames launches the kernels the whole clip does. On a GPU (or with
+    ``pixels`` unknown) the table's tile as it is."""
+    if pixels is None or not interpreted():
+        return bm
+    return min(bm, max(MIN_DOT_BLOCK, next_pow2(pixels)))
+
+
 def conv_meta(config, c_in, c_out, *, bias, residual, activation, precision, upcast, tensors,
-              force_int64=False):
+              force_int64=False, pixels=None):
     """The switches, tiles and launch options every implicit-GEMM kernel
     takes: the tile narrowed to ``c_in`` (the reduction BLOCK_K covers) and
-    ``c_out``, 64-bit offsets where any of ``tensors`` needs them."""
+    ``c_out``, and under the interpreter to an image's output ``pixels``
+    (``interpreter_block_m``); 64-bit offsets where any of ``tensors`` needs them."""
     bm, bn, bk = block_sizes(config, c_in, c_out)
+    bm = interpreter_block_m(bm, pixels)
     return dict(
         HAS_BIAS=bias is not None, HAS_RES=residual is not None, ACT=int(activation),
         IDX64=bool(force_int64 or needs_int64(*tensors)),
@@ -104,19 +134,20 @@ def conv_meta(config, c_in, c_out, *, bias, residual, activation, precision, upc
 
 def run_conv_kernel(kernel, grid_fn, x, w, bias, out, residual, *, stride, padding,
                     dilation, beta, activation, out_scale, config, precision, upcast,
-                    force_int64=False, reduction=None):
+                    force_int64=False, reduction=None, pixels=None):
     """Launch one of the 2-D implicit-GEMM kernels, which share one signature.
 
     ``w`` is viewed as [C_out, C_in, KH, KW] whatever its storage; ``out`` is
     preallocated; ``padding`` is (top, left). ``grid_fn(bm, bn)`` sizes the grid.
     ``reduction`` is the extent BLOCK_K is narrowed to (default C_in, the
-    per-tap reduction).
+    per-tap reduction); ``pixels`` the GEMM rows of one image (the
+    interpreter's BLOCK_M is narrowed to them).
     """
     N, C_in, H, W = x.shape
     C_out, _, KH, KW = w.shape
     meta = conv_meta(config, reduction or C_in, C_out, bias=bias, residual=residual, activation=activation,
                      precision=precision, upcast=upcast, tensors=(x, w, out, residual),
-                     force_int64=force_int64)
+                     force_int64=force_int64, pixels=pixels)
     res = residual if residual is not None else out
     launch(kernel, grid_fn(meta["BLOCK_M"], meta["BLOCK_N"]),
         x, w, bias if bias is not None else out, res, out,

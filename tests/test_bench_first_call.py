@@ -9,8 +9,14 @@ pytest.importorskip("diffusers")
 
 
 def test_tiny_first_call_rows(tmp_path):
+    """One row per case from three fresh processes (unpatched, cold,
+    warm), with the issue's checks; --off adds two more patched with
+    PatchConfig(compile_ahead=False), on the warm cache and a cold one, and
+    the cold one says whether its model was hooked to compile ahead. (One
+    run with --off: it runs the three processes a plain run does, and the
+    row's fields are the same.)"""
     from bench import first_call
-    rows = first_call.main(["--tiny", "--only", "taef2", "--out", str(tmp_path)])
+    rows = first_call.main(["--tiny", "--off", "--only", "taef2", "--out", str(tmp_path)])
     (row,) = rows
     assert "error" not in row, row.get("error")
     for k in ("baseline_s", "cold_s", "warm_s", "first_call_s", "cold_over_s", "warm_over_s", "baseline_second_s",
@@ -19,15 +25,6 @@ def test_tiny_first_call_rows(tmp_path):
     assert row["baseline"] == first_call.BASELINE and set(row["checks"]) == {"cold_within_5s", "warm_within_1s"}
     (doc,) = [json.loads(p.read_text()) for p in tmp_path.glob("first-call-*.json")]
     assert doc["rows"] == rows and "torch" in doc
-
-
-def test_tiny_first_call_off(tmp_path):
-    """--off: two more processes patched with PatchConfig(compile_ahead=False),
-    on the warm cache and a cold one; the cold one says whether its model
-    was hooked to compile ahead."""
-    from bench import first_call
-    (row,) = first_call.main(["--tiny", "--off", "--only", "taef2", "--out", str(tmp_path)])
-    assert "error" not in row, row.get("error")
     for k in ("off_s", "off_over_s", "warm_off_s", "warm_off_over_s"):
         assert isinstance(row[k], float), k
     assert row["compiled_ahead"] is True

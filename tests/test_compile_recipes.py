@@ -102,6 +102,7 @@ def test_a_big_vae_half_compiles_to_one_op_running_its_eager_forward(device, exa
         other = copy.deepcopy(dec)
         for p in other.parameters():
             p.mul_(1.5)
+        eagers = []
         for model, x in ((dec, z), (dec, z.contiguous(memory_format=torch.channels_last)), (other, z)):
             # (Its second call: the op's runs are planned, as eager calls are
             # after the first, which builds the plans.)
@@ -110,7 +111,8 @@ def test_a_big_vae_half_compiles_to_one_op_running_its_eager_forward(device, exa
             seen, out = aot_ops(model, x)
             assert seen == ["conv_patch.whole_block.default"]
             assert torch.equal(out, eager) and out.stride() == eager.stride()
-        assert not torch.equal(other(z), dec(z))
+            eagers.append(eager)
+        assert not torch.equal(eagers[2], eagers[0])  # (the copy's own weights: its block, not the original's)
         # Dynamic shapes: the fake's output size follows the input's.
         torch._dynamo.reset()
         fn = torch.compile(dec, backend="aot_eager", fullgraph=True, dynamic=True)

@@ -513,20 +513,6 @@ def test_zoo_host_set_is_the_host_bound_rows():
     assert zoo.HOST and all(c in zoo.FULL and c[0] in zoo.MODELS for c in zoo.HOST)
 
 
-@pytest.mark.parametrize("model", ["hunyuan-video", "ltx-video"])
-def test_bench_video_other_families_model_row(tmp_path, model, exact_fp32):
-    """bench.video --model hunyuan-video / ltx-video --tiny: the decode row
-    of a VAE conv-patch only wraps (its Conv3d calls planned like any),
-    equal to the unpatched decode (fp32 convs exact, not TF32, on both
-    sides), its latent sized by the model's own compression ratios."""
-    pytest.importorskip("diffusers")
-    from bench import video
-    video.main(["--tiny", "--model", model, "--runs", "1", "--warmup", "0", "--out", str(tmp_path)])
-    (row,) = _result(tmp_path, f"video-{model}")["rows"]
-    assert ROW_KEYS <= set(row) and row["rel_err_vs_unpatched"] < 1e-5 and row["patched_convs"] > 0
-    assert not row["skipped_convs"] and row["conv_routes"]
-
-
 def test_bench_video_profile_rows(tmp_path):
     """bench.video --profile N --no-decode: the profile of one patched decode
     in the result's ``profile`` (at most N entries, largest first, shares of

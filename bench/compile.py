@@ -61,8 +61,8 @@ eager and the compiled unpatched model: ``ours_kernel_ms`` /
 ``patched_eager_kernel_ms`` / ``baseline_kernel_ms`` (the sum of the call's
 GPU kernels: beside ``ours_ms`` and ``host_ms``, whether it is host- or
 GPU-bound), ``*_kernel_launches`` and ``*_profile`` (the N largest kernels,
-``common.profile_top``); and five calls of each compiled model under
-cProfile, ``ours_host_top`` / ``baseline_host_top`` (the N Python functions
+``common.profile_top``); and five calls of each compiled model (one with
+``--tiny``) under cProfile, ``ours_host_top`` / ``baseline_host_top`` (the N Python functions
 with the most own time per call, ``common.host_top``). A stage that fails leaves
 ``error`` ("stage: Type: message", ``traceback``) and what was measured
 before it; a child that dies or passes
@@ -334,7 +334,7 @@ def bench_case(name, size, batch, dtype_name, mode, runs, warmup, tiny, device, 
                 # Where a host-bound compiled call's host time goes, patched
                 # against unpatched: Python functions by own time per call.
                 for key, fn in (("ours", once(ours)), ("baseline", once(base))):
-                    row[f"{key}_host_top"] = host_top(fn, calls=5, top=profile)
+                    row[f"{key}_host_top"] = host_top(fn, calls=1 if tiny else 5, top=profile)
     except Exception as e:  # a graph break under fullgraph, a failed capture, OOM: said in the row
         row["error"] = f"{stage}: {type(e).__name__}: {e}"[:4000]
         row["traceback"] = traceback.format_exc()[-4000:]

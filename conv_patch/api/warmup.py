@@ -328,6 +328,16 @@ PASS_LOCK = threading.RLock()
 _PASS = threading.local()
 
 
+def _new_pass_lock() -> None:
+    global PASS_LOCK
+    PASS_LOCK = threading.RLock()
+
+
+if hasattr(os, "register_at_fork"):
+    # (A child forked during another thread's pass would find the lock held.)
+    os.register_at_fork(after_in_child=_new_pass_lock)
+
+
 def first_call(module, args, kwargs):
     """The forward pre-hook: where nobody can tell
     (``first_pass_problem``), compile this call's kernels ahead; then take

@@ -135,6 +135,9 @@ class _NoticeWatch:
 
 
 _WATCH = _NoticeWatch()
+if hasattr(os, "register_at_fork"):
+    # (A child forked while the watcher held its lock would find it held.)
+    os.register_at_fork(after_in_child=_WATCH.__init__)
 
 
 @contextlib.contextmanager

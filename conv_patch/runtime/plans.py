@@ -102,15 +102,15 @@ class _NoticeWatch:
         self.cond = threading.Condition(threading.Lock())
         self.current = None  # (token, what, started, deadline) of the build under way, until noticed or done
         self.token = 0
-        self.pid = None  # the process whose thread runs (a forked child starts its own)
+        self.running = False  # (its thread started: made anew in a forked child, below)
 
     def start(self, what) -> int:
         now = time.perf_counter()
         with self.cond:
             self.token += 1
             self.current = (self.token, what, now, now + COMPILE_NOTICE_S)
-            if self.pid != os.getpid():
-                self.pid = os.getpid()
+            if not self.running:
+                self.running = True
                 threading.Thread(target=self._run, name="conv-patch-build-notice", daemon=True).start()
             self.cond.notify()
             return self.token
@@ -136,7 +136,8 @@ class _NoticeWatch:
 
 _WATCH = _NoticeWatch()
 if hasattr(os, "register_at_fork"):
-    # (A child forked while the watcher held its lock would find it held.)
+    # (A child has no watcher thread, and one forked while the watcher held
+    # its lock would find it held.)
     os.register_at_fork(after_in_child=_WATCH.__init__)
 
 

@@ -10,6 +10,7 @@ Triton itself decides it at decoration time.
 """
 
 from .attention import launch_attention_block, partial_columns as attention_partial_columns
+from .cache_keys import fix as fix_cache_keys
 from .common import INTERPRET
 from .conv2d_tma import reads_nchw_in_place
 from .depthwise import launch_depthwise
@@ -26,7 +27,7 @@ from .weight_prep import (grouped_pack_args, launch_grouped_weight_pack, launch_
                                             launch_weight_pack)
 
 __all__ = ["INTERPRET", "AheadProgress", "Program", "Unrecordable", "attention_partial_columns", "compile_ahead",
-           "compiling_ahead", "empty", "hash_triton",
+           "compiling_ahead", "empty", "fix_cache_keys", "hash_triton",
            "grouped_pack_args", "launch_attention_block", "launch_depthwise", "launch_epilogue",
            "launch_grouped_pointwise", "launch_group_norm",
            "launch_group_norm_apply", "launch_group_norm_partials", "launch_group_norm_stats",

@@ -16,7 +16,7 @@ refuse_top_level(__name__)
 
 from conv_patch.work import Work
 
-from . import direct_launch
+from . import cache_keys, direct_launch
 
 INT32_LIMIT = 2**31 - 1
 
@@ -346,6 +346,7 @@ def hash_triton() -> None:
 def compile_only(kernel, grid, args, meta):
     """The launch of a pass compiling ahead: the kernel compiled for these
     arguments, nothing run."""
+    cache_keys.fix()
     _AHEAD.pending.append((kernel.warmup(*args, grid=grid, **meta), _triton()[1].active.get_current_device()))
 
 
@@ -371,6 +372,13 @@ def _ahead_launch(kernel, grid, args, meta):
     return compile_only(kernel, grid, args, meta)
 
 
+def _triton_launch(kernel, grid, args, meta):
+    """``kernel[grid](*args, **meta)``, the kernels' cache keys made alike in
+    every process first (``cache_keys``: Triton may compile here)."""
+    cache_keys.fix()
+    return kernel[grid](*args, **meta)
+
+
 def launch(kernel, grid, *args, **meta):
     """``kernel[grid](*args, **meta)``, from the cache of compiled kernels
     where the call's signature was seen before (see above)."""
@@ -378,24 +386,24 @@ def launch(kernel, grid, *args, **meta):
     if getattr(_AHEAD, "pending", None) is not None:
         return _ahead_launch(kernel, grid, args, meta)
     if not _fast_launch_on():
-        compiled = kernel[grid](*args, **meta)
+        compiled = _triton_launch(kernel, grid, args, meta)
         _record(kernel, grid, args, meta, None, None)
         return compiled
     knobs, driver, _ = _triton()
     if _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook):
-        compiled = kernel[grid](*args, **meta)
+        compiled = _triton_launch(kernel, grid, args, meta)
         _record(kernel, grid, args, meta, None, None)
         return compiled
     akey = arg_key(args)
     if akey is None:
-        compiled = kernel[grid](*args, **meta)
+        compiled = _triton_launch(kernel, grid, args, meta)
         _record(kernel, grid, args, meta, None, None)
         return compiled
     device = driver.active.get_current_device()
     key = (kernel, device, akey, tuple(meta.items()))
     hit = _FAST.get(key)
     if hit is None:
-        compiled = kernel[grid](*args, **meta)
+        compiled = _triton_launch(kernel, grid, args, meta)
         consts = _constexpr_values(kernel, len(args), meta)
         if consts is not None and all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata")):
             if len(_FAST) >= FAST_LAUNCH_ENTRIES:

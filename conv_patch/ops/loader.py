@@ -25,11 +25,12 @@ def kernels():
 
 
 def load_in_background() -> None:
-    """``kernels()`` imported and Triton's cache key computed
-    (``hash_triton``) on a daemon thread, once per process: what a patched
-    model's first call on a GPU would otherwise wait for before its first
-    kernel (``apply`` starts it). An import the caller makes meanwhile waits
-    for the thread's, as two imports of one module do."""
+    """``kernels()`` imported, Triton's cache key computed (``hash_triton``)
+    and the kernels' own (``fix_cache_keys``) on a daemon thread, once per
+    process: what a patched model's first call on a GPU would otherwise wait
+    for before its first kernel (``apply`` starts it). An import the caller
+    makes meanwhile waits for the thread's, as two imports of one module do,
+    and a launch meanwhile for the kernels' keys."""
     if _BACKGROUND:
         return
     thread = threading.Thread(target=_load, name="conv-patch-load", daemon=True)
@@ -49,6 +50,7 @@ def wait_for_background(timeout: float = 60.0) -> None:
 def _load() -> None:
     try:
         kernels().hash_triton()
+        kernels().fix_cache_keys()
     except Exception:  # noqa: BLE001 - the first launch imports again and raises where it is handled
         pass
 

@@ -306,15 +306,9 @@ class FirstMethodCall:
     def __call__(self, *args, **kwargs):
         model, name = self.__self__, self.__name__
         method = getattr(type(model), name).__get__(model)
-        if torch.compiler.is_compiling() or getattr(_PASS, "on", False):
-            return method(*args, **kwargs)
-        with PASS_LOCK:
-            if model.__dict__.get(name) is self:  # (else another thread's pass ran while this one waited)
-                try:
-                    _first_pass(model, method, args, kwargs, f"{type(model).__name__}.{name}{_shape_of(args)}")
-                finally:
-                    if model.__dict__.get(name) is self:
-                        del model.__dict__[name]
+        _hooked_call(lambda: model.__dict__.get(name) is self,
+                     lambda: _first_pass(model, method, args, kwargs, f"{type(model).__name__}.{name}{_shape_of(args)}"),
+                     lambda: model.__dict__.pop(name) if model.__dict__.get(name) is self else None)
         return method(*args, **kwargs)
 
 
@@ -342,15 +336,25 @@ def first_call(module, args, kwargs):
     """The forward pre-hook: where nobody can tell
     (``first_pass_problem``), compile this call's kernels ahead; then take
     itself off."""
-    if torch.compiler.is_compiling() or getattr(_PASS, "on", False):
-        return None
-    with PASS_LOCK:
-        if first_pass_pending(module):  # (else another thread's pass ran while this one waited)
-            try:
-                _first_pass(module, module, args, kwargs, _describe(module, args))
-            finally:
-                uninstall_first_pass(module)
+    _hooked_call(lambda: first_pass_pending(module),
+                 lambda: _first_pass(module, module, args, kwargs, _describe(module, args)),
+                 lambda: uninstall_first_pass(module))
     return None
+
+
+def _hooked_call(pending: Callable[[], bool], run_pass: Callable[[], None], take_off: Callable[[], None]) -> None:
+    """What both first-call hooks do before the call: under the pass lock,
+    where the hook is still ``pending`` (else another thread's pass ran
+    while this one waited), run the pass, then ``take_off`` the hook. Not
+    while compiling, nor for the pass's own calls."""
+    if torch.compiler.is_compiling() or getattr(_PASS, "on", False):
+        return
+    with PASS_LOCK:
+        if pending():
+            try:
+                run_pass()
+            finally:
+                take_off()
 
 
 def _first_pass(module: nn.Module, fn: Callable, args: tuple, kwargs: dict, what: str) -> None:

@@ -10,7 +10,7 @@ Triton itself decides it at decoration time.
 """
 
 from .attention import launch_attention_block, partial_columns as attention_partial_columns
-from .cache_keys import fix as fix_cache_keys
+from .cache_keys import fix_loaded as fix_cache_keys
 from .common import INTERPRET
 from .conv2d_tma import reads_nchw_in_place
 from .depthwise import launch_depthwise

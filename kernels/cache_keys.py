@@ -11,10 +11,11 @@ later process with the cache warm missed it and compiled again (TAEF2 at
 512²: 17 kernels, 2.7 s in each of its first two calls;
 docs/performance.md, forty-first session).
 
-``fix()`` hashes every kernel and helper of ``conv_patch.kernels`` in one
-order, each helper before the functions that call it, before the first
-launch: every process gets the keys Triton 3.9 would give, whatever it
-launches first.
+``fix(kernel)``, before a launch of ``kernel`` that may compile, hashes the
+helpers it calls, each before the functions that call it, then the kernel:
+every process gets the keys Triton 3.9 would give, whatever it launches
+first. ``fix_loaded()`` does it for every kernel function loaded (on
+``apply``'s background thread, ahead of the first call).
 """
 
 from __future__ import annotations
@@ -26,21 +27,27 @@ from conv_patch.checkout import refuse_top_level
 
 refuse_top_level(__name__)
 
-_DONE: list = []
 _LOCK = threading.Lock()
+_FIXED: set = set()  # id() of the functions hashed here (module-level: they live as long as the process)
+_JIT: list = []
 PACKAGE = "conv_patch.kernels."
 
 
-def jit_functions() -> list:
+def _jit_class():
+    if not _JIT:
+        from triton.runtime.jit import JITFunction
+        _JIT.append(JITFunction)
+    return _JIT[0]
+
+
+def loaded() -> list:
     """(module, name, function) of every ``@triton.jit`` function defined in
-    the kernel modules (every one imported: ``api`` imports them all), in a
-    fixed order."""
-    from triton.runtime.jit import JITFunction
-    from . import api  # noqa: F401 - every kernel module imported, in every process alike
+    the kernel modules imported so far, in a fixed order."""
+    jit = _jit_class()
     out = []
     for modname, mod in sorted((k, v) for k, v in list(sys.modules.items()) if k.startswith(PACKAGE)):
         for name, obj in sorted(vars(mod).items()):
-            if isinstance(obj, JITFunction) and getattr(obj.fn, "__module__", None) == modname:
+            if isinstance(obj, jit) and getattr(obj.fn, "__module__", None) == modname:
                 out.append((modname, name, obj))
     return out
 
@@ -48,21 +55,22 @@ def jit_functions() -> list:
 def called(fn) -> list:
     """The ``@triton.jit`` functions ``fn`` names, directly or as an
     attribute of a module it names (its bytecode's global names: no parse)."""
-    from triton.runtime.jit import JITFunction
+    jit = _jit_class()
     out = []
     names = fn.fn.__code__.co_names
     for name in names:
         obj = fn.fn.__globals__.get(name)
-        if isinstance(obj, JITFunction):
+        if isinstance(obj, jit):
             out.append(obj)
         elif type(obj).__name__ == "module":
-            out += [getattr(obj, a) for a in names if isinstance(getattr(obj, a, None), JITFunction)]
+            out += [getattr(obj, a) for a in names if isinstance(getattr(obj, a, None), jit)]
     return out
 
 
-def post_order(fns) -> list:
-    """``fns`` and the functions they call, each after those it calls."""
-    order, seen = [], set()
+def post_order(fns, done=frozenset()) -> list:
+    """``fns`` and the functions they call, each after those it calls; none
+    whose id is in ``done`` (nor what only they lead to)."""
+    order, seen = [], set(done)
 
     def visit(fn):
         if id(fn) in seen:
@@ -77,20 +85,24 @@ def post_order(fns) -> list:
     return order
 
 
-def fix() -> None:
-    """Hash every kernel function, helpers first (module docstring); once
-    per process, and nothing under the interpreter (its functions are not
-    compiled)."""
-    if _DONE:
-        return
+def _hash(fns) -> None:
     with _LOCK:
-        if _DONE:
-            return
-        from .common import INTERPRET
-        if not INTERPRET:
-            for fn in post_order([f for _, _, f in jit_functions()]):
-                try:
-                    fn.cache_key  # noqa: B018 - computed and kept by Triton
-                except Exception:  # noqa: BLE001 - that kernel's own launch raises it, where it is handled
-                    pass
-        _DONE.append(True)
+        for fn in post_order(fns, _FIXED):
+            try:
+                fn.cache_key  # noqa: B018 - computed and kept by Triton
+            except Exception:  # noqa: BLE001 - that kernel's own launch raises it, where it is handled
+                pass
+            _FIXED.add(id(fn))
+
+
+def fix(kernel) -> None:
+    """``kernel``'s helpers hashed before it, then it (module docstring);
+    once per kernel, and nothing for one that Triton does not compile (the
+    interpreter's)."""
+    if id(kernel) not in _FIXED and isinstance(kernel, _jit_class()):
+        _hash([kernel])
+
+
+def fix_loaded() -> None:
+    """``fix`` for every kernel function loaded."""
+    _hash([fn for _, _, fn in loaded()])

@@ -346,7 +346,7 @@ def hash_triton() -> None:
 def compile_only(kernel, grid, args, meta):
     """The launch of a pass compiling ahead: the kernel compiled for these
     arguments, nothing run."""
-    cache_keys.fix()
+    cache_keys.fix(kernel)
     _AHEAD.pending.append((kernel.warmup(*args, grid=grid, **meta), _triton()[1].active.get_current_device()))
 
 
@@ -375,7 +375,7 @@ def _ahead_launch(kernel, grid, args, meta):
 def _triton_launch(kernel, grid, args, meta):
     """``kernel[grid](*args, **meta)``, the kernels' cache keys made alike in
     every process first (``cache_keys``: Triton may compile here)."""
-    cache_keys.fix()
+    cache_keys.fix(kernel)
     return kernel[grid](*args, **meta)
 
 

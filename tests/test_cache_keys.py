@@ -5,9 +5,9 @@ constexpr globals into its caller's hash before hashing the helper, so a
 kernel hashed before its helpers gets another key than one hashed after them;
 which came first followed a process's first launches, and a later process
 missed the cache its kernels were compiled into (TAEF2 512²'s warm first
-call compiled 17 kernels again on an H100). ``cache_keys.fix`` hashes every
-kernel function helpers first. The children below emulate both merges, so
-the test means the same whatever Triton the CI installs; they run without
+call compiled 17 kernels again on an H100). ``cache_keys.fix`` hashes a
+kernel's helpers before it. The children below emulate both merges, so the
+test means the same whatever Triton the CI installs; they run without
 ``TRITON_INTERPRET`` (the interpreter's functions have no such keys).
 """
 
@@ -33,13 +33,15 @@ _CHILD = textwrap.dedent("""
         self.hasher.update((key + str(getattr(func, "noinline", False))).encode("utf-8"))
 
     J.DependenciesFinder._update_hash = merge_first if sys.argv[1] == "3.6" else hash_first
+    import conv_patch.kernels.api  # noqa: F401 - every kernel module
     from conv_patch.kernels import cache_keys
-    fns = cache_keys.jit_functions()
-    if sys.argv[2] == "fix":
-        cache_keys.fix()
-    else:  # the kernels first, as a process's first launches may hash them
-        for _, name, fn in sorted(fns, key=lambda t: (not t[1].endswith("_kernel"), t[0], t[1])):
-            fn.cache_key
+    fns = cache_keys.loaded()
+    # The kernels first, as a process's first launches may hash them; each
+    # through cache_keys.fix (as launch does) or straight away (Triton).
+    for _, name, fn in sorted(fns, key=lambda t: (not t[1].endswith("_kernel"), t[0], t[1])):
+        if sys.argv[2] == "fix":
+            cache_keys.fix(fn)
+        fn.cache_key
     print(json.dumps({f"{m}.{n}": f.cache_key for m, n, f in fns}))
 """)
 
@@ -75,7 +77,7 @@ def test_the_kernels_are_hashed_before_the_first_launch_compiles(monkeypatch):
     for)."""
     from conv_patch.kernels import cache_keys, launch as kl
     calls = []
-    monkeypatch.setattr(cache_keys, "fix", lambda: calls.append("fix"))
+    monkeypatch.setattr(cache_keys, "fix", lambda kernel: calls.append("fix"))
 
     class Kernel:
         def __getitem__(self, grid):

@@ -147,6 +147,18 @@ def interleaved_ms(fns, rounds=3, **kw):
     return [statistics.median(s) for s in samples]
 
 
+def cached_kernels(cache_dir: Optional[str] = None) -> set:
+    """The entries of Triton's on-disk cache (``cache_dir``, default
+    TRITON_CACHE_DIR or Triton's own default) that hold a compiled kernel (its
+    metadata JSON; a launcher's entry holds a library only): one more after a
+    call is a kernel that call compiled, not loaded."""
+    root = Path(cache_dir or os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
+    if not root.is_dir():
+        return set()
+    return {d.name for d in root.iterdir()
+            if d.is_dir() and any(f.suffix == ".json" and not f.name.startswith("__grp__") for f in d.iterdir())}
+
+
 def write_results(name, rows, extra=None, out_dir=None):
     doc = {**env_info(), **(extra or {}), "rows": rows}
     out_dir = Path(out_dir or os.environ.get("BENCH_OUT") or RESULTS)

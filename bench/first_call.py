@@ -15,7 +15,10 @@ process also times the model's second and third calls (``*_second_s``,
 the second, a call whose arguments differ). Rows carry
 ``first_call_s`` (the cold one), ``cold_over_s`` / ``warm_over_s`` (over the
 unpatched first call) and ``checks``: the issue's bars, cold at most 5 s and
-warm at most 1 s over the unpatched first call. ``--off`` adds two
+warm at most 1 s over the unpatched first call, and that the warm process
+compiled nothing. Each patched process counts the kernels each of its three
+calls compiled (``*_compiled``: new entries of Triton's cache holding a
+kernel; a warm process that compiles missed the cache the cold one left). ``--off`` adds two
 processes patched with ``PatchConfig(compile_ahead=False)``: one on the warm
 cache (``warm_off_s``: what the pass costs where there is nothing left to
 compile) and one on an empty cache again (``off_s``: the kernels compiled
@@ -37,7 +40,7 @@ import torch
 import conv_patch
 
 from . import zoo
-from .common import bench_device, child_rows, print_table, sync, write_results
+from .common import bench_device, cached_kernels, child_rows, print_table, sync, write_results
 
 BASELINE = "unpatched first call, fresh process"
 # The bars: seconds over the unpatched first call.
@@ -54,16 +57,18 @@ def first_calls(name, size, batch, dtype_name, patched: bool, tiny: bool, device
     report = None
     if patched:
         report = conv_patch.apply(model, config=conv_patch.PatchConfig(compile_ahead=ahead))
-    times = []
+    times, compiled = [], []
     with torch.inference_mode():
         for _ in range(3):
+            before = cached_kernels()
             sync()
             t0 = time.perf_counter()
             model(*args, **kw)
             sync()
             times.append(time.perf_counter() - t0)
+            compiled.append(len(cached_kernels() - before))
     extra = {} if report is None else {"compiled_ahead": bool(report.compile_ahead)}
-    return {**fields, "first_s": times[0], "second_s": times[1], "third_s": times[2], **extra}
+    return {**fields, "first_s": times[0], "second_s": times[1], "third_s": times[2], "compiled": compiled, **extra}
 
 
 def _row(case, args) -> dict:
@@ -86,6 +91,8 @@ def _row(case, args) -> dict:
             row.update({k: v for k, v in got.items() if k in ("name", "model", "size", "batch", "dtype")})
             row[f"{key}_s"], row[f"{key}_second_s"] = got["first_s"], got["second_s"]
             row[f"{key}_third_s"] = got.get("third_s")
+            if variant != "unpatched":
+                row[f"{key}_compiled"] = got.get("compiled")
             if variant == "cold":
                 row["compiled_ahead"] = got.get("compiled_ahead")
     row.setdefault("name", f"{name} {zoo.size_name(size)} b{batch} {dt or ''}".strip())
@@ -99,6 +106,8 @@ def _row(case, args) -> dict:
         if "warm_s" in row:
             row["warm_over_s"] = row["warm_s"] - row["baseline_s"]
             row["checks"]["warm_within_1s"] = row["warm_over_s"] <= WARM_OVER_S
+            # (A warm process that compiles missed the cold one's cache.)
+            row["checks"]["warm_compiles_nothing"] = not sum(row.get("warm_compiled") or [])
         for k in ("off", "warm_off"):
             if f"{k}_s" in row:
                 row[f"{k}_over_s"] = row[f"{k}_s"] - row["baseline_s"]

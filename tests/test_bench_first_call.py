@@ -22,12 +22,27 @@ def test_tiny_first_call_rows(tmp_path):
     for k in ("baseline_s", "cold_s", "warm_s", "first_call_s", "cold_over_s", "warm_over_s", "baseline_second_s",
               "cold_third_s"):
         assert isinstance(row[k], float) and row[k] >= 0 or k.endswith("over_s"), k
-    assert row["baseline"] == first_call.BASELINE and set(row["checks"]) == {"cold_within_5s", "warm_within_1s"}
+    assert row["baseline"] == first_call.BASELINE
+    assert set(row["checks"]) == {"cold_within_5s", "warm_within_1s", "warm_compiles_nothing"}
+    # (Nothing compiles under the interpreter: the counts are there, all 0.)
+    assert row["cold_compiled"] == row["warm_compiled"] == [0, 0, 0] and row["checks"]["warm_compiles_nothing"]
     (doc,) = [json.loads(p.read_text()) for p in tmp_path.glob("first-call-*.json")]
     assert doc["rows"] == rows and "torch" in doc
     for k in ("off_s", "off_over_s", "warm_off_s", "warm_off_over_s"):
         assert isinstance(row[k], float), k
     assert row["compiled_ahead"] is True
+
+
+def test_cached_kernels_counts_entries_holding_a_kernel(tmp_path):
+    """A Triton cache entry with a kernel's metadata JSON counts; a
+    launcher's (a library only) and a group file alone do not."""
+    from bench.common import cached_kernels
+    for name, files in (("a", ["k.json", "k.cubin", "__grp__k.json"]), ("b", ["__triton_launcher.so"]),
+                        ("c", ["__grp__x.json"])):
+        (tmp_path / name).mkdir()
+        for f in files:
+            (tmp_path / name / f).write_text("{}")
+    assert cached_kernels(str(tmp_path)) == {"a"} and cached_kernels(str(tmp_path / "none")) == set()
 
 
 def test_a_child_that_fails_leaves_an_error(tmp_path, monkeypatch):

@@ -27,6 +27,66 @@ if not HAS_CUDA:
 
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
 
+
+def _interpreter_patches_the_language_once_per_launch():
+    """Triton's interpreter patches ``triton.language`` (``_patch_lang``:
+    ``inspect.getmembers`` over tl, tl.tensor, tl.math, ...) at every launch,
+    for the launch, and again at every call of a ``@triton.jit`` helper
+    inside a kernel (merge_moments, activate, ...), where the launch's patch
+    is already in place: there it replaces nothing (a patched member is no
+    longer a builtin) and re-sets the same stateless functions, and it was
+    about a third of a Mochi GroupNorm's interpreted time. Here a helper
+    called inside a launch whose patch covers its language modules runs
+    without re-patching; anything else (another triton.language module in
+    the helper's globals, a call outside a launch) takes Triton's own path.
+    The kernels' arithmetic is untouched. Only the Triton interpreter this
+    was written against (its code checked); else nothing changes."""
+    import inspect
+
+    try:
+        import triton.language as tl
+        from triton.runtime import interpreter as ti
+        grid_call, device_call = ti.GridExecutor.__call__, ti.InterpretedFunction.__call__
+        ok = ("patch_scope = _patch_lang(self.fn)" in inspect.getsource(grid_call)
+              and "patch_scope.restore()" in inspect.getsource(grid_call)
+              and "_patch_lang(self.fn)" in inspect.getsource(device_call)
+              and "value in [tl, tl.core]" in inspect.getsource(ti._patch_lang))
+    except Exception:
+        return
+    if not ok:
+        return
+    langs_of, active = {}, []
+
+    def langs(fn):
+        got = langs_of.get(fn)
+        if got is None:
+            got = langs_of[fn] = frozenset(id(v) for v in fn.__globals__.values()
+                                           if inspect.ismodule(v) and v in (tl, tl.core))
+        return got
+
+    def launch(self, *args, **kwargs):
+        active.append(langs(self.fn))
+        try:
+            return grid_call(self, *args, **kwargs)
+        finally:
+            active.pop()
+
+    def helper(self, *args, **kwargs):
+        got = langs(self.fn)
+        if not (got and active and got <= active[-1]):
+            return device_call(self, *args, **kwargs)
+        fn = self.rewrite()
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:
+            raise ti.InterpreterError(repr(e)) from e
+
+    ti.GridExecutor.__call__, ti.InterpretedFunction.__call__ = launch, helper
+
+
+if not HAS_CUDA:
+    _interpreter_patches_the_language_once_per_launch()
+
 if os.environ.get("PYTEST_XDIST_WORKER") and not HAS_CUDA:
     # One thread per test worker: the workers already use every core, and
     # each one's intra-op threads on top oversubscribe them.

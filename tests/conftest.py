@@ -84,8 +84,36 @@ def _interpreter_patches_the_language_once_per_launch():
     ti.GridExecutor.__call__, ti.InterpretedFunction.__call__ = launch, helper
 
 
+def _interpreter_skips_the_overflow_check_it_never_asserts():
+    """Triton's interpreter runs its integer-overflow sanitizer on every
+    32-bit add, sub and mul (both operands cast to int64, the operation
+    again, two comparisons, an and: about half a Wan decode's interpreted
+    time), and hands the result to ``device_assert``, which returns
+    without looking at it unless the interpreter's ``debug`` option is on;
+    it is off (nothing here turns it on). With ``debug`` off the sanitizer
+    is switched off too, so nothing the kernels compute or a test sees
+    changes; with ``debug`` on it stays."""
+    import dataclasses
+    import inspect
+
+    try:
+        from triton.language import semantic
+        from triton.runtime import interpreter as ti
+        builder = ti.interpreter_builder
+        sanitizer = inspect.getsource(semantic.TritonSemantic.binary_op_sanitize_overflow_impl)
+        asserts = inspect.getsource(semantic.TritonSemantic.device_assert)
+        ok = ("not self.builder.options.sanitize_overflow" in sanitizer and "self.device_assert(cond" in sanitizer
+              and "if not self.builder.options.debug:\n            return" in asserts
+              and not builder.options.debug)
+        if ok:
+            builder.options = dataclasses.replace(builder.options, sanitize_overflow=False)
+    except Exception:
+        return
+
+
 if not HAS_CUDA:
     _interpreter_patches_the_language_once_per_launch()
+    _interpreter_skips_the_overflow_check_it_never_asserts()
 
 if os.environ.get("PYTEST_XDIST_WORKER") and not HAS_CUDA:
     # One thread per test worker: the workers already use every core, and

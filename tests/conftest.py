@@ -28,92 +28,16 @@ if not HAS_CUDA:
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
 
 
-def _interpreter_patches_the_language_once_per_launch():
-    """Triton's interpreter patches ``triton.language`` (``_patch_lang``:
-    ``inspect.getmembers`` over tl, tl.tensor, tl.math, ...) at every launch,
-    for the launch, and again at every call of a ``@triton.jit`` helper
-    inside a kernel (merge_moments, activate, ...), where the launch's patch
-    is already in place: there it replaces nothing (a patched member is no
-    longer a builtin) and re-sets the same stateless functions, and it was
-    about a third of a Mochi GroupNorm's interpreted time. Here a helper
-    called inside a launch whose patch covers its language modules runs
-    without re-patching; anything else (another triton.language module in
-    the helper's globals, a call outside a launch) takes Triton's own path.
-    The kernels' arithmetic is untouched. Only the Triton interpreter this
-    was written against (its code checked); else nothing changes."""
-    import inspect
-
-    try:
-        import triton.language as tl
-        from triton.runtime import interpreter as ti
-        grid_call, device_call = ti.GridExecutor.__call__, ti.InterpretedFunction.__call__
-        ok = ("patch_scope = _patch_lang(self.fn)" in inspect.getsource(grid_call)
-              and "patch_scope.restore()" in inspect.getsource(grid_call)
-              and "_patch_lang(self.fn)" in inspect.getsource(device_call)
-              and "value in [tl, tl.core]" in inspect.getsource(ti._patch_lang))
-    except Exception:
-        return
-    if not ok:
-        return
-    langs_of, active = {}, []
-
-    def langs(fn):
-        got = langs_of.get(fn)
-        if got is None:
-            got = langs_of[fn] = frozenset(id(v) for v in fn.__globals__.values()
-                                           if inspect.ismodule(v) and v in (tl, tl.core))
-        return got
-
-    def launch(self, *args, **kwargs):
-        active.append(langs(self.fn))
-        try:
-            return grid_call(self, *args, **kwargs)
-        finally:
-            active.pop()
-
-    def helper(self, *args, **kwargs):
-        got = langs(self.fn)
-        if not (got and active and got <= active[-1]):
-            return device_call(self, *args, **kwargs)
-        fn = self.rewrite()
-        try:
-            return fn(*args, **kwargs)
-        except Exception as e:
-            raise ti.InterpreterError(repr(e)) from e
-
-    ti.GridExecutor.__call__, ti.InterpretedFunction.__call__ = launch, helper
-
-
-def _interpreter_skips_the_overflow_check_it_never_asserts():
-    """Triton's interpreter runs its integer-overflow sanitizer on every
-    32-bit add, sub and mul (both operands cast to int64, the operation
-    again, two comparisons, an and: about half a Wan decode's interpreted
-    time), and hands the result to ``device_assert``, which returns
-    without looking at it unless the interpreter's ``debug`` option is on;
-    it is off (nothing here turns it on). With ``debug`` off the sanitizer
-    is switched off too, so nothing the kernels compute or a test sees
-    changes; with ``debug`` on it stays."""
-    import dataclasses
-    import inspect
-
-    try:
-        from triton.language import semantic
-        from triton.runtime import interpreter as ti
-        builder = ti.interpreter_builder
-        sanitizer = inspect.getsource(semantic.TritonSemantic.binary_op_sanitize_overflow_impl)
-        asserts = inspect.getsource(semantic.TritonSemantic.device_assert)
-        ok = ("not self.builder.options.sanitize_overflow" in sanitizer and "self.device_assert(cond" in sanitizer
-              and "if not self.builder.options.debug:\n            return" in asserts
-              and not builder.options.debug)
-        if ok:
-            builder.options = dataclasses.replace(builder.options, sanitize_overflow=False)
-    except Exception:
-        return
-
-
 if not HAS_CUDA:
-    _interpreter_patches_the_language_once_per_launch()
-    _interpreter_skips_the_overflow_check_it_never_asserts()
+    # (Two costs of the interpreter that buy the tests nothing, cut here and,
+    # through sitecustomize, in the processes the tests start: see
+    # _site/_interpreter_speedups.py.)
+    import sys
+    _site = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_site")
+    sys.path.insert(0, _site)
+    import _interpreter_speedups
+    _interpreter_speedups.install()
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_site, os.environ.get("PYTHONPATH")) if p)
 
 if os.environ.get("PYTEST_XDIST_WORKER") and not HAS_CUDA:
     # One thread per test worker: the workers already use every core, and

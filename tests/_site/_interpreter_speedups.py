@@ -16,8 +16,10 @@ def _interpreter_patches_the_language_once_per_launch():
     longer a builtin) and re-sets the same stateless functions, and it was
     about a third of a Mochi GroupNorm's interpreted time. Here a helper
     called inside a launch whose patch covers its language modules runs
-    without re-patching; anything else (another triton.language module in
-    the helper's globals, a call outside a launch) takes Triton's own path.
+    without re-patching; anything else (a call outside a launch, the first
+    call in a launch of a helper whose globals hold another triton.language
+    module, such as Triton's own tl.sum's ``core``) takes Triton's own path,
+    whose patch is then in place for the rest of the launch too.
     The kernels' arithmetic is untouched. Only the Triton interpreter this
     was written against (its code checked); else nothing changes."""
     import inspect
@@ -53,7 +55,13 @@ def _interpreter_patches_the_language_once_per_launch():
     def helper(self, *args, **kwargs):
         got = langs(self.fn)
         if not (got and active and got <= active[-1]):
-            return device_call(self, *args, **kwargs)
+            try:
+                return device_call(self, *args, **kwargs)
+            finally:
+                # Its patch (never undone: Triton drops a helper's scope)
+                # stays for the rest of the launch, as the launch's own does.
+                if got and active:
+                    active[-1] = active[-1] | got
         fn = self.rewrite()
         try:
             return fn(*args, **kwargs)

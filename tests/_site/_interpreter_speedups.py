@@ -36,7 +36,13 @@ def _interpreter_patches_the_language_once_per_launch():
         return
     if not ok:
         return
-    langs_of, active = {}, []
+    import threading
+
+    class _Launches(threading.local):
+        def __init__(self):
+            self.stack = []  # this thread's launches in progress: the modules their patches cover
+
+    langs_of, launches = {}, _Launches()
 
     def langs(fn):
         got = langs_of.get(fn)
@@ -46,6 +52,7 @@ def _interpreter_patches_the_language_once_per_launch():
         return got
 
     def launch(self, *args, **kwargs):
+        active = launches.stack
         active.append(langs(self.fn))
         try:
             return grid_call(self, *args, **kwargs)
@@ -53,7 +60,7 @@ def _interpreter_patches_the_language_once_per_launch():
             active.pop()
 
     def helper(self, *args, **kwargs):
-        got = langs(self.fn)
+        got, active = langs(self.fn), launches.stack
         if not (got and active and got <= active[-1]):
             try:
                 return device_call(self, *args, **kwargs)

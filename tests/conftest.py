@@ -31,12 +31,12 @@ DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
 if not HAS_CUDA:
     # (Two costs of the interpreter that buy the tests nothing, cut here and,
     # through sitecustomize, in the processes the tests start: see
-    # _site/_interpreter_speedups.py.)
+    # _site/interpreter_speedups.py.)
     import sys
     _site = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_site")
     sys.path.insert(0, _site)
-    import _interpreter_speedups
-    _interpreter_speedups.install()
+    import interpreter_speedups
+    interpreter_speedups.install()
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_site, os.environ.get("PYTHONPATH")) if p)
 
 if os.environ.get("PYTEST_XDIST_WORKER") and not HAS_CUDA:

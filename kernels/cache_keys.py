@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import types
 
 from conv_patch.checkout import refuse_top_level
 
@@ -62,7 +63,7 @@ def called(fn) -> list:
         obj = fn.fn.__globals__.get(name)
         if isinstance(obj, jit):
             out.append(obj)
-        elif type(obj).__name__ == "module":
+        elif isinstance(obj, types.ModuleType):
             out += [getattr(obj, a) for a in names if isinstance(getattr(obj, a, None), jit)]
     return out
 

@@ -7,9 +7,8 @@ caller's hash before it has hashed the helper, so a kernel hashed before its
 helpers gets another key than one hashed after them (Triton 3.9 hashes the
 helper first). Which comes first followed the order of a process's first
 launches, and that of the compile threads of a pass compiling ahead: a
-later process with the cache warm missed it and compiled again (TAEF2 at
-512²: 17 kernels, 2.7 s in each of its first two calls;
-docs/performance.md, forty-first session).
+later process with the cache warm missed it and compiled again
+(docs/performance.md, forty-first session).
 
 ``fix(kernel)``, before a launch of ``kernel`` that may compile, hashes the
 helpers it calls, each before the functions that call it, then the kernel:

@@ -18,8 +18,8 @@ unpatched first call) and ``checks``: the issue's bars, cold at most 5 s and
 warm at most 1 s over the unpatched first call, and that the warm process
 compiled nothing. Each patched process counts the kernels each of its three
 calls compiled (``*_compiled``: new entries of Triton's cache holding a
-kernel; a warm process that compiles missed the cache the cold one left). ``--off`` adds two
-processes patched with ``PatchConfig(compile_ahead=False)``: one on the warm
+kernel; a warm process that compiles missed the cache the cold one left).
+``--off`` adds two processes patched with ``PatchConfig(compile_ahead=False)``: one on the warm
 cache (``warm_off_s``: what the pass costs where there is nothing left to
 compile) and one on an empty cache again (``off_s``: the kernels compiled
 one after another as the call reaches them). A child that dies or passes ``--child-timeout`` leaves the

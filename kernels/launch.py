@@ -379,26 +379,31 @@ def _triton_launch(kernel, grid, args, meta):
     return kernel[grid](*args, **meta)
 
 
+def _fast_key(args):
+    """``arg_key(args)`` where a launch may use the cache of compiled
+    kernels; None where it takes Triton's own path (the cache turned off or
+    under the interpreter, a launch hook installed, an argument the key does
+    not know)."""
+    if not _fast_launch_on():
+        return None
+    knobs = _triton()[0]
+    if _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook):
+        return None
+    return arg_key(args)
+
+
 def launch(kernel, grid, *args, **meta):
     """``kernel[grid](*args, **meta)``, from the cache of compiled kernels
     where the call's signature was seen before (see above)."""
     Work.n += 1
     if getattr(_AHEAD, "pending", None) is not None:
         return _ahead_launch(kernel, grid, args, meta)
-    if not _fast_launch_on():
-        compiled = _triton_launch(kernel, grid, args, meta)
-        _record(kernel, grid, args, meta, None, None)
-        return compiled
-    knobs, driver, _ = _triton()
-    if _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook):
-        compiled = _triton_launch(kernel, grid, args, meta)
-        _record(kernel, grid, args, meta, None, None)
-        return compiled
-    akey = arg_key(args)
+    akey = _fast_key(args)
     if akey is None:
         compiled = _triton_launch(kernel, grid, args, meta)
         _record(kernel, grid, args, meta, None, None)
         return compiled
+    driver = _triton()[1]
     device = driver.active.get_current_device()
     key = (kernel, device, akey, tuple(meta.items()))
     hit = _FAST.get(key)

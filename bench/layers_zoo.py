@@ -58,7 +58,8 @@ CASES = [("sd15-unet", 512, 2), ("sdxl-unet", 1024, 1), ("controlnet", 512, 2), 
 TINY_CASES = [("sd15-unet", 16, 1), ("rrdb-x4", 8, 1)]
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 # The kernel routes a sweep measures (the others' problems exclude UNet shapes or they never win there).
-SWEEP_ROUTES = (Route.CONV2D_TMA, Route.CONV2D_TMA_PADDED, Route.CONV2D_IGEMM, Route.CONV2D_TAPS, Route.CONV2D_FLAT)
+SWEEP_ROUTES = (Route.CONV2D_TMA, Route.CONV2D_TMA_PADDED, Route.CONV2D_IM2COL, Route.CONV2D_IGEMM, Route.CONV2D_TAPS,
+                Route.CONV2D_FLAT)
 
 
 def _meta_model(name, tiny):

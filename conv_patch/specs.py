@@ -277,7 +277,8 @@ class CallDesc:
     call; for a Conv3d call its cached frames (count, layout, dtype), its
     output's elements, and whether autocast is on; ``pitch``, the pixel
     stride of an NHWC input that is a channel slice (``nhwc_pitch``; 0 where
-    the input is dense)."""
+    the input is dense); ``weight_dense``, whether the weight is dense in
+    its own [C_out, C_in, KH, KW] order (a route may read it in place)."""
 
     shape: tuple
     dtype: torch.dtype
@@ -300,6 +301,7 @@ class CallDesc:
     out_numel: int = 0
     cast: bool = False
     pitch: int = 0
+    weight_dense: bool = False
 
     @classmethod
     def of_call(cls, x, weight, bias=None, residual=None, output_padding=None, *, cache=None, epilogue: int = 0,
@@ -321,5 +323,5 @@ class CallDesc:
             residual_dtype=None if residual is None else residual.dtype,
             cache_frames=0 if cache is None else cache.shape[2], cache_layout=None if cache is None else layout_of(cache),
             cache_dtype=None if cache is None else cache.dtype, out_numel=out_numel, cast=cast,
-            pitch=pitch if pitch != x.shape[1] else 0,
+            pitch=pitch if pitch != x.shape[1] else 0, weight_dense=weight.is_contiguous(),
         )

@@ -63,7 +63,7 @@ UNSPECIALISED = {
     "conv2d_tma": {"N", "H", "W", "OH", "OW"},
     "conv2d_tma_padded": {"N", "HP", "WP", "OH", "OW"},
     "conv3d_tma": {"N", "T", "H", "W", "Tc", "OD", "OH", "OW"},
-    "pad_nhwc": {"H", "W", "HP", "WP"},
+    "pad_nhwc": {"H", "W", "HP", "WP"}, "im2col": {"L", "H", "W", "OW"},
     "attention_scores": {"R", "M"}, "attention_combine": {"R", "T"}, "attention_pv": {"R", "M", "split_steps"},
     "group_norm_stats_nhwc": {"HW", "CHUNK", "SPLITS"}, "group_norm_apply_nhwc": {"HW", "TILES"},
     "group_norm_finalize": {"S", "psn", "pss", "psc"},
@@ -73,9 +73,9 @@ UNSPECIALISED = {
     "group_norm_stats": set(), "group_norm_apply_nchw": set(), "nchw_to_nhwc": set(),
 }
 OTHER_KERNELS = ("from conv_patch.kernels import attention as a, depthwise as d, group_norm as g, "
-                 "grouped_pointwise as gp, layout as l; "
+                 "grouped_pointwise as gp, im2col as ic, layout as l; "
                  "from conv_patch.kernels import epilogue as ep; "
-                 "ks.update(epilogue=ep.epilogue_kernel, depthwise=d.depthwise_kernel, grouped_pointwise=gp.grouped_pointwise_kernel, pad_nhwc=l.pad_nhwc_kernel, nchw_to_nhwc=l.nchw_to_nhwc_kernel, "
+                 "ks.update(epilogue=ep.epilogue_kernel, depthwise=d.depthwise_kernel, grouped_pointwise=gp.grouped_pointwise_kernel, pad_nhwc=l.pad_nhwc_kernel, im2col=ic.im2col_kernel, nchw_to_nhwc=l.nchw_to_nhwc_kernel, "
                  "attention_scores=a.attention_scores_kernel, attention_combine=a.attention_combine_kernel, "
                  "attention_pv=a.attention_pv_kernel, group_norm_stats=g.group_norm_stats_kernel, "
                  "group_norm_stats_nhwc=g.group_norm_stats_nhwc_kernel, "

@@ -23,11 +23,13 @@ ROUTES = {"igemm": dict(TILE, route="igemm"), "taps": dict(TILE, route="taps"), 
 GPU_ROUTES = {"tma": {"route": "tma", "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8, "num_warps": 4,
                       "num_stages": 3, "BLOCK_W": 64},
               "tma_padded": {"route": "tma_padded", "BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8,
-                             "num_warps": 4, "num_stages": 3}}
+                             "num_warps": 4, "num_stages": 3},
+              "im2col": {"route": "im2col", "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8,
+                         "num_warps": 4, "num_stages": 3}}
 # (C_in, C_out, H, W) each route takes: taps C_out*9 <= 64, flat C_in*9 <= 64,
-# the TMA routes C_in a multiple of 8.
+# the TMA routes C_in a multiple of 8, im2col H*W a multiple of 8 too.
 SHAPES = {"igemm": (13, 11, 7, 9), "taps": (13, 5, 7, 9), "flat": (5, 11, 7, 9), "tma": (16, 24, 9, 10),
-          "tma_padded": (16, 24, 9, 10)}
+          "tma_padded": (16, 24, 9, 10), "im2col": (16, 24, 8, 10)}
 
 
 def _prelu(channels, gen, single=False):

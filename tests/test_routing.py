@@ -178,8 +178,8 @@ def test_one_registry_names_every_route():
         tables.validate_table({"conv2d": {"exact": {"k": cfg}}}, "t")
     assert set(registry.table_names("conv3d")) == {"igemm", "tma", "cudnn"}
     labels = {c["route"] for c in registry.tuner_candidates(Target("sm90", True))}
-    assert labels == {"igemm", "tma", "tma_padded", "taps", "flat"}
-    assert not {"tma", "tma_padded"} & {c["route"] for c in registry.tuner_candidates(Target("sm80", True))}
+    assert labels == {"igemm", "tma", "tma_padded", "taps", "flat", "im2col"}
+    assert not {"tma", "tma_padded", "im2col"} & {c["route"] for c in registry.tuner_candidates(Target("sm80", True))}
     assert {c["route"] for c in registry.tuner_candidates(Target("sm90", True), "conv3d")} == {"igemm", "tma"}
     assert {c["route"] for c in registry.tuner_candidates(Target("interpreter", True, interpreter=True),
                                                           "conv3d")} == {"igemm", "tma"}

@@ -220,7 +220,7 @@ def _weigh(decision: RouteDecision, spec, call: CallDesc, shape, out_hw, target:
         return decision  # a user's table without this shape measured: the user's choice
     entry = decision.entry
     choice = costs.choose(p, fitted, exact, launches=entry.launches(call), ops=call.epilogue, graph=call.graph,
-                          packed=call.packed, descriptors=entry.descriptors, cal=cal, config=decision.config,
+                          packed=call.packed and not entry.weight_in_place, descriptors=entry.descriptors, cal=cal, config=decision.config,
                           sms=target.sms)
     if not call.graph:
         lean = costs.choose_lean(p, fitted, exact, ops=call.epilogue, cal=cal, sms=target.sms)

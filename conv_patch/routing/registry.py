@@ -27,6 +27,7 @@ class Route(enum.Enum):
     CONV2D_TMA_PADDED = "conv2d_tma_padded"
     CONV2D_TAPS = "conv2d_taps"
     CONV2D_FLAT = "conv2d_flat"
+    CONV2D_IM2COL = "conv2d_im2col"
     CONV3D_IGEMM = "conv3d_igemm"
     CONV3D_TMA = "conv3d_tma"
     CUDNN = "cudnn"
@@ -105,6 +106,31 @@ def tma_padded_problem(spec: ConvSpec, call: CallDesc, shape: tuple, target: Tar
     if not call.aligned16:
         return "input, weight, residual or output not 16-byte aligned"
     return tma_layout_problem(shape, call.layout, call.dtype.itemsize, spec.in_channels, call.pitch)
+
+
+def im2col_problem(spec: ConvSpec, call: CallDesc, shape: tuple, target: Target) -> Optional[str]:
+    """Why the im2col + TMA GEMM route (kernels/im2col.py) cannot take this
+    call, or None: its column matrix [N, C_in*KH*KW, OH*OW] and the weight
+    read in place as [C_out, C_in*KH*KW] are TMA boxes (16-byte aligned
+    rows), and its GEMM's one-row tiles need 16 output pixels."""
+    if spec.transposed:
+        return "conv_transpose2d"
+    if not (tma_arch(target.arch) or target.interpreter):
+        return f"{target.arch} has no TMA"
+    if call.dtype.itemsize != 2:
+        return "the TMA route takes fp16/bf16"
+    if not call.aligned16:
+        return "input, weight, residual or output not 16-byte aligned"
+    if not call.weight_dense:
+        return "weight not dense NCHW (the route reads it in place as [C_out, C_in*KH*KW])"
+    align = TMA_ALIGN // call.dtype.itemsize
+    k = spec.in_channels * spec.kernel[0] * spec.kernel[1]
+    if k % align:
+        return f"C_in*KH*KW = {k} is not a multiple of {align}"
+    oh, ow = spec.output_hw(shape[2], shape[3], spec.output_padding)
+    if oh * ow % align or oh * ow < 16:
+        return f"{oh}x{ow} output pixels per image: not a multiple of {align} of at least 16"
+    return None
 
 
 def tma_layout_problem(shape, layout: str, elem_bytes: int, c_in: int, pitch: int = 0) -> Optional[str]:
@@ -190,6 +216,14 @@ TMA_PADDED_CANDIDATES = [
     tile_config("tma_padded", 128, 256, 64, 8, 3, persistent=1),
     tile_config("tma_padded", 128, 128, 64, 4, 4, persistent=2),
 ]
+# The im2col route's GEMM: one-row tiles of the column matrix (BLOCK_W =
+# BLOCK_M, set by the launcher), the best tiles of a sweep over the UNets'
+# NCHW 3x3 convs on an H100 (docs/performance.md, forty-second session).
+IM2COL_CANDIDATES = [
+    tile_config("im2col", 128, 128, 64, 4, 4), tile_config("im2col", 128, 128, 64, 4, 3),
+    tile_config("im2col", 128, 256, 64, 8, 3), tile_config("im2col", 64, 128, 64, 4, 4),
+    tile_config("im2col", 64, 64, 64, 4, 4),
+]
 # The few-output-channel route: tiles of its first stage, a 1x1 GEMM with
 # N = C_out*KH*KW <= 64 and K = C_in (memory-bound: wide row tiles).
 TAPS_CANDIDATES = [
@@ -231,6 +265,7 @@ INTERPRETER_CANDIDATES = [
     tile_config("tma", 256, 64, 64, 4, 1, bw=16), tile_config("tma", 64, 32, 32, 4, 1, bw=64, persistent=1),
     tile_config("tma_padded", 64, 32, 32, 4, 1, bn2=16), tile_config("tma_padded", 128, 32, 32, 4, 1, persistent=1),
     tile_config("taps", 256, 32, 64, 4, 1), tile_config("flat", 256, 32, 32, 4, 1),
+    tile_config("im2col", 64, 32, 32, 4, 1),
 ]
 
 
@@ -262,6 +297,7 @@ class RouteEntry:
     hopper: bool = False  # TMA and wgmma: sm90 and newer only (and the interpreter)
     splits_n: bool = False  # its tiles may split their output channels in two blocks (BLOCK_N2)
     repacks: bool = False  # the launcher repacks a module's weight at every call (a PyTorch copy)
+    weight_in_place: bool = False  # reads the module's own (dense) weight: no pack, nothing refreshed
 
     @property
     def is_kernel(self) -> bool:
@@ -294,6 +330,10 @@ REGISTRY: Tuple[RouteEntry, ...] = (
                "conv2d_flat.launch_conv2d_flat", lambda spec, call, shape, target: flat_problem(spec),
                candidates=tuple(FLAT_CANDIDATES),
                interpreter=tuple(c for c in INTERPRETER_CANDIDATES if c["route"] == "flat")),
+    RouteEntry(Route.CONV2D_IM2COL, "conv2d", "im2col", "Hopper (sm90+) conv2d as im2col + TMA GEMM: the input unfolded into a column matrix [N, C_in*KH*KW, OH*OW] (any stride, padding, dilation; one pass), then the GEMM against the module's dense NCHW weight read in place as [C_out, C_in*KH*KW] (no weight pack, nothing refreshed per call), the output written in the caller's layout; fp16/bf16, C_in*KH*KW and OH*OW multiples of 8; same fused epilogue. For small images under large weights (a UNet's deep convs)",
+               "im2col.launch_conv2d_im2col", im2col_problem, candidates=tuple(IM2COL_CANDIDATES),
+               interpreter=tuple(c for c in INTERPRETER_CANDIDATES if c["route"] == "im2col"),
+               launches=lambda call: 2, descriptors=3, hopper=True, weight_in_place=True),
     RouteEntry(Route.CONV3D_IGEMM, "conv3d", "igemm", "portable implicit-GEMM conv3d: any kernel size, stride, padding (front and back per axis) and dilation; groups=1, zero padding; NCDHW or NDHWC read in place; a causal conv's cached frames read in place in front of the input (no concatenation written); same dtypes and fused epilogue as conv2d. Taken under the interpreter; on a GPU only for shapes an architecture's table measured faster than cuDNN as called (conv3d.exact: bench.video --layers --write-table), PyTorch's conv3d everywhere else",
                "conv3d.launch_conv3d", candidates=tuple(CONV3D_CANDIDATES),
                interpreter=tuple(c for c in CONV3D_INTERPRETER_CANDIDATES if c["route"] == "igemm")),

@@ -105,10 +105,14 @@ def route_weight(weight: torch.Tensor, route: Route, transposed: bool = False) -
     kernels' and the Conv3d TMA kernel's dense co,(kt,)kh,kw,ci box source,
     a copy where the weight is not already stored so (the Conv3d one is
     measured with its call: a copy of the weight, small beside a video
-    conv's activations); the portable kernels read any strides in place."""
+    conv's activations); the im2col route's dense [C_out, C_in, KH, KW]
+    weight (a copy only where it is not dense); the portable kernels read any
+    strides in place."""
     view = kernel_view(weight, transposed)
     if route in (Route.CONV2D_TMA, Route.CONV2D_TMA_PADDED):
         return kernel_layout(view)
+    if route is Route.CONV2D_IM2COL:
+        return view.contiguous()
     if route is Route.CONV3D_TMA and not view.is_contiguous(memory_format=torch.channels_last_3d):
         return view.contiguous(memory_format=torch.channels_last_3d)
     return view

@@ -114,7 +114,7 @@ def _build(m, graph, call, weight, bias, packable=False, slot=True):
             check_residual(call.residual, conv2d_op.output_shape(spec, tuple(x.shape), call.output_padding))
         plan.kind = KERNEL
         plan.memory_format = conv2d_op.output_memory_format(x, weight)
-        if decision.tier == LEAN:
+        if decision.tier == LEAN or decision.entry.weight_in_place:
             w = pack.kernel_view(weight.detach(), spec.transposed)
         else:
             w = pack.packed_weight(m, weight, spec.transposed)

@@ -32,8 +32,8 @@ from conv_patch import functional
 from conv_patch.ops.loader import kernel_errors
 from conv_patch.routing import tables as config_tables
 from conv_patch.runtime import pack
-from conv_patch.routing.registry import (BY_ROUTE, CUDNN_TABLE_ROUTE, Route, flat_problem, route_problem, taps_problem,
-                                         tile_config, tma_problem, tuner_candidates)
+from conv_patch.routing.registry import (BY_ROUTE, CUDNN_TABLE_ROUTE, Route, flat_problem, route_of_table,
+                                         route_problem, taps_problem, tile_config, tma_problem, tuner_candidates)
 from conv_patch.specs import CallDesc, layout_of
 from conv_patch.target import Target, conv_tf32, target_for
 from conv_patch.tools.model_shapes import ConvCall, distinct_calls
@@ -175,15 +175,20 @@ def measure(call: ConvCall, layout: str, dtype: torch.dtype, device: torch.devic
         tol = min(tol, CUDNN_ERR_FACTOR * cudnn_err + CUDNN_ERR_SLACK)
         del cudnn_out
     desc = CallDesc.of_call(x, packed, b)
+    # A route reading the module's own weight in place is timed on it.
+    dense = CallDesc.of_call(x, w, b)
     tma_ok = tma_problem(spec, desc, shape, target) is None
     times, rejected, configs = {}, {}, {}
     for cfg in cands:
         lab = config_label(cfg)
         configs[lab] = cfg
-        if route_problem(config_tables.route_of(cfg), spec, desc, shape, target):
+        name = config_tables.route_of(cfg)
+        in_place = name != CUDNN_TABLE_ROUTE and BY_ROUTE[route_of_table(spec.kind, name)].weight_in_place
+        wk = w if in_place else packed
+        if route_problem(name, spec, dense if in_place else desc, shape, target):
             continue
         out = torch.empty(ref.shape, dtype=dtype, device=device, memory_format=fmt)
-        _try_candidate(lab, lambda: functional.conv2d(x, packed, b, spec.stride, pad, spec.dilation, out=out, config=cfg),
+        _try_candidate(lab, lambda: functional.conv2d(x, wk, b, spec.stride, pad, spec.dilation, out=out, config=cfg),
                        out, ref, tol, timer, times, rejected)
     cudnn_ms = None
     if device.type == "cuda":

@@ -5,7 +5,8 @@ one in one process (``zoo.interleaved``: rotated order, medians after
 warm-up).
 
     python -m bench.ab --only srvgg-x4 taef2 --variants own-dense-blocks size-only-group-norm
-                       [--table T] [--sizes 256 512] [--batch 1] [--runs 41] [--tiny] [--out DIR]
+                       [--table T] [--packaged-table T] [--sizes 256 512] [--batch 1] [--runs 41] [--tiny]
+                       [--out DIR]
 
 A variant (``VARIANTS``) changes a rule the routing or the recipes read at
 call time, set around its own calls only, so that the other models in the
@@ -23,7 +24,11 @@ recipe's ``proj_in`` and ``proj_out``), and ``no-auto-graphs`` runs the
 blocks ``PatchConfig(cuda_graphs="auto")`` graphs eagerly (its bound set
 to 0 bytes: each key is captured once, then dropped).
 ``--table T`` adds a variant patched with config table ``T``
-(``PatchConfig(table=T)``) instead of the architecture's own.
+(``PatchConfig(table=T)``) instead of the architecture's own: a user's
+table, whose choice stands for the shapes it has not measured.
+``--packaged-table T`` adds a variant reading ``T`` as the architecture's
+own table (swapped in around its calls), weighed against PyTorch as the
+packaged one is: a table's new entries against the packaged ones.
 
 One row per (model, size, variant): name, baseline ("conv-patch, default
 rules"), baseline_ms, ours_ms (the variant), speedup (default over
@@ -37,6 +42,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import json
+from pathlib import Path
 
 import torch
 
@@ -44,7 +51,7 @@ import conv_patch
 from conv_patch.kernels import direct_launch
 from conv_patch.ops import grouped_conv
 from conv_patch.recipes import esrgan
-from conv_patch.routing import costs
+from conv_patch.routing import costs, tables
 from conv_patch.runtime import graphs, pack, planner
 from conv_patch.runtime.state import peek
 
@@ -89,6 +96,19 @@ def _own_upscaler_blocks(*recipes):
         yield
 
 
+def _as_packaged(path):
+    """Table ``path`` read as every architecture's packaged table inside."""
+    held = _TABLES.get(path)
+    if held is None:
+        data = tables.validate_table(json.loads(Path(path).read_text()), path)
+        held = _TABLES[path] = tables.Table(data, data.get("arch", "sm90"))
+    own = tables.packaged_table
+    return _swapped(tables, "packaged_table", lambda arch: own(arch) if arch == "default" else held)
+
+
+_TABLES: dict = {}
+
+
 VARIANTS = {
     "own-dense-blocks": (lambda: _own_upscaler_blocks(esrgan.RESIDUAL_DENSE, esrgan.RRDB_RECIPE),
                          "the upscalers' dense blocks and RRDBs run their own forward launched eagerly"),
@@ -128,6 +148,7 @@ def main(argv=None):
     ap.add_argument("--only", nargs="+", choices=sorted(zoo.MODELS), required=True)
     ap.add_argument("--variants", nargs="*", choices=sorted(VARIANTS), default=[])
     ap.add_argument("--table", default=None, help="a config table to run as a variant")
+    ap.add_argument("--packaged-table", default=None, help="a config table to run as a variant, read as the GPU's own")
     ap.add_argument("--sizes", type=int, nargs="+", default=None)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--runs", type=int, default=41)
@@ -135,8 +156,8 @@ def main(argv=None):
     ap.add_argument("--tiny", action="store_true", help="tiny configs on the CPU (the tests)")
     ap.add_argument("--out", default=None, help="results folder (default bench/results)")
     args = ap.parse_args(argv)
-    if not args.variants and args.table is None:
-        ap.error("name at least one variant or a --table")
+    if not args.variants and args.table is None and args.packaged_table is None:
+        ap.error("name at least one variant, a --table or a --packaged-table")
     device = bench_device()
     rows = []
     for name in args.only:
@@ -158,6 +179,11 @@ def main(argv=None):
                 conv_patch.apply(m, config=conv_patch.PatchConfig(table=args.table))
                 calls["table"] = lambda m=m: m(*x, **kw)
                 what["table"] = f"patched with the table {args.table}"
+            if args.packaged_table is not None:
+                m = copy.deepcopy(model)
+                conv_patch.apply(m)
+                calls["packaged-table"] = _wrapped(m, x, kw, lambda: _as_packaged(args.packaged_table))
+                what["packaged-table"] = f"patched with {args.packaged_table} as the GPU's own table"
             with torch.inference_mode():
                 ref = zoo.output_tensor(calls["unpatched"]()).float()
                 # Each model's error at its third call: the first calls may

@@ -684,6 +684,15 @@ def test_bench_ab_rows_and_rules(tmp_path):
     with ab.VARIANTS["triton-launcher"][0](), ab.VARIANTS["full-path"][0]():
         assert not direct_launch.direct_launch_on() and not planner.KERNEL_SLOTS
     assert direct_launch.direct_launch_on() == on and planner.KERNEL_SLOTS
+    from conv_patch.routing import tables
+    own = tables.packaged_table("sm90")
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"schema": 1, "arch": "sm90", "conv2d": {"any": {"BLOCK_M": 32, "BLOCK_N": 32,
+                                                                                  "BLOCK_K": 16}}}))
+    with ab._as_packaged(str(path)):
+        assert tables.packaged_table("sm90").data["conv2d"]["any"]["BLOCK_M"] == 32
+        assert tables.packaged_table("default").name == "default"
+    assert tables.packaged_table("sm90").data == own.data
     from conv_patch.ops import grouped_conv
     conv = nn.Conv2d(4, 4, 1, groups=2)
     with ab.VARIANTS["cudnn-grouped-convs"][0]():

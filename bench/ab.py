@@ -5,8 +5,8 @@ one in one process (``zoo.interleaved``: rotated order, medians after
 warm-up).
 
     python -m bench.ab --only srvgg-x4 taef2 --variants own-dense-blocks size-only-group-norm
-                       [--table T] [--packaged-table T] [--sizes 256 512] [--batch 1] [--runs 41] [--tiny]
-                       [--out DIR]
+                       [--table T] [--packaged-table T] [--graphs] [--sizes 256 512] [--batch 1] [--runs 41]
+                       [--tiny] [--out DIR]
 
 A variant (``VARIANTS``) changes a rule the routing or the recipes read at
 call time, set around its own calls only, so that the other models in the
@@ -29,6 +29,8 @@ table, whose choice stands for the shapes it has not measured.
 ``--packaged-table T`` adds a variant reading ``T`` as the architecture's
 own table (swapped in around its calls), weighed against PyTorch as the
 packaged one is: a table's new entries against the packaged ones.
+``--graphs`` patches every model with ``PatchConfig(cuda_graphs=True)``
+(the graph path, where only GPU time counts).
 
 One row per (model, size, variant): name, baseline ("conv-patch, default
 rules"), baseline_ms, ours_ms (the variant), speedup (default over
@@ -143,12 +145,18 @@ def _wrapped(model, args, kwargs, rule):
     return call
 
 
+def _meta(args) -> dict:
+    return {"variants": args.variants, "table": args.table, "packaged_table": args.packaged_table,
+            "graphs": args.graphs, "batch": args.batch}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", nargs="+", choices=sorted(zoo.MODELS), required=True)
     ap.add_argument("--variants", nargs="*", choices=sorted(VARIANTS), default=[])
     ap.add_argument("--table", default=None, help="a config table to run as a variant")
     ap.add_argument("--packaged-table", default=None, help="a config table to run as a variant, read as the GPU's own")
+    ap.add_argument("--graphs", action="store_true", help="patch with PatchConfig(cuda_graphs=True)")
     ap.add_argument("--sizes", type=int, nargs="+", default=None)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--runs", type=int, default=41)
@@ -165,23 +173,24 @@ def main(argv=None):
             fields, model, inputs = zoo.load_case(name, 16 if args.tiny else size, args.batch, "fp32" if args.tiny else None,
                                                   args.tiny, device, 1)
             x, kw = inputs[0]
+            graphs = conv_patch.PatchConfig(cuda_graphs=True) if args.graphs else None
             default = copy.deepcopy(model)
-            conv_patch.apply(default)
+            conv_patch.apply(default, config=graphs)
             calls = {"unpatched": lambda: model(*x, **kw), "default": lambda: default(*x, **kw)}
             what = {}
             for v in args.variants:
                 m = copy.deepcopy(model)
-                conv_patch.apply(m)
+                conv_patch.apply(m, config=graphs)
                 calls[v] = _wrapped(m, x, kw, VARIANTS[v][0])
                 what[v] = VARIANTS[v][1]
             if args.table is not None:
                 m = copy.deepcopy(model)
-                conv_patch.apply(m, config=conv_patch.PatchConfig(table=args.table))
+                conv_patch.apply(m, config=conv_patch.PatchConfig(table=args.table, cuda_graphs=args.graphs or "auto"))
                 calls["table"] = lambda m=m: m(*x, **kw)
                 what["table"] = f"patched with the table {args.table}"
             if args.packaged_table is not None:
                 m = copy.deepcopy(model)
-                conv_patch.apply(m)
+                conv_patch.apply(m, config=graphs)
                 calls["packaged-table"] = _wrapped(m, x, kw, lambda: _as_packaged(args.packaged_table))
                 what["packaged-table"] = f"patched with {args.packaged_table} as the GPU's own table"
             with torch.inference_mode():
@@ -204,8 +213,8 @@ def main(argv=None):
                              "default_rel_err_vs_unpatched": errs["default"], "rounds": args.runs})
                 print(f"{rows[-1]['name']}: unpatched {base:.3f} ms, default {dflt:.3f}, {v} {ms:.3f} "
                       f"(default/variant x{dflt / ms:.3f})", flush=True)
-            write_results("ab", rows, {"variants": args.variants, "table": args.table}, args.out)
-    path = write_results("ab", rows, {"variants": args.variants, "table": args.table}, args.out)
+            write_results("ab", rows, _meta(args), args.out)
+    path = write_results("ab", rows, _meta(args), args.out)
     print_table(rows, ["name", "unpatched_ms", "baseline_ms", "ours_ms", "speedup"])
     print("wrote", path)
     return rows

@@ -107,6 +107,24 @@ def test_routing_rule():
     assert not any(c["route"] == "im2col" for c in tuner_candidates(Target("sm80", True)))
 
 
+def test_taken_on_the_graph_path_only():
+    """Weighed as called, a measured win is taken where only GPU time
+    counts (the graph path) and not launched eagerly, where the route's
+    host time costs a model more than it saves (registry ``launched``)."""
+    gpu = Target("sm90", True)
+    m = torch.nn.Conv2d(1280, 1280, 3, padding=1).half()
+    spec = ConvSpec.from_module(m)
+    x = torch.empty(2, 1280, 8, 8, dtype=torch.float16)
+    key = config_tables.shape_key(spec, tuple(x.shape), "nchw", torch.float16)
+    table = config_tables.Table(config_tables.validate_table(
+        {"conv2d": {"exact": {key: dict(TILES, ours_ms=0.07, cudnn_ms=0.11)}}}, "t"), "t")
+    w = m.weight.detach()
+    graphed = decide(spec, CallDesc.of_call(x, w, None, graph=True, packed=True), gpu, table)
+    assert graphed.route is Route.CONV2D_IM2COL
+    launched = decide(spec, CallDesc.of_call(x, w, None, packed=True), gpu, table)
+    assert launched.route is not Route.CONV2D_IM2COL and "graph path only" in launched.reason
+
+
 @needs_tma
 def test_patched_module_reads_its_weight_in_place(device):
     """A patched conv on the route keeps no pack, and a write through
@@ -123,12 +141,14 @@ def test_patched_module_reads_its_weight_in_place(device):
     conv_patch.apply(model, config=conv_patch.PatchConfig(table=table, compile_ahead=False), recipes=False)
     m = model[0]
     before = pack.stats()["allocations"]
-    with torch.no_grad():
-        for scale in (1.0, -0.5):
+    # (On a GPU as on the graph path, where the route is taken.)
+    with torch.no_grad(), pack.graph_path():
+        for scale in (1.0, -0.5, 3.0):
             m.weight.data.mul_(scale)
             ref = F.conv2d(x.double().cpu(), m.weight.double().cpu(), m.bias.double().cpu(), 1, 1)
-            y = m(x)
-            assert rel_err(y, ref) < 1e-2
+            for _ in range(3):
+                y = model(x)
+                assert rel_err(y, ref) < 1e-2
             assert conv_patch.last_route(m).route is Route.CONV2D_IM2COL
     assert pack.stats()["allocations"] == before
 

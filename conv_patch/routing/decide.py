@@ -219,9 +219,13 @@ def _weigh(decision: RouteDecision, spec, call: CallDesc, shape, out_hw, target:
     if user_table is not None and exact is None:
         return decision  # a user's table without this shape measured: the user's choice
     entry = decision.entry
-    choice = costs.choose(p, fitted, exact, launches=entry.launches(call), ops=call.epilogue, graph=call.graph,
-                          packed=call.packed and not entry.weight_in_place, descriptors=entry.descriptors, cal=cal, config=decision.config,
-                          sms=target.sms)
+    if not (call.graph or entry.launched):
+        choice = costs.Choice(False, f"{entry.table} route: on the graph path only (launched, its host time costs "
+                                     "a model more than its GPU time saves)")
+    else:
+        choice = costs.choose(p, fitted, exact, launches=entry.launches(call), ops=call.epilogue, graph=call.graph,
+                              packed=call.packed and not entry.weight_in_place, descriptors=entry.descriptors,
+                              cal=cal, config=decision.config, sms=target.sms)
     if not call.graph:
         lean = costs.choose_lean(p, fitted, exact, ops=call.epilogue, cal=cal, sms=target.sms)
         if lean.kernel and (not choice.kernel or lean.cost < choice.cost):

@@ -298,6 +298,10 @@ class RouteEntry:
     splits_n: bool = False  # its tiles may split their output channels in two blocks (BLOCK_N2)
     repacks: bool = False  # the launcher repacks a module's weight at every call (a PyTorch copy)
     weight_in_place: bool = False  # reads the module's own (dense) weight: no pack, nothing refreshed
+    # Taken launched eagerly too; False: on the graph path only (GPU time
+    # alone), where its host time was measured to cost a launched model more
+    # than its GPU time saves (docs/performance.md).
+    launched: bool = True
 
     @property
     def is_kernel(self) -> bool:
@@ -333,7 +337,7 @@ REGISTRY: Tuple[RouteEntry, ...] = (
     RouteEntry(Route.CONV2D_IM2COL, "conv2d", "im2col", "Hopper (sm90+) conv2d as im2col + TMA GEMM: the input unfolded into a column matrix [N, C_in*KH*KW, OH*OW] (any stride, padding, dilation; one pass), then the GEMM against the module's dense NCHW weight read in place as [C_out, C_in*KH*KW] (no weight pack, nothing refreshed per call), the output written in the caller's layout; fp16/bf16, C_in*KH*KW and OH*OW multiples of 8; same fused epilogue. For small images under large weights (a UNet's deep convs)",
                "im2col.launch_conv2d_im2col", im2col_problem, candidates=tuple(IM2COL_CANDIDATES),
                interpreter=tuple(c for c in INTERPRETER_CANDIDATES if c["route"] == "im2col"),
-               launches=lambda call: 2, descriptors=3, hopper=True, weight_in_place=True),
+               launches=lambda call: 2, descriptors=3, hopper=True, weight_in_place=True, launched=False),
     RouteEntry(Route.CONV3D_IGEMM, "conv3d", "igemm", "portable implicit-GEMM conv3d: any kernel size, stride, padding (front and back per axis) and dilation; groups=1, zero padding; NCDHW or NDHWC read in place; a causal conv's cached frames read in place in front of the input (no concatenation written); same dtypes and fused epilogue as conv2d. Taken under the interpreter; on a GPU only for shapes an architecture's table measured faster than cuDNN as called (conv3d.exact: bench.video --layers --write-table), PyTorch's conv3d everywhere else",
                "conv3d.launch_conv3d", candidates=tuple(CONV3D_CANDIDATES),
                interpreter=tuple(c for c in CONV3D_INTERPRETER_CANDIDATES if c["route"] == "igemm")),

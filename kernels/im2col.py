@@ -29,41 +29,45 @@ import triton.language as tl
 
 from .common import IM2COL_EXTENTS
 from .conv2d_tma import launch_conv2d_tma
-from .launch import INT32_LIMIT, cdiv, empty, launch, needs_int64, next_pow2
+from .launch import cdiv, empty, launch, needs_int64, next_pow2
 
-# Elements of the column matrix per program: a contiguous run of its rows
-# (stored in 16-byte pieces), whatever the image's size.
-BLOCK = 2048
+# The column matrix's tile per program: K rows by pixels, stored along the
+# pixels (coalesced), loaded along an input row where the stride is 1.
+BLOCK_ROWS = 16
+BLOCK_PIXELS = 256
 
 
 @triton.jit(do_not_specialize=IM2COL_EXTENTS)
 def im2col_kernel(x_ptr, col_ptr, K, L, H, W, OW, sxn, sxc, sxh, sxw,
                   KH, KW, SH, SW, PH, PW, DH, DW,
-                  IDX64: tl.constexpr, BLOCK_E: tl.constexpr):
+                  IDX64: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr):
     """col[n, k, p] = x[n, ci, oh*SH - PH + kh*DH, ow*SW - PW + kw*DW], 0
-    outside the image, for k = (ci*KH + kh)*KW + kw and p = oh*OW + ow: the
-    image's K*L elements in row order, BLOCK_E per program (consecutive
-    pixels of a row read along an input row at stride 1)."""
-    n = tl.program_id(1).to(tl.int64)
-    if IDX64:
-        e = tl.program_id(0).to(tl.int64) * BLOCK_E + tl.arange(0, BLOCK_E)
-    else:
-        e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
-    k = e // L
-    p = e - k * L
+    outside the image, for k = (ci*KH + kh)*KW + kw and p = oh*OW + ow."""
+    pid_p = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    n = tl.program_id(2).to(tl.int64)
+    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
     taps = KH * KW
-    ci = k // taps
-    t = k - ci * taps
+    ci = offs_k // taps
+    t = offs_k - ci * taps
     kh = t // KW
     kw = t - kh * KW
-    oh = p // OW
-    ow = p - oh * OW
-    ih = oh * SH - PH + kh * DH
-    iw = ow * SW - PW + kw * DW
-    ok = e < K * L
-    inside = ok & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
-    v = tl.load(x_ptr + n * sxn + ci * sxc + ih * sxh + iw * sxw, mask=inside, other=0.0)
-    tl.store(col_ptr + n * K * L + e, v, mask=ok)
+    oh = offs_p // OW
+    ow = offs_p - oh * OW
+    ih = oh[None, :] * SH - PH + kh[:, None] * DH
+    iw = ow[None, :] * SW - PW + kw[:, None] * DW
+    inside = (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
+    rows = offs_k < K
+    cols = offs_p < L
+    if IDX64:
+        src = ci[:, None].to(tl.int64) * sxc + ih.to(tl.int64) * sxh + iw.to(tl.int64) * sxw
+        dst = offs_k[:, None].to(tl.int64) * L + offs_p[None, :]
+    else:
+        src = ci[:, None] * sxc + ih * sxh + iw * sxw
+        dst = offs_k[:, None] * L + offs_p[None, :]
+    v = tl.load(x_ptr + n * sxn + src, mask=inside & rows[:, None] & cols[None, :], other=0.0)
+    tl.store(col_ptr + n * K * L + dst, v, mask=rows[:, None] & cols[None, :])
 
 
 def launch_im2col(x, kh, kw, stride, padding, dilation, oh, ow):
@@ -73,9 +77,10 @@ def launch_im2col(x, kh, kw, stride, padding, dilation, oh, ow):
     n, c, h, w = x.shape
     k, l = c * kh * kw, oh * ow
     col = empty((n, k, l), dtype=x.dtype, device=x.device)
-    launch(im2col_kernel, (cdiv(k * l, BLOCK), n), x, col, k, l, h, w, ow, *x.stride(),
+    grid = (cdiv(l, BLOCK_PIXELS), cdiv(k, BLOCK_ROWS), n)
+    launch(im2col_kernel, grid, x, col, k, l, h, w, ow, *x.stride(),
            kh, kw, stride[0], stride[1], padding[0], padding[1], dilation[0], dilation[1],
-           IDX64=bool(needs_int64(x, col) or k * l + BLOCK > INT32_LIMIT), BLOCK_E=BLOCK, num_warps=4)
+           IDX64=bool(needs_int64(x, col)), BLOCK_K=BLOCK_ROWS, BLOCK_P=BLOCK_PIXELS, num_warps=4)
     return col
 
 

@@ -173,14 +173,14 @@ def main(argv=None):
             fields, model, inputs = zoo.load_case(name, 16 if args.tiny else size, args.batch, "fp32" if args.tiny else None,
                                                   args.tiny, device, 1)
             x, kw = inputs[0]
-            graphs = conv_patch.PatchConfig(cuda_graphs=True) if args.graphs else None
+            graph_config = conv_patch.PatchConfig(cuda_graphs=True) if args.graphs else None
             default = copy.deepcopy(model)
-            conv_patch.apply(default, config=graphs)
+            conv_patch.apply(default, config=graph_config)
             calls = {"unpatched": lambda: model(*x, **kw), "default": lambda: default(*x, **kw)}
             what = {}
             for v in args.variants:
                 m = copy.deepcopy(model)
-                conv_patch.apply(m, config=graphs)
+                conv_patch.apply(m, config=graph_config)
                 calls[v] = _wrapped(m, x, kw, VARIANTS[v][0])
                 what[v] = VARIANTS[v][1]
             if args.table is not None:
@@ -190,7 +190,7 @@ def main(argv=None):
                 what["table"] = f"patched with the table {args.table}"
             if args.packaged_table is not None:
                 m = copy.deepcopy(model)
-                conv_patch.apply(m, config=graphs)
+                conv_patch.apply(m, config=graph_config)
                 calls["packaged-table"] = _wrapped(m, x, kw, lambda: _as_packaged(args.packaged_table))
                 what["packaged-table"] = f"patched with {args.packaged_table} as the GPU's own table"
             with torch.inference_mode():

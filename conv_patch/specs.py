@@ -278,7 +278,9 @@ class CallDesc:
     output's elements, and whether autocast is on; ``pitch``, the pixel
     stride of an NHWC input that is a channel slice (``nhwc_pitch``; 0 where
     the input is dense); ``weight_dense``, whether the weight is dense in
-    its own [C_out, C_in, KH, KW] order (a route may read it in place)."""
+    its own [C_out, C_in, KH, KW] order (a route may read it in place);
+    ``out_flat``, whether a given 4-D output's pixels are one run per
+    channel (it views as [N, C, 1, H*W])."""
 
     shape: tuple
     dtype: torch.dtype
@@ -302,6 +304,7 @@ class CallDesc:
     cast: bool = False
     pitch: int = 0
     weight_dense: bool = False
+    out_flat: bool = True
 
     @classmethod
     def of_call(cls, x, weight, bias=None, residual=None, output_padding=None, *, cache=None, epilogue: int = 0,
@@ -324,4 +327,10 @@ class CallDesc:
             cache_frames=0 if cache is None else cache.shape[2], cache_layout=None if cache is None else layout_of(cache),
             cache_dtype=None if cache is None else cache.dtype, out_numel=out_numel, cast=cast,
             pitch=pitch if pitch != x.shape[1] else 0, weight_dense=weight.is_contiguous(),
+            out_flat=out is None or out.dim() != 4 or _flat_pixels(out),
         )
+
+
+def _flat_pixels(t) -> bool:
+    """``t`` [N, C, H, W] views as [N, C, 1, H*W]."""
+    return t.shape[2] <= 1 or t.shape[3] <= 1 or t.stride(2) == t.shape[3] * t.stride(3)

@@ -90,6 +90,10 @@ def test_routing_rule():
     wcl = w.contiguous(memory_format=torch.channels_last)
     assert "dense NCHW" in im2col_problem(spec, CallDesc.of_call(x, wcl, None), (1, 16, 8, 8), gpu)
     assert "fp16/bf16" in im2col_problem(spec, CallDesc.of_call(x.float(), w.float(), None), (1, 16, 8, 8), gpu)
+    parity = torch.empty(1, 32, 16, 8, dtype=torch.float16)[:, :, ::2]  # rows 16 apart: no [N, C, 1, 64] view
+    assert "one run" in im2col_problem(spec, CallDesc.of_call(x, w, None, out=parity), (1, 16, 8, 8), gpu)
+    dense = torch.empty(1, 32, 8, 8, dtype=torch.float16).contiguous(memory_format=torch.channels_last)
+    assert im2col_problem(spec, CallDesc.of_call(x, w, None, out=dense), (1, 16, 8, 8), gpu) is None
     x7 = torch.empty(1, 16, 7, 7, dtype=torch.float16)
     assert "output pixels" in im2col_problem(spec, CallDesc.of_call(x7, w, None), (1, 16, 7, 7), gpu)
     odd = ConvSpec.from_module(torch.nn.Conv2d(3, 8, 1))

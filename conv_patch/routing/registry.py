@@ -123,6 +123,8 @@ def im2col_problem(spec: ConvSpec, call: CallDesc, shape: tuple, target: Target)
         return "input, weight, residual or output not 16-byte aligned"
     if not call.weight_dense:
         return "weight not dense NCHW (the route reads it in place as [C_out, C_in*KH*KW])"
+    if not call.out_flat:
+        return "an output whose pixel rows are not one run (the route writes it as [N, C_out, 1, OH*OW])"
     align = TMA_ALIGN // call.dtype.itemsize
     k = spec.in_channels * spec.kernel[0] * spec.kernel[1]
     if k % align:

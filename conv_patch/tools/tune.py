@@ -183,7 +183,7 @@ def measure(call: ConvCall, layout: str, dtype: torch.dtype, device: torch.devic
         lab = config_label(cfg)
         configs[lab] = cfg
         name = config_tables.route_of(cfg)
-        in_place = name != CUDNN_TABLE_ROUTE and BY_ROUTE[route_of_table(spec.kind, name)].weight_in_place
+        in_place = BY_ROUTE[route_of_table(spec.kind, name)].weight_in_place
         wk = w if in_place else packed
         if route_problem(name, spec, dense if in_place else desc, shape, target):
             continue

@@ -18,8 +18,13 @@ Only where Triton's launcher has the shape this was written against
 ``tensordesc_indices`` and ``tensordesc_meta``, 13 leading launch
 arguments, no global or profile scratch); any other launcher, a launch
 hook, or ``CONV_PATCH_DIRECT_LAUNCH=0`` keeps Triton's own path. What the
-C launcher receives is what Triton's wrapper would have passed it
-(tests/test_direct_launch.py compares the two).
+C launcher receives is what Triton's wrapper would have passed it, but for
+pointers, which go as their addresses (ints, which Triton's C launcher takes
+as they are): a replay then makes no view of a role for a view argument (a
+1x1 conv's plane, the im2col route's column matrix, each an ``as_strided``
+of a few microseconds), and the launcher skips the driver's pointer check
+it makes on a tensor argument (tests/test_direct_launch.py compares the
+two).
 """
 
 import os
@@ -143,26 +148,30 @@ class Replay:
         self.template, self.slots, self.maps = template, slots, maps
 
     def call(self, stream, values):
-        """Launch with ``values``: (argument index, tensor, the recorded
-        descriptor's fields or None) triples (``launch.Program``'s)."""
+        """Launch with ``values``: (argument index, tensor, view) triples
+        (``launch.Program``'s), the argument being the tensor itself where
+        ``view`` is None, else its view (shape, strides, offset in elements
+        from the tensor's own). A pointer goes to the C launcher as its
+        address (an int: no view made, and none of the driver's pointer
+        checks a tensor argument costs); a descriptor as its map."""
         launcher = self.launcher
         final = self.template.copy()
         final[STREAM] = stream
         slots, maps = self.slots, self.maps
-        for i, t, _ in values:
+        for i, t, view in values:
+            ptr = t.data_ptr() if view is None else t.data_ptr() + view[2] * t.element_size()
             entry = maps.get(i)
             if entry is None:
-                final[slots[i]] = t
+                final[slots[i]] = ptr
                 continue
             meta, cache, cls, fields = entry
-            ptr = t.data_ptr()
             m = cache.get(ptr)
             if m is None:
                 if len(cache) >= MAPS_PER_SLOT:
                     cache.clear()
                 desc = object.__new__(cls)
                 desc.__dict__.update(fields)
-                desc.base = t
+                desc.base = t if view is None else t.as_strided(view[0], view[1], t.storage_offset() + view[2])
                 m = cache[ptr] = launcher.expand(desc, meta)[0]
             final[slots[i]] = m
         launcher.c_launch(*final)

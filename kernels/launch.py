@@ -563,17 +563,18 @@ class Program:
         hooked = _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook)
         direct = not hooked and direct_launch.direct_launch_on()
         for kernel, grid, args, subs, meta, compiled, consts, device, replay in self.launches:
-            values = []
+            if direct and replay is not None:
+                # Addresses, not views: the C launcher takes an int for a
+                # pointer, and a view is built only where a descriptor's map
+                # is encoded anew (Replay.call).
+                replay.call(driver.active.get_current_stream(device),
+                            [(i, bases[b], view) for i, (b, view), _ in subs])
+                continue
+            args = args.copy()
             for i, (b, view), desc in subs:
                 t = bases[b]
                 if view is not None:
                     t = t.as_strided(view[0], view[1], t.storage_offset() + view[2])
-                values.append((i, t, desc))
-            if direct and replay is not None:
-                replay.call(driver.active.get_current_stream(device), values)
-                continue
-            args = args.copy()
-            for i, t, desc in values:
                 if desc is not None:
                     d = object.__new__(self._desc_cls)
                     d.__dict__.update(desc)

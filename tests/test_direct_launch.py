@@ -88,11 +88,38 @@ def test_direct_launch_passes_what_tritons_wrapper_passes(fake_driver, monkeypat
     n = len(calls)
     assert len(received) == 2 * n
     for own, ours in zip(received[n:], received[:n]):
-        assert ours == own  # same list, element for element (tensors by identity)
+        # The same list, element for element, a tensor as its address.
+        assert ours == [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in own]
+        assert not any(isinstance(a, torch.Tensor) for a in ours)
     assert received[0][3] == 77 and received[0][:3] == [5, 2, 1]
     # The direct calls encoded one map per new address (two), Triton's one per call.
     expanded = ns["EXPANDED"]
     assert expanded[:2] == [xs[0].data_ptr(), xs[1].data_ptr()] and len(expanded) == 2 + n
+
+
+def test_view_arguments_go_as_their_addresses(fake_driver, monkeypatch):
+    """A launch argument that is a view of a role (an offset slice, a
+    reshaped output) and a descriptor over a view: the direct call passes
+    the view's address and the map of the view (its shape and strides),
+    as Triton's path does from the views it builds."""
+    received = []
+    compiled, ns = _fake_compiled(received)
+    x0, out0 = torch.zeros(16, 24), torch.zeros(4, 10)
+    rec = _launch.Recorder()
+    window = x0[2:10, 8:]
+    desc = TensorDescriptor(window, list(window.shape), list(window.stride()), [4, 8])
+    rec.launches.append((None, (3,), (desc, out0.view(2, 20)[1], 5), {}, compiled, (), "dev"))
+    prog = _launch.Program(rec, (x0, out0), out0)
+    calls = [(torch.randn(16, 24), torch.empty(4, 10)) for _ in range(3)]
+    for direct in (True, False):
+        monkeypatch.setitem(direct_launch._STATE, "on", direct)
+        for x, out in calls:
+            prog((x, out))
+    n = len(calls)
+    for (x, out), ours, own in zip(calls, received[:n], received[n:]):
+        assert ours == [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in own]
+        assert ours[13] == ("map", x[2:10, 8:].data_ptr(), (8, 16), (24, 1), 128)
+        assert ours[-1] == 5 and ours[-2] == out.data_ptr() + 20 * out.element_size()
 
 
 def test_maps_are_bounded_and_recomputed_after_eviction(fake_driver, monkeypatch):

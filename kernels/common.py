@@ -45,7 +45,7 @@ TMA_PADDED_EXTENTS = ("N", "HP", "WP", "OH", "OW")
 TMA_3D_EXTENTS = ("N", "T", "H", "W", "Tc", "OD", "OH", "OW")
 PAD_EXTENTS = ("H", "W", "HP", "WP")
 # * the im2col route's column matrix: stored along its pixels, masked.
-IM2COL_EXTENTS = ("L", "H", "W", "OW")
+IM2COL_EXTENTS = ("L", "P8", "H", "W", "OW")
 # * attention: its rows and columns are a VAE mid-block's pixels (TMA boxes,
 #   and stores along the head's channels).
 ATTENTION_EXTENTS = ("R", "M", "T", "split_steps")

@@ -31,21 +31,28 @@ from .common import IM2COL_EXTENTS
 from .conv2d_tma import launch_conv2d_tma
 from .launch import cdiv, empty, launch, needs_int64, next_pow2
 
-# The column matrix's tile per program: K rows by pixels, stored along the
-# pixels (coalesced), loaded along an input row where the stride is 1.
-BLOCK_ROWS = 16
-BLOCK_PIXELS = 256
+# A program's tile of the column matrix: BLOCK_P pixels (a power of two from
+# 64 to 256, no wider than the image's pixels need) by 4096 / BLOCK_P rows,
+# stored along the pixels (coalesced, 16-byte vectors: the rows are 8
+# elements apart at least), loaded along an input row where the stride is 1.
+TILE_ELEMS = 4096
+MIN_PIXELS, MAX_PIXELS = 64, 256
+ROW_ALIGN = tl.constexpr(8)
 
 
 @triton.jit(do_not_specialize=IM2COL_EXTENTS)
-def im2col_kernel(x_ptr, col_ptr, K, L, H, W, OW, sxn, sxc, sxh, sxw,
+def im2col_kernel(x_ptr, col_ptr, K, L, P8, H, W, OW, sxn, sxc, sxh, sxw,
                   KH, KW, SH, SW, PH, PW, DH, DW,
                   IDX64: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr):
     """col[n, k, p] = x[n, ci, oh*SH - PH + kh*DH, ow*SW - PW + kw*DW], 0
-    outside the image, for k = (ci*KH + kh)*KW + kw and p = oh*OW + ow."""
+    outside the image, for k = (ci*KH + kh)*KW + kw and p = oh*OW + ow < L;
+    a row is ``ROW_ALIGN * P8`` elements apart from the next (its pitch, a
+    multiple of 8 that the compiler sees: 16-byte stores), written up to the
+    pitch (zeros past L)."""
     pid_p = tl.program_id(0)
     pid_k = tl.program_id(1)
     n = tl.program_id(2).to(tl.int64)
+    P = P8 * ROW_ALIGN
     offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
     taps = KH * KW
@@ -59,29 +66,33 @@ def im2col_kernel(x_ptr, col_ptr, K, L, H, W, OW, sxn, sxc, sxh, sxw,
     iw = ow[None, :] * SW - PW + kw[:, None] * DW
     inside = (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
     rows = offs_k < K
-    cols = offs_p < L
     if IDX64:
         src = ci[:, None].to(tl.int64) * sxc + ih.to(tl.int64) * sxh + iw.to(tl.int64) * sxw
-        dst = offs_k[:, None].to(tl.int64) * L + offs_p[None, :]
+        dst = offs_k[:, None].to(tl.int64) * P + offs_p[None, :]
     else:
         src = ci[:, None] * sxc + ih * sxh + iw * sxw
-        dst = offs_k[:, None] * L + offs_p[None, :]
-    v = tl.load(x_ptr + n * sxn + src, mask=inside & rows[:, None] & cols[None, :], other=0.0)
-    tl.store(col_ptr + n * K * L + dst, v, mask=rows[:, None] & cols[None, :])
+        dst = offs_k[:, None] * P + offs_p[None, :]
+    v = tl.load(x_ptr + n * sxn + src, mask=inside & rows[:, None] & (offs_p < L)[None, :], other=0.0)
+    tl.store(col_ptr + n * K * P + dst, v, mask=rows[:, None] & (offs_p < P)[None, :])
 
 
 def launch_im2col(x, kh, kw, stride, padding, dilation, oh, ow):
-    """The column matrix of ``x`` ([N, C, H, W], any strides): a dense
-    [N, C*KH*KW, OH*OW] tensor (``padding``: top and left; the bottom and
-    right follow from OH and OW)."""
+    """The column matrix of ``x`` ([N, C, H, W], any strides): a
+    [N, C*KH*KW, OH*OW] tensor whose rows are ``ROW_ALIGN``-element aligned
+    (dense where OH*OW is a multiple of it, else a view of a pitched
+    buffer) (``padding``: top and left; the bottom and right follow from OH
+    and OW)."""
     n, c, h, w = x.shape
     k, l = c * kh * kw, oh * ow
-    col = empty((n, k, l), dtype=x.dtype, device=x.device)
-    grid = (cdiv(l, BLOCK_PIXELS), cdiv(k, BLOCK_ROWS), n)
-    launch(im2col_kernel, grid, x, col, k, l, h, w, ow, *x.stride(),
+    pitch = cdiv(l, ROW_ALIGN.value) * ROW_ALIGN.value
+    col = empty((n, k, pitch), dtype=x.dtype, device=x.device)
+    bp = min(MAX_PIXELS, max(MIN_PIXELS, next_pow2(pitch)))
+    bk = TILE_ELEMS // bp
+    grid = (cdiv(pitch, bp), cdiv(k, bk), n)
+    launch(im2col_kernel, grid, x, col, k, l, pitch // ROW_ALIGN.value, h, w, ow, *x.stride(),
            kh, kw, stride[0], stride[1], padding[0], padding[1], dilation[0], dilation[1],
-           IDX64=bool(needs_int64(x, col)), BLOCK_K=BLOCK_ROWS, BLOCK_P=BLOCK_PIXELS, num_warps=4)
-    return col
+           IDX64=bool(needs_int64(x, col)), BLOCK_K=bk, BLOCK_P=bp, num_warps=4)
+    return col if pitch == l else col[:, :, :l]
 
 
 def gemm_config(config, pixels):

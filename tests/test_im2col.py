@@ -66,8 +66,11 @@ def test_column_matrix_is_unfold(device):
     written over NaN."""
     from conv_patch.kernels import im2col
     g = torch.Generator().manual_seed(3)
-    base = torch.randn(2, 5, 11, 13, generator=g).to(device)
-    for x in (base, base.contiguous(memory_format=torch.channels_last), base[:, :, 1:10, ::2]):
+    # Pixel counts of each tile width (64, 128, 256), pitched (not a multiple of 8) or not.
+    bases = [torch.randn(2, 5, 11, 13, generator=g).to(device), torch.randn(1, 3, 6, 7, generator=g).to(device),
+             torch.randn(1, 4, 9, 12, generator=g).to(device)]
+    views = [t for b in bases for t in (b, b.contiguous(memory_format=torch.channels_last))] + [bases[0][:, :, 1:10, ::2]]
+    for x in views:
         for k, s, p, d in ((3, 1, 1, 1), (3, 2, 1, 1), (2, 1, 0, 2), (3, (2, 1), (0, 2), 1)):
             ref = F.unfold(x.cpu(), k, dilation=d, padding=p, stride=s)
             s2 = s if isinstance(s, tuple) else (s, s)

@@ -63,7 +63,7 @@ UNSPECIALISED = {
     "conv2d_tma": {"N", "H", "W", "OH", "OW"},
     "conv2d_tma_padded": {"N", "HP", "WP", "OH", "OW"},
     "conv3d_tma": {"N", "T", "H", "W", "Tc", "OD", "OH", "OW"},
-    "pad_nhwc": {"H", "W", "HP", "WP"}, "im2col": {"L", "H", "W", "OW"},
+    "pad_nhwc": {"H", "W", "HP", "WP"}, "im2col": {"L", "P8", "H", "W", "OW"},
     "attention_scores": {"R", "M"}, "attention_combine": {"R", "T"}, "attention_pv": {"R", "M", "split_steps"},
     "group_norm_stats_nhwc": {"HW", "CHUNK", "SPLITS"}, "group_norm_apply_nhwc": {"HW", "TILES"},
     "group_norm_finalize": {"S", "psn", "pss", "psc"},

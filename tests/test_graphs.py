@@ -452,3 +452,72 @@ def test_capture_is_preceded_by_a_warm_up_call_down_the_capture_path(monkeypatch
     cap = graphs.Captured(fn, (x,), {})
     assert seen == [("call", True), "capture", ("call", False)]
     assert not pack.GRAPH_PATH and torch.equal(cap.out, x * 2)
+
+
+def test_a_capture_reserves_the_warm_up_calls_live_peak(monkeypatch):
+    """The reserve a capture takes up front: the warm-up call's live peak as
+    read after each op (no allocator statistic reset), a 16th more, rounded
+    as the allocator rounds a large segment; none below 10 MiB, where the
+    allocator rounds a segment up to 20 MiB anyway."""
+    assert graphs.reserve_for(0) is None and graphs.reserve_for(9 << 20) is None
+    assert graphs.reserve_for(12 << 20) == 14 << 20  # 12.75 MiB, rounded up to 2 MiB
+    assert graphs.reserve_for(32 << 20) == 34 << 20
+    # What the mode reads: a stand-in for the allocator's count of live bytes.
+    live = [100]
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: live[0])
+
+    def grow(t, n):
+        live[0] += n
+        return t + 1
+
+    with graphs.LivePeak(torch.device("cuda", 0)) as seen:
+        x = torch.zeros(3)
+        for n in (5, 7, -10, 4):  # live above entry: 5, 12, 2, 6
+            live[0] += n
+            x = x + 1  # an op: the mode reads the count after it
+    assert seen.peak == 12 and seen.base == 100 and torch.equal(x, torch.full((3,), 4.0))
+
+
+@pytest.mark.gpu
+def test_a_graphs_pool_is_its_calls_live_peak_not_the_allocators_rounding(monkeypatch):
+    """8 MiB activations, five alive at the peak: captured as they come,
+    each pair gets a 20 MiB segment (60 MiB); with the reserve the pool is
+    the live peak and a 16th, rounded (44 MiB). A capture whose pool grows
+    past its reserve (a block the warm-up call did not make) is captured
+    again without one and the smaller kept. Each replays what the call
+    computes."""
+    n = 4 << 20  # 8 MiB of fp16
+
+    def fn(x):
+        a, b, c = x * 2, x * 3, x * 4
+        return a + b + c
+
+    def lopsided(x):
+        extra = None
+        if torch.cuda.is_current_stream_capturing():
+            extra = torch.empty(30 << 20, dtype=torch.uint8, device=x.device)
+            extra.zero_()
+        return fn(x)
+
+    records = []
+    record = graphs.Captured._record
+    monkeypatch.setattr(graphs.Captured, "_record", lambda self, *a: records.append(a[-1]) or record(self, *a))
+    x = torch.randn(n, device="cuda", dtype=torch.float16)
+    pools = {}
+    for f in (fn, lopsided):
+        for reserving in (False, True):
+            with monkeypatch.context() as m:
+                if not reserving:
+                    m.setattr(graphs, "reserve_for", lambda peak: None)
+                records.clear()
+                cap = graphs.Captured(f, (x,), {})
+                pools[f.__name__, reserving] = cap.pool_bytes
+                y = torch.randn_like(x)
+                out = cap((y,), {})
+                torch.cuda.synchronize()
+                assert torch.equal(out, fn(y))
+                if reserving:
+                    # fn: one capture with the reserve; lopsided: then one without.
+                    assert records == ([44 << 20] if f is fn else [44 << 20, None])
+    assert pools["fn", True] <= (44 << 20) + graphs.RESERVE_SLACK < pools["fn", False]
+    assert pools["lopsided", True] <= pools["lopsided", False]

@@ -60,6 +60,7 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from conv_patch.buffers import persistent
 from conv_patch.ops.loader import kernels
@@ -80,6 +81,21 @@ AUTO_POOL_SHARE = 32
 _SEEN_LIMIT = 64
 
 _EAGER = object()  # a key whose capture failed or whose output cannot be graphed
+
+# A graph's private pool is made of the caching allocator's segments, which
+# it rounds: a block of 1-10 MiB gets a 20 MiB segment of its own. A tiny
+# model's activations are such blocks, so its graph reserved about 1.5x its
+# call's live peak, more than the unpatched model's whole peak (TAEF2 at
+# 256², the compact net). A capture therefore first takes one segment as
+# large as the warm-up call's live peak, and the capture's large blocks are
+# split from it. Below RESERVE_MIN the allocator would round that segment up
+# to 20 MiB too: no reserve there.
+RESERVE_MIN = 10 << 20
+RESERVE_ROUND = 2 << 20
+# Past the reserve, a pool may also hold the small blocks' own 2 MiB
+# segments; more than this means a block the warm-up's peak missed (a
+# library's workspace), and the capture is tried once more without the reserve.
+RESERVE_SLACK = 4 << 20
 
 
 def _walk(m: nn.Module, out: list) -> list:
@@ -170,6 +186,40 @@ def _graphable_out(out) -> bool:
     return type(out) in (tuple, list) and all(isinstance(t, torch.Tensor) for t in out)
 
 
+class LivePeak(TorchDispatchMode):
+    """The most bytes allocated on ``device`` above what was allocated on
+    entry, read after each op run under it: a call's live peak, without
+    resetting the allocator's peak statistics (a caller may be reading
+    them). A block allocated and freed inside one op is not seen."""
+
+    def __init__(self, device: torch.device):
+        super().__init__()
+        self.device = device
+        self.base = self.peak = 0
+
+    def __enter__(self):
+        self.base, self.peak = torch.cuda.memory_allocated(self.device), 0
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        used = torch.cuda.memory_allocated(self.device) - self.base
+        if used > self.peak:
+            self.peak = used
+        return out
+
+
+def reserve_for(peak: int) -> Optional[int]:
+    """The bytes a capture reserves up front for a call whose live peak is
+    ``peak``: a 16th more (room for the splits), rounded as the allocator
+    rounds a large segment; None where the allocator would round it up to
+    20 MiB anyway."""
+    want = peak + peak // 16
+    if want < RESERVE_MIN:
+        return None
+    return -(-want // RESERVE_ROUND) * RESERVE_ROUND
+
+
 def auto_pool_bytes(device: torch.device) -> int:
     """The bytes of graph pools one module keeps under ``cuda_graphs="auto"``
     on ``device``."""
@@ -199,28 +249,47 @@ class Captured:
         # On the tensors' GPU, whichever is current: the capture records the
         # current device's stream.
         with _on(device):
-            with pack.graph_path():
+            live = contextlib.nullcontext() if device is None else LivePeak(device)
+            with pack.graph_path(), live:
                 # One eager call down the capture's own path first (the pack
                 # kernel, the upsample always folded): every kernel the
                 # capture records is then compiled and loaded. A Triton
                 # kernel's first launch inside the capture invalidated
                 # TAEF2's on the H200.
                 fn(*sargs, **skwargs)
-            self.graph = torch.cuda.CUDAGraph()
-            # thread_local: another thread's CUDA work (a UI's preview)
-            # neither breaks this capture nor is recorded in it.
-            with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
-                # Read inside: entering empties PyTorch's cache of free
-                # blocks, which would hide the pool's growth (an allocator
-                # statistic, no CUDA call).
-                before = 0 if device is None else torch.cuda.memory_reserved(device)
-                self.out = fn(*sargs, **skwargs)
+            reserve = None if device is None else reserve_for(live.peak)
+            self._record(fn, sargs, skwargs, device, reserve)
+            if reserve is not None and self.pool_bytes > reserve + RESERVE_SLACK:
+                # The pool grew past its reserve: the capture without one
+                # may hold less. The smaller is kept (the other's pool goes
+                # with its graph).
+                kept = (self.graph, self.out, self.pool_bytes)
+                self._record(fn, sargs, skwargs, device, None)
+                if self.pool_bytes >= kept[2]:
+                    self.graph, self.out, self.pool_bytes = kept
             if device is not None:
-                # The private pool's segments (the call's activations and
-                # outputs): what keeping this graph costs the device.
-                self.pool_bytes = max(0, torch.cuda.memory_reserved(device) - before)
                 self.stream = torch.cuda.current_stream(device)
                 self.done = torch.cuda.Event()
+
+    def _record(self, fn, sargs, skwargs, device, reserve: Optional[int]) -> None:
+        self.graph = torch.cuda.CUDAGraph()
+        # thread_local: another thread's CUDA work (a UI's preview) neither
+        # breaks this capture nor is recorded in it.
+        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+            # Read inside: entering empties PyTorch's cache of free blocks,
+            # which would hide the pool's growth (an allocator statistic, no
+            # CUDA call).
+            before = 0 if device is None else torch.cuda.memory_reserved(device)
+            if reserve is not None:
+                # One segment of the pool, freed at once (the tensor is not
+                # kept): the capture's large blocks are split from it
+                # (RESERVE_MIN says why).
+                torch.empty(reserve, dtype=torch.uint8, device=device)
+            self.out = fn(*sargs, **skwargs)
+        if device is not None:
+            # The private pool's segments (the call's activations and
+            # outputs): what keeping this graph costs the device.
+            self.pool_bytes = max(0, torch.cuda.memory_reserved(device) - before)
 
     def _copy_in(self, args, kwargs):
         for s, t in zip(self.static, _tensors(args, kwargs)):

@@ -131,6 +131,88 @@ class ResnetBlock2D(Recipe):
         return resnet(input_tensor, norm1, conv1, norm2, conv2, sc, 1.0 / m.output_scale_factor, shift)
 
 
+def _spatial_norm_parts(m):
+    """(norm_layer, conv_y, conv_b) of a ``SpatialNorm`` (MoVQ's, Kandinsky's:
+    ``GroupNorm(f) * conv_y(zq) + conv_b(zq)`` with ``zq`` resized to ``f``),
+    or None."""
+    if not named(m, "SpatialNorm"):
+        return None
+    norm, conv_y, conv_b = parts(m, "norm_layer", "conv_y", "conv_b")
+    return (norm, conv_y, conv_b) if is_group_norm(norm) and is_conv(conv_y, 1) and is_conv(conv_b, 1) else None
+
+
+def spatial_norm(m, f: torch.Tensor, zq: torch.Tensor, activation: str = "none") -> torch.Tensor:
+    """``act(m(f, zq))`` for a ``SpatialNorm`` ``m``: its modulation (the
+    two 1x1 convs of ``zq`` resized to ``f``'s pixels) and the activation in
+    the GroupNorm's pass, so that neither the normalised tensor nor the
+    product is written."""
+    gn, conv_y, conv_b = _spatial_norm_parts(m)
+    z = F.interpolate(zq, size=f.shape[-2:], mode="nearest")
+    if not f.is_contiguous() and f.is_contiguous(memory_format=torch.channels_last):
+        # The modulation in the norm's layout (the convs' outputs follow
+        # their input's), which its kernels need: a few channels to copy.
+        z = z.contiguous(memory_format=torch.channels_last)
+    return group_norm(gn, f, activation, modulation=(conv(conv_y, z), conv(conv_b, z)))
+
+
+def _spatial_norm_ok(m, f, zq) -> bool:
+    """A call a fused spatial norm takes: 4-D tensors of one batch, nothing
+    recording a gradient, no hook on its parts."""
+    gn, conv_y, conv_b = _spatial_norm_parts(m)
+    return (isinstance(zq, torch.Tensor) and f.dim() == 4 and zq.dim() == 4 and zq.shape[0] == f.shape[0]
+            and inference(f, gn, conv_y, conv_b) and not (torch.is_grad_enabled() and zq.requires_grad)
+            and plain(m, gn, conv_y, conv_b))
+
+
+class SpatialNorm(Recipe):
+    """``GroupNorm(f) * conv_y(zq) + conv_b(zq)`` as one GroupNorm pass with
+    the modulation in it (MoVQ's decoder: its output norm and its attention
+    blocks' norms)."""
+
+    name = "diffusers.SpatialNorm"
+    what = "GroupNorm with the spatial modulation in its pass"
+
+    def match(self, m):
+        return _spatial_norm_parts(m) is not None
+
+    def forward(self, m, f, zq, *args, **kwargs):
+        if args or kwargs or not isinstance(f, torch.Tensor) or not _spatial_norm_ok(m, f, zq):
+            return base(m, f, zq, *args, **kwargs)
+        return spatial_norm(m, f, zq)
+
+
+class ResnetBlockCondNorm2D(Recipe):
+    """MoVQ's resnet block (``time_embedding_norm="spatial"``, its norms
+    ``SpatialNorm``s of the quantised latent): each norm with its modulation
+    and the SiLU in one GroupNorm pass, ``(shortcut + conv2(h)) /
+    output_scale_factor`` in conv2's epilogue."""
+
+    name = "diffusers.ResnetBlockCondNorm2D"
+    what = "spatial norm (modulation in the GroupNorm pass)+SiLU, residual and 1/output_scale_factor in conv2's epilogue"
+
+    def match(self, m):
+        return (named(m, "ResnetBlockCondNorm2D") and getattr(m, "time_embedding_norm", None) == "spatial"
+                and _spatial_norm_parts(getattr(m, "norm1", None)) is not None
+                and _spatial_norm_parts(getattr(m, "norm2", None)) is not None
+                and is_silu(getattr(m, "nonlinearity", None))
+                and is_conv(getattr(m, "conv1", None), 3, 1, 1) and is_conv(getattr(m, "conv2", None), 3, 1, 1)
+                and getattr(m, "upsample", 0) is None and getattr(m, "downsample", 0) is None
+                and (getattr(m, "conv_shortcut", 0) is None or is_conv(m.conv_shortcut))
+                and isinstance(getattr(m, "output_scale_factor", None), (int, float)))
+
+    def forward(self, m, input_tensor, temb=None, *args, **kwargs):
+        norm1, norm2, conv1, conv2, sc, act, drop = parts(
+            m, "norm1", "norm2", "conv1", "conv2", "conv_shortcut", "nonlinearity", "dropout")
+        if (args or kwargs or not isinstance(input_tensor, torch.Tensor) or not dropout_is_identity(drop)
+                or not _spatial_norm_ok(norm1, input_tensor, temb) or not _spatial_norm_ok(norm2, input_tensor, temb)
+                or not inference(input_tensor, conv1, conv2, sc) or not plain(act, drop, conv1, conv2, sc)):
+            return base(m, input_tensor, temb, *args, **kwargs)
+        h = conv(conv1, spatial_norm(norm1, input_tensor, temb, "silu"))
+        h = spatial_norm(norm2, h, temb, "silu")
+        x = input_tensor if sc is None else conv(sc, input_tensor)
+        return like_input(conv(conv2, h, residual=x, out_scale=1.0 / m.output_scale_factor), input_tensor)
+
+
 def _up_conv(m):
     return m.conv if getattr(m, "name", "conv") == "conv" else getattr(m, "Conv2d_0", None)
 
@@ -449,6 +531,8 @@ class TinyBlock(Recipe):
 
 
 RESNET = register(ResnetBlock2D())
+COND_NORM_RESNET = register(ResnetBlockCondNorm2D())
+SPATIAL_NORM = register(SpatialNorm())
 UPSAMPLE = register(Upsample2D())
 DOWNSAMPLE = register(Downsample2D())
 ATTENTION = register(Attention())

@@ -732,3 +732,65 @@ def test_lean_tiny_block_only_for_the_classes_it_was_written_from():
     assert recipe.lean_for(copy_cls) is None
     sub = type("AutoencoderTinyBlock", (AutoencoderTinyBlock,), {"forward": lambda self, x: x})
     assert recipe.lean_for(sub) is None
+
+
+def _movq(device):
+    """A tiny MoVQ (Kandinsky's ``VQModel``, spatially conditioned norms:
+    ``ResnetBlockCondNorm2D`` blocks, ``SpatialNorm`` in the decoder's
+    attention and output norm), seeded. (SpatialNorm's GroupNorm has 32
+    groups whatever the config says: 32 channels.)"""
+    from diffusers import VQModel
+    vq = VQModel(block_out_channels=(32, 32), down_block_types=("DownEncoderBlock2D", "AttnDownEncoderBlock2D"),
+                 up_block_types=("AttnUpDecoderBlock2D", "UpDecoderBlock2D"), latent_channels=3,
+                 layers_per_block=1, norm_num_groups=8, norm_type="spatial", num_vq_embeddings=16, vq_embed_dim=3)
+    return _seeded(vq).to(device).eval()
+
+
+@pytest.mark.parametrize("cl", [False, True])
+def test_movq_decoder_spatial_norms_fused_match_unpatched(device, exact_fp32, cl, monkeypatch):
+    """MoVQ's decoder: every ``ResnetBlockCondNorm2D`` and ``SpatialNorm``
+    fused (the modulation and the SiLU in the GroupNorm's pass, the residual
+    in conv2's epilogue), none falling back to its own forward, at an odd
+    latent size; the output in the layout the unpatched decoder gives
+    (diffusers' attention hands back a channels_last-strided tensor)."""
+    vq = _movq(device)
+    z = torch.randn(1, 3, 5, 7, device=device) * 2 + 0.3
+    if cl:
+        z = z.contiguous(memory_format=torch.channels_last)
+    with torch.no_grad():
+        ref = vq.decode(z, force_not_quantize=True).sample
+        report = conv_patch.apply(vq)
+        fused = {k: v.split()[0] for k, v in report.fused.items()}
+        conds = [k for k, m in vq.named_modules() if type(m).__name__.endswith("ResnetBlockCondNorm2D")]
+        norms = [k for k, m in vq.named_modules() if type(m).__name__.endswith("SpatialNorm")]
+        assert conds and all(fused.get(k) == "diffusers.ResnetBlockCondNorm2D" for k in conds)
+        assert norms and all(fused.get(k) == "diffusers.SpatialNorm" for k in norms)
+
+        def refuse(m, *a, **k):
+            raise AssertionError(f"{type(m).__name__} fell back to its own forward")
+        monkeypatch.setattr(rdiff, "base", refuse)
+        out = vq.decode(z, force_not_quantize=True).sample
+    assert rel_err(out, ref) <= 1e-5 and out.stride() == ref.stride()
+
+
+def test_movq_spatial_norm_blocks_fall_back_where_they_must(device, exact_fp32):
+    """A call the fused forwards do not take runs the block's own forward:
+    a gradient recorded, a hook on a spatial norm's conv."""
+    vq = _movq(device)
+    z = torch.randn(1, 3, 4, 4, device=device)
+    ref = vq.decode(z, force_not_quantize=True).sample.detach()
+    conv_patch.apply(vq)
+    block = vq.decoder.up_blocks[0].resnets[0]
+    zq = torch.randn(1, 3, 4, 4, device=device)
+    x = torch.randn(1, 32, 4, 4, device=device, requires_grad=True)
+    with torch.no_grad():
+        want = block.cp_own_forward(x, zq)
+    y = block(x, zq)
+    y.sum().backward()  # the block's own forward: autograd recorded
+    assert x.grad is not None and rel_err(y.detach(), want) <= 1e-5
+    seen = []
+    handle = block.norm1.conv_y.register_forward_hook(lambda m, a, o: seen.append(o.shape))
+    with torch.no_grad():
+        out = vq.decode(z, force_not_quantize=True).sample
+    handle.remove()
+    assert seen and rel_err(out, ref) <= 1e-5

@@ -521,3 +521,20 @@ def test_a_graphs_pool_is_its_calls_live_peak_not_the_allocators_rounding(monkey
                     assert records == ([44 << 20] if f is fn else [44 << 20, None])
     assert pools["fn", True] <= (44 << 20) + graphs.RESERVE_SLACK < pools["fn", False]
     assert pools["lopsided", True] <= pools["lopsided", False]
+
+
+def test_a_fused_forward_computes_the_same_under_the_live_peak_mode(device, exact_fp32, monkeypatch):
+    """The warm-up call before a capture runs under ``LivePeak``, a Python
+    dispatch mode: the fused forward (recipes, planned convs, GroupNorm and
+    conv kernels) computes there what it computes without it, and the mode
+    reads the allocator's count after its ops."""
+    reads = []
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: reads.append(1) or 0)
+    dec = _short_taesd_decoder(device)
+    conv_patch.apply(dec, config=conv_patch.PatchConfig(cuda_graphs=False))
+    x = _x(0, device, (1, 4, 5, 6))
+    with torch.no_grad():
+        want = dec(x)
+        with graphs.LivePeak(torch.device("cuda", 0)):
+            got = dec(x)
+    assert len(reads) > 10 and torch.equal(got, want)

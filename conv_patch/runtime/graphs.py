@@ -88,14 +88,12 @@ _EAGER = object()  # a key whose capture failed or whose output cannot be graphe
 # call's live peak, more than the unpatched model's whole peak (TAEF2 at
 # 256², the compact net). A capture therefore first takes one segment as
 # large as the warm-up call's live peak, and the capture's large blocks are
-# split from it. Below RESERVE_MIN the allocator would round that segment up
-# to 20 MiB too: no reserve there.
+# split from it. A request below RESERVE_MIN would get a 20 MiB segment
+# itself: a smaller peak reserves RESERVE_MIN; one of small blocks only (under
+# 1 MiB, served from 2 MiB segments of their own) reserves nothing.
 RESERVE_MIN = 10 << 20
+SMALL_BLOCK = 1 << 20
 RESERVE_ROUND = 2 << 20
-# Past the reserve, a pool may also hold the small blocks' own 2 MiB
-# segments; more than this means a block the warm-up's peak missed (a
-# library's workspace), and the capture is tried once more without the reserve.
-RESERVE_SLACK = 4 << 20
 
 
 def _walk(m: nn.Module, out: list) -> list:
@@ -212,12 +210,12 @@ class LivePeak(TorchDispatchMode):
 def reserve_for(peak: int) -> Optional[int]:
     """The bytes a capture reserves up front for a call whose live peak is
     ``peak``: a 16th more (room for the splits), rounded as the allocator
-    rounds a large segment; None where the allocator would round it up to
-    20 MiB anyway."""
+    rounds a large segment, at least RESERVE_MIN; None for a peak of small
+    blocks only."""
     want = peak + peak // 16
-    if want < RESERVE_MIN:
+    if want <= SMALL_BLOCK:
         return None
-    return -(-want // RESERVE_ROUND) * RESERVE_ROUND
+    return max(RESERVE_MIN, -(-want // RESERVE_ROUND) * RESERVE_ROUND)
 
 
 def auto_pool_bytes(device: torch.device) -> int:
@@ -257,16 +255,25 @@ class Captured:
                 # kernel's first launch inside the capture invalidated
                 # TAEF2's on the H200.
                 fn(*sargs, **skwargs)
-            reserve = None if device is None else reserve_for(live.peak)
-            self._record(fn, sargs, skwargs, device, reserve)
-            if reserve is not None and self.pool_bytes > reserve + RESERVE_SLACK:
-                # The pool grew past its reserve: the capture without one
-                # may hold less. The smaller is kept (the other's pool goes
-                # with its graph).
-                kept = (self.graph, self.out, self.pool_bytes)
+            if device is None:
                 self._record(fn, sargs, skwargs, device, None)
-                if self.pool_bytes >= kept[2]:
-                    self.graph, self.out, self.pool_bytes = kept
+            else:
+                # What the warm-up left allocated once its outputs were
+                # dropped (packs, buffers kept from a first call) may live
+                # outside the pool or be made again inside it: a reserve
+                # without it, one with it, and none are tried, smallest
+                # first, and the smallest pool kept (the others' pools go
+                # with their graphs). A few captures of a host-bound block,
+                # once per key.
+                kept_bytes = max(0, torch.cuda.memory_allocated(device) - live.base)
+                tries = sorted({r for r in (reserve_for(live.peak - kept_bytes), reserve_for(live.peak))
+                                if r is not None}) + [None]
+                best = None
+                for reserve in tries:
+                    self._record(fn, sargs, skwargs, device, reserve)
+                    if best is None or self.pool_bytes < best[2]:
+                        best = (self.graph, self.out, self.pool_bytes)
+                self.graph, self.out, self.pool_bytes = best
             if device is not None:
                 self.stream = torch.cuda.current_stream(device)
                 self.done = torch.cuda.Event()

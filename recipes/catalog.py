@@ -18,8 +18,8 @@ from .fuse import REGISTRY, FusedBlock, Recipe, fused_class, is_fused
 from conv_patch.runtime.state import peek
 
 ORDER = [
-    diffusers.RESNET, diffusers.COND_NORM_RESNET, diffusers.SPATIAL_NORM, diffusers.UPSAMPLE, diffusers.DOWNSAMPLE, diffusers.ATTENTION, transformer2d.TRANSFORMER_2D,
-    diffusers.DECODER,
+    diffusers.RESNET, diffusers.COND_NORM_RESNET, diffusers.SPATIAL_NORM, diffusers.UPSAMPLE, diffusers.DOWNSAMPLE,
+    diffusers.ATTENTION, transformer2d.TRANSFORMER_2D, diffusers.DECODER,
     diffusers.ENCODER, diffusers.TINY_BLOCK, ldm.RESNET, ldm.ATTN, ldm.UPSAMPLE, ldm.DOWNSAMPLE, ldm.DECODER,
     ldm.ENCODER, wan.RESIDUAL, wan.COMFY_RESIDUAL, wan.ATTENTION, wan.RMS_NORM, wan.DECODER, wan.RESAMPLE,
     wan.RESIDUAL_UP, hunyuan.RESNET, ltx.RESNET, cogvideox.RESNET, mochi.RESNET, esrgan.RESIDUAL_DENSE,

@@ -463,6 +463,13 @@ def test_a_capture_reserves_the_warm_up_calls_live_peak(monkeypatch):
     assert graphs.reserve_for(2 << 20) == graphs.reserve_for(9 << 20) == 10 << 20
     assert graphs.reserve_for(12 << 20) == 14 << 20  # 12.75 MiB, rounded up to 2 MiB
     assert graphs.reserve_for(32 << 20) == 34 << 20
+    # What is tried: without what the warm-up kept, with it, none; a peak
+    # over the bound (a big VAE graphed on request) only as it comes.
+    mib = 1 << 20
+    assert graphs.reserve_tries(40 * mib, 0, 1024 * mib) == [44 * mib, None]
+    assert graphs.reserve_tries(40 * mib, 8 * mib, 1024 * mib) == [34 * mib, 44 * mib, None]
+    assert graphs.reserve_tries(2048 * mib, 0, 1024 * mib) == [None]
+    assert graphs.reserve_tries(512 << 10, 0, 1024 * mib) == [None]
     # What the mode reads: a stand-in for the allocator's count of live bytes.
     live = [100]
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: live[0])

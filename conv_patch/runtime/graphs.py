@@ -86,9 +86,12 @@ _EAGER = object()  # a key whose capture failed or whose output cannot be graphe
 # it rounds: a block of 1-10 MiB gets a 20 MiB segment of its own. A tiny
 # model's activations are such blocks, so its graph reserved about 1.5x its
 # call's live peak, more than the unpatched model's whole peak (TAEF2 at
-# 256², the compact net). A capture therefore first takes one segment as
-# large as the warm-up call's live peak, and the capture's large blocks are
-# split from it. A request below RESERVE_MIN would get a 20 MiB segment
+# 256², the compact net). A capture therefore also tries first taking one
+# segment as large as the warm-up call's live peak, from which the capture's
+# large blocks are split, and keeps the smaller pool (``Captured``). Blocks
+# over 10 MiB get segments of their own size (rounded to 2 MiB): a peak
+# larger than the auto bound is captured once, as it comes. A request
+# below RESERVE_MIN would get a 20 MiB segment
 # itself: a smaller peak reserves RESERVE_MIN; one of small blocks only (under
 # 1 MiB, served from 2 MiB segments of their own) reserves nothing.
 RESERVE_MIN = 10 << 20
@@ -218,6 +221,16 @@ def reserve_for(peak: int) -> Optional[int]:
     return max(RESERVE_MIN, -(-want // RESERVE_ROUND) * RESERVE_ROUND)
 
 
+def reserve_tries(peak: int, kept: int, bound: int) -> list:
+    """The reserves a capture tries, smallest first, ending with none (the
+    allocator's own segments): for a warm-up call whose live peak was
+    ``peak`` bytes, ``kept`` of them still allocated after it; a peak over
+    ``bound`` only as it comes."""
+    if peak > bound:
+        return [None]
+    return sorted({r for r in (reserve_for(peak - kept), reserve_for(peak)) if r is not None}) + [None]
+
+
 def auto_pool_bytes(device: torch.device) -> int:
     """The bytes of graph pools one module keeps under ``cuda_graphs="auto"``
     on ``device``."""
@@ -264,12 +277,14 @@ class Captured:
                 # without it, one with it, and none are tried, smallest
                 # first, and the smallest pool kept (the others' pools go
                 # with their graphs). A few captures of a host-bound block,
-                # once per key.
+                # once per key; at most two pools held at once (the best so
+                # far and the last). A peak over the auto bound (a big
+                # VAE's, graphed on request) is captured once, without a
+                # reserve: its blocks are not the ones the allocator rounds
+                # up, and its pools are large.
                 kept_bytes = max(0, torch.cuda.memory_allocated(device) - live.base)
-                tries = sorted({r for r in (reserve_for(live.peak - kept_bytes), reserve_for(live.peak))
-                                if r is not None}) + [None]
                 best = None
-                for reserve in tries:
+                for reserve in reserve_tries(live.peak, kept_bytes, auto_pool_bytes(device)):
                     self._record(fn, sargs, skwargs, device, reserve)
                     if best is None or self.pool_bytes < best[2]:
                         best = (self.graph, self.out, self.pool_bytes)

@@ -17,15 +17,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from .fuse import (Recipe, base, dropout_is_identity, group_norm, inference, is_group_norm, is_silu, named,
-                   parts, plain, register)
+                   parts, plain, register, spatial_norm_parts)
 
 
 def _spatial_norm_parts(m):
     """(norm_layer, conv_y, conv_b) of a ``CogVideoXSpatialNorm3D``, or None."""
-    if not named(m, "CogVideoXSpatialNorm3D"):
-        return None
-    norm, conv_y, conv_b = parts(m, "norm_layer", "conv_y", "conv_b")
-    return (norm, conv_y, conv_b) if is_group_norm(norm) and conv_y is not None and conv_b is not None else None
+    return spatial_norm_parts(m, "CogVideoXSpatialNorm3D", lambda c: c is not None)
 
 
 def _zq_like(zq: torch.Tensor, f: torch.Tensor) -> torch.Tensor:

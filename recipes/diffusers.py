@@ -18,8 +18,8 @@ from .layers import Conv, Layers, NormConv, Resnet, Up, Whole, need, own_pad, pl
 from .fuse import (Recipe, adds_into, attention, bare, bare_conv, base, channels_last, conv, conv_of,
                    dropout_is_identity, from_tokens, global_hooks, group_norm, hookless, inference, inline_chain,
                    inline_step, is_conv, is_group_norm, is_relu, is_silu, launched_on_gpu, like_input, matches, named,
-                   norm_conv, parts, plain, register, resnet, sum_into, swaps_below, to_tokens, upsample_conv,
-                   written_out)
+                   norm_conv, parts, plain, register, resnet, spatial_norm_parts, sum_into, swaps_below, to_tokens,
+                   upsample_conv, written_out)
 
 
 class LeanResnet:
@@ -132,21 +132,17 @@ class ResnetBlock2D(Recipe):
 
 
 def _spatial_norm_parts(m):
-    """(norm_layer, conv_y, conv_b) of a ``SpatialNorm`` (MoVQ's, Kandinsky's:
-    ``GroupNorm(f) * conv_y(zq) + conv_b(zq)`` with ``zq`` resized to ``f``),
+    """(norm_layer, conv_y, conv_b) of a ``SpatialNorm`` (MoVQ's, Kandinsky's),
     or None."""
-    if not named(m, "SpatialNorm"):
-        return None
-    norm, conv_y, conv_b = parts(m, "norm_layer", "conv_y", "conv_b")
-    return (norm, conv_y, conv_b) if is_group_norm(norm) and is_conv(conv_y, 1) and is_conv(conv_b, 1) else None
+    return spatial_norm_parts(m, "SpatialNorm", lambda c: is_conv(c, 1))
 
 
-def spatial_norm(m, f: torch.Tensor, zq: torch.Tensor, activation: str = "none") -> torch.Tensor:
-    """``act(m(f, zq))`` for a ``SpatialNorm`` ``m``: its modulation (the
-    two 1x1 convs of ``zq`` resized to ``f``'s pixels) and the activation in
-    the GroupNorm's pass, so that neither the normalised tensor nor the
-    product is written."""
-    gn, conv_y, conv_b = _spatial_norm_parts(m)
+def spatial_norm(sn: tuple, f: torch.Tensor, zq: torch.Tensor, activation: str = "none") -> torch.Tensor:
+    """``act(m(f, zq))`` for a ``SpatialNorm`` of parts ``sn``: its
+    modulation (the two 1x1 convs of ``zq`` resized to ``f``'s pixels) and
+    the activation in the GroupNorm's pass, so that neither the normalised
+    tensor nor the product is written."""
+    gn, conv_y, conv_b = sn
     z = F.interpolate(zq, size=f.shape[-2:], mode="nearest")
     if not f.is_contiguous() and f.is_contiguous(memory_format=torch.channels_last):
         # The modulation in the norm's layout (the convs' outputs follow
@@ -155,13 +151,11 @@ def spatial_norm(m, f: torch.Tensor, zq: torch.Tensor, activation: str = "none")
     return group_norm(gn, f, activation, modulation=(conv(conv_y, z), conv(conv_b, z)))
 
 
-def _spatial_norm_ok(m, f, zq) -> bool:
-    """A call a fused spatial norm takes: 4-D tensors of one batch, nothing
-    recording a gradient, no hook on its parts."""
-    gn, conv_y, conv_b = _spatial_norm_parts(m)
+def _spatial_norm_ok(m, sn: tuple, f, zq) -> bool:
+    """A call the fused spatial norm ``m`` (parts ``sn``) takes: 4-D tensors
+    of one batch, nothing recording a gradient, no hook on its parts."""
     return (isinstance(zq, torch.Tensor) and f.dim() == 4 and zq.dim() == 4 and zq.shape[0] == f.shape[0]
-            and inference(f, gn, conv_y, conv_b) and not (torch.is_grad_enabled() and zq.requires_grad)
-            and plain(m, gn, conv_y, conv_b))
+            and inference(f, *sn) and not (torch.is_grad_enabled() and zq.requires_grad) and plain(m, *sn))
 
 
 class SpatialNorm(Recipe):
@@ -176,9 +170,10 @@ class SpatialNorm(Recipe):
         return _spatial_norm_parts(m) is not None
 
     def forward(self, m, f, zq, *args, **kwargs):
-        if args or kwargs or not isinstance(f, torch.Tensor) or not _spatial_norm_ok(m, f, zq):
+        sn = _spatial_norm_parts(m)
+        if args or kwargs or not isinstance(f, torch.Tensor) or not _spatial_norm_ok(m, sn, f, zq):
             return base(m, f, zq, *args, **kwargs)
-        return spatial_norm(m, f, zq)
+        return spatial_norm(sn, f, zq)
 
 
 class ResnetBlockCondNorm2D(Recipe):
@@ -188,7 +183,8 @@ class ResnetBlockCondNorm2D(Recipe):
     output_scale_factor`` in conv2's epilogue."""
 
     name = "diffusers.ResnetBlockCondNorm2D"
-    what = "spatial norm (modulation in the GroupNorm pass)+SiLU, residual and 1/output_scale_factor in conv2's epilogue"
+    what = ("spatial norm (modulation in the GroupNorm pass)+SiLU, residual and 1/output_scale_factor in conv2's "
+            "epilogue")
 
     def match(self, m):
         return (named(m, "ResnetBlockCondNorm2D") and getattr(m, "time_embedding_norm", None) == "spatial"
@@ -203,12 +199,14 @@ class ResnetBlockCondNorm2D(Recipe):
     def forward(self, m, input_tensor, temb=None, *args, **kwargs):
         norm1, norm2, conv1, conv2, sc, act, drop = parts(
             m, "norm1", "norm2", "conv1", "conv2", "conv_shortcut", "nonlinearity", "dropout")
+        sn1, sn2 = _spatial_norm_parts(norm1), _spatial_norm_parts(norm2)
         if (args or kwargs or not isinstance(input_tensor, torch.Tensor) or not dropout_is_identity(drop)
-                or not _spatial_norm_ok(norm1, input_tensor, temb) or not _spatial_norm_ok(norm2, input_tensor, temb)
+                or not _spatial_norm_ok(norm1, sn1, input_tensor, temb)
+                or not _spatial_norm_ok(norm2, sn2, input_tensor, temb)
                 or not inference(input_tensor, conv1, conv2, sc) or not plain(act, drop, conv1, conv2, sc)):
             return base(m, input_tensor, temb, *args, **kwargs)
-        h = conv(conv1, spatial_norm(norm1, input_tensor, temb, "silu"))
-        h = spatial_norm(norm2, h, temb, "silu")
+        h = conv(conv1, spatial_norm(sn1, input_tensor, temb, "silu"))
+        h = spatial_norm(sn2, h, temb, "silu")
         x = input_tensor if sc is None else conv(sc, input_tensor)
         return like_input(conv(conv2, h, residual=x, out_scale=1.0 / m.output_scale_factor), input_tensor)
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from typing import Dict, Optional
+from typing import Callable, Dict, Optional
 
 import torch
 import torch.nn.functional as F
@@ -568,6 +568,17 @@ def is_group_norm(m) -> bool:
         return False
     cls = getattr(type(m), "cp_base", type(m))
     return cls.forward is nn.GroupNorm.forward or is_comfy_conv_class(cls)
+
+
+def spatial_norm_parts(m, name: str, conv_ok: Callable) -> Optional[tuple]:
+    """(norm_layer, conv_y, conv_b) of a spatially conditioned norm of class
+    ``name`` (``GroupNorm(f) * conv_y(zq) + conv_b(zq)``, ``zq`` resized to
+    ``f``: MoVQ's ``SpatialNorm``, CogVideoX's ``CogVideoXSpatialNorm3D``)
+    whose two convs pass ``conv_ok``, else None."""
+    if not named(m, name):
+        return None
+    norm, conv_y, conv_b = parts(m, "norm_layer", "conv_y", "conv_b")
+    return (norm, conv_y, conv_b) if is_group_norm(norm) and conv_ok(conv_y) and conv_ok(conv_b) else None
 
 
 def rms_norm_params(m) -> Optional[tuple]:

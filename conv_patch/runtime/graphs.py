@@ -90,10 +90,10 @@ _EAGER = object()  # a key whose capture failed or whose output cannot be graphe
 # segment as large as the warm-up call's live peak, from which the capture's
 # large blocks are split, and keeps the smaller pool (``Captured``). Blocks
 # over 10 MiB get segments of their own size (rounded to 2 MiB): a peak
-# larger than the auto bound is captured once, as it comes. A request
-# below RESERVE_MIN would get a 20 MiB segment
-# itself: a smaller peak reserves RESERVE_MIN; one of small blocks only (under
-# 1 MiB, served from 2 MiB segments of their own) reserves nothing.
+# larger than the auto bound is captured once, as it comes. A request below
+# RESERVE_MIN would get a 20 MiB segment itself: a smaller peak reserves
+# RESERVE_MIN; one of small blocks only (under 1 MiB, served from 2 MiB
+# segments of their own) reserves nothing.
 RESERVE_MIN = 10 << 20
 SMALL_BLOCK = 1 << 20
 RESERVE_ROUND = 2 << 20
@@ -289,7 +289,6 @@ class Captured:
                     if best is None or self.pool_bytes < best[2]:
                         best = (self.graph, self.out, self.pool_bytes)
                 self.graph, self.out, self.pool_bytes = best
-            if device is not None:
                 self.stream = torch.cuda.current_stream(device)
                 self.done = torch.cuda.Event()
 

@@ -123,6 +123,33 @@ def test_a_big_vae_half_compiles_to_one_op_running_its_eager_forward(device, exa
     assert torch.Tag.cudagraph_unsafe in torch.ops.conv_patch.whole_block.default.tags
 
 
+def test_a_block_run_whole_compiles_ahead_at_its_first_compiled_call(device, exact_fp32, monkeypatch):
+    """A compiled graph runs a whole block's forward, not its call, so the
+    first-call hook that compiles the kernels ahead (a forward pre-hook)
+    never runs: the op makes that pass itself before the block's first
+    call, once per block, with the call's input, and leaves the hook on
+    (taking it off would change what Dynamo guarded: the graph would
+    compile again). Recorded where the pass starts (on the CPU it would
+    refuse: no CUDA tensor)."""
+    from conv_patch.api import warmup
+    _whole_ok(device, monkeypatch)
+    passes = []
+    monkeypatch.setattr(warmup, "_first_pass", lambda module, fn, args, kwargs, what: passes.append((module, args)))
+    dec = _decoder(device)
+    z = torch.randn(1, 4, 6, 5, device=device)
+    with torch.no_grad():
+        ref = dec(z)
+        report = conv_patch.apply(dec)
+        assert report.compile_ahead and warmup.first_pass_pending(dec)
+        torch._dynamo.reset()
+        fn = torch.compile(dec, backend="aot_eager", fullgraph=True)
+        for _ in range(3):
+            assert rel_err(fn(z), ref) <= 1e-5
+    assert len(passes) == 1 and passes[0][0] is dec and passes[0][1][0] is z
+    assert warmup.first_pass_pending(dec)
+    assert compiled.whole_block_calls() >= 3
+
+
 def test_a_big_vae_half_runs_whole_only_from_its_recipes_size(device, exact_fp32, monkeypatch):
     """Below its recipe's ``whole_from`` (N·H·W of the input) the decoder
     is traced op by op (where Inductor's unpatched graph may beat the eager

@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from conv_patch.api import pass_marks
-from conv_patch.runtime import dispatch, passthrough
+from conv_patch.runtime import compiled, dispatch, passthrough
 from conv_patch.runtime.plans import COMPILE_NOTICE_S, BuildCount
 
 # The calls of a pass: the first builds the plans; the second launches a fused
@@ -384,6 +384,22 @@ def _first_pass(module: nn.Module, fn: Callable, args: tuple, kwargs: dict, what
 # (Seen by ``passthrough.other_hooks`` as none of anyone else's: a module
 # that carries it runs as it would without it.)
 first_call.cp_transparent = True
+
+
+def whole_block_first_call(module: nn.Module, args: tuple) -> None:
+    """The pass before a block's first call inside a compiled graph
+    (``runtime.compiled.whole_block``: the graph runs the block's forward,
+    so its hook never ran), where the block still carries the hook. The
+    hook stays on: taking it off would change what Dynamo guarded on the
+    module and compile the graph again; the pass's mark (``pass_marks``)
+    spares a later eager call another."""
+    if getattr(_PASS, "on", False) or not first_pass_pending(module):
+        return
+    with PASS_LOCK:
+        _first_pass(module, module, args, {}, _describe(module, args))
+
+
+compiled.on_first_whole_call(whole_block_first_call)
 
 
 def first_pass_problem(module: nn.Module, args: tuple, kwargs: dict) -> Optional[str]:

@@ -309,6 +309,14 @@ def traced_group_norm(norm, x: torch.Tensor, activation: str = "none", input_bia
 # or unpickled, which rebuilds it through its recipe), never while traced.
 _WHOLE: dict = {}
 _CALLS = {"whole_block": 0}
+# A compiled graph runs a whole block's forward inside the op, never its
+# call: the forward pre-hook that compiles the kernels ahead at a first call
+# (``PatchConfig.compile_ahead``) ran only while traced, where it does
+# nothing. The api layer registers that pass here (``on_first_whole_call``);
+# the op makes it at each block's first call in the process, so a cold
+# compiled call compiles the block's kernels side by side, as an eager one.
+_FIRST_PASS: list = []
+_PASSED: "weakref.WeakSet" = weakref.WeakSet()
 
 
 def whole_block_calls() -> int:
@@ -324,6 +332,12 @@ def register_whole(block) -> None:
         if _WHOLE.get(key) is ref:
             del _WHOLE[key]
     _WHOLE[key] = weakref.ref(block, gone)
+
+
+def on_first_whole_call(fn) -> None:
+    """``fn(block, args)`` runs before the first ``whole_block`` call of
+    each block in this process (the api layer's first-call pass)."""
+    _FIRST_PASS[:] = [fn]
 
 
 def _whole(key: int):
@@ -343,7 +357,11 @@ def whole_block(block: int, x: torch.Tensor) -> torch.Tensor:
     """The registered block's fused forward on ``x``, run as eagerly (its
     pack group, plans and replays), in ``x``'s memory format."""
     _CALLS["whole_block"] += 1
-    y = _whole(block).forward(x)
+    m = _whole(block)
+    if _FIRST_PASS and m not in _PASSED:
+        _PASSED.add(m)
+        _FIRST_PASS[0](m, (x,))
+    y = m.forward(x)
     y = y.contiguous(memory_format=_format(x))
     return y.clone() if y is x else y
 

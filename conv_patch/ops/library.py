@@ -19,21 +19,10 @@ input), and the ops are only called where nothing needs a gradient (each
 caller's ``needs_grad`` check), so no autograd formula is needed; a call
 that would need one raises instead of returning a result autograd cannot
 differentiate.
-
-Why the implementations run with CPython's own frame evaluator
-(``eager_frames``): a graph compiled with ``fullgraph=True`` keeps Dynamo's
-frame-evaluation hook installed for the interpreter while it runs (torch
-2.13: its count of compiled frames), and while any such hook is installed
-CPython stops inlining Python-to-Python calls. An op's Python (a patched
-VAE half run whole is a few thousand calls) then ran about 45% slower than
-the same code eagerly (CPU, torch 2.13: 20 000 calls 1.69 against 1.17 ms,
-1.17 with the hook set aside). Nothing in an implementation is for Dynamo
-to see: the hook is set aside for the call and put back after it.
 """
 
 from __future__ import annotations
 
-import ctypes
 from typing import Callable
 
 import torch
@@ -45,43 +34,6 @@ LIB = torch.library.Library(NAMESPACE, "DEF")
 # The tag telling Inductor not to capture an op in a CUDA graph (it runs
 # between the graph's captured parts); None in a torch without it.
 CUDAGRAPH_UNSAFE = getattr(torch.Tag, "cudagraph_unsafe", None)
-
-
-def _frame_api():
-    """CPython's PEP 523 accessors and its default frame evaluator, or None
-    where they are not there (another interpreter)."""
-    try:
-        api = ctypes.pythonapi
-        get_interp, get, put = (api.PyInterpreterState_Get, api._PyInterpreterState_GetEvalFrameFunc,
-                                api._PyInterpreterState_SetEvalFrameFunc)
-        default = ctypes.cast(api._PyEval_EvalFrameDefault, ctypes.c_void_p).value
-    except (AttributeError, ValueError):
-        return None
-    get_interp.restype, get_interp.argtypes = ctypes.c_void_p, []
-    get.restype, get.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
-    put.restype, put.argtypes = None, [ctypes.c_void_p, ctypes.c_void_p]
-    return get_interp, get, put, default
-
-
-_FRAMES = _frame_api()
-
-
-def eager_frames(fn: Callable, *args):
-    """``fn(*args)`` with CPython's default frame evaluator installed for
-    the call where another one (Dynamo's) is, then that one put back (the
-    module docstring says why)."""
-    if _FRAMES is None:
-        return fn(*args)
-    get_interp, get, put, default = _FRAMES
-    interp = get_interp()
-    hook = get(interp)
-    if hook == default:
-        return fn(*args)
-    put(interp, default)
-    try:
-        return fn(*args)
-    finally:
-        put(interp, hook)
 
 
 def op(schema: str, tags: tuple = ()) -> Callable:
@@ -96,7 +48,7 @@ def op(schema: str, tags: tuple = ()) -> Callable:
             if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
                 raise RuntimeError(f"{NAMESPACE}::{name} computes no gradient; call it where none is needed "
                                    "(torch.no_grad(), or tensors that do not require grad)")
-            return eager_frames(impl, *args)
+            return impl(*args)
 
         LIB.define(schema, tags=tags)
         LIB.impl(name, checked, "CompositeExplicitAutograd")

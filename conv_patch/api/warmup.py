@@ -393,10 +393,9 @@ def whole_block_first_call(module: nn.Module, args: tuple) -> None:
     hook stays on: taking it off would change what Dynamo guarded on the
     module and compile the graph again; the pass's mark (``pass_marks``)
     spares a later eager call another."""
-    if getattr(_PASS, "on", False) or not first_pass_pending(module):
-        return
-    with PASS_LOCK:
-        _first_pass(module, module, args, {}, _describe(module, args))
+    _hooked_call(lambda: first_pass_pending(module),
+                 lambda: _first_pass(module, module, args, {}, _describe(module, args)),
+                 lambda: None)
 
 
 compiled.on_first_whole_call(whole_block_first_call)

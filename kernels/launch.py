@@ -16,7 +16,7 @@ refuse_top_level(__name__)
 
 from conv_patch.work import Work
 
-from . import cache_keys, direct_launch
+from . import cache_keys, compile_workers, direct_launch
 
 INT32_LIMIT = 2**31 - 1
 
@@ -293,20 +293,30 @@ def compile_ahead(workers: int):
     from concurrent.futures import ThreadPoolExecutor
     pending = []
     progress = AheadProgress(pending)
-    with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="conv-patch-compile") as pool:
-        # A compile that fails is left to the real call's launch, which
-        # raises it where the plans handle failures.
-        with AsyncCompileMode(pool, ignore_errors=True):
-            _AHEAD.pending, _AHEAD.seen = pending, set()
-            try:
-                yield progress
-            finally:
-                _AHEAD.pending = _AHEAD.seen = None
-        progress.loading = True
-        unique = list({id(item[0]): item for item in pending}.values())
-        for ok in pool.map(_load, unique):
-            progress.loaded += 1
-            progress.failed += not ok
+    # (Worker processes for the compiles where they can run: compile_workers.)
+    procs = compile_workers.start(workers) if workers > 1 and compile_workers.enabled() else None
+    try:
+        with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="conv-patch-compile") as pool:
+            # A compile that fails is left to the real call's launch, which
+            # raises it where the plans handle failures.
+            executor = pool if procs is None else compile_workers.Executor(pool, procs)
+            with AsyncCompileMode(executor, ignore_errors=True):
+                _AHEAD.pending, _AHEAD.seen = pending, set()
+                try:
+                    yield progress
+                finally:
+                    _AHEAD.pending = _AHEAD.seen = None
+            if procs is not None:  # (every compile has ended: the workers go while the launchers load)
+                procs, ending = None, procs
+                ending.close()
+            progress.loading = True
+            unique = list({id(item[0]): item for item in pending}.values())
+            for ok in pool.map(_load, unique):
+                progress.loaded += 1
+                progress.failed += not ok
+    finally:
+        if procs is not None:
+            procs.close()
 
 
 def _load(item) -> bool:

@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 import conv_patch
+from conv_patch.kernels import compile_workers
 
 from . import zoo
 from .common import bench_device, cached_kernels, child_rows, print_table, sync, write_results
@@ -67,7 +68,8 @@ def first_calls(name, size, batch, dtype_name, patched: bool, tiny: bool, device
             sync()
             times.append(time.perf_counter() - t0)
             compiled.append(len(cached_kernels() - before))
-    extra = {} if report is None else {"compiled_ahead": bool(report.compile_ahead)}
+    extra = {} if report is None else {"compiled_ahead": bool(report.compile_ahead),
+                                       "compile_processes": compile_workers.stats()}
     return {**fields, "first_s": times[0], "second_s": times[1], "third_s": times[2], "compiled": compiled, **extra}
 
 
@@ -95,6 +97,8 @@ def _row(case, args) -> dict:
                 row[f"{key}_compiled"] = got.get("compiled")
             if variant == "cold":
                 row["compiled_ahead"] = got.get("compiled_ahead")
+                # (Where the pass's compiles ran: kernels/compile_workers.py.)
+                row["cold_compile_processes"] = got.get("compile_processes")
     row.setdefault("name", f"{name} {zoo.size_name(size)} b{batch} {dt or ''}".strip())
     row["baseline"] = BASELINE
     if errors:

@@ -57,11 +57,9 @@ CLOSURE = ("self", "src", "target", "options", "env_vars")
 # Seconds a pass waits for a server that is still starting before it ends
 # anyway (it is killed: the pass's compiles have run on the threads).
 STOP_WAIT_S = 2.0
-# Where the threads are bound by the GIL rather than by the cores: a compile
-# holds the GIL for about a seventh of its time, so from about 8 cores the
-# threads take turns, and the workers' server costs a core for its import
-# of torch (docs/performance.md, forty-sixth session: on 2 cores the workers
-# lost).
+# Where the threads are bound by the GIL rather than by the cores (a
+# many-core host); on fewer cores the server's import of torch takes one the
+# threads would use (docs/performance.md, fortieth and forty-sixth sessions).
 MIN_CPUS = 16
 # A server that connected no worker in this many seconds is taken as failed.
 START_TIMEOUT_S = 30.0

@@ -213,6 +213,11 @@ class Workers:
         authkey = secrets.token_bytes(16)
         self._listener = Listener(os.path.join(self._dir, "s"), family="AF_UNIX", authkey=authkey)
         env = dict(os.environ, CONV_PATCH_COMPILE_AUTHKEY=authkey.hex())
+        try:  # (the cache this process compiles into, where it was set in code rather than the environment)
+            from triton import knobs
+            env["TRITON_CACHE_DIR"] = str(knobs.cache.dir)
+        except Exception:  # noqa: BLE001 - the environment's, as inherited
+            pass
         code = f"from conv_patch.kernels import compile_workers as w; w.serve({self._listener.address!r}, {int(n)})"
         self.proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdin=subprocess.DEVNULL,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -318,7 +323,10 @@ class Workers:
 def start(n: int) -> Optional[Workers]:
     """``Workers(n)`` where this platform can fork them; None where it
     cannot or they fail to start (the pass compiles on its threads)."""
-    if not hasattr(os, "fork"):
+    # (An embedded or frozen interpreter's executable is its application,
+    # which ``-c`` would not run as Python.)
+    if (not hasattr(os, "fork") or getattr(sys, "frozen", False)
+            or not os.path.basename(sys.executable or "").lower().startswith("python")):
         return None
     try:
         return Workers(n)

@@ -177,3 +177,10 @@ def test_bench_compile_pass_writes_its_row(tmp_path):
     stats = row["compile_processes"]
     assert stats["workers"] + stats["threads"] == 2 and stats["failed"] == 0
     assert row["stages_ms"]["ir_initialization"] > 0
+
+
+def test_no_workers_where_the_executable_is_not_python(monkeypatch):
+    monkeypatch.setattr(sys, "executable", "/opt/app/bin/blender")
+    assert compile_workers.start(2) is None
+    monkeypatch.setattr(sys, "executable", "")
+    assert compile_workers.start(2) is None

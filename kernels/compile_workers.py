@@ -167,8 +167,12 @@ def serve(address: str, n: int) -> None:
     """The server's body (``python -c``): import the kernels, fork ``n``
     workers that each connect to ``address`` and compile what they are
     sent until the connection closes, then wait for them."""
+    import signal
     import warnings
     warnings.simplefilter("ignore")  # (fork with an import's threads: the workers only compile)
+    # (A Ctrl-C is the user's process's to handle: it closes the connections,
+    # and the workers end there.)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     from multiprocessing.connection import Client
     from conv_patch.kernels import api  # noqa: F401  (every kernel module, decorated once)
     authkey = bytes.fromhex(os.environ.pop("CONV_PATCH_COMPILE_AUTHKEY"))
@@ -220,7 +224,7 @@ class Workers:
             pass
         code = f"from conv_patch.kernels import compile_workers as w; w.serve({self._listener.address!r}, {int(n)})"
         self.proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdin=subprocess.DEVNULL,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         self._acceptor = threading.Thread(target=self._accept, name="conv-patch-compile-accept", daemon=True)
         self._acceptor.start()
 

@@ -151,6 +151,36 @@ def test_a_block_run_whole_compiles_ahead_at_its_first_compiled_call(device, exa
     assert warmup.first_pass_pending(dec)
 
 
+def test_a_block_run_whole_is_covered_by_its_first_compiled_calls_pass(device, exact_fp32, monkeypatch):
+    """The pass a whole block makes at its first compiled call compiles
+    every kernel specialisation the compiled calls after it launch: a
+    launch it missed compiles one at a time inside the compiled call (cold,
+    seconds each). The kernels are not run here: the launches' arguments
+    are what is compared (the decode's answer is the test above's)."""
+    from triton.runtime.interpreter import InterpretedFunction
+    from test_warmup import _forced_pass, _launch_key
+    _whole_ok(device, monkeypatch)
+    _, kernel_launch = _forced_pass(monkeypatch, device)
+    ahead, launched = set(), []
+    monkeypatch.setattr(kernel_launch, "compile_only",
+                        lambda kernel, grid, args, meta: ahead.add(_launch_key(kernel, args, meta)))
+    monkeypatch.setattr(InterpretedFunction, "run",
+                        lambda self, *args, grid, warmup, **kw: launched.append(_launch_key(self, args, kw)))
+    dec = _decoder(device)
+    z = torch.randn(1, 4, 6, 5, device=device)
+    with torch.no_grad():
+        conv_patch.apply(dec)
+        torch._dynamo.reset()
+        fn = torch.compile(dec, backend="aot_eager", fullgraph=True)
+        calls = compiled.whole_block_calls()
+        for _ in range(3):
+            fn(z)
+    assert compiled.whole_block_calls() - calls == 3
+    assert ahead and launched
+    missed = [k for k in launched if k not in ahead]
+    assert not missed, f"{len(set(missed))} launch signatures not compiled ahead: {sorted(set(map(str, missed)))[:3]}"
+
+
 def test_a_big_vae_half_runs_whole_only_from_its_recipes_size(device, exact_fp32, monkeypatch):
     """Below its recipe's ``whole_from`` (N·H·W of the input) the decoder
     is traced op by op (where Inductor's unpatched graph may beat the eager

@@ -54,8 +54,9 @@ ENV = "CONV_PATCH_COMPILE_PROCESSES"
 # The names Triton's async compile closes over (``JITFunction._do_compile``,
 # Triton 3.6 to 3.9); another form compiles on the thread.
 CLOSURE = ("self", "src", "target", "options", "env_vars")
-# Seconds a pass waits for a server that is still starting before it ends
-# anyway (it is killed: the pass's compiles have run on the threads).
+# Seconds a closed server has to end (its workers see their connections
+# closed) before it is killed: one still importing when a short pass ended
+# (reaped on a thread of its own; the pass does not wait).
 STOP_WAIT_S = 2.0
 # Where the threads are bound by the GIL rather than by the cores (a
 # many-core host); on fewer cores the server's import of torch takes one the
@@ -214,17 +215,26 @@ class Workers:
         self._lock = threading.Lock()
         self._local = threading.BoundedSemaphore(LOCAL_COMPILES)
         self._dir = tempfile.mkdtemp(prefix="conv-patch-compile-")
-        authkey = secrets.token_bytes(16)
-        self._listener = Listener(os.path.join(self._dir, "s"), family="AF_UNIX", authkey=authkey)
-        env = dict(os.environ, CONV_PATCH_COMPILE_AUTHKEY=authkey.hex())
-        try:  # (the cache this process compiles into, where it was set in code rather than the environment)
-            from triton import knobs
-            env["TRITON_CACHE_DIR"] = str(knobs.cache.dir)
-        except Exception:  # noqa: BLE001 - the environment's, as inherited
-            pass
-        code = f"from conv_patch.kernels import compile_workers as w; w.serve({self._listener.address!r}, {int(n)})"
-        self.proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdin=subprocess.DEVNULL,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        self._listener = None
+        try:
+            authkey = secrets.token_bytes(16)
+            self._listener = Listener(os.path.join(self._dir, "s"), family="AF_UNIX", authkey=authkey)
+            env = dict(os.environ, CONV_PATCH_COMPILE_AUTHKEY=authkey.hex())
+            try:  # (the cache this process compiles into, where it was set in code rather than the environment)
+                from triton import knobs
+                env["TRITON_CACHE_DIR"] = str(knobs.cache.dir)
+            except Exception:  # noqa: BLE001 - the environment's, as inherited
+                pass
+            code = f"from conv_patch.kernels import compile_workers as w; w.serve({self._listener.address!r}, {int(n)})"
+            self.proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdin=subprocess.DEVNULL,
+                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                         start_new_session=True)
+        except BaseException:
+            if self._listener is not None:
+                self._listener.close()
+            import shutil
+            shutil.rmtree(self._dir, ignore_errors=True)
+            raise
         self._acceptor = threading.Thread(target=self._accept, name="conv-patch-compile-accept", daemon=True)
         self._acceptor.start()
 

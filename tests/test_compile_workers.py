@@ -184,3 +184,13 @@ def test_no_workers_where_the_executable_is_not_python(monkeypatch):
     assert compile_workers.start(2) is None
     monkeypatch.setattr(sys, "executable", "")
     assert compile_workers.start(2) is None
+
+
+def test_a_server_that_cannot_start_leaves_nothing_behind(monkeypatch, tmp_path):
+    monkeypatch.setattr(compile_workers.tempfile, "tempdir", str(tmp_path))
+
+    def no_popen(*a, **k):
+        raise OSError("no such executable")
+    monkeypatch.setattr(compile_workers.subprocess, "Popen", no_popen)
+    assert compile_workers.start(2) is None
+    assert list(tmp_path.iterdir()) == []

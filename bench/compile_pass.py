@@ -36,7 +36,7 @@ from .common import child_rows, print_table, write_results
 BASELINE = "the pass's threads alone"
 
 
-def _closures(n: int, tiny: bool) -> list:
+def closures(n: int, tiny: bool) -> list:
     """``n`` closures of the form of Triton's async compile (the names
     ``compile_workers.CLOSURE``), each another specialisation."""
     from triton.backends.compiler import GPUTarget
@@ -87,19 +87,19 @@ def _child_main(args) -> None:
     from concurrent.futures import ThreadPoolExecutor
     from triton import knobs
     from conv_patch.kernels import compile_workers
-    closures = _closures(args.kernels, args.tiny)
+    jobs = closures(args.kernels, args.tiny)
     stages = []  # (The compiles made in this process: each stage's wall time.)
     knobs.compilation.listener = lambda **kw: None if kw.get("cache_hit") else stages.append(kw.get("times"))
     t0 = time.perf_counter()
-    procs = compile_workers.start(args.workers) if args.workers > 1 and compile_workers.enabled() else None
+    procs = compile_workers.start(args.workers)
     with ThreadPoolExecutor(max_workers=args.workers) as pool:
         executor = pool if procs is None else compile_workers.Executor(pool, procs)
-        for f in [executor.submit(c) for c in closures]:
+        for f in [executor.submit(c) for c in jobs]:
             f.result()
     seconds = time.perf_counter() - t0
     if procs is not None:
         procs.close()
-    row = {"seconds": seconds, "kernels": len(closures), "processes": procs is not None,
+    row = {"seconds": seconds, "kernels": len(jobs), "processes": procs is not None,
            "compile_processes": compile_workers.stats(), "stages_ms": _stage_medians(stages)}
     Path(args.row_out).write_text(json.dumps([row]) + "\n")
 

@@ -335,11 +335,13 @@ class Workers:
 
 
 def start(n: int) -> Optional[Workers]:
-    """``Workers(n)`` where this platform can fork them; None where it
-    cannot or they fail to start (the pass compiles on its threads)."""
+    """``Workers(n)`` for a pass of ``n`` threads where they are on
+    (``enabled``; two threads at least) and this platform can fork them;
+    None where not or where they fail to start (the pass compiles on its
+    threads)."""
     # (An embedded or frozen interpreter's executable is its application,
     # which ``-c`` would not run as Python.)
-    if (not hasattr(os, "fork") or getattr(sys, "frozen", False)
+    if (n < 2 or not enabled() or not hasattr(os, "fork") or getattr(sys, "frozen", False)
             or not os.path.basename(sys.executable or "").lower().startswith("python")):
         return None
     try:

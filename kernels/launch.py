@@ -294,7 +294,7 @@ def compile_ahead(workers: int):
     pending = []
     progress = AheadProgress(pending)
     # (Worker processes for the compiles where they can run: compile_workers.)
-    procs = compile_workers.start(workers) if workers > 1 and compile_workers.enabled() else None
+    procs = compile_workers.start(workers)
     try:
         with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="conv-patch-compile") as pool:
             # A compile that fails is left to the real call's launch, which
@@ -307,8 +307,8 @@ def compile_ahead(workers: int):
                 finally:
                     _AHEAD.pending = _AHEAD.seen = None
             if procs is not None:  # (every compile has ended: the workers go while the launchers load)
-                procs, ending = None, procs
-                ending.close()
+                procs.close()
+                procs = None
             progress.loading = True
             unique = list({id(item[0]): item for item in pending}.values())
             for ok in pool.map(_load, unique):

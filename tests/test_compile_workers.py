@@ -19,29 +19,16 @@ from conv_patch.kernels import compile_workers
 _CHILD = textwrap.dedent("""
     import json, os, sys, time
     from triton import knobs
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, compile as triton_compile
-    from triton.compiler.compiler import make_backend
-    from triton.runtime.jit import get_cache_invalidating_env_vars
-    from conv_patch.kernels import compile_workers, layout
+    from bench.compile_pass import closures
+    from conv_patch.kernels import compile_workers
 
     hits = []
     knobs.compilation.listener = lambda **kw: hits.append(kw["cache_hit"])
-    fn = layout.nchw_to_nhwc_kernel
 
-    def closure(block_c):
-        # The form of Triton's own async compile (JITFunction._do_compile).
-        target = GPUTarget("cuda", 90, 64)
-        options = make_backend(target).parse_options({})
-        env_vars = get_cache_invalidating_env_vars()
-        self = type("JIT", (), {"compile": staticmethod(triton_compile)})()
-        sig = {"x_ptr": "*fp16", "y_ptr": "*fp16", "C": "i32", "HW": "i32", "sxn": "i32", "sxc": "i32",
-               "BLOCK_C": "constexpr", "BLOCK_P": "constexpr"}
-        src = ASTSource(fn, sig, {"BLOCK_C": block_c, "BLOCK_P": 64}, {})
-
-        def async_compile():
-            return self.compile(src, target=target, options=options.__dict__, _env_vars=env_vars)
-        return async_compile
+    def closure():
+        # The form of Triton's own async compile (JITFunction._do_compile):
+        # one specialisation of the NCHW-to-NHWC copy, for sm90.
+        return closures(1, True)[0]
 
     mode = sys.argv[1]
     out = {}
@@ -51,15 +38,15 @@ _CHILD = textwrap.dedent("""
         while w.ready() < 2 and time.monotonic() - t0 < 300 and not w.failed():
             time.sleep(0.05)
         out["ready"] = w.ready()
-        kernel = w.compile(closure(32))
+        kernel = w.compile(closure())
         w.close()
     elif mode == "dead":
         w = compile_workers.Workers(2)
         w.proc.kill()
         w.proc.wait()
-        kernel = w.compile(closure(32))
+        kernel = w.compile(closure())
     else:
-        kernel = closure(32)()
+        kernel = closure()()
     out["cubin"] = "cubin" in kernel.asm
     out["hits"] = hits
     out["stats"] = compile_workers.stats()
@@ -153,7 +140,7 @@ def test_a_pass_starts_workers_and_ends_them_with_its_compiles(monkeypatch):
             seen.append("close")
 
     monkeypatch.setattr(compile_workers, "enabled", lambda: True)
-    monkeypatch.setattr(compile_workers, "start", FakeWorkers)
+    monkeypatch.setattr(compile_workers, "Workers", FakeWorkers)
     from triton.runtime._async_compile import active_mode
     with launch.compile_ahead(3):
         mode = active_mode.get()
@@ -180,13 +167,22 @@ def test_bench_compile_pass_writes_its_row(tmp_path):
 
 
 def test_no_workers_where_the_executable_is_not_python(monkeypatch):
+    started = []
+    monkeypatch.setattr(compile_workers, "enabled", lambda: True)
+    monkeypatch.setattr(compile_workers, "Workers", lambda n: started.append(n) or "workers")
     monkeypatch.setattr(sys, "executable", "/opt/app/bin/blender")
     assert compile_workers.start(2) is None
     monkeypatch.setattr(sys, "executable", "")
     assert compile_workers.start(2) is None
+    assert started == []
+    monkeypatch.setattr(sys, "executable", "/usr/bin/python3.12")  # (the control)
+    assert compile_workers.start(2) == "workers" and started == [2]
+    monkeypatch.setattr(compile_workers, "enabled", lambda: False)
+    assert compile_workers.start(2) is None and started == [2]
 
 
 def test_a_server_that_cannot_start_leaves_nothing_behind(monkeypatch, tmp_path):
+    monkeypatch.setattr(compile_workers, "enabled", lambda: True)
     monkeypatch.setattr(compile_workers.tempfile, "tempdir", str(tmp_path))
 
     def no_popen(*a, **k):

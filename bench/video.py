@@ -9,13 +9,17 @@ frames concatenated, ``F.pad``, cuDNN's conv3d).
 
     python -m bench.video [--model wan2.1] [--frames F --height H --width W] [--runs 3]
                           [--layers] [--write-table configs/sm90.json] [--profile N] [--block-peaks]
-                          [--flops] [--compile-ahead | --no-ahead] [--tiny]
+                          [--flops] [--compile-ahead | --no-ahead] [--tiling] [--tiny]
 
 Model rows: ``baseline_ms`` (unpatched, launched eagerly), ``ours_ms``
 (patched), ``speedup``, ``peak_gib`` / ``baseline_peak_gib``
 (``torch.cuda.max_memory_allocated`` above what was allocated before the
 call), ``rel_err_vs_unpatched``; medians of ``--runs`` after a warm-up,
-the variants interleaved in rotated order.
+the variants interleaved in rotated order. ``--tiling`` decodes both with
+diffusers' tiled path (``vae.enable_tiling()``, the class's default tiles;
+under ``--tiny`` tiles of two latent pixels over a clip of 3x2, LTX-Video's
+the tested one: ``enable_tiling``), the row
+named ``... tiled``, with the tile size in pixels (``tile``).
 
 ``--layers`` adds one row per distinct Conv3d call of a patched decode (the
 module's geometry, its input and cached frames), measured by
@@ -115,6 +119,20 @@ def decode_flops(model: str, frames: int, height: int, width: int, tiny: bool = 
             "floor_ms": total / (PEAK_TFLOPS * 1e12) * 1e3}
 
 
+def enable_tiling(vae, tiny: bool) -> tuple:
+    """``vae.enable_tiling()`` as a user calls it (the class's default
+    tiles); ``tiny``: tiles of two latent pixels, a stride of one (in the
+    spatial compression the class states). Returns the clip's (height,
+    width) ``tiny`` needs for tiles along both axes (None: any)."""
+    if not tiny:
+        vae.enable_tiling()
+        return None
+    r = getattr(vae, "spatial_compression_ratio", None) or 8
+    vae.enable_tiling(tile_sample_min_height=2 * r, tile_sample_min_width=2 * r, tile_sample_stride_height=r,
+                      tile_sample_stride_width=r)
+    return 3 * r, 2 * r
+
+
 def _sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -173,7 +191,11 @@ def model_row(vae, z, runs: int, warmup: int, device, compile_ahead: bool = Fals
                 del y
     ref, y = outs["unpatched"].float(), outs["patched"].float()
     base_ms, ours_ms = statistics.median(times["unpatched"]), statistics.median(times["patched"])
-    return {"name": f"{vae.__class__.__name__} decode {tuple(z.shape)} {str(z.dtype).split('.')[-1]}",
+    tiled = bool(getattr(vae, "use_tiling", False))
+    return {"name": f"{vae.__class__.__name__} decode {tuple(z.shape)} {str(z.dtype).split('.')[-1]}"
+                    + (" tiled" if tiled else ""), "tiling": tiled,
+            "tile": [getattr(vae, "tile_sample_min_height", None), getattr(vae, "tile_sample_min_width", None)]
+            if tiled else None,
             "baseline": "unpatched, launched eagerly", "baseline_ms": base_ms, "ours_ms": ours_ms,
             "speedup": base_ms / ours_ms, "first_call_s": first["patched"], **extra,
             "baseline_first_call_s": first["unpatched"], "peak_gib": peaks.get("patched"),
@@ -380,6 +402,8 @@ def main(argv=None):
                     help="the patched first call is conv_patch.warmup(vae.decode, z, calls=1)")
     ap.add_argument("--no-ahead", action="store_true",
                     help="patch with PatchConfig(compile_ahead=False): the first decode compiles as it goes")
+    ap.add_argument("--tiling", action="store_true",
+                    help="decode through diffusers' tiled path (vae.enable_tiling()), unpatched and patched")
     ap.add_argument("--tiny", action="store_true", help="a tiny config on the CPU (the tests)")
     ap.add_argument("--out", default=None, help="results folder (default bench/results)")
     ap.add_argument("--name", default=None, help="result file stem (default video-<model>)")
@@ -397,6 +421,10 @@ def main(argv=None):
     # (--flops --no-decode alone needs no model of its own: it counts on the meta device.)
     timed = not args.no_decode or args.profile or args.layers or args.write_table or args.block_peaks
     vae = build_vae(args.model, args.tiny, device, dtype) if timed else None
+    if vae is not None and args.tiling:
+        clip = enable_tiling(vae, args.tiny)
+        if clip is not None:
+            args.height, args.width = clip
     rows = []
     extra = {"model": args.model, "frames": args.frames, "height": args.height, "width": args.width,
              "layers_layout": args.layout}
@@ -418,6 +446,7 @@ def main(argv=None):
     if not args.no_decode:
         rows.append(model_row(vae, latents(vae, args.frames, args.height, args.width, device, dtype), args.runs,
                               args.warmup, device, compile_ahead=args.compile_ahead, ahead=not args.no_ahead))
+
         print(f"{rows[0]['name']}: unpatched {rows[0]['baseline_ms']:.1f} ms, patched {rows[0]['ours_ms']:.1f} "
               f"ms (x{rows[0]['speedup']:.2f}), peak {rows[0]['peak_gib']} / {rows[0]['baseline_peak_gib']} GiB",
               flush=True)

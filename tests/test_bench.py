@@ -401,6 +401,29 @@ def test_bench_video_tiny_rows(tmp_path):
         assert entry["cudnn_ms"] == round(r["baseline_ms"], 5) and entry["ours_ms"] == round(r["ours_ms"], 5)
 
 
+def test_bench_video_tiling_decodes_tiles_both_ways(tmp_path, monkeypatch):
+    """bench.video --tiling: the unpatched and the patched model both
+    decode through diffusers' tiled path (tiles along both axes of a 3x2
+    latent under --tiny), equal to each other, in a row named as tiled."""
+    diffusers = pytest.importorskip("diffusers")
+    from bench import video
+    cls = diffusers.AutoencoderKLLTXVideo
+    tiled = cls.tiled_decode
+    seen = {"tiled": 0}
+
+    def counted(self, *a, **k):
+        seen["tiled"] += 1
+        return tiled(self, *a, **k)
+
+    monkeypatch.setattr(cls, "tiled_decode", counted)
+    video.main(["--tiny", "--tiling", "--model", "ltx-video", "--runs", "1", "--warmup", "0", "--out", str(tmp_path),
+                "--name", "t"])
+    (row,) = _result(tmp_path, "t")["rows"]
+    assert row["name"].endswith(" tiled") and row["tiling"] and row["tile"] == [64, 64]
+    assert ROW_KEYS <= set(row) and row["rel_err_vs_unpatched"] < 1e-5 and row["patched_convs"] > 0
+    assert seen["tiled"] == 2  # one decode each, unpatched and patched
+
+
 def test_bench_video_flops_match_the_decodes_convs(tmp_path):
     """bench.video --flops --no-decode: the decode's arithmetic, counted on
     the meta device, equals the convolutions' multiply-adds that a real

@@ -27,10 +27,13 @@ saves time. The worker hashes a kernel's helpers before it
 differed.
 
 While the server starts or every worker is busy, ``LOCAL_COMPILES``
-threads compile themselves and the others wait for a worker. On by
-default on machines of ``MIN_CPUS`` CPUs or more; ``CONV_PATCH_COMPILE_PROCESSES``
-``=1`` turns it on anywhere, ``=0`` off; off under the interpreter (nothing
-compiles).
+threads compile themselves and the others wait for a worker. Off by
+default: on a 16-core H100 host the server took longer to start than a
+FLUX.1 encoder's whole pass (2 of 28 compiles reached a worker; the cold
+first call 6.78 s against 5.10 s on threads), and on 2 cores it lost too
+(docs/performance.md, forty-sixth and forty-seventh sessions).
+``CONV_PATCH_COMPILE_PROCESSES=1`` turns it on; never under the
+interpreter (nothing compiles).
 """
 
 from __future__ import annotations
@@ -58,10 +61,6 @@ CLOSURE = ("self", "src", "target", "options", "env_vars")
 # closed) before it is killed: one still importing when a short pass ended
 # (reaped on a thread of its own; the pass does not wait).
 STOP_WAIT_S = 2.0
-# Where the threads are bound by the GIL rather than by the cores (a
-# many-core host); on fewer cores the server's import of torch takes one the
-# threads would use (docs/performance.md, fortieth and forty-sixth sessions).
-MIN_CPUS = 16
 # A server that connected no worker in this many seconds is taken as failed.
 START_TIMEOUT_S = 30.0
 # While the server starts or every worker is busy, this many threads compile
@@ -77,16 +76,13 @@ _ERRORS: list = []  # the last few workers' failures, for a report
 
 
 def enabled() -> bool:
-    """Whether a pass hands its compiles to worker processes: on a machine
-    of ``MIN_CPUS`` CPUs or more (``CONV_PATCH_COMPILE_PROCESSES=1`` on any,
-    ``0`` on none), never under the interpreter."""
+    """Whether a pass hands its compiles to worker processes: where
+    ``CONV_PATCH_COMPILE_PROCESSES`` is set and not ``0`` (module
+    docstring: off by default), never under the interpreter."""
     from .common import INTERPRET
     if INTERPRET:
         return False
-    setting = os.environ.get(ENV, "")
-    if setting:
-        return setting != "0"
-    return (os.cpu_count() or 1) >= MIN_CPUS
+    return os.environ.get(ENV, "0") not in ("", "0")
 
 
 def stats() -> dict:

@@ -456,18 +456,23 @@ def test_capture_is_preceded_by_a_warm_up_call_down_the_capture_path(monkeypatch
 
 def test_a_capture_reserves_the_warm_up_calls_live_peak(monkeypatch):
     """The reserve a capture takes up front: the warm-up call's live peak as
-    read after each op (no allocator statistic reset), a 16th more, rounded
-    as the allocator rounds a large segment, at least 10 MiB (a smaller
-    request would get a 20 MiB segment); none for small blocks only."""
+    read after each op (no allocator statistic reset), a 16th more (or
+    another of RESERVE_FACTORS), rounded as the allocator rounds a large
+    segment, at least 10 MiB (a smaller request would get a 20 MiB
+    segment); none for small blocks only."""
     assert graphs.reserve_for(0) is None and graphs.reserve_for(900 << 10) is None
     assert graphs.reserve_for(2 << 20) == graphs.reserve_for(9 << 20) == 10 << 20
     assert graphs.reserve_for(12 << 20) == 14 << 20  # 12.75 MiB, rounded up to 2 MiB
     assert graphs.reserve_for(32 << 20) == 34 << 20
-    # What is tried: without what the warm-up kept, with it, none; a peak
-    # over the bound (a big VAE graphed on request) only as it comes.
+    assert graphs.reserve_for(32 << 20, 1.5) == 48 << 20 and graphs.reserve_for(900 << 10, 1.5) is None
+    # What is tried: each factor without what the warm-up kept and with it,
+    # then none; a peak over the bound (a big VAE graphed on request) only
+    # as it comes.
     mib = 1 << 20
-    assert graphs.reserve_tries(40 * mib, 0, 1024 * mib) == [44 * mib, None]
-    assert graphs.reserve_tries(40 * mib, 8 * mib, 1024 * mib) == [34 * mib, 44 * mib, None]
+    assert graphs.RESERVE_FACTORS == (17 / 16, 5 / 4, 3 / 2)
+    assert graphs.reserve_tries(40 * mib, 0, 1024 * mib) == [44 * mib, 50 * mib, 60 * mib, None]
+    assert graphs.reserve_tries(40 * mib, 8 * mib, 1024 * mib) == [
+        34 * mib, 40 * mib, 44 * mib, 48 * mib, 50 * mib, 60 * mib, None]
     assert graphs.reserve_tries(2048 * mib, 0, 1024 * mib) == [None]
     assert graphs.reserve_tries(512 << 10, 0, 1024 * mib) == [None]
     # What the mode reads: a stand-in for the allocator's count of live bytes.
@@ -490,7 +495,8 @@ def test_a_capture_reserves_the_warm_up_calls_live_peak(monkeypatch):
 def test_a_graphs_pool_is_its_calls_live_peak_not_the_allocators_rounding(monkeypatch):
     """8 MiB activations, five alive at the peak: captured as they come,
     each pair gets a 20 MiB segment (60 MiB); with the reserve the pool is
-    the live peak and a 16th, rounded (44 MiB). The capture without the
+    the live peak and a 16th, rounded (44 MiB), and the larger reserves
+    (no smaller than that pool) are not captured. The capture without the
     reserve is made too and the smaller pool kept: where the capture makes
     a block the warm-up call did not, the reserve may not be the smaller.
     Each replays what the call computes."""
@@ -516,7 +522,7 @@ def test_a_graphs_pool_is_its_calls_live_peak_not_the_allocators_rounding(monkey
         for reserving in (False, True):
             with monkeypatch.context() as m:
                 if not reserving:
-                    m.setattr(graphs, "reserve_for", lambda peak: None)
+                    m.setattr(graphs, "reserve_for", lambda peak, factor=1.0: None)
                 records.clear()
                 cap = graphs.Captured(f, (x,), {})
                 pools[f.__name__, reserving] = cap.pool_bytes
@@ -524,7 +530,13 @@ def test_a_graphs_pool_is_its_calls_live_peak_not_the_allocators_rounding(monkey
                 out = cap((y,), {})
                 torch.cuda.synchronize()
                 assert torch.equal(out, fn(y))
-                assert records == ([44 << 20, None] if reserving else [None])
+                if not reserving:
+                    assert records == [None]
+                elif f is fn:
+                    assert records == [44 << 20, None]  # (50 and 60 MiB: no smaller than its pool)
+                else:
+                    assert records[0] == 44 << 20 and records[-1] is None and records == sorted(
+                        records[:-1]) + [None]
     assert pools["fn", True] <= (46 << 20) < pools["fn", False]
     assert pools["lopsided", True] <= pools["lopsided", False]
 

@@ -88,7 +88,13 @@ _EAGER = object()  # a key whose capture failed or whose output cannot be graphe
 # call's live peak, more than the unpatched model's whole peak (TAEF2 at
 # 256², the compact net). A capture therefore also tries first taking one
 # segment as large as the warm-up call's live peak, from which the capture's
-# large blocks are split, and keeps the smaller pool (``Captured``). Blocks
+# large blocks are split, and keeps the smaller pool (``Captured``). How the
+# splits fragment that segment decides whether a block overflows into a
+# segment of its own, and no one size wins on every model: over 1.0625,
+# 1.25 and 1.5 times the peak the smallest pool was 1.5x's for TAEF2 at
+# 256² (32 MiB against 42-48 for the others), 1.25x's at 512² (118 against
+# 130-146) and 1.0625x's for the compact net (30 against 32-48), so each
+# factor is tried (RESERVE_FACTORS, docs/performance.md). Blocks
 # over 10 MiB get segments of their own size (rounded to 2 MiB): a peak
 # larger than the auto bound is captured once, as it comes. A request below
 # RESERVE_MIN would get a 20 MiB segment itself: a smaller peak reserves
@@ -97,6 +103,7 @@ _EAGER = object()  # a key whose capture failed or whose output cannot be graphe
 RESERVE_MIN = 10 << 20
 SMALL_BLOCK = 1 << 20
 RESERVE_ROUND = 2 << 20
+RESERVE_FACTORS = (17 / 16, 5 / 4, 3 / 2)
 
 
 def _walk(m: nn.Module, out: list) -> list:
@@ -210,25 +217,27 @@ class LivePeak(TorchDispatchMode):
         return out
 
 
-def reserve_for(peak: int) -> Optional[int]:
+def reserve_for(peak: int, factor: float = RESERVE_FACTORS[0]) -> Optional[int]:
     """The bytes a capture reserves up front for a call whose live peak is
-    ``peak``: a 16th more (room for the splits), rounded as the allocator
-    rounds a large segment, at least RESERVE_MIN; None for a peak of small
-    blocks only."""
-    want = peak + peak // 16
-    if want <= SMALL_BLOCK:
+    ``peak``: ``factor`` times it (a 16th more: room for the splits),
+    rounded as the allocator rounds a large segment, at least RESERVE_MIN;
+    None for a peak of small blocks only."""
+    if peak + peak // 16 <= SMALL_BLOCK:
         return None
+    want = int(peak * factor)
     return max(RESERVE_MIN, -(-want // RESERVE_ROUND) * RESERVE_ROUND)
 
 
 def reserve_tries(peak: int, kept: int, bound: int) -> list:
     """The reserves a capture tries, smallest first, ending with none (the
     allocator's own segments): for a warm-up call whose live peak was
-    ``peak`` bytes, ``kept`` of them still allocated after it; a peak over
-    ``bound`` only as it comes."""
+    ``peak`` bytes, ``kept`` of them still allocated after it, each of
+    RESERVE_FACTORS times the peak with and without what was kept; a peak
+    over ``bound`` only as it comes."""
     if peak > bound:
         return [None]
-    return sorted({r for r in (reserve_for(peak - kept), reserve_for(peak)) if r is not None}) + [None]
+    tries = {reserve_for(base, f) for base in (peak - kept, peak) for f in RESERVE_FACTORS}
+    return sorted(r for r in tries if r is not None) + [None]
 
 
 def auto_pool_bytes(device: torch.device) -> int:
@@ -273,18 +282,22 @@ class Captured:
             else:
                 # What the warm-up left allocated once its outputs were
                 # dropped (packs, buffers kept from a first call) may live
-                # outside the pool or be made again inside it: a reserve
-                # without it, one with it, and none are tried, smallest
-                # first, and the smallest pool kept (the others' pools go
-                # with their graphs). A few captures of a host-bound block,
-                # once per key; at most two pools held at once (the best so
-                # far and the last). A peak over the auto bound (a big
+                # outside the pool or be made again inside it: reserves of
+                # each factor without it and with it, and none, are tried,
+                # smallest first, and the smallest pool kept (the others'
+                # pools go with their graphs); a reserve no smaller than
+                # the best pool so far cannot beat it (the pool holds the
+                # reserve) and is skipped. A few captures of a host-bound
+                # block, once per key; at most two pools held at once (the
+                # best so far and the last). A peak over the auto bound (a big
                 # VAE's, graphed on request) is captured once, without a
                 # reserve: its blocks are not the ones the allocator rounds
                 # up, and its pools are large.
                 kept_bytes = max(0, torch.cuda.memory_allocated(device) - live.base)
                 best = None
                 for reserve in reserve_tries(live.peak, kept_bytes, auto_pool_bytes(device)):
+                    if reserve is not None and best is not None and reserve >= best[2]:
+                        continue
                     self._record(fn, sargs, skwargs, device, reserve)
                     if best is None or self.pool_bytes < best[2]:
                         best = (self.graph, self.out, self.pool_bytes)

@@ -29,11 +29,13 @@ from .launch import cdiv, launch, needs_int64
 
 
 @triton.jit
-def store_normalised(x, inv, ok, c_ok, offs_c, y_row, syc, w_ptr, b_ptr, HAS_BIAS: tl.constexpr,
-                     ACT: tl.constexpr):
-    """y = act(x * inv * gamma + bias) of a [channels, positions] block."""
-    g = tl.load(w_ptr + offs_c, mask=c_ok, other=0.0).to(tl.float32)
-    y = x * inv[None, :] * g[:, None]
+def store_normalised(x, inv, ok, c_ok, offs_c, y_row, syc, w_ptr, b_ptr, HAS_WEIGHT: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, ACT: tl.constexpr):
+    """y = act(x * inv * gamma + bias) of a [channels, positions] block
+    (gamma 1 without ``HAS_WEIGHT``)."""
+    y = x * inv[None, :]
+    if HAS_WEIGHT:
+        y *= tl.load(w_ptr + offs_c, mask=c_ok, other=0.0).to(tl.float32)[:, None]
     if HAS_BIAS:
         y += tl.load(b_ptr + offs_c, mask=c_ok, other=0.0).to(tl.float32)[:, None]
     # Padding lanes are zeroed before the activation (exp of garbage).
@@ -57,7 +59,7 @@ def inverse_norm(ss, scale, eps, EPS_ADDED: tl.constexpr):
 
 @triton.jit
 def rms_norm_kernel(x_ptr, y_ptr, w_ptr, b_ptr, C, S, TILES, sxn, sxc, sxs, syn, syc, sys_, eps, scale,
-                    HAS_BIAS: tl.constexpr, ACT: tl.constexpr, IDX64: tl.constexpr,
+                    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, IDX64: tl.constexpr,
                     BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr, ONE_PASS: tl.constexpr,
                     EPS_ADDED: tl.constexpr):
     pid = tl.program_id(0)
@@ -75,7 +77,7 @@ def rms_norm_kernel(x_ptr, y_ptr, w_ptr, b_ptr, C, S, TILES, sxn, sxc, sxs, syn,
         ok = c_ok[:, None] & s_ok[None, :]
         x = tl.load(x_row + offs_c[:, None] * sxc, mask=ok, other=0.0).to(tl.float32)
         inv = inverse_norm(tl.sum(x * x, axis=0), scale, eps, EPS_ADDED)
-        store_normalised(x, inv, ok, c_ok, offs_c, y_row, syc, w_ptr, b_ptr, HAS_BIAS, ACT)
+        store_normalised(x, inv, ok, c_ok, offs_c, y_row, syc, w_ptr, b_ptr, HAS_WEIGHT, HAS_BIAS, ACT)
         return
     ss = tl.zeros([BLOCK_S], dtype=tl.float32)
     for c0 in range(0, C, BLOCK_C):
@@ -89,7 +91,7 @@ def rms_norm_kernel(x_ptr, y_ptr, w_ptr, b_ptr, C, S, TILES, sxn, sxc, sxs, syn,
         c_ok = offs_c < C
         ok = c_ok[:, None] & s_ok[None, :]
         x = tl.load(x_row + offs_c[:, None] * sxc, mask=ok, other=0.0).to(tl.float32)
-        store_normalised(x, inv, ok, c_ok, offs_c, y_row, syc, w_ptr, b_ptr, HAS_BIAS, ACT)
+        store_normalised(x, inv, ok, c_ok, offs_c, y_row, syc, w_ptr, b_ptr, HAS_WEIGHT, HAS_BIAS, ACT)
 
 
 def launch_rms_norm(x, out, weight, bias, scale, eps, activation, block_c, block_s, num_warps=4,
@@ -98,15 +100,18 @@ def launch_rms_norm(x, out, weight, bias, scale, eps, activation, block_c, block
     ``eps_added``: ``act(x * rsqrt(mean_C(x^2) + eps) * scale * weight +
     bias)``) for [N, C, S] views ``x`` and ``out`` (any strides; ``out`` may
     be ``x``: a program writes only the positions it has read in full),
-    ``weight`` and ``bias`` (or None) dense [C]; one pass where ``block_c``
-    covers C. Returns ``out``."""
+    ``weight`` and ``bias`` (each or None) dense [C]; one pass where
+    ``block_c`` covers C. Returns ``out``."""
     N, C, S = x.shape
     tiles = cdiv(S, block_s)
     if eps_added:
         scale, eps = scale * C ** 0.5, eps * C
-    launch(rms_norm_kernel, (N * tiles,), x, out, weight, weight if bias is None else bias, C, S, tiles,
+    # (A missing weight or bias is never read: x stands in for its pointer,
+    # so that a recorded plan's launches name no tensor of their own.)
+    w = x if weight is None else weight
+    launch(rms_norm_kernel, (N * tiles,), x, out, w, w if bias is None else bias, C, S, tiles,
            *x.stride(), *out.stride(), float(eps), float(scale),
-           HAS_BIAS=bias is not None, ACT=int(activation), IDX64=needs_int64(x, out),
+           HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, ACT=int(activation), IDX64=needs_int64(x, out),
            BLOCK_C=block_c, BLOCK_S=block_s, ONE_PASS=block_c >= C, EPS_ADDED=bool(eps_added),
            num_warps=num_warps)
     return out

@@ -172,3 +172,34 @@ def test_diffusers_rms_norm_over_channels_matches_float64(device, shape, fmt, we
     # The eager expression the op falls back to computes the same.
     from conv_patch.ops.rms_norm import torch_rms_norm
     assert rel_err(torch_rms_norm(x, w, None, 1.0, eps, "silu", eps_added=True), ref) <= 1e-5
+
+
+@pytest.mark.parametrize("affine", [False, True])
+def test_a_diffusers_rms_norm_over_channels_replays_a_recorded_plan(device, affine):
+    """LTX-Video's norms: diffusers' ``RMSNorm`` over the channels, without
+    a weight (``elementwise_affine=False``, LTX-Video's VAE) and with one,
+    against float64, and planned as a recorded program that replays its
+    launch (a stand-in weight made per call was no tensor of the call's:
+    the plan could not be recorded and every call went the op's whole way,
+    with a fill launch of its own)."""
+    diffusers_norm = pytest.importorskip("diffusers.models.normalization")
+    from conv_patch.recipes.fuse import channel_rms_norm
+    g = torch.Generator().manual_seed(7 + affine)
+    norm = diffusers_norm.RMSNorm(37, eps=1e-6, elementwise_affine=affine).to(device).eval()
+    if affine:
+        with torch.no_grad():
+            norm.weight.copy_(randn(g, 37))
+    x = randn(g, 2, 37, 3, 5, 7)
+    far = torch.rand(2, 1, 3, 5, 7, generator=g) < 0.1
+    x = torch.where(far, x * 300 + 40, x).to(device)  # outliers on a large mean
+    x64 = x.double()
+    ref = x64 * torch.rsqrt(x64.pow(2).mean(1, keepdim=True) + 1e-6)
+    if affine:
+        ref = ref * norm.weight.double().view(-1, 1, 1, 1)
+    with torch.no_grad():
+        y1 = channel_rms_norm(norm, x, "silu")
+        y2 = channel_rms_norm(norm, x, "silu")
+    assert rel_err(y1, F.silu(ref)) <= TOL[torch.float32] and torch.equal(y1, y2)
+    if target_for(x.device).kernels:
+        plan = state_of(norm).norm_plan
+        assert plan.kernel and plan.program is not None

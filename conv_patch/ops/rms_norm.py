@@ -121,7 +121,6 @@ def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None, bias: Optio
     xv = positions_view(x)
     block_c, block_s, warps = launch_tiles(x.shape[1], xv.stride(1) == 1, target.interpreter)
     flat = [None if t is None else t.reshape(-1) for t in (weight, bias)]
-    k.launch_rms_norm(xv, positions_view(out), flat[0] if flat[0] is not None
-                              else torch.ones(x.shape[1], device=x.device, dtype=torch.float32),
-                              flat[1], scale, eps, code, block_c, block_s, warps, eps_added=eps_added)
+    k.launch_rms_norm(xv, positions_view(out), flat[0], flat[1], scale, eps, code, block_c, block_s, warps,
+                      eps_added=eps_added)
     return out

@@ -203,3 +203,28 @@ def test_a_diffusers_rms_norm_over_channels_replays_a_recorded_plan(device, affi
     if target_for(x.device).kernels:
         plan = state_of(norm).norm_plan
         assert plan.kernel and plan.program is not None
+
+
+@pytest.mark.parametrize("fmt", [torch.contiguous_format, torch.channels_last_3d])
+def test_a_norm_of_a_slice_is_planned_and_written_dense(device, fmt):
+    """LTX-Video's first resnet after a time upsample normalises the clip
+    with its first frame dropped, a slice of a larger tensor: the output is
+    dense in the slice's order of axes, the answer float64's, and the plan
+    recorded (an output made with the slice's strides was no tensor the
+    plan could name)."""
+    diffusers_norm = pytest.importorskip("diffusers.models.normalization")
+    from conv_patch.recipes.fuse import channel_rms_norm
+    g = torch.Generator().manual_seed(11)
+    norm = diffusers_norm.RMSNorm(19, eps=1e-6, elementwise_affine=False).to(device).eval()
+    whole = randn(g, 2, 19, 6, 5, 3, device=device).contiguous(memory_format=fmt)
+    x = whole[:, :, 1:]
+    assert not x.is_contiguous(memory_format=fmt)
+    x64 = x.double()
+    ref = F.silu(x64 * torch.rsqrt(x64.pow(2).mean(1, keepdim=True) + 1e-6))
+    with torch.no_grad():
+        y1 = channel_rms_norm(norm, x, "silu")
+        y2 = channel_rms_norm(norm, x, "silu")
+    assert rel_err(y1, ref) <= TOL[torch.float32] and torch.equal(y1, y2)
+    if target_for(x.device).kernels:
+        assert y1.is_contiguous(memory_format=fmt)
+        assert state_of(norm).norm_plan.program is not None

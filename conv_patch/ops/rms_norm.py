@@ -64,6 +64,17 @@ def _memory_format(x: torch.Tensor):
     return None
 
 
+def _output_format(x: torch.Tensor):
+    """The output's memory format: the one ``x`` is dense in, else (a slice
+    of a larger tensor, LTX-Video's clip after a time upsample drops its
+    first frames) dense in ``x``'s order of axes, channels last or first."""
+    fmt = _memory_format(x)
+    if fmt is None:
+        last = x.dim() in (4, 5) and x.shape[1] > 1 and x.stride(1) == 1
+        fmt = (torch.channels_last if x.dim() == 4 else torch.channels_last_3d) if last else torch.contiguous_format
+    return fmt
+
+
 def rms_norm_target(x: torch.Tensor, weight, bias) -> Optional[Target]:
     """The target whose kernel takes this call, or None."""
     if x.dim() < 3:
@@ -114,10 +125,9 @@ def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None, bias: Optio
         return y if out is None else out.copy_(y)
     k = kernels()
     if out is None:
-        # Through the kernels' allocator: a recorded plan allocates it afresh.
-        fmt = _memory_format(x)
-        out = (k.empty(x.shape, dtype=x.dtype, device=x.device, memory_format=fmt) if fmt is not None
-               else torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device))
+        # Through the kernels' allocator: a recorded plan allocates it afresh
+        # (a tensor made otherwise is none the plan can name: no plan).
+        out = k.empty(x.shape, dtype=x.dtype, device=x.device, memory_format=_output_format(x))
     xv = positions_view(x)
     block_c, block_s, warps = launch_tiles(x.shape[1], xv.stride(1) == 1, target.interpreter)
     flat = [None if t is None else t.reshape(-1) for t in (weight, bias)]

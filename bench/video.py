@@ -17,9 +17,9 @@ Model rows: ``baseline_ms`` (unpatched, launched eagerly), ``ours_ms``
 call), ``rel_err_vs_unpatched``; medians of ``--runs`` after a warm-up,
 the variants interleaved in rotated order. ``--tiling`` decodes both with
 diffusers' tiled path (``vae.enable_tiling()``, the class's default tiles;
-under ``--tiny`` tiles of two latent pixels over a clip of 3x2, LTX-Video's
-the tested one: ``enable_tiling``), the row
-named ``... tiled``, with the tile size in pixels (``tile``).
+under ``--tiny``, ``enable_tiling``'s tiles of two latent pixels over a 3x2
+latent, tested on LTX-Video's config), the row named ``... tiled``, with
+the tile size in pixels (``tile``).
 
 ``--layers`` adds one row per distinct Conv3d call of a patched decode (the
 module's geometry, its input and cached frames), measured by
@@ -446,7 +446,6 @@ def main(argv=None):
     if not args.no_decode:
         rows.append(model_row(vae, latents(vae, args.frames, args.height, args.width, device, dtype), args.runs,
                               args.warmup, device, compile_ahead=args.compile_ahead, ahead=not args.no_ahead))
-
         print(f"{rows[0]['name']}: unpatched {rows[0]['baseline_ms']:.1f} ms, patched {rows[0]['ours_ms']:.1f} "
               f"ms (x{rows[0]['speedup']:.2f}), peak {rows[0]['peak_gib']} / {rows[0]['baseline_peak_gib']} GiB",
               flush=True)

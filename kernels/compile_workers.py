@@ -28,11 +28,10 @@ differed.
 
 While the server starts or every worker is busy, ``LOCAL_COMPILES``
 threads compile themselves and the others wait for a worker. Off by
-default: on a 16-core H100 host the server took longer to start than a
-FLUX.1 encoder's whole pass (2 of 28 compiles reached a worker; the cold
-first call 6.78 s against 5.10 s on threads), and on 2 cores it lost too
-(docs/performance.md, forty-sixth and forty-seventh sessions).
-``CONV_PATCH_COMPILE_PROCESSES=1`` turns it on; never under the
+default: the server's start (its import of torch) outlasted a pass on a
+16-core GPU host, whose cold first call was then slower than on threads,
+as on 2 cores (docs/performance.md, forty-sixth and forty-seventh
+sessions). ``CONV_PATCH_COMPILE_PROCESSES=1`` turns it on; never under the
 interpreter (nothing compiles).
 """
 

@@ -90,11 +90,9 @@ _EAGER = object()  # a key whose capture failed or whose output cannot be graphe
 # segment as large as the warm-up call's live peak, from which the capture's
 # large blocks are split, and keeps the smaller pool (``Captured``). How the
 # splits fragment that segment decides whether a block overflows into a
-# segment of its own, and no one size wins on every model: over 1.0625,
-# 1.25 and 1.5 times the peak the smallest pool was 1.5x's for TAEF2 at
-# 256² (32 MiB against 42-48 for the others), 1.25x's at 512² (118 against
-# 130-146) and 1.0625x's for the compact net (30 against 32-48), so each
-# factor is tried (RESERVE_FACTORS, docs/performance.md). Blocks
+# segment of its own, and no one size of it gave the smallest pool on every
+# tiny model, so each of RESERVE_FACTORS times the peak is tried
+# (docs/performance.md, forty-seventh session). Blocks
 # over 10 MiB get segments of their own size (rounded to 2 MiB): a peak
 # larger than the auto bound is captured once, as it comes. A request below
 # RESERVE_MIN would get a 20 MiB segment itself: a smaller peak reserves

@@ -45,6 +45,7 @@ import dataclasses
 import json
 import statistics
 import time
+from typing import Optional
 
 import torch
 
@@ -119,7 +120,7 @@ def decode_flops(model: str, frames: int, height: int, width: int, tiny: bool = 
             "floor_ms": total / (PEAK_TFLOPS * 1e12) * 1e3}
 
 
-def enable_tiling(vae, tiny: bool) -> tuple:
+def enable_tiling(vae, tiny: bool) -> Optional[tuple]:
     """``vae.enable_tiling()`` as a user calls it (the class's default
     tiles); ``tiny``: tiles of two latent pixels, a stride of one (in the
     spatial compression the class states). Returns the clip's (height,

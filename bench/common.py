@@ -40,6 +40,15 @@ def resident_bytes(model) -> int:
     return total
 
 
+def pass_records(model) -> list:
+    """What compiling ahead did before the first calls of ``model`` and
+    the modules below it (``conv_patch.last_pass``), one line each: where it
+    ran, or why not (a first call that compiled as it went says why here)."""
+    import conv_patch
+    return [f"{name or 'model'}: {rec}" for name, m in model.named_modules()
+            for rec in [conv_patch.last_pass(m)] if rec is not None]
+
+
 def peak_gib(call, model, input_bytes: int = 0):
     """Peak GiB of a process holding only ``model`` and its inputs while
     ``call()`` runs it: the call's high-water mark above what was allocated

@@ -48,7 +48,9 @@ by then, so mostly planning), ``op_sites`` / ``op_kernel_sites``
 call ran a conv-patch kernel), ``norm_sites`` / ``norm_kernel_sites`` (the
 GroupNorm op's, and those whose plans run the kernels), ``whole_block_calls``
 (calls of a block run whole, as eagerly, in those two calls:
-``runtime.compiled.whole_block``), ``rel_err_vs_baseline`` (ours against the
+``runtime.compiled.whole_block``), ``first_pass`` (what compiling ahead
+did at those blocks' first calls, or why it made no pass:
+``conv_patch.last_pass``), ``rel_err_vs_baseline`` (ours against the
 compiled unpatched output), ``rel_err_vs_fp32`` /
 ``baseline_rel_err_vs_fp32`` / ``patched_eager_rel_err_vs_fp32`` (against
 the unpatched model in fp32, eager), ``peak_gib`` / ``baseline_peak_gib``
@@ -88,8 +90,8 @@ import conv_patch
 from conv_patch.runtime.dispatch import NormSite
 from conv_patch.runtime.compiled import whole_block_calls
 
-from .common import (bench_device, child_rows, env_info, host_top, peak_gib, print_table, profile_top, sync,
-                     write_results)
+from .common import (bench_device, child_rows, env_info, host_top, pass_records, peak_gib, print_table, profile_top,
+                     sync, write_results)
 from .zoo import DTYPES, inputs_for, interleaved, load_case, output_tensor, rel_err, seeded, tensor_bytes, \
     size_name
 
@@ -254,6 +256,7 @@ def bench_case(name, size, batch, dtype_name, mode, runs, warmup, tiny, device, 
             row["compile_s"], row["second_call_s"], row["graphs"] = _first_calls(ours, inputs[0], graphed)
             sites1 = _sites()
             row["whole_block_calls"] = whole_block_calls() - whole0
+            row["first_pass"] = pass_records(patched)
             new = [s for k, s in sites1.items() if k not in sites0]
             norms = [s for s in new if isinstance(s, NormSite)]
             convs = [s for s in new if not isinstance(s, NormSite)]

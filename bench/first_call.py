@@ -18,7 +18,9 @@ unpatched first call) and ``checks``: the issue's bars, cold at most 5 s and
 warm at most 1 s over the unpatched first call, and that the warm process
 compiled nothing. Each patched process counts the kernels each of its three
 calls compiled (``*_compiled``: new entries of Triton's cache holding a
-kernel; a warm process that compiles missed the cache the cold one left).
+kernel; a warm process that compiles missed the cache the cold one left)
+and ``*_first_pass``: what compiling ahead did at its first call, or why
+it made no pass (``conv_patch.last_pass``, per module that had one).
 ``--off`` adds two processes patched with ``PatchConfig(compile_ahead=False)``: one on the warm
 cache (``warm_off_s``: what the pass costs where there is nothing left to
 compile) and one on an empty cache again (``off_s``: the kernels compiled
@@ -41,7 +43,7 @@ import conv_patch
 from conv_patch.kernels import compile_workers
 
 from . import zoo
-from .common import bench_device, cached_kernels, child_rows, print_table, sync, write_results
+from .common import bench_device, cached_kernels, child_rows, pass_records, print_table, sync, write_results
 
 BASELINE = "unpatched first call, fresh process"
 # The bars: seconds over the unpatched first call.
@@ -69,7 +71,8 @@ def first_calls(name, size, batch, dtype_name, patched: bool, tiny: bool, device
             times.append(time.perf_counter() - t0)
             compiled.append(len(cached_kernels() - before))
     extra = {} if report is None else {"compiled_ahead": bool(report.compile_ahead),
-                                       "compile_processes": compile_workers.stats()}
+                                       "compile_processes": compile_workers.stats(),
+                                       "first_pass": pass_records(model)}
     return {**fields, "first_s": times[0], "second_s": times[1], "third_s": times[2], "compiled": compiled, **extra}
 
 
@@ -99,6 +102,8 @@ def _row(case, args) -> dict:
                 row["compiled_ahead"] = got.get("compiled_ahead")
                 # (Where the pass's compiles ran: kernels/compile_workers.py.)
                 row["cold_compile_processes"] = got.get("compile_processes")
+            if variant != "unpatched":
+                row[f"{key}_first_pass"] = got.get("first_pass")
     row.setdefault("name", f"{name} {zoo.size_name(size)} b{batch} {dt or ''}".strip())
     row["baseline"] = BASELINE
     if errors:

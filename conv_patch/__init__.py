@@ -4,6 +4,7 @@
     report = conv_patch.apply(pipe.vae)   # swap eligible Conv2d / ConvTranspose2d / Conv3d
     conv_patch.last_route(pipe.vae.decoder.conv_in)   # what a conv's last call ran, and why
     conv_patch.warmup(pipe.vae.decode, latents)       # compile ahead: first calls at this input, now
+    conv_patch.last_pass(pipe.vae.decoder)            # what compiling ahead did at its first call, or why not
     conv_patch.remove(pipe.vae)           # original modules back
 
 The layers below: api/ (apply and remove), runtime/ (what runs at a
@@ -49,10 +50,10 @@ else:
     TORCH_MISSING = None
     from conv_patch import functional
     from conv_patch.api.patcher import PatchConfig, PatchReport, apply, is_patched, last_route, patched, remove
-    from conv_patch.api.warmup import warmup
+    from conv_patch.api.warmup import last_pass, warmup
     del _torch
 
 __all__ = [
-    "apply", "remove", "patched", "is_patched", "last_route", "warmup", "PatchConfig", "PatchReport",
-    "functional", "__version__",
+    "apply", "remove", "patched", "is_patched", "last_route", "warmup", "last_pass", "PatchConfig",
+    "PatchReport", "functional", "__version__",
 ]

@@ -40,6 +40,8 @@ def test_bench_compile_tiny_row(tmp_path):
     # running whole (tests/test_compile_recipes.py covers that).
     assert r["op_sites"] > 0 and r["op_kernel_sites"] > 0 and r["patched_convs"] > 0
     assert r["norm_sites"] > 0 and r["norm_kernel_sites"] > 0 and r["whole_block_calls"] == 0
+    # No block ran whole, so no first-call pass was made or refused in the compiled calls.
+    assert r["first_pass"] == []
     # (graphs: 2 on the CPU, the recompile test_compile.test_recipe_model_compiles_once expects to fail)
     assert r["checks"]["fullgraph"] and r["graphs"] >= 1 and r["baseline_graphs"] == 1 and r["timing_graphs"] >= 1
     # --profile (passed on to the child): the largest ops of each call, and their sum.

@@ -31,6 +31,10 @@ def test_tiny_first_call_rows(tmp_path):
     for k in ("off_s", "off_over_s", "warm_off_s", "warm_off_over_s"):
         assert isinstance(row[k], float), k
     assert row["compiled_ahead"] is True
+    # Each patched process says what compiling ahead did at its first call,
+    # or why it made none: on the CPU, no CUDA tensor.
+    (line,) = row["cold_first_pass"]
+    assert line.startswith("model: ") and line.endswith(": no compiling pass (no CUDA tensor in the call)"), line
 
 
 def test_cached_kernels_counts_entries_holding_a_kernel(tmp_path):

@@ -179,6 +179,9 @@ def test_a_block_run_whole_is_covered_by_its_first_compiled_calls_pass(device, e
     assert ahead and launched
     missed = [k for k in launched if k not in ahead]
     assert not missed, f"{len(set(missed))} launch signatures not compiled ahead: {sorted(set(map(str, missed)))[:3]}"
+    # The block's record says the pass ran (a skipped one would say why).
+    rec = conv_patch.last_pass(dec)
+    assert rec is not None and rec.skipped is None and rec.seconds > 0, rec
 
 
 def test_a_big_vae_half_runs_whole_only_from_its_recipes_size(device, exact_fp32, monkeypatch):

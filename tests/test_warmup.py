@@ -31,6 +31,10 @@ def test_warmup_builds_ahead_and_later_calls_build_nothing(device, exact_fp32):
     assert "3 calls" in str(report)
     # On a GPU the pass compiling ahead ran first (and nothing it planned was kept: y below).
     assert (report.compile_ahead_s is not None) == (device.type == "cuda")
+    if device.type == "cpu":  # why not, in the report and as the model's record
+        assert report.compile_ahead_skipped == "no CUDA tensor in the call"
+        assert "no compiling pass (no CUDA tensor in the call)" in str(report)
+        assert conv_patch.last_pass(net).skipped == report.compile_ahead_skipped
     before = BuildCount.total
     with torch.no_grad():  # the user's call, in another mode: served by what warmup built
         y = net(x)
@@ -106,6 +110,8 @@ def test_compile_ahead_pass_keeps_no_plan(device, exact_fp32, monkeypatch):
     if not compiled:
         pytest.skip("no kernel takes these convs here")
     assert report.compile_ahead_s is not None and "compiled ahead" in str(report)
+    rec = conv_patch.last_pass(net)
+    assert rec.skipped is None and rec.seconds == report.compile_ahead_s and "compiled ahead in" in str(rec)
     assert report.plans_built[0] >= 3 and report.plans_built[1] == 0
     assert not kernel_launch.compiling_ahead()
     with torch.no_grad():
@@ -113,6 +119,7 @@ def test_compile_ahead_pass_keeps_no_plan(device, exact_fp32, monkeypatch):
     # A bound method is followed to its module; compile_workers=0 turns the pass off.
     n = len(compiled)
     assert conv_patch.warmup(net.forward, x, calls=1, compile_workers=0).compile_ahead_s is None and len(compiled) == n
+    assert "compile_workers=0" in conv_patch.last_pass(net).skipped
 
 
 def test_compile_ahead_pass_compiles_each_launch_signature_once(device, exact_fp32, monkeypatch):
@@ -149,9 +156,11 @@ def test_compile_ahead_pass_that_raises_forgets_and_ends(device, monkeypatch):
             self.net(x)
             raise RuntimeError("boom")
     # The pass's failure is a warning (it only saves time); the real call raises.
+    boom = Boom()
     with pytest.warns(RuntimeWarning, match="compiling ahead failed"), pytest.raises(RuntimeError, match="boom"):
-        conv_patch.warmup(Boom(), x)
+        conv_patch.warmup(boom, x)
     assert calls == [True, False] and not kernel_launch.compiling_ahead()
+    assert conv_patch.last_pass(boom).skipped == "it failed: RuntimeError: boom"
     with torch.no_grad():  # nothing the failed pass planned is replayed
         assert rel_err(net(x), ref) <= 1e-5
 
@@ -325,6 +334,7 @@ def test_first_call_skips_a_pass_marked_before(device, exact_fp32, monkeypatch):
         again = _net(device)
         conv_patch.apply(again)
         assert rel_err(again(x), ref) <= 1e-5 and len(compiled) == n  # no pass
+        assert "earlier pass" in conv_patch.last_pass(again).skipped
         # A kernel that failed to compile or load: no mark, the next first call passes again.
         class Failing(kernel_launch.AheadProgress):
             def __init__(self, pending):
@@ -361,6 +371,10 @@ def test_first_call_not_compiled_ahead_where_the_pass_could_be_seen(case, device
     with torch.set_grad_enabled(case == "grad"):
         net(x, **kw)
         assert compiled == [] and not first_pass_pending(net)
+    # The model's record says why its first call compiled as it went.
+    why = {"hook": "forward hooks on c1", "list": "list", "generator": "Generator", "grad": "autograd",
+           "train": "c2 in training mode"}[case]
+    assert why in conv_patch.last_pass(net).skipped, conv_patch.last_pass(net)
     if case in ("hook", "list"):
         assert len(seen) == 1
 
@@ -522,8 +536,8 @@ def test_one_pass_for_a_vae_forward_or_a_warmup(device, exact_fp32, monkeypatch)
     from bench import zoo
     from conv_patch.api import warmup as warmup_mod
     compiled, _ = _forced_pass(monkeypatch, device)
-    passes, real = [], warmup_mod.compile_ahead
-    monkeypatch.setattr(warmup_mod, "compile_ahead", lambda m, *a, **k: passes.append(type(m).__name__) or real(m, *a, **k))
+    passes, real = [], warmup_mod.run_pass
+    monkeypatch.setattr(warmup_mod, "run_pass", lambda m, *a, **k: passes.append(type(m).__name__) or real(m, *a, **k))
     torch.manual_seed(0)
     vae = zoo.kl_vae(4, True).to(device).eval()
     x = torch.randn(1, 3, 16, 12, device=device)

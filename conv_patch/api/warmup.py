@@ -36,6 +36,7 @@ import sys
 import threading
 import time
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional
 
@@ -65,11 +66,52 @@ class WarmupReport:
     seconds: List[float] = field(default_factory=list)  # each call's wall time, GPU work included
     plans_built: List[int] = field(default_factory=list)  # plans each call built (0: nothing left to build)
     compile_ahead_s: Optional[float] = None  # the compiling pass's wall time (None: not run)
+    compile_ahead_skipped: Optional[str] = None  # why no pass ran (None: it ran)
 
     def __str__(self) -> str:
         calls = ", ".join(f"{s:.3g} s ({n} plans built)" for s, n in zip(self.seconds, self.plans_built))
-        ahead = "" if self.compile_ahead_s is None else f"compiled ahead in {self.compile_ahead_s:.3g} s, then "
+        if self.compile_ahead_s is not None:
+            ahead = f"compiled ahead in {self.compile_ahead_s:.3g} s, then "
+        else:
+            ahead = "" if self.compile_ahead_skipped is None else f"no compiling pass ({self.compile_ahead_skipped}), "
         return f"conv-patch warmup: {ahead}{len(self.seconds)} calls: {calls}"
+
+
+@dataclass
+class PassRecord:
+    """What the compiling pass before a module's call last did
+    (``last_pass``): it ran (``seconds``, ``kernels`` compiled or found in
+    the cache and loaded, ``failed`` of them) or it did not (``skipped``:
+    why). A first call whose pass was skipped compiles its kernels one after
+    another as its launches reach them: the reason says why it was slow."""
+
+    what: str
+    seconds: Optional[float] = None
+    kernels: int = 0
+    failed: int = 0
+    skipped: Optional[str] = None
+
+    def __str__(self) -> str:
+        if self.skipped is not None:
+            return f"{self.what}: no compiling pass ({self.skipped})"
+        failed = f", {self.failed} failed" if self.failed else ""
+        return f"{self.what}: compiled ahead in {self.seconds:.3g} s ({self.kernels} kernels{failed})"
+
+
+_RECORDS: "weakref.WeakKeyDictionary[nn.Module, PassRecord]" = weakref.WeakKeyDictionary()
+
+
+def last_pass(module: nn.Module) -> Optional[PassRecord]:
+    """The record of the last compiling pass made or skipped for a call of
+    ``module`` (its forward or a method of it) in this process, None where
+    none was considered (no first call hooked, no ``warmup``)."""
+    return _RECORDS.get(module)
+
+
+def _record(module: Optional[nn.Module], rec: PassRecord) -> PassRecord:
+    if module is not None:
+        _RECORDS[module] = rec
+    return rec
 
 
 def _modules_of(model) -> Optional[List[nn.Module]]:
@@ -101,11 +143,26 @@ def compile_ahead(model: Callable, args: tuple, kwargs: dict, workers: int, what
     Triton without async compiles). ``what`` names the call in the progress
     line that a pass still compiling after ``COMPILE_NOTICE_S`` writes. A
     pass that compiled and loaded every kernel leaves its mark
-    (``pass_marks``; ``key``: the call's, where the caller has it)."""
+    (``pass_marks``; ``key``: the call's, where the caller has it). What it
+    did, or why it did not run, is the module's ``last_pass``."""
+    return run_pass(model, args, kwargs, workers, what, key).seconds
+
+
+def run_pass(model: Callable, args: tuple, kwargs: dict, workers: int, what: Optional[str] = None,
+             key: Optional[str] = None) -> PassRecord:
+    """``compile_ahead``, returning (and keeping as the module's
+    ``last_pass``) its record."""
     modules = _modules_of(model)
-    if modules is None or workers < 1 or not _on_gpu(modules, args, kwargs):
-        return None
-    owner, method = _owner_method(model)
+    owner, method = (None, None) if modules is None else _owner_method(model)
+    rec = PassRecord(what or (type(owner).__name__ if owner is not None else getattr(model, "__name__", "call")))
+    if modules is None:
+        rec.skipped = "not a module or a method of one"
+    elif workers < 1:
+        rec.skipped = "no compile workers (compile_workers=0)"
+    elif not _on_gpu(modules, args, kwargs):
+        rec.skipped = "no CUDA tensor in the call"
+    if rec.skipped is not None:
+        return _record(owner, rec)
     if key is None:
         key = _pass_key(owner, method, args, kwargs)
     if method != "forward":
@@ -127,6 +184,7 @@ def compile_ahead(model: Callable, args: tuple, kwargs: dict, workers: int, what
     except Exception as e:  # noqa: BLE001 - the pass only saves time: the calls after it compile as they go
         warnings.warn(f"conv-patch: compiling ahead failed ({type(e).__name__}: {e}); the calls after it compile "
                       "as they go", RuntimeWarning, stacklevel=3)
+        rec.skipped = f"it failed: {type(e).__name__}: {e}"
         progress = None
     finally:
         if line is not None:
@@ -135,10 +193,13 @@ def compile_ahead(model: Callable, args: tuple, kwargs: dict, workers: int, what
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     if progress is None:
-        return None
+        if rec.skipped is None:
+            rec.skipped = "this Triton has no async compiles"
+        return _record(owner, rec)
     if not progress.failed:
         pass_marks.mark(key)
-    return time.perf_counter() - t0
+    rec.seconds, rec.kernels, rec.failed = time.perf_counter() - t0, progress.counts()[1], progress.failed
+    return _record(owner, rec)
 
 
 def _owner_method(model) -> tuple:
@@ -225,7 +286,8 @@ def warmup(model: Callable, *args, calls: int = 3, compile_workers: Optional[int
     if compile_workers is None:
         compile_workers = default_workers()
     report = WarmupReport()
-    report.compile_ahead_s = compile_ahead(model, args, kwargs, compile_workers)
+    rec = run_pass(model, args, kwargs, compile_workers)
+    report.compile_ahead_s, report.compile_ahead_skipped = rec.seconds, rec.skipped
     with torch.inference_mode():
         for _ in range(calls):
             before = BuildCount.total
@@ -361,7 +423,9 @@ def _first_pass(module: nn.Module, fn: Callable, args: tuple, kwargs: dict, what
     """The pass before ``module``'s first call (``fn``: the module or its
     method), where nobody can tell (``first_pass_problem``) and no pass is
     under way."""
-    if first_pass_problem(module, args, kwargs) is not None:
+    problem = first_pass_problem(module, args, kwargs)
+    if problem is not None:
+        _record(module, PassRecord(what, skipped=problem))
         return
     from conv_patch.ops.loader import kernels, wait_for_background
     if kernels().compiling_ahead():
@@ -372,6 +436,7 @@ def _first_pass(module: nn.Module, fn: Callable, args: tuple, kwargs: dict, what
         # the call loads them. (The background load of Triton's key first,
         # which the call's first kernel would otherwise compute beside it.)
         wait_for_background()
+        _record(module, PassRecord(what, skipped="an earlier pass of this call compiled its kernels into the cache"))
         return
     _PASS.on = True
     try:

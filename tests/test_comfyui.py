@@ -136,6 +136,121 @@ def test_manual_cast_class_always_casts(device):
         assert rel_err(net(x), ref) <= 1e-2 and _label(net[0]).startswith("fallback (ComfyUI")
 
 
+class ComfyStyleConv3d(nn.Conv3d, CastWeightBiasOp):
+    """comfy.ops.disable_weight_init.Conv3d's contract: its own
+    ``_conv_forward`` (the same conv as the torch class's; ComfyUI calls
+    cuDNN directly there behind a workaround flag) that cuts the time taps
+    to the input's frames under ``autopad="causal_zero"``, which its forward
+    hands on (as it does a cast or patched call) to
+    ``forward_comfy_cast_weights``."""
+
+    def reset_parameters(self):
+        return None
+
+    def _conv_forward(self, input, weight, bias, autopad=None, *args, **kwargs):
+        if autopad == "causal_zero":
+            weight = weight[:, :, -input.shape[2]:]
+        return torch.nn.functional.conv3d(input, weight, bias, self.stride, self.padding, self.dilation, self.groups)
+
+    def forward_comfy_cast_weights(self, input, autopad=None):
+        weight = self.weight.to(device=input.device, dtype=input.dtype)
+        for f in self.weight_function:
+            weight = f(weight)
+        bias = None if self.bias is None else self.bias.to(device=input.device, dtype=input.dtype)
+        return self._conv_forward(input, weight, bias, autopad=autopad)
+
+    def forward(self, *args, **kwargs):
+        if (self.comfy_cast_weights or len(self.weight_function) > 0 or len(self.bias_function) > 0
+                or "autopad" in kwargs):
+            return self.forward_comfy_cast_weights(*args, **kwargs)
+        return super().forward(*args, **kwargs)
+
+
+class ManualCastConv3d(ComfyStyleConv3d):
+    comfy_cast_weights = True
+
+
+class ComfyStyleCausalConv3d(ComfyStyleConv3d):
+    """ComfyUI's WanVAE ``CausalConv3d``, built on its ops' Conv3d: the
+    padding moved to ``_padding`` (time at the front only), the cached
+    frames of the previous chunk put in front of ``x``."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._padding = (self.padding[2], self.padding[2], self.padding[1], self.padding[1], 2 * self.padding[0], 0)
+        self.padding = (0, 0, 0)
+
+    def forward(self, x, cache_x=None, cache_list=None, cache_idx=None):
+        if cache_list is not None:
+            cache_x = cache_list[cache_idx]
+            cache_list[cache_idx] = None
+        padding = list(self._padding)
+        if cache_x is not None and self._padding[4] > 0:
+            x = torch.cat([cache_x, x], dim=2)
+            padding[4] -= cache_x.shape[2]
+        return super().forward(torch.nn.functional.pad(x, padding))
+
+
+class ShiftedComfyConv3d(ComfyStyleConv3d):
+    """A class built on ComfyUI's Conv3d with a forward of its own: its
+    contract is unknown."""
+
+    def forward(self, x):
+        return super().forward(x.roll(1, 2))
+
+
+def _seeded(net, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    return net
+
+
+def test_comfy_conv3d_classes_are_patched_by_their_contract(device, exact_fp32):
+    """ComfyUI's own Conv3d, whose ``_conv_forward`` is its own (all of
+    ComfyUI's video VAEs' convs), is patched as a plain Conv3d, and its
+    WanVAE ``CausalConv3d`` as a causal one; each computes what the class
+    does, a call with ComfyUI's ``autopad`` and a cast one included. A
+    class built on it with a forward of its own stays skipped. (Before,
+    every one was skipped: "overrides _conv_forward".)"""
+    net = _seeded(nn.ModuleDict({
+        "plain": ComfyStyleConv3d(5, 6, 3, padding=(0, 1, 1)),
+        "strided": ComfyStyleConv3d(6, 7, (1, 3, 3), stride=(1, 2, 2), padding=(0, 1, 1)),
+        "cast": ManualCastConv3d(5, 4, 1),
+        "causal": ComfyStyleCausalConv3d(5, 6, 3, padding=1),
+        "shifted": ShiftedComfyConv3d(5, 6, 1),
+    })).to(device).eval()
+    ref = copy.deepcopy(net)
+    x = torch.randn(1, 5, 5, 7, 6, device=device)
+    one = torch.randn(1, 5, 1, 7, 6, device=device)
+    cache = torch.randn(1, 5, 2, 7, 6, device=device)
+    report = conv_patch.apply(net)
+    assert sorted(report.patched) == ["cast", "causal", "plain", "strided"], report
+    assert "shifted" in report.skipped and "contract is unknown" in report.skipped["shifted"]
+    assert isinstance(net["plain"], ComfyStyleConv3d) and isinstance(net["plain"], PatchedConvMixin)
+    with torch.no_grad():
+        h = net["plain"](x)
+        assert rel_err(h, ref["plain"](x)) <= 1e-5
+        assert rel_err(net["strided"](h), ref["strided"](h)) <= 1e-5
+        assert rel_err(net["cast"](x), ref["cast"](x)) <= 1e-5
+        assert _label(net["cast"]).startswith("fallback (ComfyUI")
+        # ComfyUI's own argument: the class's forward computes it.
+        y = net["plain"](one, autopad="causal_zero")
+        assert rel_err(y, ref["plain"](one, autopad="causal_zero")) <= 1e-5
+        assert _label(net["plain"]) == "fallback (ComfyUI's own arguments (autopad))"
+        assert rel_err(net["plain"](x), ref["plain"](x)) <= 1e-5
+        for args in ((x,), (x, cache)):
+            assert rel_err(net["causal"](*args), ref["causal"](*args)) <= 1e-5
+        slots, ref_slots = [cache.clone()], [cache.clone()]
+        assert rel_err(net["causal"](x, cache_list=slots, cache_idx=0),
+                       ref["causal"](x, cache_list=ref_slots, cache_idx=0)) <= 1e-5
+        assert slots == [None] == ref_slots
+        assert rel_err(net["shifted"](x), ref["shifted"](x)) <= 1e-5
+    conv_patch.remove(net)
+    assert type(net["plain"]) is ComfyStyleConv3d and type(net["causal"]) is ComfyStyleCausalConv3d
+
+
 def test_remove_pickle_deepcopy(device):
     net = _net(device)
     originals = [net[0], net[2]]

@@ -23,8 +23,9 @@ from conv_patch.routing.decide import static_route
 from conv_patch.runtime.state import peek, state_of
 from conv_patch.specs import Conv3dSpec, ConvSpec
 from conv_patch.target import Target, default_target, what_runs
-from conv_patch.runtime.wrappers import (PatchedConvMixin, causal_conv3d_problem, is_comfy_conv_class,
-                                         safe_conv3d_problem, wrapper_class_for)
+from conv_patch.runtime.wrappers import (PatchedConvMixin, causal_conv3d_problem, comfy_conv_forward,
+                                         is_comfy_conv_class, plain_comfy_conv3d, safe_conv3d_problem,
+                                         wrapper_class_for)
 
 FilterFn = Callable[[nn.Module, str], bool]
 # PatchConfig.cuda_graphs: graphs where the recipe says the block is host-bound.
@@ -136,13 +137,14 @@ def ineligible_reason(m: nn.Module) -> Optional[str]:
     base = (nn.Conv3d if isinstance(m, nn.Conv3d) else
             nn.ConvTranspose2d if isinstance(m, nn.ConvTranspose2d) else nn.Conv2d)
     cls = type(m)
-    if getattr(cls, "_conv_forward", None) is not getattr(base, "_conv_forward", None):
+    if getattr(cls, "_conv_forward", None) is not getattr(base, "_conv_forward", None) and not comfy_conv_forward(cls):
         return f"{cls.__qualname__} overrides _conv_forward; its contract is unknown"
     if base is nn.Conv3d and cls is not nn.Conv3d:
         # A causal or a time-chunked video-VAE conv has a known contract (its
-        # own forward); any other Conv3d subclass's is unknown.
+        # own forward), as has ComfyUI's own Conv3d; any other Conv3d
+        # subclass's is unknown.
         causal, safe = causal_conv3d_problem(m), safe_conv3d_problem(cls)
-        if causal is not None and safe is not None:
+        if causal is not None and safe is not None and not plain_comfy_conv3d(cls):
             return f"{cls.__qualname__}: {causal}, {safe}; its contract is unknown"
     elif cls.forward is not base.forward and not is_comfy_conv_class(cls):
         return f"{cls.__qualname__} overrides forward; its contract is unknown"

@@ -34,6 +34,7 @@ PRIVATE = "_cp"
 
 
 TRAINING_SLOPES = fallback("PReLU slopes that need autograd (the kernels record none)")
+COMFY_CASTING = fallback("ComfyUI weight casting or patching active")
 
 
 class PatchedConvMixin:
@@ -137,7 +138,7 @@ class PatchedConvMixin:
         if self.cp_comfy_class and comfy_active(self):
             # The computation must use the per-call weight ComfyUI builds, never
             # a pack of the stored parameter: the original forward does that.
-            state_of(self).last = fallback("ComfyUI weight casting or patching active")
+            state_of(self).last = COMFY_CASTING
             return eager(self, call, call.padding)
         return dispatch.conv(self, call)
 
@@ -256,6 +257,35 @@ def is_comfy_conv_class(cls: type) -> bool:
             and callable(getattr(cls, "forward_comfy_cast_weights", None)))
 
 
+def _defined_by(cls: type, name: str) -> Optional[type]:
+    """The class of ``cls``'s MRO whose own dictionary holds ``name``."""
+    return next((c for c in cls.__mro__ if name in vars(c)), None)
+
+
+def _comfy_ops_class(c: Optional[type]) -> bool:
+    """``c`` is one of ComfyUI's ops classes itself (it defines
+    ``forward_comfy_cast_weights``), not a class built on one."""
+    return c is not None and "forward_comfy_cast_weights" in vars(c) and is_comfy_conv_class(c)
+
+
+def comfy_conv_forward(cls: type) -> bool:
+    """``cls``'s ``_conv_forward`` is ComfyUI's own (its ``Conv3d`` defines
+    one): the base class's convolution, with cuDNN called directly behind a
+    workaround flag (the same conv for zero padding, the only padding mode
+    ``apply`` takes for a Conv3d), and the time taps cut to the input's
+    frames only under ``autopad="causal_zero"``, which only ComfyUI's
+    forward passes on (``PatchedComfyConv3d`` hands such a call to it)."""
+    return _comfy_ops_class(_defined_by(cls, "_conv_forward"))
+
+
+def plain_comfy_conv3d(cls: type) -> bool:
+    """``cls`` is ComfyUI's ``Conv3d`` (``comfy.ops.disable_weight_init``'s,
+    ``manual_cast``'s, or a class that only changes its attributes): its
+    ``forward`` is that of one of ComfyUI's ops classes."""
+    return (isinstance(cls, type) and issubclass(cls, nn.Conv3d) and is_comfy_conv_class(cls)
+            and _comfy_ops_class(_defined_by(cls, "forward")))
+
+
 _DYNAMIC: dict = {}
 
 
@@ -273,8 +303,14 @@ def wrapper_class_for(cls: type) -> type:
         return PatchedConv3d
     if issubclass(cls, nn.Conv3d):
         # The only Conv3d subclasses apply() takes: time-chunked and causal
-        # ones (safe_conv3d_problem, causal_conv3d_problem).
-        base = PatchedSafeConv3d if safe_conv3d_problem(cls) is None else PatchedCausalConv3d
+        # ones (safe_conv3d_problem, causal_conv3d_problem) and ComfyUI's own
+        # Conv3d (plain_comfy_conv3d).
+        if safe_conv3d_problem(cls) is None:
+            base = PatchedSafeConv3d
+        elif plain_comfy_conv3d(cls):
+            base = PatchedComfyConv3d
+        else:
+            base = PatchedCausalConv3d
     else:
         base = PatchedConvTranspose2d if issubclass(cls, nn.ConvTranspose2d) else PatchedConv2d
     if cls not in _DYNAMIC:
@@ -345,12 +381,34 @@ class PatchedConv3d(PatchedConvMixin, nn.Conv3d):
 
         def own():
             return self.cp_fallback_forward(self, input if cache is None else torch.cat([cache, input], 2))
-        if torch.compiler.is_compiling() or self.cp_comfy_active():
+        if torch.compiler.is_compiling():
+            return eager_epilogue(own(), residual, beta, activation, out_scale)
+        if self.cp_comfy_active():
+            state_of(self).last = COMFY_CASTING
             return eager_epilogue(own(), residual, beta, activation, out_scale)
         return dispatch.conv3d(self, Call(input, residual, beta, activation, out_scale, cache=cache, own=own))
 
     def forward_without_bias(self, x):
         return self(x), None
+
+
+class PatchedComfyConv3d(PatchedConv3d):
+    """The wrapper of ComfyUI's own Conv3d (``plain_comfy_conv3d``): a plain
+    Conv3d's call, routed as one, where ComfyUI neither casts nor patches
+    the weight (``cp_comfy_active``: the class's forward builds the per-call
+    weight) and the call passes nothing of ComfyUI's own
+    (``autopad="causal_zero"``, which cuts the time taps to a single
+    frame's): such a call runs the class's forward."""
+
+    def forward(self, input, *args, cache=None, residual=None, beta=1.0, activation="none", out_scale=1.0,
+                **kwargs):
+        if args or kwargs:
+            state_of(self).last = fallback(f"ComfyUI's own arguments ({', '.join(kwargs) or 'positional'})")
+            x = input if cache is None else torch.cat([cache, input], 2)
+            return eager_epilogue(self.cp_fallback_forward(self, x, *args, **kwargs), residual, beta, activation,
+                                  out_scale)
+        return super().forward(input, cache=cache, residual=residual, beta=beta, activation=activation,
+                               out_scale=out_scale)
 
 
 class PatchedCausalConv3d(PatchedConv3d):
@@ -375,7 +433,10 @@ class PatchedCausalConv3d(PatchedConv3d):
         """``out_scale * act(self(x, cache_x) + beta * residual)``."""
         def own():
             return self.cp_fallback_forward(self, x, cache_x)
-        if torch.compiler.is_compiling() or self.cp_comfy_active() or x.dim() != 5:
+        if torch.compiler.is_compiling() or x.dim() != 5:
+            return eager_epilogue(own(), residual, beta, activation, out_scale)
+        if self.cp_comfy_active():
+            state_of(self).last = COMFY_CASTING
             return eager_epilogue(own(), residual, beta, activation, out_scale)
         (pt0, pt1), hw_h, hw_w = self.cp_own_pads()
         cache = None

@@ -86,3 +86,25 @@ def aot_ops(fn, *args, dynamic=False):
     torch._dynamo.reset()
     out = torch.compile(fn, backend=backend, fullgraph=True, dynamic=dynamic)(*args)
     return seen, out
+
+
+class ComfyCausalConv3d:
+    """ComfyUI's WanVAE causal conv contract, mixed in before a Conv3d class
+    (torch's, or one following ComfyUI's own ``Conv3d``): the padding moved
+    to ``_padding`` (time at the front only), the cached frames of the
+    previous chunk by argument or by list slot (which it clears) put in
+    front of ``x``."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._padding = (self.padding[2], self.padding[2], self.padding[1], self.padding[1], 2 * self.padding[0], 0)
+        self.padding = (0, 0, 0)
+
+    def forward(self, x, cache_x=None, cache_list=None, cache_idx=None):
+        if cache_list is not None:
+            cache_x, cache_list[cache_idx] = cache_list[cache_idx], None
+        padding = list(self._padding)
+        if cache_x is not None and self._padding[4] > 0:
+            x = torch.cat([cache_x, x], dim=2)
+            padding[4] -= cache_x.shape[2]
+        return super().forward(F.pad(x, padding))

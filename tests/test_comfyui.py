@@ -27,7 +27,7 @@ from conv_patch.recipes.catalog import is_fused
 from conv_patch.target import target_for
 from conv_patch.runtime.wrappers import PatchedConvMixin
 from conv_patch.runtime.state import state_of
-from _util import rel_err
+from _util import ComfyCausalConv3d, rel_err
 
 
 class CastWeightBiasOp:
@@ -170,25 +170,8 @@ class ManualCastConv3d(ComfyStyleConv3d):
     comfy_cast_weights = True
 
 
-class ComfyStyleCausalConv3d(ComfyStyleConv3d):
-    """ComfyUI's WanVAE ``CausalConv3d``, built on its ops' Conv3d: the
-    padding moved to ``_padding`` (time at the front only), the cached
-    frames of the previous chunk put in front of ``x``."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._padding = (self.padding[2], self.padding[2], self.padding[1], self.padding[1], 2 * self.padding[0], 0)
-        self.padding = (0, 0, 0)
-
-    def forward(self, x, cache_x=None, cache_list=None, cache_idx=None):
-        if cache_list is not None:
-            cache_x = cache_list[cache_idx]
-            cache_list[cache_idx] = None
-        padding = list(self._padding)
-        if cache_x is not None and self._padding[4] > 0:
-            x = torch.cat([cache_x, x], dim=2)
-            padding[4] -= cache_x.shape[2]
-        return super().forward(torch.nn.functional.pad(x, padding))
+class ComfyStyleCausalConv3d(ComfyCausalConv3d, ComfyStyleConv3d):
+    """ComfyUI's WanVAE ``CausalConv3d``, built on its ops' Conv3d."""
 
 
 class ShiftedComfyConv3d(ComfyStyleConv3d):

@@ -18,7 +18,7 @@ from torch import nn
 import conv_patch
 from conv_patch.recipes import wan
 from conv_patch.runtime.state import state_of
-from _util import TOL, rel_err
+from _util import TOL, ComfyCausalConv3d, rel_err
 
 diffusers = pytest.importorskip("diffusers")
 from diffusers.models.autoencoders import autoencoder_kl_qwenimage as qwen  # noqa: E402
@@ -114,22 +114,8 @@ class RMS_norm(nn.Module):
         return F.normalize(x, dim=1) * self.scale * self.gamma.to(x) + (self.bias if self.bias is not None else 0)
 
 
-class CausalConv3d(nn.Conv3d):
-    """ComfyUI's causal conv contract: the cached frames by argument or by list slot (which it clears)."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._padding = (self.padding[2], self.padding[2], self.padding[1], self.padding[1], 2 * self.padding[0], 0)
-        self.padding = (0, 0, 0)
-
-    def forward(self, x, cache_x=None, cache_list=None, cache_idx=None):
-        if cache_list is not None:
-            cache_x, cache_list[cache_idx] = cache_list[cache_idx], None
-        padding = list(self._padding)
-        if cache_x is not None and self._padding[4] > 0:
-            x = torch.cat([cache_x, x], dim=2)
-            padding[4] -= cache_x.shape[2]
-        return super().forward(F.pad(x, padding))
+class CausalConv3d(ComfyCausalConv3d, nn.Conv3d):
+    """ComfyUI's causal conv contract on a plain Conv3d."""
 
 
 class ResidualBlock(nn.Module):

@@ -8,7 +8,7 @@ calls one by one: the Conv3d kernel against what the module runs (the cached
 frames concatenated, ``F.pad``, cuDNN's conv3d).
 
     python -m bench.video [--model wan2.1] [--frames F --height H --width W] [--runs 3]
-                          [--layers] [--write-table configs/sm90.json] [--profile N] [--block-peaks]
+                          [--layers] [--write-table configs/sm90.json] [--profile N] [--host-top N] [--block-peaks]
                           [--flops] [--compile-ahead | --no-ahead] [--tiling] [--tiny]
 
 Model rows: ``baseline_ms`` (unpatched, launched eagerly), ``ours_ms``
@@ -31,7 +31,9 @@ route's, ``module_ms`` the module's own forward (cat, F.pad, cuDNN),
 ``ours_ms`` the best tile's. ``--write-table`` merges them into a
 config table as its ``conv3d`` entries, the measurements the dispatch core
 needs before it takes the kernel for a shape on a GPU (docs/design.md,
-"Conv3d"). ``--block-peaks`` records each decoder block's peak memory (above what was
+"Conv3d"). ``--host-top N`` adds the host time of an unpatched and a patched decode,
+the N Python functions of each taking the most (cProfile): where a
+host-bound decode's time goes. ``--block-peaks`` records each decoder block's peak memory (above what was
 allocated at its call), unpatched and patched: where a patched decode's
 peak grows. ``--tiny`` runs a tiny config on the CPU (the test of this
 script's logic; times mean nothing).
@@ -49,7 +51,7 @@ from typing import Optional
 
 import torch
 
-from .common import (PEAK_TFLOPS, bench_device, env_info, launched_call, print_table, profile_top, rotated,
+from .common import (PEAK_TFLOPS, bench_device, env_info, host_top, launched_call, print_table, profile_top, rotated,
                      write_results)
 from conv_patch.runtime.state import state_of
 
@@ -217,6 +219,26 @@ def profile_decode(vae, z, device, top: int) -> list:
         rows = profile_top(lambda: patched.decode(z), device, top)
     print_table(rows, ["kernel", "calls", "ms", "share"])
     return rows
+
+
+def host_profile(vae, z, top: int, calls: int = 3) -> dict:
+    """Where the host time of a decode goes, unpatched and patched: each
+    one's ``top`` Python functions by their own time per decode
+    (``common.host_top``, ``calls`` decodes after a warm-up), printed and
+    returned as ``{"baseline": rows, "ours": rows}``. For a decode bound by
+    the host (a tiled one's small calls), where the patched one spends
+    what it adds."""
+    import conv_patch
+    patched = copy.deepcopy(vae)
+    conv_patch.apply(patched)
+    out = {}
+    with torch.no_grad():
+        for key, m in (("baseline", vae), ("ours", patched)):
+            m.decode(z)
+            out[key] = host_top(lambda: m.decode(z), calls=calls, top=top)
+            print(f"host time of one decode, {key}:")
+            print_table(out[key], ["function", "calls", "ms"])
+    return out
 
 
 def _allocated(device) -> int:
@@ -395,6 +417,9 @@ def main(argv=None):
     ap.add_argument("--no-decode", action="store_true", help="--layers alone, without the end-to-end row")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="also profile one patched decode: its N largest GPU kernels by total time")
+    ap.add_argument("--host-top", type=int, default=0, metavar="N",
+                    help="also profile the host time of one unpatched and one patched decode: the N Python "
+                         "functions of each taking the most")
     ap.add_argument("--block-peaks", action="store_true",
                     help="also each decoder block's peak memory, unpatched and patched (where a patched peak grows)")
     ap.add_argument("--flops", action="store_true",
@@ -420,7 +445,8 @@ def main(argv=None):
         args.frames, args.height, args.width, args.layer_frames = TINY_CLIPS.get(args.model, (3, 8, 8, 3))
         args.max_layers = args.max_layers or 6
     # (--flops --no-decode alone needs no model of its own: it counts on the meta device.)
-    timed = not args.no_decode or args.profile or args.layers or args.write_table or args.block_peaks
+    timed = (not args.no_decode or args.profile or args.host_top or args.layers or args.write_table
+             or args.block_peaks)
     vae = build_vae(args.model, args.tiny, device, dtype) if timed else None
     if vae is not None and args.tiling:
         clip = enable_tiling(vae, args.tiny)
@@ -454,6 +480,10 @@ def main(argv=None):
     if args.profile:
         extra["profile"] = profile_decode(vae, latents(vae, args.frames, args.height, args.width, device, dtype),
                                           device, args.profile)
+        save()
+    if args.host_top:
+        extra["host_top"] = host_profile(vae, latents(vae, args.frames, args.height, args.width, device, dtype),
+                                         args.host_top)
         save()
     if args.block_peaks:
         extra["block_peaks"] = block_peaks(vae, latents(vae, args.frames, args.height, args.width, device, dtype),

@@ -424,6 +424,31 @@ def test_bench_video_tiling_decodes_tiles_both_ways(tmp_path, monkeypatch):
     assert seen["tiled"] == 2  # one decode each, unpatched and patched
 
 
+def test_bench_video_host_profile_of_both_decodes():
+    """bench.video --host-top: the Python functions taking the most host
+    time in an unpatched and in a patched decode, after a warm-up of each."""
+    import torch
+    from torch import nn
+    from bench import video
+
+    class Vae(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv3d(3, 4, 1)
+            self.decodes = 0
+
+        def decode(self, z):
+            self.decodes += 1
+            return self.conv(z)
+    vae = Vae().eval()
+    out = video.host_profile(vae, torch.randn(1, 3, 2, 4, 4), top=40, calls=2)
+    assert vae.decodes == 3  # (the patched copy's are its own)
+    for key in ("baseline", "ours"):
+        assert out[key] and all(h["function"] and h["calls"] > 0 and h["ms"] >= 0 for h in out[key]), out[key]
+    # (The patched decode runs other Python than the unpatched one: its own rows.)
+    assert {h["function"] for h in out["ours"]} != {h["function"] for h in out["baseline"]}
+
+
 def test_bench_video_flops_match_the_decodes_convs(tmp_path):
     """bench.video --flops --no-decode: the decode's arithmetic, counted on
     the meta device, equals the convolutions' multiply-adds that a real

@@ -137,7 +137,8 @@ def ineligible_reason(m: nn.Module) -> Optional[str]:
     base = (nn.Conv3d if isinstance(m, nn.Conv3d) else
             nn.ConvTranspose2d if isinstance(m, nn.ConvTranspose2d) else nn.Conv2d)
     cls = type(m)
-    if getattr(cls, "_conv_forward", None) is not getattr(base, "_conv_forward", None) and not comfy_conv_forward(cls):
+    if (getattr(cls, "_conv_forward", None) is not getattr(base, "_conv_forward", None)
+            and not (base is nn.Conv3d and comfy_conv_forward(cls))):
         return f"{cls.__qualname__} overrides _conv_forward; its contract is unknown"
     if base is nn.Conv3d and cls is not nn.Conv3d:
         # A causal or a time-chunked video-VAE conv has a known contract (its

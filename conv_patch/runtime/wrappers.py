@@ -270,7 +270,7 @@ def _comfy_ops_class(c: Optional[type]) -> bool:
 
 def comfy_conv_forward(cls: type) -> bool:
     """``cls``'s ``_conv_forward`` is ComfyUI's own (its ``Conv3d`` defines
-    one): the base class's convolution, with cuDNN called directly behind a
+    one; ``apply`` takes it on a Conv3d only): the base class's convolution, with cuDNN called directly behind a
     workaround flag (the same conv for zero padding, the only padding mode
     ``apply`` takes for a Conv3d), and the time taps cut to the input's
     frames only under ``autopad="causal_zero"``, which only ComfyUI's
